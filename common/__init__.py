@@ -1,0 +1,1 @@
+"""Shared pieces: wire messages, transports, configuration, chat token building, metrics."""

@@ -1,0 +1,1 @@
+"""Environments: the async text Env protocol, the registry and the environments themselves."""

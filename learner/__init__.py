@@ -1,0 +1,1 @@
+"""Learner: group buffer, advantages, losses, the update step, broadcast, checkpoints."""
