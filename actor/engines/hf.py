@@ -1,0 +1,192 @@
+"""The `hf` engine: transformers generation on CPU or GPU, batched across concurrent episodes.
+
+Episodes call `generate` independently; requests that arrive while a batch is running are
+collected and run together in the next batch (left-padded), so many episodes in flight share one
+forward pass per token. The model runs in a worker thread so the actor's trio loop keeps
+stepping environments and talking to the learner meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from longhorizon.actor.engines.base import EngineSettings, GenerationRequest, GenerationResult
+from longhorizon.common.chat import HFChatTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Slot:
+    request: GenerationRequest
+    wake: trio.Event = field(default_factory=trio.Event)
+    result: GenerationResult | None = None
+    error: BaseException | None = None
+
+
+def load_weights_update(update: Any) -> dict:
+    """Tensors of a WeightsUpdate as a torch state dict (from its inline arrays or its folder)."""
+    import torch
+
+    if getattr(update, "path", None):
+        from safetensors.torch import load_file
+
+        state: dict = {}
+        for file in sorted(Path(update.path).glob("*.safetensors")):
+            state.update(load_file(file))
+        if not state:
+            raise FileNotFoundError(f"no safetensors files in {update.path}")
+        return state
+    # Arrays decoded from the wire are read-only views of the receive buffer; torch wants
+    # writable memory, and load_state_dict copies into the parameters anyway.
+    return {name: torch.from_numpy(array.copy()) for name, array in update.tensors.items()}
+
+
+def load_state_into(model, state: dict) -> None:
+    """Copy a state dict into a model, tolerating only the tied output embedding being absent."""
+    result = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = set(result.missing_keys) - tied
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"weights do not match the model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(result.unexpected_keys)[:5]}"
+        )
+
+
+class HFEngine:
+    """Token-in / token-out generation with per-token log-probs using transformers."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        import torch
+
+        from longhorizon.common.models import load_causal_lm, load_tokenizer
+
+        torch.set_num_threads(max(1, settings.torch_threads))
+        self.settings = settings
+        self.sampling = settings.sampling
+        self.model = load_causal_lm(settings.model_path, settings.dtype).eval()
+        self.tokenizer = HFChatTokenizer(load_tokenizer(settings.model_path))
+        self.pad_token_id = self.tokenizer.tokenizer.pad_token_id
+        if self.pad_token_id is None:
+            self.pad_token_id = self.tokenizer.eos_token_id
+        self.policy_version = 0
+        self.max_batch_size = max(1, settings.max_batch_size)
+        self._model_lock = threading.Lock()
+        self._pending: list[_Slot] = []
+        self._busy = False
+        self._generator = torch.Generator().manual_seed(settings.seed)
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        slot = _Slot(request)
+        self._pending.append(slot)
+        while slot.result is None and slot.error is None:
+            if self._busy:
+                await slot.wake.wait()
+                slot.wake = trio.Event()
+                continue
+            # Lead one batch: whoever finds the engine idle runs the next batch for everyone.
+            self._busy = True
+            try:
+                await trio.sleep(0)  # let episodes that are ready in this tick join the batch
+                batch = self._pending[: self.max_batch_size]
+                del self._pending[: len(batch)]
+                try:
+                    results = await trio.to_thread.run_sync(
+                        self._generate_batch, [s.request for s in batch]
+                    )
+                    for batch_slot, result in zip(batch, results):
+                        batch_slot.result = result
+                except Exception as exc:  # every waiting episode learns of the failure
+                    for batch_slot in batch:
+                        batch_slot.error = exc
+                for batch_slot in batch:
+                    batch_slot.wake.set()
+            finally:
+                self._busy = False
+                if self._pending:
+                    self._pending[0].wake.set()  # hand leadership to the next waiting request
+        if slot.error is not None:
+            raise slot.error
+        return slot.result
+
+    def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        import torch
+        from transformers import GenerationConfig
+
+        sampling = self.sampling
+        longest = max(len(r.token_ids) for r in requests)
+        input_ids = torch.full((len(requests), longest), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(requests), longest), dtype=torch.long)
+        for row, request in enumerate(requests):
+            length = len(request.token_ids)
+            input_ids[row, longest - length:] = torch.tensor(request.token_ids, dtype=torch.long)
+            attention_mask[row, longest - length:] = 1
+        greedy = sampling.temperature <= 0
+        # Explicit settings override the model's generation_config defaults (top_k=50,
+        # repetition penalties, ...), which would make the behaviour policy differ from the
+        # policy the learner scores.
+        generation_config = GenerationConfig(
+            max_new_tokens=sampling.max_new_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else sampling.temperature,
+            top_p=None if greedy else sampling.top_p,
+            top_k=None,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        with self._model_lock, torch.inference_mode():
+            version = self.policy_version
+            output = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=generation_config,
+            )
+        new_tokens = output.sequences[:, longest:]
+        # Scores are the processed logits the sampler drew from (temperature, top-p applied), so
+        # their log-softmax is the behaviour policy's log-prob of each sampled token.
+        step_logprobs = torch.stack(
+            [torch.log_softmax(scores.float(), dim=-1) for scores in output.scores], dim=1
+        )
+        token_logprobs = step_logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        results = []
+        eos = self.tokenizer.eos_token_id
+        for row in range(len(requests)):
+            tokens = new_tokens[row].tolist()
+            stopped = eos in tokens
+            count = tokens.index(eos) + 1 if stopped else len(tokens)
+            tokens = tokens[:count]
+            logprobs = token_logprobs[row, :count].tolist()
+            if any(not math.isfinite(lp) for lp in logprobs):
+                raise RuntimeError("sampled a token with zero probability (non-finite log-prob)")
+            results.append(
+                GenerationResult(
+                    token_ids=tokens,
+                    logprobs=logprobs,
+                    text=self.tokenizer.decode(tokens),
+                    stopped_on_eos=stopped,
+                    policy_version=version,
+                )
+            )
+        return results
+
+    def update_weights(self, update: Any) -> None:
+        state = load_weights_update(update)
+        with self._model_lock:
+            load_state_into(self.model, state)
+            self.policy_version = int(update.version)
+
+    def end_episode(self, episode_id: str) -> None:
+        pass
+
+    async def close(self) -> None:
+        self.model = None

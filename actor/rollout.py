@@ -1,0 +1,231 @@
+"""Episode rollout: one episode of an agent in an env, and GRPO groups of episodes at once, with trio.
+
+The horizon cap is applied here, outside the env, like a time limit: an episode that reaches the
+cap without terminating is marked truncated. Each generated turn keeps its exact tokens, its
+behaviour log-probs and the version of the weights that produced it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import numpy as np
+import trio
+
+from longhorizon.actor.agent import ActionParseError, error_observation, parse_action
+from longhorizon.actor.engines.base import Engine, GenerationRequest
+from longhorizon.common.chat import TokenConversation
+from longhorizon.common.wire import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EpisodeResult:
+    conversation: TokenConversation | None
+    reward: float = 0.0
+    turn_rewards: list[float] = field(default_factory=list)
+    num_turns: int = 0
+    terminated: bool = False
+    truncated: bool = False
+    success: bool = False
+    invalid_actions: int = 0
+    generation_seconds: float = 0.0
+    env_seconds: float = 0.0
+    error: str = ""
+
+
+async def run_episode(
+    env,
+    engine: Engine,
+    task,
+    *,
+    horizon_cap: int,
+    max_context_tokens: int,
+    max_new_tokens: int,
+    seed: int | None = None,
+    episode_id: str | None = None,
+) -> EpisodeResult:
+    """Play one episode. Env and engine failures are reported in `error`, never raised."""
+    episode_id = episode_id or uuid.uuid4().hex
+    result = EpisodeResult(conversation=None)
+    try:
+        started = time.perf_counter()
+        observation, info = await env.reset(task, seed=seed)
+        result.env_seconds += time.perf_counter() - started
+        messages = []
+        instructions = env.instructions()
+        if instructions:
+            messages.append({"role": "system", "content": instructions})
+        messages.append({"role": "user", "content": observation})
+        conversation = TokenConversation.start(engine.tokenizer, messages)
+        result.conversation = conversation
+        while True:
+            started = time.perf_counter()
+            generation = await engine.generate(
+                GenerationRequest(
+                    token_ids=list(conversation.token_ids),
+                    episode_id=episode_id,
+                    messages=conversation.messages,
+                    task=task,
+                )
+            )
+            result.generation_seconds += time.perf_counter() - started
+            conversation.add_generation(
+                generation.token_ids, generation.logprobs, generation.policy_version, generation.text
+            )
+            result.num_turns += 1
+            try:
+                action = parse_action(generation.text, env.prompt_format)
+            except ActionParseError as exc:
+                observation, reward, terminated, truncated = error_observation(exc, env.prompt_format), 0.0, False, False
+                result.invalid_actions += 1
+            else:
+                started = time.perf_counter()
+                observation, reward, terminated, truncated, info = await env.step(action)
+                result.env_seconds += time.perf_counter() - started
+                result.success = bool(info.get("success", False))
+            result.turn_rewards.append(float(reward))
+            if terminated or truncated:
+                result.terminated, result.truncated = bool(terminated), bool(truncated)
+                break
+            if result.num_turns >= horizon_cap:
+                result.truncated = True
+                break
+            conversation.add_observation(observation, stopped_on_eos=generation.stopped_on_eos)
+            if len(conversation) + max_new_tokens > max_context_tokens:
+                result.truncated = True  # the next turn would not fit the context budget
+                break
+        result.reward = float(sum(result.turn_rewards))
+    except trio.Cancelled:
+        raise
+    except Exception as exc:  # a broken env or engine fails this episode, not the actor
+        log.warning("episode %s on task %s failed: %r", episode_id, getattr(task, "task_id", "?"), exc)
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        engine.end_episode(episode_id)
+    return result
+
+
+def to_trajectory(
+    result: EpisodeResult,
+    *,
+    actor_id: str,
+    task,
+    group_id: str,
+    group_size: int,
+    horizon_cap: int,
+) -> Trajectory:
+    """Package a finished episode for the learner."""
+    if result.conversation is not None:
+        arrays = result.conversation.arrays()
+        prompt_length = result.conversation.prompt_length
+        text = result.conversation.text()
+    else:  # the episode failed before its first prompt was built
+        arrays = {
+            "token_ids": np.zeros(0, np.int32),
+            "loss_mask": np.zeros(0, np.uint8),
+            "behaviour_logprobs": np.zeros(0, np.float32),
+            "policy_versions": np.zeros(0, np.int32),
+        }
+        prompt_length = 0
+        text = ""
+    return Trajectory(
+        trajectory_id=uuid.uuid4().hex,
+        actor_id=actor_id,
+        env_name=task.env_name,
+        task_id=task.task_id,
+        group_id=group_id,
+        group_size=group_size,
+        token_ids=arrays["token_ids"],
+        loss_mask=arrays["loss_mask"],
+        behaviour_logprobs=arrays["behaviour_logprobs"],
+        policy_versions=arrays["policy_versions"],
+        prompt_length=prompt_length,
+        reward=result.reward,
+        turn_rewards=list(result.turn_rewards),
+        num_turns=result.num_turns,
+        horizon_cap=horizon_cap,
+        terminated=result.terminated,
+        truncated=result.truncated,
+        success=result.success,
+        generation_seconds=result.generation_seconds,
+        env_seconds=result.env_seconds,
+        text=text,
+        error=result.error,
+    )
+
+
+class EnvPool:
+    """Reusable env instances: one per concurrent episode, created on first need."""
+
+    def __init__(self, make_env: Callable[[], object]) -> None:
+        self._make_env = make_env
+        self._free: list = []
+        self.created = 0
+
+    def acquire(self):
+        if self._free:
+            return self._free.pop()
+        self.created += 1
+        return self._make_env()
+
+    def release(self, env, *, broken: bool = False) -> None:
+        if not broken:
+            self._free.append(env)
+
+    async def close(self) -> None:
+        for env in self._free:
+            try:
+                await env.close()
+            except Exception as exc:
+                log.warning("closing env failed: %r", exc)
+        self._free.clear()
+
+
+async def run_group(
+    engine: Engine,
+    env_pool: EnvPool,
+    task,
+    *,
+    group_size: int,
+    group_id: str,
+    actor_id: str,
+    horizon_cap: int,
+    max_context_tokens: int,
+    max_new_tokens: int,
+    seed: int,
+    on_trajectory: Callable[[Trajectory], Awaitable[None]],
+) -> list[Trajectory]:
+    """Run G episodes of one task concurrently; each trajectory is handed over as soon as it ends."""
+    trajectories: list[Trajectory] = []
+
+    async def one(member: int) -> None:
+        env = env_pool.acquire()
+        result = await run_episode(
+            env,
+            engine,
+            task,
+            horizon_cap=horizon_cap,
+            max_context_tokens=max_context_tokens,
+            max_new_tokens=max_new_tokens,
+            # Every member sees the same task instance (same reset seed); the sampling differs.
+            seed=seed,
+            episode_id=f"{group_id}-{member}",
+        )
+        env_pool.release(env, broken=bool(result.error))
+        trajectory = to_trajectory(
+            result, actor_id=actor_id, task=task, group_id=group_id, group_size=group_size,
+            horizon_cap=horizon_cap,
+        )
+        trajectories.append(trajectory)
+        await on_trajectory(trajectory)
+
+    async with trio.open_nursery() as nursery:
+        for member in range(group_size):
+            nursery.start_soon(one, member)
+    return trajectories

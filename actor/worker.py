@@ -1,0 +1,235 @@
+"""The actor: plays GRPO groups on its shard of tasks and streams trajectories to the learner.
+
+It runs many episodes at once under trio, loads new weights as the learner broadcasts them
+(tagging every generated turn with the version that wrote it), applies the horizon cap in force
+when each episode starts, and answers control messages. In `async` mode it never waits for the
+learner; in `sync` mode it generates its share of one batch with the current weights, then waits
+for the next version (the synchronous baseline).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import time
+from dataclasses import dataclass
+
+import trio
+
+from longhorizon.actor.engines.base import Engine, EngineSettings, make_engine
+from longhorizon.actor.rollout import EnvPool, run_group
+from longhorizon.common.config import Config
+from longhorizon.common.wire import ActorStats, Heartbeat, Hello, HorizonUpdate, Stop, Trajectory, WeightsUpdate
+
+log = logging.getLogger(__name__)
+
+
+def sync_share(groups_per_step: int, num_actors: int, actor_index: int) -> int:
+    """Groups actor `actor_index` generates per learner step in sync mode (the batch split evenly)."""
+    base, extra = divmod(groups_per_step, num_actors)
+    return base + (1 if actor_index < extra else 0)
+
+
+def engine_settings(config: Config, model_path: str) -> EngineSettings:
+    actor = config.actor
+    return EngineSettings(
+        model_path=model_path,
+        dtype=config.model.dtype,
+        sampling=actor.sampling,
+        max_batch_size=actor.max_batch_size,
+        env_name=config.env.name,
+        env_options=dict(config.env.options),
+        scripted_policy=actor.scripted_policy,
+        simulated_token_latency_s=actor.simulated_token_latency_s,
+        seed=config.run.seed,
+        torch_threads=actor.torch_threads,
+    )
+
+
+@dataclass
+class _Counters:
+    episodes: int = 0
+    generated_tokens: int = 0
+    generation_seconds: float = 0.0
+    env_seconds: float = 0.0
+    errors: int = 0
+
+
+class Actor:
+    def __init__(self, config: Config, actor_index: int, endpoints, engine: Engine) -> None:
+        from longhorizon.envs.base import list_tasks, make_env
+
+        self.config = config
+        self.actor_index = actor_index
+        self.actor_id = f"actor-{actor_index}"
+        self.endpoints = endpoints
+        self.engine = engine
+        env_options = dict(config.env.options)
+        tasks = list_tasks(config.env.name, config.env.train_split, **env_options)
+        num_actors = max(1, config.actor.num_actors)
+        self.tasks = tasks[actor_index::num_actors] or tasks
+        self.env_pool = EnvPool(lambda: make_env(config.env.name, **env_options))
+        self.rng = random.Random(f"{config.run.seed}-{actor_index}")
+        self.horizon: HorizonUpdate | None = None
+        self.changed = trio.Event()  # set (and replaced) whenever horizon or weights change
+        self.counters = _Counters()
+        self.started = time.monotonic()
+        self.groups_started = 0
+
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> str:
+        """Run until the learner says stop (returns its reason) or the caller cancels."""
+        await self.endpoints.control.send(
+            Hello(
+                actor_id=self.actor_id,
+                pid=os.getpid(),
+                hostname=socket.gethostname(),
+                policy_version=self.engine.policy_version,
+                engine=self.config.actor.engine,
+            )
+        )
+        stop_reason = ""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._receive_broadcasts)
+            nursery.start_soon(self._heartbeats)
+            if self.config.run.mode == "sync":
+                nursery.start_soon(self._sync_loop)
+            else:
+                for slot in range(self.config.actor.concurrent_groups):
+                    nursery.start_soon(self._async_group_loop)
+            task_status.started()
+            while True:
+                message = await self.endpoints.control.receive()
+                if isinstance(message, Stop):
+                    stop_reason = message.reason
+                    log.info("%s: stop requested (%s)", self.actor_id, message.reason)
+                    nursery.cancel_scope.cancel()
+                    break
+        await self.env_pool.close()
+        return stop_reason
+
+    async def _receive_broadcasts(self) -> None:
+        while True:
+            message = await self.endpoints.broadcast.receive()
+            if isinstance(message, HorizonUpdate):
+                self.horizon = message
+                self._notify()
+            elif isinstance(message, WeightsUpdate):
+                if message.version > self.engine.policy_version:
+                    started = time.perf_counter()
+                    await trio.to_thread.run_sync(self.engine.update_weights, message)
+                    log.info(
+                        "%s: loaded weights v%d in %.2fs", self.actor_id, message.version,
+                        time.perf_counter() - started,
+                    )
+                    self._notify()
+
+    async def _heartbeats(self) -> None:
+        last_stats = time.monotonic()
+        while True:
+            await trio.sleep(self.config.actor.heartbeat_s)
+            await self.endpoints.control.send(
+                Heartbeat(
+                    actor_id=self.actor_id,
+                    policy_version=self.engine.policy_version,
+                    episodes_done=self.counters.episodes,
+                    time=time.time(),
+                )
+            )
+            if time.monotonic() - last_stats >= 5 * self.config.actor.heartbeat_s:
+                last_stats = time.monotonic()
+                await self.endpoints.control.send(self.stats())
+
+    def stats(self) -> ActorStats:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        episodes = max(self.counters.episodes, 1)
+        return ActorStats(
+            actor_id=self.actor_id,
+            episodes_done=self.counters.episodes,
+            episodes_per_s=self.counters.episodes / elapsed,
+            generated_tokens_per_s=self.counters.generated_tokens / elapsed,
+            mean_generation_seconds=self.counters.generation_seconds / episodes,
+            mean_env_seconds=self.counters.env_seconds / episodes,
+            errors=self.counters.errors,
+        )
+
+    async def _send(self, trajectory: Trajectory) -> None:
+        counters = self.counters
+        counters.episodes += 1
+        counters.generated_tokens += int(trajectory.loss_mask.sum())
+        counters.generation_seconds += trajectory.generation_seconds
+        counters.env_seconds += trajectory.env_seconds
+        counters.errors += bool(trajectory.error)
+        # PUSH blocks past the high-water mark: backpressure instead of dropped trajectories.
+        await self.endpoints.trajectories.send(trajectory)
+
+    async def _play_group(self) -> None:
+        horizon = self.horizon
+        task = self.rng.choice(self.tasks)
+        self.groups_started += 1
+        group_id = f"{self.actor_id}-{os.getpid()}-{self.groups_started}"
+        await run_group(
+            self.engine,
+            self.env_pool,
+            task,
+            group_size=self.config.actor.group_size,
+            group_id=group_id,
+            actor_id=self.actor_id,
+            horizon_cap=horizon.horizon_cap,
+            max_context_tokens=self.config.actor.max_context_tokens,
+            max_new_tokens=self.config.actor.sampling.max_new_tokens,
+            seed=self.rng.randrange(2**31),
+            on_trajectory=self._send,
+        )
+
+    async def _wait_for(self, condition) -> None:
+        while not condition():
+            await self.changed.wait()
+
+    async def _async_group_loop(self) -> None:
+        await self._wait_for(lambda: self.horizon is not None)
+        while True:
+            await self._play_group()
+
+    async def _sync_loop(self) -> None:
+        share = sync_share(self.config.learner.groups_per_step, max(1, self.config.actor.num_actors), self.actor_index)
+        limit = trio.CapacityLimiter(max(1, self.config.actor.concurrent_groups))
+        last_version = -1
+        while True:
+            # Generate only with the weights of the learner's current version, once per version.
+            await self._wait_for(
+                lambda: self.horizon is not None
+                and self.engine.policy_version >= self.horizon.learner_step
+                and self.engine.policy_version > last_version
+            )
+            last_version = self.engine.policy_version
+
+            async def limited_group() -> None:
+                async with limit:
+                    await self._play_group()
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(share):
+                    nursery.start_soon(limited_group)
+
+
+async def run_actor(config: Config, actor_index: int, endpoints, *, engine: Engine | None = None) -> str:
+    """Build the engine (unless given) and run an actor until the learner stops it."""
+    if engine is None:
+        from longhorizon.common.models import resolve_model_path
+
+        model_path = ""
+        if config.actor.engine != "scripted":
+            model_path = str(resolve_model_path(config.model.path, config.model.cache_dir))
+        settings = engine_settings(config, model_path)
+        engine = await trio.to_thread.run_sync(make_engine, config.actor.engine, settings)
+    actor = Actor(config, actor_index, endpoints, engine)
+    try:
+        return await actor.run()
+    finally:
+        await engine.close()

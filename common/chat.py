@@ -1,0 +1,193 @@
+"""Token-in / token-out multi-turn conversations with loss masks.
+
+The actor keeps the exact token ids its model generated; environment observations are appended
+as chat-template tokens with loss mask 0. The model's own tokens are never decoded and
+re-tokenised, so what the learner trains on is exactly what the actor sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+
+class ChatTokenizer(Protocol):
+    """What conversation building needs from a tokenizer."""
+
+    eos_token_id: int
+
+    def prompt_tokens(self, messages: Sequence[dict]) -> list[int]:
+        """Tokens of a whole conversation, ending with the prompt for the assistant's turn."""
+
+    def continuation_tokens(self, observation: str, *, stopped_on_eos: bool) -> list[int]:
+        """Tokens that follow a generated assistant turn: its closing (and the end-of-turn token
+        if generation stopped without it), the next user message, and the assistant prompt."""
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of generated tokens, without special tokens."""
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text (no special tokens added)."""
+
+
+class HFChatTokenizer:
+    """A Hugging Face tokenizer with a chat template, adapted to `ChatTokenizer`."""
+
+    # Stand-in texts used to find the template's separators; their content never matters.
+    _PROBE_USER = "PROBE_USER_MESSAGE"
+    _PROBE_ASSISTANT = "PROBE_ASSISTANT_MESSAGE"
+    _PROBE_OBSERVATION = "PROBE_OBSERVATION_TEXT"
+
+    def __init__(self, tokenizer) -> None:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the model's tokenizer has no chat template")
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the model's tokenizer has no end-of-sequence token")
+        self.tokenizer = tokenizer
+        self.eos_token_id = int(tokenizer.eos_token_id)
+        self._after_eos, self._before_observation, self._after_observation = self._template_pieces()
+
+    def _render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def _template_pieces(self) -> tuple[str, str, str]:
+        """Split the template around one user turn that follows an assistant turn.
+
+        Rendering [user, assistant] and [user, assistant, user(obs)] and diffing them gives the
+        text between the assistant's end-of-turn token and the observation, and the text after
+        the observation up to the next assistant turn.
+        """
+        eos = self.tokenizer.eos_token
+        base = [
+            {"role": "user", "content": self._PROBE_USER},
+            {"role": "assistant", "content": self._PROBE_ASSISTANT},
+        ]
+        closed = self._render(base, add_generation_prompt=False)
+        extended = self._render(
+            base + [{"role": "user", "content": self._PROBE_OBSERVATION}], add_generation_prompt=True
+        )
+        if not extended.startswith(closed) or eos not in closed[closed.rindex(self._PROBE_ASSISTANT):]:
+            raise ValueError("unsupported chat template: a later turn changes the rendering of earlier ones")
+        after_eos = closed[closed.rindex(eos) + len(eos):]
+        new_turn = extended[len(closed):]
+        before, after = new_turn.split(self._PROBE_OBSERVATION, 1)
+        return after_eos, before, after
+
+    def prompt_tokens(self, messages: Sequence[dict]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        return [int(i) for i in ids]
+
+    def continuation_tokens(self, observation: str, *, stopped_on_eos: bool) -> list[int]:
+        text = self._after_eos + self._before_observation + observation + self._after_observation
+        ids = self.encode(text)
+        return ids if stopped_on_eos else [self.eos_token_id] + ids
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+class ByteChatTokenizer:
+    """UTF-8 bytes as tokens plus three specials: no model needed (scripted engines, benchmarks)."""
+
+    IM_START = 256
+    IM_END = 257
+    PAD = 258
+    vocab_size = 259
+
+    def __init__(self) -> None:
+        self.eos_token_id = self.IM_END
+
+    def _turn(self, role: str, content: str) -> list[int]:
+        return [self.IM_START, *f"{role}\n{content}".encode(), self.IM_END, *b"\n"]
+
+    def prompt_tokens(self, messages: Sequence[dict]) -> list[int]:
+        ids: list[int] = []
+        for message in messages:
+            ids += self._turn(message["role"], message["content"])
+        return ids + [self.IM_START, *b"assistant\n"]
+
+    def continuation_tokens(self, observation: str, *, stopped_on_eos: bool) -> list[int]:
+        ids = [*b"\n"] + self._turn("user", observation) + [self.IM_START, *b"assistant\n"]
+        return ids if stopped_on_eos else [self.IM_END] + ids
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(t for t in token_ids if t < 256).decode(errors="replace")
+
+
+@dataclass
+class TokenConversation:
+    """A conversation held as tokens (what the model saw and wrote) and as messages (for text)."""
+
+    tokenizer: ChatTokenizer
+    messages: list[dict]
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    behaviour_logprobs: list[float] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)
+    prompt_length: int = 0
+
+    @classmethod
+    def start(cls, tokenizer: ChatTokenizer, messages: Sequence[dict]) -> "TokenConversation":
+        conversation = cls(tokenizer=tokenizer, messages=[dict(m) for m in messages])
+        conversation._append(tokenizer.prompt_tokens(messages), generated=False)
+        conversation.prompt_length = len(conversation.token_ids)
+        return conversation
+
+    def _append(
+        self,
+        token_ids: Sequence[int],
+        *,
+        generated: bool,
+        logprobs: Sequence[float] | None = None,
+        policy_version: int = -1,
+    ) -> None:
+        count = len(token_ids)
+        self.token_ids.extend(int(t) for t in token_ids)
+        self.loss_mask.extend([1 if generated else 0] * count)
+        if generated:
+            if logprobs is None or len(logprobs) != count:
+                raise ValueError("generated tokens need one behaviour log-prob each")
+            self.behaviour_logprobs.extend(float(lp) for lp in logprobs)
+            self.policy_versions.extend([policy_version] * count)
+        else:
+            self.behaviour_logprobs.extend([0.0] * count)
+            self.policy_versions.extend([-1] * count)
+
+    def add_generation(
+        self, token_ids: Sequence[int], logprobs: Sequence[float], policy_version: int, text: str
+    ) -> None:
+        """Append the model's turn exactly as sampled, tagged with the weights version that wrote it."""
+        self._append(token_ids, generated=True, logprobs=logprobs, policy_version=policy_version)
+        self.messages.append({"role": "assistant", "content": text})
+
+    def add_observation(self, observation: str, *, stopped_on_eos: bool) -> None:
+        """Append the environment's reply as template tokens (never trained on)."""
+        self._append(self.tokenizer.continuation_tokens(observation, stopped_on_eos=stopped_on_eos), generated=False)
+        self.messages.append({"role": "user", "content": observation})
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {
+            "token_ids": np.asarray(self.token_ids, dtype=np.int32),
+            "loss_mask": np.asarray(self.loss_mask, dtype=np.uint8),
+            "behaviour_logprobs": np.asarray(self.behaviour_logprobs, dtype=np.float32),
+            "policy_versions": np.asarray(self.policy_versions, dtype=np.int32),
+        }
+
+    def text(self) -> str:
+        """The episode as readable text, one block per message."""
+        return "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in self.messages)

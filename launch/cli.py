@@ -1,0 +1,118 @@
+"""The `longhorizon` command. Thin: parses arguments and defers every heavy import to the subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _train(args: argparse.Namespace) -> int:
+    import trio
+
+    from longhorizon.common.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    if args.in_process:
+        from longhorizon.launch.local import train_in_process
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        trio.run(train_in_process, config)
+        code = 0
+    else:
+        from longhorizon.launch.local import launch_local
+
+        code = launch_local(config)
+    if code == 0 and not args.no_plots:
+        from longhorizon.launch.plot import plot_run
+
+        written = plot_run(config.run_dir)
+        print(f"plots: {', '.join(str(p) for p in written)}")
+        print(f"done: metrics, sample episodes, checkpoints and plots are in {config.run_dir}")
+    return code
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from longhorizon.launch.plot import main
+
+    return main([args.run_dir])
+
+
+def _env(args: argparse.Namespace) -> int:
+    if args.env_command == "list":
+        from longhorizon.envs.base import env_names
+
+        print("\n".join(env_names()))
+        return 0
+    if args.env_command == "play":
+        from longhorizon.envs.play import main
+
+        return main(args.rest)
+    if args.env_command == "check":
+        import trio
+
+        from longhorizon.envs.checker import check_env
+
+        trio.run(lambda: check_env(args.name))
+        print(f"{args.name}: ok")
+        return 0
+    raise AssertionError(args.env_command)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from longhorizon.launch.bench import main
+
+    return main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="longhorizon",
+        description="Asynchronous actor-learner RL for long-horizon, multi-turn LLM agents.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="train: one learner and N actors on this machine")
+    train.add_argument("config", help="TOML config file (see configs/)")
+    train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. run.total_steps=20")
+    train.add_argument("--in-process", action="store_true", help="run learner and actors in one process (debugging)")
+    train.add_argument("--no-plots", action="store_true", help="skip writing plots at the end")
+    train.set_defaults(handler=_train)
+
+    plot = commands.add_parser("plot", help="write PNG curves for a run directory")
+    plot.add_argument("run_dir")
+    plot.set_defaults(handler=_plot)
+
+    env = commands.add_parser("env", help="environments: list, play in the terminal, check")
+    env_commands = env.add_subparsers(dest="env_command", required=True)
+    env_commands.add_parser("list", help="registered environments")
+    play = env_commands.add_parser("play", help="play an environment yourself", add_help=False)
+    play.add_argument("rest", nargs=argparse.REMAINDER)
+    check = env_commands.add_parser("check", help="run the env checker (determinism, types)")
+    check.add_argument("name")
+    env.set_defaults(handler=_env)
+
+    bench = commands.add_parser("bench", help="benchmarks: transport, async-vs-sync", add_help=False)
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(handler=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # user-facing errors (bad config key, missing model) as one clear line
+        from longhorizon.common.config import ConfigError
+        from longhorizon.common.models import ModelError
+
+        if isinstance(exc, (ConfigError, ModelError, ValueError, FileNotFoundError)):
+            print(f"longhorizon: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

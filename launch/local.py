@@ -1,0 +1,207 @@
+"""Run a training job on this machine: one learner and N actor processes, supervised.
+
+The launcher resolves the config (free ports filled in), prepares the model once, starts the
+processes, restarts an actor that dies, prints one progress line per learner step, and on Ctrl-C
+stops every process it started. Children also get SIGTERM from the kernel if the launcher itself
+dies (PR_SET_PDEATHSIG), so no process is left behind. `train_in_process` wires the same
+components together in one process over the in-process transport, for tests and debugging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from longhorizon.common.config import Config, dump_toml
+from longhorizon.common.metrics import read_metrics
+
+_MAX_RESTARTS_PER_ACTOR = 20
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def with_ports(config: Config) -> Config:
+    """Fill unset (0) ports with free ones so actors and learner agree on addresses."""
+    transport = config.transport
+    ports = {
+        name: getattr(transport, name) or free_port(transport.host)
+        for name in ("trajectory_port", "broadcast_port", "control_port")
+    }
+    return dataclasses.replace(config, transport=dataclasses.replace(transport, **ports))
+
+
+def prepare_run_dir(config: Config) -> Path:
+    run_dir = config.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    (run_dir / "config.toml").write_text(dump_toml(config))
+    return run_dir
+
+
+def format_progress(record: dict, total_steps: int) -> str:
+    return (
+        f"step {record.get('step', 0):>4}/{total_steps}"
+        f" | reward {record.get('reward_mean', 0.0):6.3f}"
+        f" | success {record.get('success_rate', 0.0):5.1%}"
+        f" | horizon {record.get('horizon_cap', 0)} (stage {record.get('horizon_stage', 0)})"
+        f" | staleness {record.get('staleness_mean', 0.0):4.2f}"
+        f" | {record.get('episodes_per_s', 0.0):6.2f} ep/s"
+        f" | {record.get('tokens_per_s', 0.0):7.1f} tok/s"
+        f" | groups {record.get('groups_used', 0)} used, {record.get('groups_skipped_zero_variance', 0)} flat"
+    )
+
+
+class _Child:
+    def __init__(self, role: str, index: int, config_path: Path, log_path: Path) -> None:
+        self.role, self.index = role, index
+        self.config_path, self.log_path = config_path, log_path
+        self.process: subprocess.Popen | None = None
+        self.restarts = 0
+
+    @property
+    def name(self) -> str:
+        return "learner" if self.role == "learner" else f"actor-{self.index}"
+
+    def start(self) -> None:
+        command = [
+            sys.executable, "-m", "longhorizon.launch.worker", self.role,
+            "--config", str(self.config_path), "--index", str(self.index),
+        ]
+        log_file = self.log_path.open("ab")
+        # A session of its own: the launcher decides the order of shutdown on Ctrl-C.
+        self.process = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log_file.close()
+
+    def poll(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def terminate(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+
+
+def _stop_all(children: list[_Child], grace_s: float = 10.0) -> None:
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        if child.process is None:
+            continue
+        try:
+            child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.process.wait()
+
+
+def launch_local(config: Config, *, progress=print) -> int:
+    """Run a training job in processes; returns the exit code (0 when training finished)."""
+    from longhorizon.common.models import resolve_model_path
+
+    config = with_ports(config)
+    run_dir = prepare_run_dir(config)
+    config_path = run_dir / "config.toml"
+    # Convert or build the model once here, not in every process at the same time.
+    resolve_model_path(config.model.path, config.model.cache_dir)
+    learner = _Child("learner", 0, config_path, run_dir / "logs" / "learner.log")
+    actors = [
+        _Child("actor", index, config_path, run_dir / "logs" / f"actor-{index}.log")
+        for index in range(config.actor.num_actors)
+    ]
+    children = [learner, *actors]
+    progress(f"run directory: {run_dir}  (logs in {run_dir / 'logs'})")
+    progress(
+        f"starting 1 learner and {len(actors)} actor(s): env {config.env.name}, engine {config.actor.engine}, "
+        f"model {config.model.path}, mode {config.run.mode}, {config.run.total_steps} steps"
+    )
+    already_seen = len(read_metrics(run_dir))
+    try:
+        for child in children:
+            child.start()
+        while True:
+            time.sleep(0.5)
+            records = read_metrics(run_dir)
+            for record in records[already_seen:]:
+                progress(format_progress(record, config.run.total_steps))
+            already_seen = len(records)
+            learner_code = learner.poll()
+            if learner_code is not None:
+                break
+            for actor in actors:
+                code = actor.poll()
+                if code is None:
+                    continue
+                if actor.restarts >= _MAX_RESTARTS_PER_ACTOR:
+                    progress(f"{actor.name} exited with {code} too often; not restarting")
+                    actor.process = None
+                    continue
+                actor.restarts += 1
+                progress(f"{actor.name} exited with code {code}; restarting ({actor.restarts})")
+                actor.start()
+    except KeyboardInterrupt:
+        progress("interrupted: stopping all processes")
+        _stop_all(children)
+        return 130
+    # The learner finished (or failed): actors were sent Stop; give them a moment, then end them.
+    deadline = time.monotonic() + 15
+    for actor in actors:
+        while actor.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    _stop_all(children)
+    records = read_metrics(run_dir)
+    for record in records[already_seen:]:
+        progress(format_progress(record, config.run.total_steps))
+    if learner_code != 0:
+        progress(f"the learner failed with exit code {learner_code}; see {run_dir / 'logs' / 'learner.log'}")
+        return learner_code or 1
+    return 0
+
+
+async def train_in_process(config: Config, *, model_path: str | None = None, engines=None):
+    """Learner and actors as trio tasks in this process over the in-process transport."""
+    import trio
+
+    from longhorizon.actor.worker import run_actor
+    from longhorizon.common.transport import InProcessNetwork
+    from longhorizon.learner.worker import run_learner
+
+    prepare_run_dir(config)
+    network = InProcessNetwork()
+    async with trio.open_nursery() as nursery:
+        for index in range(config.actor.num_actors):
+            engine = engines[index] if engines else None
+            nursery.start_soon(
+                lambda i=index, e=engine: run_actor(config, i, network.actor_endpoints(f"actor-{i}"), engine=e)
+            )
+        learner = await run_learner(config, network.learner_endpoints(), model_path=model_path)
+        # Actors return once they receive Stop; anything still running is cancelled.
+        with trio.move_on_after(10):
+            while len(nursery.child_tasks) > 0:
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    return learner
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

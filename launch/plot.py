@@ -1,0 +1,175 @@
+"""Plots of a training run from its metrics.jsonl: reward, success, horizon, staleness, throughput.
+
+Run as ``longhorizon plot RUN_DIR``; the PNGs go to ``RUN_DIR/plots/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "plot_run", "read_metrics", "summed_staleness_histogram"]
+
+logger = logging.getLogger(__name__)
+
+# (metric key, file name, y-axis label) for the per-step line plots.
+_LINE_PLOTS = (
+    ("reward_mean", "reward.png", "mean reward"),
+    ("success_rate", "success.png", "success rate"),
+    ("horizon_cap", "horizon.png", "horizon cap (turns)"),
+    ("episodes_per_s", "throughput.png", "episodes / s"),
+)
+_STALENESS_HISTOGRAM_KEY = "staleness_hist"
+
+
+def read_metrics(metrics_path: Path) -> list[dict[str, Any]]:
+    """The run's per-step records; unreadable lines are skipped with a note.
+
+    A run killed mid-write can leave a cut-off last line, which should not cost the whole plot.
+    """
+    if not metrics_path.is_file():
+        raise FileNotFoundError(f"no metrics file at {metrics_path}")
+    records: list[dict[str, Any]] = []
+    with metrics_path.open(encoding="utf-8") as metrics_file:
+        for line_number, line in enumerate(metrics_file, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                logger.warning("%s:%d: skipped, not JSON (%s)", metrics_path, line_number, error)
+                continue
+            if not isinstance(record, dict):
+                logger.warning("%s:%d: skipped, not a JSON object", metrics_path, line_number)
+                continue
+            records.append(record)
+    if not records:
+        raise ValueError(f"{metrics_path} holds no metric records")
+    return records
+
+
+def _is_number(value: object) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    )
+
+
+def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) for the records that have a numeric ``key``; the line index stands in for a
+    missing step."""
+    steps: list[float] = []
+    values: list[float] = []
+    for index, record in enumerate(records):
+        value = record.get(key)
+        if not _is_number(value):
+            continue
+        step = record.get("step")
+        steps.append(step if _is_number(step) else index)
+        values.append(value)
+    return steps, values
+
+
+def summed_staleness_histogram(records: Sequence[dict[str, Any]]) -> Counter[int]:
+    """Sum the per-step {eta (as a string): count} dicts over the run."""
+    total: Counter[int] = Counter()
+    for record in records:
+        histogram = record.get(_STALENESS_HISTOGRAM_KEY)
+        if not isinstance(histogram, dict):
+            continue
+        for staleness_text, count in histogram.items():
+            try:
+                staleness = int(staleness_text)
+            except (TypeError, ValueError):
+                logger.warning("skipped staleness bucket %r: not an integer", staleness_text)
+                continue
+            if _is_number(count) and count > 0:
+                total[staleness] += int(count)
+    return total
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    """Write the run's plots into ``run_dir/plots/`` and return their paths.
+
+    Metrics absent from every record are skipped with a logged note. Raises FileNotFoundError when
+    there is no metrics file and ValueError when it holds no records.
+    """
+    # Deferred so that importing this module (and `longhorizon --help`) stays instant. The figure is
+    # drawn on an Agg canvas directly, leaving pyplot's global backend alone.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    plots_dir = run_dir / "plots"
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+
+    def save(figure: Figure, file_name: str) -> None:
+        path = plots_dir / file_name
+        FigureCanvasAgg(figure)
+        figure.savefig(path, format="png")
+        written.append(path)
+
+    for key, file_name, label in _LINE_PLOTS:
+        steps, values = _series(records, key)
+        if not values:
+            logger.warning("no %r in %s: %s not drawn", key, run_dir / "metrics.jsonl", file_name)
+            continue
+        figure = Figure(figsize=(6, 4), layout="tight")
+        axes = figure.add_subplot()
+        # The horizon cap changes in stages: a step line shows where each stage starts.
+        drawstyle = "steps-post" if key == "horizon_cap" else "default"
+        axes.plot(steps, values, drawstyle=drawstyle, marker="." if len(values) < 50 else None)
+        if key == "horizon_cap":
+            axes.yaxis.set_major_locator(MaxNLocator(integer=True))
+        axes.set_xlabel("learner step")
+        axes.set_ylabel(label)
+        axes.grid(alpha=0.3)
+        save(figure, file_name)
+
+    histogram = summed_staleness_histogram(records)
+    if histogram:
+        figure = Figure(figsize=(6, 4), layout="tight")
+        axes = figure.add_subplot()
+        staleness_values = sorted(histogram)
+        axes.bar(staleness_values, [histogram[value] for value in staleness_values])
+        if len(staleness_values) <= 20:  # one labelled tick per bar while they stay legible
+            axes.set_xticks(staleness_values)
+        axes.set_xlabel("staleness (policy versions behind the learner)")
+        axes.set_ylabel("trajectories used")
+        save(figure, "staleness.png")
+    else:
+        logger.warning("no %r in %s: staleness.png not drawn", _STALENESS_HISTOGRAM_KEY, run_dir)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: ``plot RUN_DIR``. Returns the process exit status."""
+    parser = argparse.ArgumentParser(
+        prog="longhorizon plot", description="Draw a training run's metrics as PNG files."
+    )
+    parser.add_argument("run_dir", type=Path, help="run directory holding metrics.jsonl")
+    arguments = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        written = plot_run(arguments.run_dir)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    for path in written:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

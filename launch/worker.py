@@ -1,0 +1,89 @@
+"""Process entry point for one learner or one actor: `python -m longhorizon.launch.worker ROLE --config F`.
+
+The local launcher starts these; a cluster launcher would too. Each reads the resolved config
+the launcher wrote, connects its sockets from the addresses in it, and runs until it is told to
+stop (learner: after the last step; actor: on the learner's Stop, or SIGTERM/SIGINT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import signal
+import sys
+
+import trio
+
+from longhorizon.common.config import Config, load_config
+
+
+def transport_addresses(config: Config) -> dict[str, str]:
+    transport = config.transport
+    return {
+        "trajectory_address": f"tcp://{transport.host}:{transport.trajectory_port}",
+        "broadcast_address": f"tcp://{transport.host}:{transport.broadcast_port}",
+        "control_address": f"tcp://{transport.host}:{transport.control_port}",
+    }
+
+
+def die_with_parent() -> None:
+    """Ask Linux to send SIGTERM to this process if its launcher dies, so none is left behind."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+async def _until_signal(cancel_scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            logging.getLogger(__name__).info("received signal %d, stopping", signum)
+            cancel_scope.cancel()
+            return
+
+
+async def _main(role: str, config: Config, index: int) -> None:
+    from longhorizon.common.transport import zmq_actor_endpoints, zmq_learner_endpoints
+
+    addresses = transport_addresses(config)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_until_signal, nursery.cancel_scope)
+        if role == "learner":
+            from longhorizon.learner.worker import run_learner
+
+            endpoints = zmq_learner_endpoints(**addresses, trajectory_hwm=config.transport.trajectory_hwm, max_trajectory_bytes=config.transport.max_trajectory_bytes)
+            try:
+                await run_learner(config, endpoints)
+            finally:
+                endpoints.close()
+        else:
+            from longhorizon.actor.worker import run_actor
+
+            endpoints = zmq_actor_endpoints(f"actor-{index}", **addresses, trajectory_hwm=config.transport.trajectory_hwm, max_weights_bytes=config.transport.max_weights_bytes)
+            try:
+                await run_actor(config, index, endpoints)
+            finally:
+                endpoints.close()
+        nursery.cancel_scope.cancel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="longhorizon-worker")
+    parser.add_argument("role", choices=["learner", "actor"])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--index", type=int, default=0)
+    args = parser.parse_args(argv)
+    die_with_parent()
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {args.role}{'' if args.role == 'learner' else '-' + str(args.index)} %(levelname)s %(name)s: %(message)s",
+    )
+    config = load_config(args.config)
+    trio.run(_main, args.role, config, args.index)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

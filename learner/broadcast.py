@@ -1,0 +1,77 @@
+"""Weights and horizon out to the actors.
+
+`inline` sends every tensor as its own zero-copy frame over the broadcast socket and works
+across hosts; `path` writes a safetensors folder that actors read from a shared filesystem and
+sends only its location. The horizon update goes first, so an actor that sees a new version
+already knows the cap that comes with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from longhorizon.common.wire import HorizonUpdate, WeightsUpdate
+from longhorizon.learner.curriculum import HorizonState
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_TRANSPORTS = ("inline", "path")
+
+
+def unique_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's tensors, detached, with tied (shared-storage) duplicates left out."""
+    seen: set[int] = set()
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        key = tensor.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        state[name] = tensor.detach()
+    return state
+
+
+def make_weights_update(model, version: int, transport: str, weights_dir: Path | None = None) -> WeightsUpdate:
+    if transport == "inline":
+        tensors = {}
+        for name, tensor in unique_state_dict(model).items():
+            if tensor.dtype == torch.bfloat16:
+                tensor = tensor.float()  # numpy has no bfloat16; the engine casts back on load
+            tensors[name] = tensor.cpu().contiguous().numpy()
+        return WeightsUpdate(version=version, tensors=tensors)
+    if transport == "path":
+        if weights_dir is None:
+            raise ValueError("weights_transport 'path' needs a weights folder")
+        from safetensors.torch import save_file
+
+        folder = weights_dir / f"v{version:06d}"
+        partial = folder.with_name(folder.name + ".partial")
+        partial.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in unique_state_dict(model).items()}, partial / "model.safetensors")
+        if folder.exists():
+            shutil.rmtree(folder)
+        partial.rename(folder)
+        _prune(weights_dir, keep=3)
+        return WeightsUpdate(version=version, path=str(folder.resolve()))
+    raise ValueError(f"unknown weights_transport {transport!r}; valid: {', '.join(WEIGHTS_TRANSPORTS)}")
+
+
+def _prune(weights_dir: Path, keep: int) -> None:
+    """Keep the newest folders: actors may still be reading the previous version."""
+    folders = sorted(p for p in weights_dir.glob("v*") if p.is_dir() and not p.name.endswith(".partial"))
+    for old in folders[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def horizon_update(state: HorizonState) -> HorizonUpdate:
+    return HorizonUpdate(horizon_cap=state.cap, stage=state.stage, learner_step=state.step)
+
+
+async def broadcast(sender, horizon: HorizonState, weights: WeightsUpdate | None) -> None:
+    await sender.send(horizon_update(horizon))
+    if weights is not None:
+        await sender.send(weights)

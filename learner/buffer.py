@@ -1,0 +1,340 @@
+"""The learner's group buffer: collects trajectories into GRPO groups and bounds their staleness.
+
+Trajectories arrive one at a time, from many actors, as soon as each episode ends. The buffer
+gathers them by group id and hands out groups once they are complete (or have waited long enough
+with enough members), never handing out a group whose oldest token is more than ``max_staleness``
+policy versions behind the learner. Everything it refuses is counted, so a run's metrics show
+where data went.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Group", "GroupBuffer", "staleness"]
+
+logger = logging.getLogger(__name__)
+
+
+def staleness(learner_version: int, policy_versions: np.ndarray, loss_mask: np.ndarray) -> int:
+    """Policy lag eta = learner_version - the oldest policy version among the generated tokens.
+
+    eta = 0 means every generated token was sampled with the weights the learner holds now; with
+    ``max_staleness = 0`` only such trajectories are used, which is the synchronous algorithm.
+    The oldest version counts because weights can change mid-episode and the oldest segment is the
+    most off-policy one. A trajectory with no generated tokens has eta = 0. A negative eta (a
+    trajectory from weights newer than the learner's, e.g. after the learner resumed from an older
+    checkpoint) is returned as is.
+    """
+    policy_versions = np.asarray(policy_versions)
+    loss_mask = np.asarray(loss_mask)
+    if policy_versions.ndim != 1 or policy_versions.shape != loss_mask.shape:
+        raise ValueError(
+            f"policy_versions {policy_versions.shape} and loss_mask {loss_mask.shape} must be "
+            f"1-D arrays of the same length"
+        )
+    generated_versions = policy_versions[loss_mask.astype(bool)]
+    if generated_versions.size == 0:
+        return 0
+    oldest_version = int(generated_versions.min())
+    if oldest_version < 0:
+        raise ValueError("a generated token (loss_mask == 1) has no policy version (-1)")
+    return int(learner_version) - oldest_version
+
+
+@dataclass
+class Group:
+    """Trajectories of one task instance, sampled together for a group-relative baseline."""
+
+    group_id: str
+    trajectories: list[Any]
+    """Members held, in arrival order."""
+    group_size: int
+    """How many trajectories the actor started for this group."""
+    first_arrival: float = 0.0
+    """Clock time when the first member (or the first news of one) reached the buffer."""
+    refused_members: int = 0
+    """Members that arrived but were refused (too stale): they will not come again."""
+
+    @property
+    def rewards(self) -> np.ndarray:
+        """The members' final rewards, in arrival order."""
+        return np.array([trajectory.reward for trajectory in self.trajectories], dtype=np.float64)
+
+    @property
+    def is_complete(self) -> bool:
+        """Every member has arrived."""
+        return len(self.trajectories) >= self.group_size
+
+    def member_staleness(self, learner_version: int) -> list[int]:
+        """eta of each member at ``learner_version``, in arrival order."""
+        return [
+            staleness(learner_version, trajectory.policy_versions, trajectory.loss_mask)
+            for trajectory in self.trajectories
+        ]
+
+    def staleness(self, learner_version: int) -> int:
+        """The group's eta: that of its stalest member (0 for an empty group)."""
+        return max(self.member_staleness(learner_version), default=0)
+
+
+class _RecentKeys:
+    """Remembers the most recent keys up to a fixed number, so memory stays bounded."""
+
+    def __init__(self, capacity: int) -> None:
+        self._keys: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._capacity = capacity
+
+    def add(self, key: str) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self._capacity:
+            self._keys.popitem(last=False)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+
+_COUNTER_NAMES = (
+    "received",
+    "accepted",
+    "duplicates",
+    "dropped_malformed",
+    "dropped_stale_trajectories",
+    "dropped_future_trajectories",
+    "dropped_late_trajectories",
+    "dropped_overfull",
+    "dropped_stale_groups",
+    "dropped_incomplete_groups",
+    "dropped_overflow_groups",
+    "returned_groups",
+    "returned_partial_groups",
+    "returned_trajectories",
+)
+
+
+class GroupBuffer:
+    """Collects trajectories by group id and releases ready, fresh-enough groups, oldest first.
+
+    A group is ready when all ``group_size`` members have arrived, or when the members not yet
+    here were refused as stale, or ``group_timeout_s`` after its first arrival; in the last two
+    cases it needs at least ``min_group_size_on_timeout`` members, else it is dropped. Groups with
+    zero reward variance are not filtered here: the trainer counts and skips them.
+
+    Counters (``counters``): received, accepted, duplicates, dropped_malformed,
+    dropped_stale_trajectories, dropped_future_trajectories (made by weights newer than the
+    learner's), dropped_late_trajectories (for a group already returned or dropped),
+    dropped_overfull (more members than group_size), dropped_stale_groups,
+    dropped_incomplete_groups, dropped_overflow_groups (beyond ``max_pending_groups``),
+    returned_groups, returned_partial_groups, returned_trajectories.
+    """
+
+    def __init__(
+        self,
+        max_staleness: int,
+        group_timeout_s: float,
+        min_group_size_on_timeout: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        max_pending_groups: int = 1024,
+        remembered_ids: int = 65536,
+    ) -> None:
+        if not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
+        if not group_timeout_s > 0:
+            raise ValueError(f"group_timeout_s must be > 0, got {group_timeout_s!r}")
+        if min_group_size_on_timeout < 1:
+            raise ValueError(
+                f"min_group_size_on_timeout must be >= 1, got {min_group_size_on_timeout!r}"
+            )
+        if max_pending_groups < 1:
+            raise ValueError(f"max_pending_groups must be >= 1, got {max_pending_groups!r}")
+        if remembered_ids < 1:
+            raise ValueError(f"remembered_ids must be >= 1, got {remembered_ids!r}")
+        self.max_staleness = max_staleness
+        self.group_timeout_s = float(group_timeout_s)
+        self.min_group_size_on_timeout = min_group_size_on_timeout
+        self.max_pending_groups = max_pending_groups
+        self._clock = clock
+        # Insertion order is first-arrival order, which is the order groups are handed out in.
+        self._pending: dict[str, Group] = {}
+        # Bounded memories of what has been seen, so re-sent or late trajectories are recognised
+        # without the buffer growing for ever.
+        self._seen_trajectory_ids = _RecentKeys(remembered_ids)
+        self._closed_group_ids = _RecentKeys(remembered_ids)
+        self.counters: dict[str, int] = dict.fromkeys(_COUNTER_NAMES, 0)
+        self.staleness_histogram: collections.Counter[int] = collections.Counter()
+
+    def __len__(self) -> int:
+        """Trajectories held."""
+        return sum(len(group.trajectories) for group in self._pending.values())
+
+    @property
+    def pending_groups(self) -> int:
+        """Groups held, complete or not."""
+        return len(self._pending)
+
+    # -----------------------------------------------------------------------------------------
+    # Arrivals
+
+    def add(self, trajectory: Any, *, learner_version: int) -> None:
+        """Take one trajectory; refuse (and count) duplicates, malformed, stale and late ones.
+
+        Never raises on a bad trajectory: a long-running learner must not die of one bad message.
+        """
+        self.counters["received"] += 1
+        problem = _describe_malformation(trajectory)
+        if problem is None:
+            try:
+                trajectory_staleness = staleness(
+                    learner_version, trajectory.policy_versions, trajectory.loss_mask
+                )
+            except ValueError as error:
+                problem = str(error)
+        if problem is not None:
+            self.counters["dropped_malformed"] += 1
+            logger.warning("refused a malformed trajectory: %s", problem)
+            return
+
+        trajectory_id, group_id = trajectory.trajectory_id, trajectory.group_id
+        if trajectory_id in self._seen_trajectory_ids:
+            self.counters["duplicates"] += 1
+            return
+        self._seen_trajectory_ids.add(trajectory_id)
+        if group_id in self._closed_group_ids:
+            self.counters["dropped_late_trajectories"] += 1
+            return
+
+        group = self._pending.get(group_id)
+        if group is not None and group.group_size != trajectory.group_size:
+            self.counters["dropped_malformed"] += 1
+            logger.warning(
+                "refused trajectory %s: group %s has size %d but it says %d",
+                trajectory_id, group_id, group.group_size, trajectory.group_size,
+            )
+            return
+        if trajectory_staleness < 0:
+            self.counters["dropped_future_trajectories"] += 1
+            return
+        if group is None:
+            group = self._open_group(group_id, trajectory.group_size)
+        if trajectory_staleness > self.max_staleness:
+            self.counters["dropped_stale_trajectories"] += 1
+            group.refused_members += 1
+            return
+        if len(group.trajectories) + group.refused_members >= group.group_size:
+            self.counters["dropped_overfull"] += 1
+            return
+        group.trajectories.append(trajectory)
+        self.counters["accepted"] += 1
+
+    def _open_group(self, group_id: str, group_size: int) -> Group:
+        if len(self._pending) >= self.max_pending_groups:
+            self._drop_for_room()
+        group = Group(
+            group_id=group_id, trajectories=[], group_size=group_size, first_arrival=self._clock()
+        )
+        self._pending[group_id] = group
+        return group
+
+    def _drop_for_room(self) -> None:
+        # The oldest incomplete group is the one least likely to be finished soon; complete groups
+        # are only dropped when nothing else is left to drop.
+        victim_id = next(
+            (group_id for group_id, group in self._pending.items() if not group.is_complete),
+            next(iter(self._pending)),
+        )
+        self._close(victim_id)
+        self.counters["dropped_overflow_groups"] += 1
+        logger.warning(
+            "group buffer full (%d groups): dropped group %s", self.max_pending_groups, victim_id
+        )
+
+    def _close(self, group_id: str) -> Group:
+        self._closed_group_ids.add(group_id)
+        return self._pending.pop(group_id)
+
+    # -----------------------------------------------------------------------------------------
+    # Departures
+
+    def pop_ready(self, max_groups: int, *, learner_version: int) -> list[Group]:
+        """Up to ``max_groups`` ready groups, oldest first, each within ``max_staleness`` now.
+
+        Every pending group is also swept: groups that became too stale, and groups that timed
+        out (or lost members to staleness) with too few members, are dropped and counted.
+        """
+        if max_groups < 0:
+            raise ValueError(f"max_groups must be >= 0, got {max_groups!r}")
+        now = self._clock()
+        ready: list[Group] = []
+        for group_id, group in list(self._pending.items()):
+            member_staleness = group.member_staleness(learner_version)
+            if max(member_staleness, default=0) > self.max_staleness:
+                self._close(group_id)
+                self.counters["dropped_stale_groups"] += 1
+                continue
+            if not group.is_complete:
+                all_accounted_for = (
+                    len(group.trajectories) + group.refused_members >= group.group_size
+                )
+                timed_out = now - group.first_arrival >= self.group_timeout_s
+                if not (all_accounted_for or timed_out):
+                    continue
+                if len(group.trajectories) < self.min_group_size_on_timeout:
+                    self._close(group_id)
+                    self.counters["dropped_incomplete_groups"] += 1
+                    continue
+            # Ready groups beyond max_groups stay, in order, for the next call.
+            if len(ready) < max_groups:
+                self._close(group_id)
+                ready.append(group)
+                self._count_returned(group, member_staleness)
+        return ready
+
+    def _count_returned(self, group: Group, member_staleness: Iterable[int]) -> None:
+        self.counters["returned_groups"] += 1
+        self.counters["returned_trajectories"] += len(group.trajectories)
+        if not group.is_complete:
+            self.counters["returned_partial_groups"] += 1
+        self.staleness_histogram.update(member_staleness)
+
+
+def _describe_malformation(trajectory: Any) -> str | None:
+    """What is wrong with a trajectory's buffer-relevant fields, or None if they are usable."""
+    try:
+        trajectory_id = trajectory.trajectory_id
+        group_id = trajectory.group_id
+        group_size = trajectory.group_size
+        reward = trajectory.reward
+        loss_mask = np.asarray(trajectory.loss_mask)
+        policy_versions = np.asarray(trajectory.policy_versions)
+    except AttributeError as error:
+        return f"missing field: {error}"
+    if not isinstance(trajectory_id, str) or not trajectory_id:
+        return f"trajectory_id must be a non-empty string, got {trajectory_id!r}"
+    if not isinstance(group_id, str) or not group_id:
+        return f"group_id must be a non-empty string, got {group_id!r}"
+    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)):
+        return f"group_size must be an integer, got {group_size!r}"
+    if group_size < 1:
+        return f"group_size must be >= 1, got {group_size}"
+    if isinstance(reward, bool) or not isinstance(reward, (int, float, np.number)):
+        return f"reward must be a number, got {reward!r}"
+    if not math.isfinite(float(reward)):
+        return f"reward must be finite, got {reward!r}"
+    if loss_mask.ndim != 1 or policy_versions.shape != loss_mask.shape:
+        return (
+            f"loss_mask {loss_mask.shape} and policy_versions {policy_versions.shape} must be 1-D "
+            f"arrays of the same length"
+        )
+    if not np.issubdtype(policy_versions.dtype, np.integer):
+        return f"policy_versions must be integers, got dtype {policy_versions.dtype}"
+    return None

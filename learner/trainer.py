@@ -1,0 +1,228 @@
+"""The learner's update step: groups of trajectories in, one (or a few) optimiser steps out.
+
+Read top to bottom: filter and score the groups (advantages), pad the batch, compute the
+proximal log-probs, then for each optimiser step run micro-batches through the model, form the
+off-policy-corrected policy loss (plus an optional KL term) and step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from longhorizon.common.config import LearnerConfig
+from longhorizon.learner.advantages import grpo_advantages, group_has_signal, rloo_advantages
+from longhorizon.learner.losses import kl_penalty, policy_loss, sampled_entropy
+
+
+@dataclass
+class Example:
+    """One trajectory prepared for training."""
+
+    token_ids: np.ndarray
+    loss_mask: np.ndarray
+    behaviour_logprobs: np.ndarray
+    advantage: float
+
+
+@dataclass
+class ScoredBatch:
+    examples: list[Example]
+    groups_used: int
+    groups_skipped_zero_variance: int
+    groups_skipped_too_small: int
+    failed_trajectories: int
+
+
+def score_groups(groups, *, advantage: str = "grpo", scale_by_std: bool = True) -> ScoredBatch:
+    """Turn groups into examples with advantages; groups without signal are skipped and counted.
+
+    Trajectories whose episode failed (env or engine error) carry no information about the policy:
+    they leave the group, and a group left with fewer than two members is skipped.
+    """
+    examples: list[Example] = []
+    used = zero_variance = too_small = failed = 0
+    for group in groups:
+        members = [t for t in group.trajectories if not t.error and int(np.sum(t.loss_mask)) > 0]
+        failed += len(group.trajectories) - len(members)
+        if len(members) < 2:
+            too_small += 1
+            continue
+        rewards = np.array([t.reward for t in members], dtype=np.float64)
+        if not group_has_signal(rewards):
+            zero_variance += 1
+            continue
+        if advantage == "grpo":
+            advantages = grpo_advantages(rewards, scale_by_std=scale_by_std)
+        elif advantage == "rloo":
+            advantages = rloo_advantages(rewards)
+        else:
+            raise ValueError(f"unknown advantage estimator {advantage!r}; valid: grpo, rloo")
+        used += 1
+        for trajectory, value in zip(members, advantages):
+            examples.append(
+                Example(
+                    token_ids=np.asarray(trajectory.token_ids, dtype=np.int64),
+                    loss_mask=np.asarray(trajectory.loss_mask, dtype=np.float32),
+                    behaviour_logprobs=np.asarray(trajectory.behaviour_logprobs, dtype=np.float32),
+                    advantage=float(value),
+                )
+            )
+    return ScoredBatch(examples, used, zero_variance, too_small, failed)
+
+
+@dataclass
+class PaddedBatch:
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    loss_mask: torch.Tensor  # [B, L-1], aligned with the predicted tokens input_ids[:, 1:]
+    behaviour_logprobs: torch.Tensor  # [B, L-1]
+    advantages: torch.Tensor  # [B]
+
+    def rows(self, index: slice) -> "PaddedBatch":
+        return PaddedBatch(*(tensor[index] for tensor in (
+            self.input_ids, self.attention_mask, self.loss_mask, self.behaviour_logprobs, self.advantages,
+        )))
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def pad_examples(examples: list[Example], pad_token_id: int) -> PaddedBatch:
+    longest = max(len(e.token_ids) for e in examples)
+    count = len(examples)
+    input_ids = torch.full((count, longest), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((count, longest), dtype=torch.long)
+    loss_mask = torch.zeros((count, longest), dtype=torch.float32)
+    behaviour = torch.zeros((count, longest), dtype=torch.float32)
+    for row, example in enumerate(examples):
+        length = len(example.token_ids)
+        input_ids[row, :length] = torch.from_numpy(example.token_ids)
+        attention_mask[row, :length] = 1
+        loss_mask[row, :length] = torch.from_numpy(example.loss_mask)
+        behaviour[row, :length] = torch.from_numpy(example.behaviour_logprobs)
+    advantages = torch.tensor([e.advantage for e in examples], dtype=torch.float32)
+    # Token t is predicted from the tokens before it, so targets, masks and behaviour log-probs
+    # drop their first position.
+    return PaddedBatch(input_ids, attention_mask, loss_mask[:, 1:], behaviour[:, 1:], advantages)
+
+
+def token_logprobs(model, batch: PaddedBatch, temperature: float = 1.0) -> torch.Tensor:
+    """Log-prob of each next token under `model` at the sampling temperature: [B, L-1]."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    logits = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    targets = batch.input_ids[:, 1:]
+    chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return chosen - torch.logsumexp(logits, dim=-1)
+
+
+class Trainer:
+    """Owns the optimiser and applies policy updates to `model`."""
+
+    def __init__(
+        self,
+        model,
+        config: LearnerConfig,
+        *,
+        temperature: float = 1.0,
+        pad_token_id: int = 0,
+        reference_model=None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.pad_token_id = pad_token_id
+        self.reference_model = reference_model
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
+        )
+
+    def _loss_options(self) -> dict:
+        config = self.config
+        if config.loss == "decoupled_ppo":
+            return dict(
+                clip_eps=config.clip_eps,
+                behaviour_weight_cap=config.behaviour_weight_cap,
+                weight_level=config.weight_level,
+                aggregation=config.aggregation,
+            )
+        if config.loss == "truncated_is":
+            return dict(is_cap=config.behaviour_weight_cap, aggregation=config.aggregation)
+        return dict(clip_eps=config.clip_eps, aggregation=config.aggregation)
+
+    def _micro_batches(self, batch: PaddedBatch) -> list[PaddedBatch]:
+        size = max(1, self.config.micro_batch_size)
+        return [batch.rows(slice(start, start + size)) for start in range(0, len(batch), size)]
+
+    def _share(self, micro: PaddedBatch, batch: PaddedBatch) -> float:
+        """Weight of a micro-batch's mean loss so that accumulated gradients equal the full batch's."""
+        if self.config.aggregation == "token":
+            return float(micro.loss_mask.sum() / batch.loss_mask.sum())
+        with_tokens = lambda b: float((b.loss_mask.sum(-1) > 0).sum())  # noqa: E731
+        return with_tokens(micro) / with_tokens(batch)
+
+    def step(self, examples: list[Example]) -> dict[str, float]:
+        """Apply `optimizer_steps_per_batch` updates on one batch; returns metrics."""
+        config = self.config
+        started = time.perf_counter()
+        batch = pad_examples(examples, self.pad_token_id)
+        micro_batches = self._micro_batches(batch)
+        self.model.train()
+        # The proximal policy is the parameters at the start of this update. With one optimiser
+        # step it equals the current policy, so it is taken from the same forward pass (detached).
+        proximal: list[torch.Tensor | None] = [None] * len(micro_batches)
+        reference: list[torch.Tensor | None] = [None] * len(micro_batches)
+        if config.optimizer_steps_per_batch > 1 or self.reference_model is not None:
+            with torch.no_grad():
+                for index, micro in enumerate(micro_batches):
+                    if config.optimizer_steps_per_batch > 1:
+                        proximal[index] = token_logprobs(self.model, micro, self.temperature)
+                    if self.reference_model is not None and config.kl_coef > 0:
+                        reference[index] = token_logprobs(self.reference_model, micro, self.temperature)
+        totals: dict[str, float] = {}
+        grad_norm = 0.0
+        for _ in range(max(1, config.optimizer_steps_per_batch)):
+            self.optimizer.zero_grad(set_to_none=True)
+            for index, micro in enumerate(micro_batches):
+                if float(micro.loss_mask.sum()) == 0:
+                    continue
+                logprobs = token_logprobs(self.model, micro, self.temperature)
+                prox = proximal[index] if proximal[index] is not None else logprobs.detach()
+                output = policy_loss(
+                    config.loss,
+                    logprobs,
+                    prox,
+                    micro.behaviour_logprobs,
+                    micro.advantages,
+                    micro.loss_mask,
+                    **self._loss_options(),
+                )
+                loss = output.loss
+                share = self._share(micro, batch)
+                if reference[index] is not None:
+                    kl = kl_penalty(logprobs, reference[index], micro.loss_mask, aggregation=config.aggregation)
+                    loss = loss + config.kl_coef * kl.loss
+                    totals["kl"] = totals.get("kl", 0.0) + float(kl.loss) * share
+                (loss * share).backward()
+                totals["loss"] = totals.get("loss", 0.0) + float(loss) * share
+                entropy = sampled_entropy(logprobs, micro.loss_mask, aggregation=config.aggregation)
+                totals["entropy_estimate"] = totals.get("entropy_estimate", 0.0) + float(entropy) * share
+                for key, value in output.metrics.items():
+                    if key != "tokens" and math.isfinite(value):
+                        totals[key] = totals.get(key, 0.0) + value * share
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip))
+            self.optimizer.step()
+        self.model.eval()
+        steps = max(1, config.optimizer_steps_per_batch)
+        metrics = {key: value / steps for key, value in totals.items()}
+        metrics["grad_norm"] = grad_norm
+        metrics["train_tokens"] = float(batch.loss_mask.sum())
+        metrics["train_sequences"] = float(len(batch))
+        metrics["learner_step_seconds"] = time.perf_counter() - started
+        return metrics

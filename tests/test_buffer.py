@@ -1,0 +1,322 @@
+"""Group buffer: staleness off-by-one, completion and timeouts, de-duplication, memory bound."""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from longhorizon.learner.buffer import Group, GroupBuffer, staleness
+
+
+@dataclass
+class StandInTrajectory:
+    """The fields of the wire Trajectory that the buffer reads."""
+
+    trajectory_id: str
+    group_id: str
+    group_size: int
+    reward: float
+    loss_mask: np.ndarray
+    policy_versions: np.ndarray
+
+
+def trajectory(
+    trajectory_id: str,
+    group_id: str,
+    *,
+    versions: list[int],
+    group_size: int = 2,
+    reward: float = 0.0,
+) -> StandInTrajectory:
+    """A trajectory whose tokens have the given policy versions; -1 marks a non-generated token."""
+    policy_versions = np.array(versions, dtype=np.int32)
+    return StandInTrajectory(
+        trajectory_id=trajectory_id,
+        group_id=group_id,
+        group_size=group_size,
+        reward=reward,
+        loss_mask=(policy_versions >= 0).astype(np.uint8),
+        policy_versions=policy_versions,
+    )
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_buffer(max_staleness: int = 0, **options) -> tuple[GroupBuffer, FakeClock]:
+    clock = FakeClock()
+    options.setdefault("group_timeout_s", 30.0)
+    return GroupBuffer(max_staleness, clock=clock, **options), clock
+
+
+# ---------------------------------------------------------------------------------------------
+# staleness()
+
+
+def test_staleness_counts_from_the_oldest_generated_token():
+    # Prompt (-1), a segment by version 3, an observation (-1), a segment by version 5.
+    versions = np.array([-1, 3, 3, -1, 5, 5], dtype=np.int32)
+    mask = (versions >= 0).astype(np.uint8)
+    assert staleness(5, versions, mask) == 2
+    assert staleness(3, versions, mask) == 0
+    # Made by weights newer than the learner's: reported as negative, not hidden.
+    assert staleness(2, versions, mask) == -1
+
+
+def test_staleness_ignores_tokens_outside_the_loss_mask():
+    versions = np.array([1, 4, 4], dtype=np.int32)
+    # Token 0 has a version but is not counted (e.g. a masked-out retry).
+    assert staleness(4, versions, np.array([0, 1, 1], dtype=np.uint8)) == 0
+
+
+def test_staleness_without_generated_tokens_is_zero():
+    versions = np.array([-1, -1], dtype=np.int32)
+    assert staleness(7, versions, np.zeros(2, dtype=np.uint8)) == 0
+
+
+def test_staleness_refuses_bad_arrays():
+    with pytest.raises(ValueError, match="no policy version"):
+        staleness(3, np.array([-1, 2]), np.array([1, 1]))
+    with pytest.raises(ValueError, match="same length"):
+        staleness(3, np.array([1, 2, 3]), np.array([1, 1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The staleness bound, off-by-one
+
+
+def test_max_staleness_zero_uses_version_v_only_at_learner_version_v():
+    buffer, _ = make_buffer(max_staleness=0)
+    for member in ("a", "b"):
+        buffer.add(trajectory(member, "g", versions=[-1, 4, 4]), learner_version=4)
+    assert buffer.pop_ready(8, learner_version=5) == []
+    assert buffer.counters["dropped_stale_groups"] == 1
+    assert len(buffer) == 0
+
+    buffer.add(trajectory("c", "h", versions=[4]), learner_version=5)
+    assert buffer.counters["dropped_stale_trajectories"] == 1
+
+    for member in ("d", "e"):
+        buffer.add(trajectory(member, "k", versions=[4]), learner_version=4)
+    groups = buffer.pop_ready(8, learner_version=4)
+    assert [group.group_id for group in groups] == ["k"]
+    assert buffer.staleness_histogram == {0: 2}
+
+
+def test_max_staleness_two_allows_exactly_two_versions_of_lag():
+    buffer, _ = make_buffer(max_staleness=2)
+    buffer.add(trajectory("a", "g", versions=[4]), learner_version=6)
+    buffer.add(trajectory("b", "g", versions=[5]), learner_version=6)
+    buffer.add(trajectory("c", "h", versions=[4]), learner_version=7)
+    assert buffer.counters["accepted"] == 2
+    assert buffer.counters["dropped_stale_trajectories"] == 1
+    [group] = buffer.pop_ready(8, learner_version=6)
+    assert group.member_staleness(6) == [2, 1]
+    assert group.staleness(6) == 2
+    assert buffer.staleness_histogram == {2: 1, 1: 1}
+
+
+def test_group_staleness_is_that_of_its_stalest_member():
+    buffer, _ = make_buffer(max_staleness=1)
+    buffer.add(trajectory("old", "g", versions=[3, 4]), learner_version=4)
+    buffer.add(trajectory("new", "g", versions=[4, 4]), learner_version=4)
+    # At version 5 the member that started with version 3 is 2 behind: the whole group goes.
+    assert buffer.pop_ready(8, learner_version=5) == []
+    assert buffer.counters["dropped_stale_groups"] == 1
+
+
+def test_trajectory_from_newer_weights_is_dropped():
+    buffer, _ = make_buffer(max_staleness=4)
+    buffer.add(trajectory("a", "g", versions=[9]), learner_version=8)
+    assert buffer.counters["dropped_future_trajectories"] == 1
+    assert len(buffer) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Completion, timeouts, order
+
+
+def test_complete_groups_come_out_oldest_first():
+    buffer, clock = make_buffer(max_staleness=1)
+    buffer.add(trajectory("a1", "first", versions=[0], reward=1.0), learner_version=0)
+    clock.now += 1
+    buffer.add(trajectory("b1", "second", versions=[0], reward=0.5), learner_version=0)
+    buffer.add(trajectory("b2", "second", versions=[0], reward=0.0), learner_version=0)
+    # "second" is complete but "first" is not: only "second" is ready.
+    assert [group.group_id for group in buffer.pop_ready(8, learner_version=0)] == ["second"]
+
+    buffer.add(trajectory("c1", "third", versions=[0]), learner_version=0)
+    buffer.add(trajectory("c2", "third", versions=[0]), learner_version=0)
+    buffer.add(trajectory("a2", "first", versions=[0], reward=0.0), learner_version=0)
+    # Both complete now; "first" arrived first, and max_groups=1 leaves "third" for later.
+    [group] = buffer.pop_ready(1, learner_version=0)
+    assert group.group_id == "first"
+    np.testing.assert_array_equal(group.rewards, [1.0, 0.0])
+    assert len(buffer) == 2
+    assert [group.group_id for group in buffer.pop_ready(1, learner_version=1)] == ["third"]
+    assert buffer.counters["returned_groups"] == 3
+    assert buffer.counters["returned_trajectories"] == 6
+
+
+def test_incomplete_group_waits_for_the_timeout_then_comes_out_partial():
+    buffer, clock = make_buffer(group_timeout_s=30.0)
+    buffer.add(trajectory("a", "g", versions=[0], group_size=4), learner_version=0)
+    buffer.add(trajectory("b", "g", versions=[0], group_size=4), learner_version=0)
+    clock.now += 29.9
+    assert buffer.pop_ready(8, learner_version=0) == []
+    clock.now += 0.1
+    [group] = buffer.pop_ready(8, learner_version=0)
+    assert len(group.trajectories) == 2 and not group.is_complete
+    assert buffer.counters["returned_partial_groups"] == 1
+
+
+def test_timed_out_group_with_too_few_members_is_dropped():
+    buffer, clock = make_buffer(group_timeout_s=10.0, min_group_size_on_timeout=2)
+    buffer.add(trajectory("a", "g", versions=[0], group_size=4), learner_version=0)
+    clock.now += 10.0
+    assert buffer.pop_ready(8, learner_version=0) == []
+    assert buffer.counters["dropped_incomplete_groups"] == 1
+    assert buffer.pending_groups == 0
+
+
+def test_members_refused_as_stale_are_not_waited_for():
+    buffer, _ = make_buffer(max_staleness=1)
+    buffer.add(trajectory("stale", "g", versions=[0], group_size=3), learner_version=2)
+    buffer.add(trajectory("a", "g", versions=[2], group_size=3), learner_version=2)
+    buffer.add(trajectory("b", "g", versions=[2], group_size=3), learner_version=2)
+    # All three accounted for, two usable: ready at once, no timeout needed.
+    [group] = buffer.pop_ready(8, learner_version=2)
+    assert [member.trajectory_id for member in group.trajectories] == ["a", "b"]
+
+    buffer.add(trajectory("stale1", "h", versions=[0], group_size=2), learner_version=2)
+    buffer.add(trajectory("fresh", "h", versions=[2], group_size=2), learner_version=2)
+    # One usable member is below the minimum of 2.
+    assert buffer.pop_ready(8, learner_version=2) == []
+    assert buffer.counters["dropped_incomplete_groups"] == 1
+
+
+def test_zero_variance_groups_are_not_filtered():
+    buffer, _ = make_buffer()
+    buffer.add(trajectory("a", "g", versions=[0], reward=1.0), learner_version=0)
+    buffer.add(trajectory("b", "g", versions=[0], reward=1.0), learner_version=0)
+    [group] = buffer.pop_ready(8, learner_version=0)
+    np.testing.assert_array_equal(group.rewards, [1.0, 1.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals
+
+
+def test_duplicates_and_late_arrivals_are_counted_not_kept():
+    buffer, _ = make_buffer()
+    buffer.add(trajectory("a", "g", versions=[0]), learner_version=0)
+    buffer.add(trajectory("a", "g", versions=[0]), learner_version=0)
+    assert buffer.counters["duplicates"] == 1
+    assert len(buffer) == 1
+    buffer.add(trajectory("b", "g", versions=[0]), learner_version=0)
+    assert len(buffer.pop_ready(8, learner_version=0)) == 1
+    # Re-sent after its group left: still a duplicate. A new member of that group: late.
+    buffer.add(trajectory("b", "g", versions=[0]), learner_version=0)
+    buffer.add(trajectory("c", "g", versions=[0]), learner_version=0)
+    assert buffer.counters["duplicates"] == 2
+    assert buffer.counters["dropped_late_trajectories"] == 1
+    assert len(buffer) == 0 and buffer.pending_groups == 0
+
+
+def test_more_members_than_the_group_size_are_refused():
+    buffer, _ = make_buffer()
+    for member in ("a", "b"):
+        buffer.add(trajectory(member, "g", versions=[0], group_size=2), learner_version=0)
+    buffer.add(trajectory("c", "g", versions=[0], group_size=2), learner_version=0)
+    assert buffer.counters["dropped_overfull"] == 1
+    assert len(buffer) == 2
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        object(),
+        StandInTrajectory("x", "g", 2, float("nan"), np.ones(1, np.uint8), np.zeros(1, np.int32)),
+        StandInTrajectory("x", "g", 0, 1.0, np.ones(1, np.uint8), np.zeros(1, np.int32)),
+        StandInTrajectory("", "g", 2, 1.0, np.ones(1, np.uint8), np.zeros(1, np.int32)),
+        StandInTrajectory("x", "g", 2, 1.0, np.ones(2, np.uint8), np.zeros(1, np.int32)),
+        StandInTrajectory("x", "g", 2, 1.0, np.ones(1, np.uint8), np.full(1, -1, np.int32)),
+        StandInTrajectory("x", "g", 2, 1.0, np.ones(1, np.uint8), np.zeros(1, np.float32)),
+    ],
+    ids=[
+        "no-fields", "nan-reward", "empty-group", "no-id", "ragged", "unversioned", "float-versions"
+    ],
+)
+def test_malformed_trajectories_are_counted_not_raised(bad):
+    buffer, _ = make_buffer()
+    buffer.add(bad, learner_version=0)
+    assert buffer.counters["dropped_malformed"] == 1
+    assert len(buffer) == 0
+
+
+def test_group_size_disagreement_is_malformed():
+    buffer, _ = make_buffer()
+    buffer.add(trajectory("a", "g", versions=[0], group_size=4), learner_version=0)
+    buffer.add(trajectory("b", "g", versions=[0], group_size=2), learner_version=0)
+    assert buffer.counters["dropped_malformed"] == 1
+    assert len(buffer) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory bound and construction
+
+
+def test_pending_groups_are_bounded_by_dropping_the_oldest_incomplete():
+    buffer, _ = make_buffer(max_pending_groups=2)
+    buffer.add(trajectory("a1", "complete", versions=[0]), learner_version=0)
+    buffer.add(trajectory("a2", "complete", versions=[0]), learner_version=0)
+    buffer.add(trajectory("b1", "waiting", versions=[0]), learner_version=0)
+    buffer.add(trajectory("c1", "newest", versions=[0]), learner_version=0)
+    assert buffer.counters["dropped_overflow_groups"] == 1
+    assert buffer.pending_groups == 2
+    # "waiting" was the oldest incomplete group; its straggler is now late.
+    buffer.add(trajectory("b2", "waiting", versions=[0]), learner_version=0)
+    assert buffer.counters["dropped_late_trajectories"] == 1
+    assert [group.group_id for group in buffer.pop_ready(8, learner_version=0)] == ["complete"]
+
+
+def test_pop_ready_zero_and_negative():
+    buffer, _ = make_buffer()
+    buffer.add(trajectory("a", "g", versions=[0]), learner_version=0)
+    buffer.add(trajectory("b", "g", versions=[0]), learner_version=0)
+    assert buffer.pop_ready(0, learner_version=0) == []
+    assert len(buffer) == 2
+    with pytest.raises(ValueError, match="max_groups"):
+        buffer.pop_ready(-1, learner_version=0)
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"max_staleness": -1, "group_timeout_s": 1.0}, "max_staleness"),
+        ({"max_staleness": 0, "group_timeout_s": 0.0}, "group_timeout_s"),
+        ({"max_staleness": 0, "group_timeout_s": 1.0, "min_group_size_on_timeout": 0}, "min_group"),
+        ({"max_staleness": 0, "group_timeout_s": 1.0, "max_pending_groups": 0}, "max_pending"),
+    ],
+)
+def test_constructor_validation(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        GroupBuffer(**arguments)
+
+
+def test_group_rewards_property():
+    members = [
+        trajectory("a", "g", versions=[1], reward=0.25),
+        trajectory("b", "g", versions=[-1, 3], reward=1.0),
+    ]
+    group = Group("g", members, group_size=3)
+    np.testing.assert_array_equal(group.rewards, [0.25, 1.0])
+    assert group.rewards.dtype == np.float64
+    assert not group.is_complete
+    assert group.member_staleness(3) == [2, 0]
+    assert group.staleness(3) == 2

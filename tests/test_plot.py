@@ -1,0 +1,108 @@
+"""Run plots drawn from a small synthetic metrics.jsonl."""
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from longhorizon.launch.plot import main, plot_run, read_metrics, summed_staleness_histogram
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def write_metrics(run_dir: Path, records: list[dict], tail: str = "") -> None:
+    lines = [json.dumps(record) for record in records]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n" + tail, encoding="utf-8")
+
+
+def synthetic_records(steps: int = 6) -> list[dict]:
+    return [
+        {
+            "step": step,
+            "version": step,
+            "reward_mean": 0.1 * step,
+            "success_rate": min(1.0, 0.15 * step),
+            "horizon_cap": 10 if step < 3 else 20,
+            "horizon_stage": 0 if step < 3 else 1,
+            "staleness_hist": {"0": 4, "1": step},
+            "episodes_per_s": 2.0 + step,
+            "loss": 0.5,
+        }
+        for step in range(steps)
+    ]
+
+
+def assert_valid_png(path: Path) -> None:
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    height, width, _ = matplotlib.image.imread(path).shape
+    assert height > 100 and width > 100
+
+
+def test_plot_run_writes_every_plot(tmp_path):
+    write_metrics(tmp_path, synthetic_records())
+    written = plot_run(tmp_path)
+    names = sorted(path.name for path in written)
+    assert names == ["horizon.png", "reward.png", "staleness.png", "success.png", "throughput.png"]
+    for path in written:
+        assert path.parent == tmp_path / "plots"
+        assert_valid_png(path)
+
+
+def test_missing_keys_are_skipped_with_a_note(tmp_path, caplog):
+    records = [{"step": step, "reward_mean": float(step)} for step in range(3)]
+    write_metrics(tmp_path, records)
+    with caplog.at_level(logging.WARNING, logger="longhorizon.launch.plot"):
+        written = plot_run(tmp_path)
+    assert [path.name for path in written] == ["reward.png"]
+    assert "success_rate" in caplog.text and "staleness_hist" in caplog.text
+    assert not (tmp_path / "plots" / "success.png").exists()
+
+
+def test_cut_off_last_line_is_skipped(tmp_path, caplog):
+    write_metrics(tmp_path, synthetic_records(3), tail='{"step": 3, "reward_me')
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 3
+    with caplog.at_level(logging.WARNING, logger="longhorizon.launch.plot"):
+        assert len(plot_run(tmp_path)) == 5
+    assert "not JSON" in caplog.text
+
+
+def test_missing_or_empty_metrics_give_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no metrics file"):
+        plot_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("\n\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="no metric records"):
+        plot_run(tmp_path)
+
+
+def test_main_reports_errors_and_paths(tmp_path, capsys):
+    assert main([str(tmp_path)]) == 1
+    assert "no metrics file" in capsys.readouterr().err
+    write_metrics(tmp_path, synthetic_records())
+    assert main([str(tmp_path)]) == 0
+    printed = capsys.readouterr().out.split()
+    assert len(printed) == 5 and all(Path(line).is_file() for line in printed)
+
+
+def test_importing_the_module_does_not_import_matplotlib():
+    # `longhorizon --help` must stay instant, so matplotlib loads only when plotting.
+    code = "import sys, longhorizon.launch.plot; print('matplotlib' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
+
+
+def test_staleness_histogram_is_summed_over_the_run(caplog):
+    records = synthetic_records(6)
+    records.append({"step": 6, "staleness_hist": {"2": 3, "bad": 1}})
+    records.append({"step": 7})
+    with caplog.at_level(logging.WARNING, logger="longhorizon.launch.plot"):
+        histogram = summed_staleness_histogram(records)
+    # eta 0: 4 per step over steps 0..5; eta 1: 0 + 1 + ... + 5; eta 2: 3 from step 6.
+    assert histogram == {0: 24, 1: 15, 2: 3}
+    assert "'bad'" in caplog.text
