@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,11 @@ TINY_CHAT_TEMPLATE = (
 )
 TINY_SPECIAL_TOKENS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
 TINY_ROLE_WORDS = ["system", "user", "assistant"]
+
+
+# transformers builds models under a process-wide "meta device" context while loading; two loads
+# in different threads at once (actor and learner in one process) leave tensors without data.
+_LOAD_LOCK = threading.Lock()
 
 
 class ModelError(RuntimeError):
@@ -158,23 +164,24 @@ def build_tiny_model(
 
 
 def load_tokenizer(folder: str | Path):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    with _LOAD_LOCK:  # transformers' lazy imports are not safe from several threads at once
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    folder = Path(folder)
-    if (folder / "longhorizon_tiny.json").is_file():
-        # AutoTokenizer would pick the architecture's own BPE tokenizer class from config.json
-        # and drop every word of the tiny word-level vocabulary.
-        return PreTrainedTokenizerFast.from_pretrained(folder)
-    return AutoTokenizer.from_pretrained(folder)
+        folder = Path(folder)
+        if (folder / "longhorizon_tiny.json").is_file():
+            # AutoTokenizer would pick the architecture's own BPE tokenizer class from config.json
+            # and drop every word of the tiny word-level vocabulary.
+            return PreTrainedTokenizerFast.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder)
 
 
 def load_causal_lm(folder: str | Path, dtype: str = "float32"):
     """Load a causal LM for training or generation on this machine's device."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    with _LOAD_LOCK:
+        import torch
+        from transformers import AutoModelForCausalLM
 
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
-    if torch_dtype is None:
-        raise ModelError(f"model.dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
-    return model
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+        if torch_dtype is None:
+            raise ModelError(f"model.dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)

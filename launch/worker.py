@@ -45,15 +45,23 @@ async def _until_signal(cancel_scope: trio.CancelScope) -> None:
 
 
 async def _main(role: str, config: Config, index: int) -> None:
+    import dataclasses
+
     from longhorizon.common.transport import zmq_actor_endpoints, zmq_learner_endpoints
+    from longhorizon.common.wire import DEFAULT_LIMITS, WEIGHTS_LIMITS
 
     addresses = transport_addresses(config)
+    transport = config.transport
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_until_signal, nursery.cancel_scope)
         if role == "learner":
             from longhorizon.learner.worker import run_learner
 
-            endpoints = zmq_learner_endpoints(**addresses, trajectory_hwm=config.transport.trajectory_hwm, max_trajectory_bytes=config.transport.max_trajectory_bytes)
+            endpoints = zmq_learner_endpoints(
+                **addresses,
+                trajectory_hwm=transport.trajectory_hwm,
+                trajectory_limits=dataclasses.replace(DEFAULT_LIMITS, max_message_bytes=transport.max_trajectory_bytes),
+            )
             try:
                 await run_learner(config, endpoints)
             finally:
@@ -61,7 +69,12 @@ async def _main(role: str, config: Config, index: int) -> None:
         else:
             from longhorizon.actor.worker import run_actor
 
-            endpoints = zmq_actor_endpoints(f"actor-{index}", **addresses, trajectory_hwm=config.transport.trajectory_hwm, max_weights_bytes=config.transport.max_weights_bytes)
+            endpoints = zmq_actor_endpoints(
+                f"actor-{index}",
+                **addresses,
+                trajectory_hwm=transport.trajectory_hwm,
+                broadcast_limits=dataclasses.replace(WEIGHTS_LIMITS, max_message_bytes=transport.max_weights_bytes),
+            )
             try:
                 await run_actor(config, index, endpoints)
             finally:

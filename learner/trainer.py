@@ -101,10 +101,10 @@ def pad_examples(examples: list[Example], pad_token_id: int) -> PaddedBatch:
     behaviour = torch.zeros((count, longest), dtype=torch.float32)
     for row, example in enumerate(examples):
         length = len(example.token_ids)
-        input_ids[row, :length] = torch.from_numpy(example.token_ids)
+        input_ids[row, :length] = torch.as_tensor(np.array(example.token_ids))
         attention_mask[row, :length] = 1
-        loss_mask[row, :length] = torch.from_numpy(example.loss_mask)
-        behaviour[row, :length] = torch.from_numpy(example.behaviour_logprobs)
+        loss_mask[row, :length] = torch.as_tensor(np.array(example.loss_mask))
+        behaviour[row, :length] = torch.as_tensor(np.array(example.behaviour_logprobs))
     advantages = torch.tensor([e.advantage for e in examples], dtype=torch.float32)
     # Token t is predicted from the tokens before it, so targets, masks and behaviour log-probs
     # drop their first position.
@@ -208,9 +208,9 @@ class Trainer:
                 if reference[index] is not None:
                     kl = kl_penalty(logprobs, reference[index], micro.loss_mask, aggregation=config.aggregation)
                     loss = loss + config.kl_coef * kl.loss
-                    totals["kl"] = totals.get("kl", 0.0) + float(kl.loss) * share
+                    totals["kl"] = totals.get("kl", 0.0) + kl.loss.item() * share
                 (loss * share).backward()
-                totals["loss"] = totals.get("loss", 0.0) + float(loss) * share
+                totals["loss"] = totals.get("loss", 0.0) + loss.item() * share
                 entropy = sampled_entropy(logprobs, micro.loss_mask, aggregation=config.aggregation)
                 totals["entropy_estimate"] = totals.get("entropy_estimate", 0.0) + float(entropy) * share
                 for key, value in output.metrics.items():

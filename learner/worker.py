@@ -145,9 +145,10 @@ class Learner:
                 await self.arrived.wait()
         return groups
 
-    def _record(self, groups, scored, train_metrics: dict, elapsed: float) -> dict:
+    def _record(self, groups, scored, train_metrics: dict, elapsed: float, trained_version: int) -> dict:
         trajectories = [t for g in groups for t in g.trajectories]
-        etas = [staleness(self.version, t.policy_versions, t.loss_mask) for t in trajectories]
+        # Staleness is measured against the version that trained on the batch, as the buffer does.
+        etas = [staleness(trained_version, t.policy_versions, t.loss_mask) for t in trajectories]
         rewards = [t.reward for t in trajectories]
         buffer_counters = self.buffer.counters
         record = {
@@ -213,7 +214,7 @@ class Learner:
             self.version += 1
             self.horizon = self.schedule.at(self.step)
             now = time.monotonic()
-            record = self._record(groups, scored, train_metrics, now - last_step_time)
+            record = self._record(groups, scored, train_metrics, now - last_step_time, self.version - 1)
             last_step_time = now
             self.received_since_step = self.generated_tokens_since_step = 0
             if self.step % learner.sample_episodes_every == 0:
