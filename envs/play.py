@@ -1,0 +1,114 @@
+"""Play an environment in the terminal: read plain actions line by line, print what happens."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from typing import Any, Callable
+
+import trio
+
+from longhorizon.envs.base import SPLITS, env_names, list_tasks, make_env
+
+QUIT_WORDS = ("quit", "exit")
+
+
+def play(
+    env_name: str,
+    *,
+    split: str = "test",
+    task_index: int = 0,
+    seed: int = 0,
+    options: dict | None = None,
+    input_fn: Callable[[str], str] = input,
+    print_fn: Callable[..., Any] = print,
+) -> float:
+    """Play one episode of task `task_index` of the split; returns the total reward.
+
+    Each line read is one action, typed plainly (no Thought:/Action: wrapper). "quit" or the end
+    of input stops early.
+    """
+    options = dict(options or {})
+    tasks = list_tasks(env_name, split, **options)
+    if not 0 <= task_index < len(tasks):
+        raise ValueError(
+            f"task index {task_index} is out of range: the {split} split of {env_name!r} has {len(tasks)} tasks"
+        )
+    task = tasks[task_index]
+    env = make_env(env_name, **options)
+
+    async def episode() -> float:
+        total_reward = 0.0
+        try:
+            observation, _ = await env.reset(task, seed=seed)
+            instructions = env.instructions()
+            if instructions:
+                print_fn(instructions)
+                print_fn()
+            print_fn(f"[task {task.task_id} ({task.category or split}), seed {seed}; type 'quit' to stop]")
+            print_fn(observation)
+            while True:
+                # input_fn blocks the event loop, which is fine: this episode is its only task.
+                try:
+                    action = input_fn("> ")
+                except EOFError:
+                    print_fn()
+                    break
+                action = action.strip()
+                if action.lower() in QUIT_WORDS:
+                    break
+                if not action:
+                    continue
+                observation, reward, terminated, truncated, info = await env.step(action)
+                total_reward += reward
+                print_fn(observation)
+                status = "done" if terminated or truncated else "continue"
+                invalid = ", invalid action" if info.get("invalid_action") else ""
+                print_fn(f"[reward {reward:g}, total {total_reward:g}, {status}{invalid}]")
+                if terminated or truncated:
+                    print_fn("Success!" if info.get("success") else "The episode is over.")
+                    break
+        finally:
+            await env.close()
+        return total_reward
+
+    return trio.run(episode)
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    key, separator, raw_value = text.partition("=")
+    if not separator or not key.strip():
+        raise argparse.ArgumentTypeError(f"options are KEY=VALUE, got {text!r}")
+    try:
+        value = ast.literal_eval(raw_value)
+    except (ValueError, SyntaxError):
+        value = raw_value  # a bare word is a string option
+    return key.strip(), value
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`longhorizon env play NAME [--split S] [--task I] [--seed N] [--option KEY=VALUE ...]`."""
+    parser = argparse.ArgumentParser(prog="longhorizon env play", description="Play an environment in the terminal.")
+    parser.add_argument("env", help=f"environment name ({', '.join(env_names())})")
+    parser.add_argument("--split", default="test", choices=SPLITS, help="task split (default: test)")
+    parser.add_argument("--task", type=int, default=0, help="index of the task in the split (default: 0)")
+    parser.add_argument("--seed", type=int, default=0, help="reset seed (default: 0)")
+    parser.add_argument("--option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
+                        help="env option, e.g. max_depth=2 (repeatable)")
+    arguments = parser.parse_args(argv)
+    try:
+        total_reward = play(arguments.env, split=arguments.split, task_index=arguments.task, seed=arguments.seed,
+                            options=dict(arguments.option))
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    print(f"Total reward: {total_reward:g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

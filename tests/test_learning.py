@@ -1,0 +1,58 @@
+"""The test that proves the RL is right: a tiny model learns the codebook env from scratch.
+
+Real processes: one learner and two actors started by the local launcher, trajectories over
+ZeroMQ on loopback, weights broadcast back. Then greedy play of the final checkpoint on held-out
+tasks must succeed on more than 80% of episodes (random play: about 1.6%).
+"""
+
+from pathlib import Path
+
+import pytest
+import trio
+
+from longhorizon.actor.engines.base import make_engine
+from longhorizon.actor.evaluate import evaluate, greedy
+from longhorizon.actor.worker import engine_settings
+from longhorizon.common.config import load_config
+from longhorizon.common.metrics import read_metrics
+from longhorizon.launch.local import launch_local
+from longhorizon.learner.checkpoint import latest_checkpoint
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _evaluate(config, model_folder, episodes=200):
+    settings = greedy(engine_settings(config, str(model_folder)))
+    engine = make_engine("hf", settings)
+    return trio.run(
+        lambda: evaluate(
+            engine, config.env.name, dict(config.env.options), split="test", episodes=episodes,
+            horizon_cap=config.horizon.stages[0], max_new_tokens=config.actor.sampling.max_new_tokens,
+        )
+    )
+
+
+@pytest.mark.slow
+def test_tiny_model_learns_codebook_through_real_processes(tmp_path, tiny_codebook_model):
+    config = load_config(
+        REPO_ROOT / "configs" / "codebook.toml",
+        [f"run.output_dir={str(tmp_path)!r}", f"model.path={str(tiny_codebook_model)!r}"],
+    )
+    untrained = _evaluate(config, tiny_codebook_model)
+    assert untrained.success_rate < 0.2
+
+    lines = []
+    assert launch_local(config, progress=lines.append) == 0, "\n".join(lines)
+
+    records = read_metrics(config.run_dir)
+    assert [r["step"] for r in records] == list(range(1, config.run.total_steps + 1))
+    assert records[-1]["version"] == config.run.total_steps
+    assert max(r["staleness_max"] for r in records) <= config.learner.max_staleness
+    assert records[-1]["actors_seen"] == config.actor.num_actors
+    checkpoint = latest_checkpoint(config.run_dir)
+    assert checkpoint is not None and checkpoint.name == f"step_{config.run.total_steps:06d}"
+
+    trained = _evaluate(config, checkpoint)
+    print(f"held-out greedy success: untrained {untrained.success_rate:.1%}, trained {trained.success_rate:.1%}")
+    assert trained.failed_episodes == 0
+    assert trained.success_rate > 0.8
