@@ -1,0 +1,111 @@
+"""Episode rollout: groups with scripted engines, the horizon cap, garbled replies, broken envs."""
+
+import numpy as np
+import pytest
+import trio
+
+from longhorizon.actor.engines.base import EngineSettings, GenerationResult, make_engine
+from longhorizon.actor.rollout import EnvPool, run_episode, run_group
+from longhorizon.envs.base import list_tasks, make_env
+
+
+def _scripted(env_name, policy="oracle", **options):
+    return make_engine("scripted", EngineSettings(env_name=env_name, env_options=options, scripted_policy=policy))
+
+
+async def test_textcraft_oracle_group_succeeds_and_streams_each_trajectory():
+    engine = _scripted("textcraft")
+    task = list_tasks("textcraft", "test")[5]
+    pool = EnvPool(lambda: make_env("textcraft"))
+    received = []
+
+    async def collect(trajectory):
+        received.append(trajectory)
+
+    trajectories = await run_group(
+        engine, pool, task, group_size=3, group_id="g1", actor_id="actor-0", horizon_cap=40,
+        max_context_tokens=100_000, max_new_tokens=256, seed=7, on_trajectory=collect,
+    )
+    assert len(received) == 3 and trajectories == received
+    for trajectory in received:
+        assert trajectory.success and trajectory.reward == 1.0 and trajectory.terminated
+        assert trajectory.group_id == "g1" and trajectory.group_size == 3 and trajectory.task_id == task.task_id
+        generated = trajectory.loss_mask == 1
+        assert generated.any() and (trajectory.policy_versions[generated] == 0).all()
+        assert (trajectory.policy_versions[~generated] == -1).all()
+        assert "Goal:" in trajectory.text
+    assert pool.created == 3  # one env per concurrent episode, reused afterwards
+
+
+async def test_horizon_cap_truncates():
+    engine = _scripted("textcraft", policy="random")
+    task = next(t for t in list_tasks("textcraft", "test") if t.category == "depth-3")
+    result = await run_episode(
+        make_env("textcraft"), engine, task, horizon_cap=2, max_context_tokens=100_000, max_new_tokens=256, seed=0,
+    )
+    assert result.num_turns == 2 and result.truncated and not result.terminated
+    assert result.error == ""
+
+
+class _FixedReplyEngine:
+    """An engine that always says the same thing (to test garbled replies)."""
+
+    def __init__(self, reply):
+        from longhorizon.common.chat import ByteChatTokenizer
+
+        self.tokenizer = ByteChatTokenizer()
+        self.policy_version = 3
+        self.reply = reply
+
+    async def generate(self, request):
+        tokens = self.tokenizer.encode(self.reply) + [self.tokenizer.eos_token_id]
+        return GenerationResult(tokens, [-1.0] * len(tokens), self.reply, True, self.policy_version)
+
+    def end_episode(self, episode_id):
+        pass
+
+
+async def test_garbled_reply_becomes_an_error_observation():
+    engine = _FixedReplyEngine("I think I should craft something")
+    task = list_tasks("textcraft", "test")[0]
+    result = await run_episode(
+        make_env("textcraft"), engine, task, horizon_cap=3, max_context_tokens=100_000, max_new_tokens=64, seed=0,
+    )
+    assert result.invalid_actions == 3 and result.truncated and result.error == ""
+    assert "Invalid reply: no action found" in result.conversation.messages[3]["content"]
+    versions = np.array(result.conversation.policy_versions)
+    assert set(versions[np.array(result.conversation.loss_mask) == 1]) == {3}
+
+
+class _BrokenEnv:
+    name = "broken"
+    prompt_format = "bare"
+
+    def instructions(self):
+        return ""
+
+    async def reset(self, task, *, seed=None):
+        return "hello", {}
+
+    async def step(self, action):
+        raise ConnectionError("simulator died")
+
+    async def close(self):
+        pass
+
+
+async def test_broken_env_fails_the_episode_not_the_actor():
+    engine = _FixedReplyEngine("a0")
+    task = list_tasks("codebook", "test")[0]
+    result = await run_episode(_BrokenEnv(), engine, task, horizon_cap=3, max_context_tokens=1000, max_new_tokens=4)
+    assert "ConnectionError: simulator died" in result.error
+    assert result.reward == 0.0
+
+
+async def test_context_budget_truncates():
+    engine = _FixedReplyEngine("a0")
+    task = list_tasks("codebook", "test")[0]
+    result = await run_episode(
+        make_env("codebook"), engine, task, horizon_cap=10, max_context_tokens=40, max_new_tokens=4
+    )
+    assert result.truncated and result.num_turns < 3
