@@ -97,6 +97,19 @@ class _Child:
             self.process.kill()
 
 
+def _write_process_table(run_dir: Path, children: list[_Child]) -> None:
+    """Record who runs where (`processes.json`): for people, and for tests that kill an actor."""
+    import json
+
+    table = {
+        child.name: {"pid": child.process.pid if child.process else None, "restarts": child.restarts}
+        for child in children
+    }
+    partial = run_dir / "processes.json.partial"
+    partial.write_text(json.dumps(table, indent=2))
+    partial.replace(run_dir / "processes.json")
+
+
 def _stop_all(children: list[_Child], grace_s: float = 10.0) -> None:
     for child in children:
         child.terminate()
@@ -135,6 +148,7 @@ def launch_local(config: Config, *, progress=print) -> int:
     try:
         for child in children:
             child.start()
+        _write_process_table(run_dir, children)
         while True:
             time.sleep(0.5)
             records = read_metrics(run_dir)
@@ -146,7 +160,9 @@ def launch_local(config: Config, *, progress=print) -> int:
                 break
             for actor in actors:
                 code = actor.poll()
-                if code is None:
+                if code is None or actor.process is None:
+                    continue
+                if code == 0:  # stopped by the learner: training is ending
                     continue
                 if actor.restarts >= _MAX_RESTARTS_PER_ACTOR:
                     progress(f"{actor.name} exited with {code} too often; not restarting")
@@ -155,6 +171,7 @@ def launch_local(config: Config, *, progress=print) -> int:
                 actor.restarts += 1
                 progress(f"{actor.name} exited with code {code}; restarting ({actor.restarts})")
                 actor.start()
+                _write_process_table(run_dir, children)
     except KeyboardInterrupt:
         progress("interrupted: stopping all processes")
         _stop_all(children)

@@ -36,15 +36,17 @@ def die_with_parent() -> None:
             pass
 
 
-async def _until_signal(cancel_scope: trio.CancelScope) -> None:
+async def _until_signal(cancel_scope: trio.CancelScope, received: list[int]) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             logging.getLogger(__name__).info("received signal %d, stopping", signum)
+            received.append(signum)
             cancel_scope.cancel()
             return
 
 
-async def _main(role: str, config: Config, index: int) -> None:
+async def _main(role: str, config: Config, index: int) -> int:
+    """Run one role; 0 when it finished normally, 128 + signal number when a signal stopped it."""
     import dataclasses
 
     from longhorizon.common.transport import zmq_actor_endpoints, zmq_learner_endpoints
@@ -52,8 +54,9 @@ async def _main(role: str, config: Config, index: int) -> None:
 
     addresses = transport_addresses(config)
     transport = config.transport
+    received: list[int] = []
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_until_signal, nursery.cancel_scope)
+        nursery.start_soon(_until_signal, nursery.cancel_scope, received)
         if role == "learner":
             from longhorizon.learner.worker import run_learner
 
@@ -80,6 +83,9 @@ async def _main(role: str, config: Config, index: int) -> None:
             finally:
                 endpoints.close()
         nursery.cancel_scope.cancel()
+    # An actor stopped by a signal rather than by the learner exits non-zero so the launcher
+    # restarts it.
+    return 128 + received[0] if received else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s {args.role}{'' if args.role == 'learner' else '-' + str(args.index)} %(levelname)s %(name)s: %(message)s",
     )
     config = load_config(args.config)
-    trio.run(_main, args.role, config, args.index)
-    return 0
+    return trio.run(_main, args.role, config, args.index)
 
 
 if __name__ == "__main__":

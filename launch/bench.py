@@ -1,0 +1,392 @@
+"""`longhorizon bench NAME`: benchmarks that print a table for people and, last, one line of JSON.
+
+NAME is one of:
+- `transport`: raw ZeroMQ frames against Trajectory messages over tcp loopback
+  (launch/bench_transport.py).
+- `async-vs-sync`: one workload trained twice, mode=async then mode=sync, with everything else
+  identical: the same actor processes (launched by launch_local over real ZMQ), the same number of
+  concurrent episodes, the long-tailed `longtail` env played by the scripted engine with a simulated
+  per-token latency, a tiny model trained by the learner, the same groups_per_step and steps.
+  Throughput is episodes consumed by the learner per second over the steady state (from the first
+  learner step's time to the last, so process start-up is excluded).
+- `all`: both, one after the other; the last line is the JSON of both.
+
+Run: `longhorizon bench async-vs-sync [--steps N] [--token-latency-ms MS] [--actors N] ...`
+(`--help` lists the options). A default async-vs-sync run takes about two minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+BENCHMARKS = ("transport", "async-vs-sync", "all")
+MODES = ("async", "sync")
+TARGET_SPEEDUP = 2.0
+"""Async should consume episodes at least this many times faster than sync on this workload."""
+
+# The byte tokenizer of the scripted engine emits ids 0..258; a word-level tiny model with 260
+# words (plus its specials and role words) has a vocabulary comfortably above that.
+_TINY_MODEL_WORDS = [f"w{index}" for index in range(260)]
+_BYTE_VOCAB_SIZE = 259
+
+
+@dataclass(frozen=True)
+class AsyncVsSyncSettings:
+    """The workload both modes run; only run.mode differs between them."""
+
+    actors: int = 2
+    """Actor processes."""
+    concurrent_groups: int = 4
+    """Groups each actor keeps in flight (async), or generates at once (sync)."""
+    group_size: int = 4
+    """Episodes per GRPO group."""
+    groups_per_step: int = 0
+    """Groups per learner step; 0 means actors x concurrent_groups, so a sync batch is exactly
+    what the actors can run at once and neither mode has idle episode slots by design."""
+    steps: int = 12
+    """Learner steps per mode; the steady state spans steps 1..steps."""
+    token_latency_s: float = 0.003
+    """Simulated generation time per generated token."""
+    long_fraction: float = 0.125
+    """Share of episodes drawn from the long part of the length mixture."""
+    short_turns: tuple[int, int] = (1, 3)
+    """Turn range of short episodes (final answer included)."""
+    long_turns: tuple[int, int] = (15, 30)
+    """Turn range of long episodes; the horizon cap is set to its upper end, so nothing is cut."""
+    max_staleness: int = 4
+    """Async only (sync uses 0 by construction): groups staler than this are dropped."""
+    seed: int = 0
+    """Run seed (task sampling, episode lengths, model initialisation)."""
+
+    @property
+    def batch_groups(self) -> int:
+        return self.groups_per_step or self.actors * self.concurrent_groups
+
+    def check(self) -> None:
+        """Raise ValueError naming the first setting that cannot run."""
+        positive = {
+            "actors": self.actors,
+            "concurrent_groups": self.concurrent_groups,
+            "group_size": self.group_size,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.group_size < 2:
+            raise ValueError(f"group-size must be at least 2 (GRPO needs two members), got {self.group_size}")
+        if self.groups_per_step < 0:
+            raise ValueError(f"groups-per-step must be >= 0 (0: actors x concurrent groups), got {self.groups_per_step}")
+        if self.steps < 2:
+            raise ValueError(f"steps must be at least 2 (the steady state spans first to last step), got {self.steps}")
+        if self.token_latency_s < 0:
+            raise ValueError(f"token latency must be >= 0, got {self.token_latency_s}")
+        if not 0 <= self.long_fraction <= 1:
+            raise ValueError(f"long-fraction must be between 0 and 1, got {self.long_fraction}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max-staleness must be >= 0, got {self.max_staleness}")
+        from longhorizon.envs.toy.longtail import LengthDistribution
+
+        LengthDistribution(short_turns=self.short_turns, long_turns=self.long_turns, long_fraction=self.long_fraction)
+
+
+def bench_config(settings: AsyncVsSyncSettings, mode: str, output_dir: Path, model_folder: Path):
+    """The full run config of one mode; the two modes' configs differ in run.mode and run.name only."""
+    from longhorizon.common.config import config_from_dict
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    horizon_cap = max(settings.short_turns[1], settings.long_turns[1])
+    return config_from_dict(
+        {
+            "run": {
+                "name": mode, "output_dir": str(output_dir), "seed": settings.seed, "mode": mode,
+                "total_steps": settings.steps,
+            },
+            "model": {"path": str(model_folder), "cache_dir": str(output_dir / "models")},
+            "env": {
+                "name": "longtail",
+                "options": {
+                    "short_turns": list(settings.short_turns),
+                    "long_turns": list(settings.long_turns),
+                    "long_fraction": settings.long_fraction,
+                },
+            },
+            "actor": {
+                "num_actors": settings.actors,
+                "engine": "scripted",
+                "scripted_policy": "oracle",
+                "group_size": settings.group_size,
+                "concurrent_groups": settings.concurrent_groups,
+                "simulated_token_latency_s": settings.token_latency_s,
+            },
+            "learner": {
+                "groups_per_step": settings.batch_groups,
+                "max_staleness": settings.max_staleness,
+                # One checkpoint at the end: the same cost in both modes, outside the window.
+                "checkpoint_every": settings.steps,
+            },
+            "horizon": {"schedule": "fixed", "stages": [horizon_cap]},
+        }
+    )
+
+
+def consumed_groups(record: dict) -> int:
+    """Groups one learner step took from the buffer, whether or not they carried signal."""
+    return (
+        int(record.get("groups_used", 0))
+        + int(record.get("groups_skipped_zero_variance", 0))
+        + int(record.get("groups_skipped_too_small", 0))
+    )
+
+
+def steady_state(records: list[dict], group_size: int) -> dict[str, float]:
+    """Throughput and staleness of one run from its per-step metrics records.
+
+    The window runs from the first step's `time` to the last's: the episodes consumed by steps
+    2..N over that span, so start-up and the first batch's fill are left out. Groups are counted
+    as complete (`group_size` episodes): the bench's group timeout is far longer than a run.
+    """
+    if len(records) < 2:
+        raise ValueError(f"need at least two learner steps to measure a steady state, got {len(records)}")
+    seconds = float(records[-1]["time"]) - float(records[0]["time"])
+    if seconds <= 0:
+        raise ValueError(f"the steps' times do not increase ({records[0]['time']} .. {records[-1]['time']})")
+    episodes = sum(consumed_groups(record) for record in records[1:]) * group_size
+    return {
+        "steps": len(records),
+        "window_seconds": seconds,
+        "window_episodes": episodes,
+        "episodes_per_s": episodes / seconds,
+        "seconds_per_step": seconds / (len(records) - 1),
+        # Every step consumes the same number of groups, so the mean of the per-step means is the
+        # mean over all consumed episodes.
+        "staleness_mean": sum(float(r.get("staleness_mean", 0.0)) for r in records) / len(records),
+        "staleness_max": max(int(r.get("staleness_max", 0)) for r in records),
+        "groups_dropped_stale": int(records[-1].get("groups_dropped_stale", 0)),
+        "turns_mean": sum(float(r.get("episode_turns_mean", 0.0)) for r in records) / len(records),
+        "reward_mean": sum(float(r.get("reward_mean", 0.0)) for r in records) / len(records),
+        "learner_step_seconds": sum(float(r.get("learner_step_seconds", 0.0)) for r in records) / len(records),
+        "groups_used": sum(int(r.get("groups_used", 0)) for r in records),
+    }
+
+
+def build_bench_model(folder: Path) -> Path:
+    """A tiny random model whose vocabulary covers every byte-tokenizer id the actors send."""
+    from longhorizon.common.models import build_tiny_model
+    from longhorizon.common.models import load_tokenizer
+
+    if not (folder / "config.json").is_file():
+        build_tiny_model(folder, words=_TINY_MODEL_WORDS)
+    vocab_size = len(load_tokenizer(folder))
+    if vocab_size < _BYTE_VOCAB_SIZE:
+        raise RuntimeError(f"the bench model's vocabulary ({vocab_size}) does not cover byte tokens")
+    return folder
+
+
+def run_mode(
+    settings: AsyncVsSyncSettings, mode: str, output_dir: Path, model_folder: Path,
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    """Train one mode with launch_local and measure it; raises RuntimeError if the run failed."""
+    from longhorizon.common.metrics import read_metrics
+    from longhorizon.launch.local import launch_local
+
+    config = bench_config(settings, mode, output_dir, model_folder)
+    if config.run_dir.exists():
+        shutil.rmtree(config.run_dir)  # metrics.jsonl is appended to; a stale one would mix runs
+    started = time.monotonic()
+    code = launch_local(config, progress=lambda line: progress(f"[{mode}] {line}"))
+    wall_seconds = time.monotonic() - started
+    records = read_metrics(config.run_dir)
+    if code != 0 or len(records) < settings.steps:
+        raise RuntimeError(
+            f"the {mode} run failed (exit code {code}, {len(records)} of {settings.steps} steps); "
+            f"logs in {config.run_dir / 'logs'}"
+        )
+    result = steady_state(records, settings.group_size)
+    result["wall_seconds"] = wall_seconds
+    return result
+
+
+def bench_async_vs_sync(
+    settings: AsyncVsSyncSettings = AsyncVsSyncSettings(),
+    *,
+    output_dir: str | Path | None = None,
+    progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> dict[str, Any]:
+    """Run the workload in async then sync mode; returns a flat dict of figures (see print_async_vs_sync).
+
+    Without `output_dir` the runs go to a temporary folder, removed afterwards unless a run
+    failed (its logs are then kept and named in the error).
+    """
+    settings.check()
+    temporary = output_dir is None
+    root = Path(tempfile.mkdtemp(prefix="longhorizon-bench-")) if temporary else Path(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    model_folder = build_bench_model(root / "models" / "tiny-bench")
+    per_mode: dict[str, dict] = {}
+    for mode in MODES:
+        per_mode[mode] = run_mode(settings, mode, root, model_folder, progress)
+    if temporary:
+        shutil.rmtree(root, ignore_errors=True)
+    result: dict[str, Any] = {
+        "benchmark": "async-vs-sync",
+        "actors": settings.actors,
+        "concurrent_groups": settings.concurrent_groups,
+        "concurrent_episodes": settings.actors * settings.concurrent_groups * settings.group_size,
+        "group_size": settings.group_size,
+        "groups_per_step": settings.batch_groups,
+        "steps": settings.steps,
+        "token_latency_s": settings.token_latency_s,
+        "long_fraction": settings.long_fraction,
+        "short_turns": list(settings.short_turns),
+        "long_turns": list(settings.long_turns),
+        "max_staleness": settings.max_staleness,
+        "seed": settings.seed,
+        "output_dir": None if temporary else str(root),
+    }
+    for mode, figures in per_mode.items():
+        result.update({f"{mode}_{key}": value for key, value in figures.items()})
+    result["speedup"] = per_mode["async"]["episodes_per_s"] / per_mode["sync"]["episodes_per_s"]
+    result["target_speedup"] = TARGET_SPEEDUP
+    result["meets_target"] = result["speedup"] >= TARGET_SPEEDUP
+    return result
+
+
+def print_async_vs_sync(result: dict[str, Any]) -> None:
+    """A table for people, then the result as one line of JSON for machines."""
+    print(
+        f"async vs sync: {result['actors']} actors x {result['concurrent_groups']} groups x "
+        f"{result['group_size']} episodes in flight, {result['groups_per_step']} groups per step, "
+        f"{result['steps']} steps, {result['token_latency_s'] * 1000:g} ms/token, "
+        f"{result['long_fraction']:.0%} long episodes"
+    )
+    columns = [
+        ("episodes/s", "episodes_per_s", "{:>11.2f}"),
+        ("s/step", "seconds_per_step", "{:>8.2f}"),
+        ("staleness", "staleness_mean", "{:>10.2f}"),
+        ("max stale", "staleness_max", "{:>10d}"),
+        ("dropped", "groups_dropped_stale", "{:>8d}"),
+        ("turns", "turns_mean", "{:>6.2f}"),
+        ("train s", "learner_step_seconds", "{:>8.2f}"),
+        ("wall s", "wall_seconds", "{:>7.1f}"),
+    ]
+    widths = [11, 8, 10, 10, 8, 6, 8, 7]
+    print(f"{'mode':6} " + " ".join(f"{title:>{width}}" for (title, _, _), width in zip(columns, widths)))
+    for mode in MODES:
+        print(f"{mode:6} " + " ".join(fmt.format(result[f"{mode}_{key}"]) for _, key, fmt in columns))
+    verdict = "meets" if result["meets_target"] else "misses"
+    print(f"speed-up async / sync = {result['speedup']:.2f}x ({verdict} the target {result['target_speedup']:.1f}x)")
+    print(json.dumps(result, sort_keys=True))
+
+
+def _run_transport(args: argparse.Namespace) -> dict[str, Any]:
+    from longhorizon.launch.bench_transport import bench_transport, print_table
+
+    result = bench_transport(trajectory_bytes=args.trajectory_bytes, seconds_cap=args.transport_seconds)
+    print_table(result)
+    return result
+
+
+def _settings_from(args: argparse.Namespace) -> AsyncVsSyncSettings:
+    return AsyncVsSyncSettings(
+        actors=args.actors,
+        concurrent_groups=args.concurrent_groups,
+        group_size=args.group_size,
+        groups_per_step=args.groups_per_step,
+        steps=args.steps,
+        token_latency_s=args.token_latency_ms / 1000,
+        long_fraction=args.long_fraction,
+        max_staleness=args.max_staleness,
+        seed=args.seed,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = AsyncVsSyncSettings()
+    parser = argparse.ArgumentParser(
+        prog="longhorizon bench",
+        description="Benchmarks: a table for people, then one last line of JSON.",
+    )
+    parser.add_argument("name", choices=BENCHMARKS, help="which benchmark to run")
+    workload = parser.add_argument_group("async-vs-sync")
+    workload.add_argument("--steps", type=int, default=defaults.steps, help="learner steps per mode (default %(default)s)")
+    workload.add_argument(
+        "--token-latency-ms", type=float, default=defaults.token_latency_s * 1000,
+        help="simulated generation time per token, in ms (default %(default)s)",
+    )
+    workload.add_argument("--actors", type=int, default=defaults.actors, help="actor processes (default %(default)s)")
+    workload.add_argument(
+        "--concurrent-groups", type=int, default=defaults.concurrent_groups,
+        help="groups in flight per actor (default %(default)s)",
+    )
+    workload.add_argument("--group-size", type=int, default=defaults.group_size, help="episodes per group (default %(default)s)")
+    workload.add_argument(
+        "--groups-per-step", type=int, default=defaults.groups_per_step,
+        help="groups per learner step (default: actors x concurrent groups)",
+    )
+    workload.add_argument(
+        "--long-fraction", type=float, default=defaults.long_fraction,
+        help="share of long (15-30 turn) episodes (default %(default)s)",
+    )
+    workload.add_argument(
+        "--max-staleness", type=int, default=defaults.max_staleness,
+        help="async: largest policy lag accepted (default %(default)s)",
+    )
+    workload.add_argument("--seed", type=int, default=defaults.seed, help="run seed (default %(default)s)")
+    workload.add_argument(
+        "--output-dir", default=None,
+        help="keep the runs (metrics, logs, a bench.json) here instead of a temporary folder",
+    )
+    transport = parser.add_argument_group("transport")
+    transport.add_argument(
+        "--trajectory-bytes", type=int, default=1 << 20, help="trajectory size in bytes (default %(default)s)"
+    )
+    transport.add_argument(
+        "--transport-seconds", type=float, default=20.0, help="time budget of the timed runs (default %(default)s)"
+    )
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_request:  # --help, or a usage error already printed by argparse
+        return int(exit_request.code or 0)
+    settings = _settings_from(args)
+    try:
+        settings.check()
+    except ValueError as error:
+        parser.print_usage(sys.stderr)
+        print(f"longhorizon bench: error: {error}", file=sys.stderr)
+        return 2
+    results: dict[str, Any] = {}
+    if args.name in ("transport", "all"):
+        results["transport"] = _run_transport(args)
+    if args.name in ("async-vs-sync", "all"):
+        try:
+            result = bench_async_vs_sync(settings, output_dir=args.output_dir)
+        except RuntimeError as error:
+            print(f"longhorizon bench: {error}", file=sys.stderr)
+            return 1
+        if args.output_dir is not None:
+            (Path(args.output_dir) / "bench.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        results["async_vs_sync"] = result
+        print_async_vs_sync(result)
+    if args.name == "all":
+        print(json.dumps(results, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

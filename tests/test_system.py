@@ -1,0 +1,144 @@
+"""The launcher and the processes it supervises: restart, Ctrl-C, resume, and hostile input.
+
+Real processes over loopback ZeroMQ. The actors use the scripted engine on the codebook env with
+a simulated per-token latency (so a run lasts long enough to interfere with it); the learner
+trains a tiny model whose vocabulary covers the byte tokens the scripted engine writes.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from longhorizon.common.config import load_config
+from longhorizon.common.metrics import read_metrics
+from longhorizon.common.models import build_tiny_model
+
+pytestmark = pytest.mark.slow
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def byte_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-bytes", words=[f"w{i}" for i in range(260)])
+
+
+def _overrides(tmp_path, byte_model, name, steps, extra=()):
+    return [
+        f"run.output_dir={str(tmp_path)!r}", f"run.name={name!r}", f"run.total_steps={steps}",
+        f"model.path={str(byte_model)!r}", "env.name='codebook'", "actor.engine='scripted'",
+        "actor.scripted_policy='random'", "actor.simulated_token_latency_s=0.02", "actor.num_actors=2",
+        "actor.group_size=4", "actor.concurrent_groups=2", "actor.heartbeat_s=0.5", "learner.groups_per_step=2",
+        "learner.learning_rate=1e-3", "learner.checkpoint_every=4", "learner.max_staleness=4",
+        "horizon.schedule='stepwise'", "horizon.stages=[2, 3, 4]", "horizon.stage_steps=3", *extra,
+    ]
+
+
+def _start(overrides):
+    return subprocess.Popen(
+        [sys.executable, "-m", "longhorizon.launch.cli", "train", str(REPO_ROOT / "configs" / "codebook.toml"),
+         *overrides, "--no-plots"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
+    )
+
+
+def _wait_for_step(run_dir, step, process, timeout=90):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        records = read_metrics(run_dir)
+        if records and records[-1]["step"] >= step:
+            return records
+        assert process.poll() is None, process.stdout.read()
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} within {timeout}s")
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _all_pids(run_dir):
+    return {name: entry["pid"] for name, entry in json.loads((run_dir / "processes.json").read_text()).items()}
+
+
+def test_killed_actor_is_restarted_and_the_learner_keeps_going(tmp_path, byte_model):
+    overrides = _overrides(tmp_path, byte_model, "restart", 30)
+    run_dir = tmp_path / "restart"
+    process = _start(overrides)
+    try:
+        _wait_for_step(run_dir, 3, process)
+        first_pids = _all_pids(run_dir)
+        os.kill(first_pids["actor-0"], signal.SIGKILL)
+        # Hostile input on the learner's trajectory socket while we are at it.
+        config = load_config(run_dir / "config.toml")
+        context = zmq.Context()
+        push = context.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(f"tcp://127.0.0.1:{config.transport.trajectory_port}")
+        for garbage in ([b"\x00garbage"], [b"\x81\xa4type\xa5bogus"], [os.urandom(1000), b"x"]):
+            push.send_multipart(garbage)
+        output, _ = process.communicate(timeout=180)
+        push.close()
+        context.term()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output
+    assert "actor-0 exited with code -9; restarting" in output
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 31))
+    assert records[-1]["rejected_messages"] >= 3
+    final_pids = _all_pids(run_dir)
+    assert final_pids["actor-0"] != first_pids["actor-0"]
+    for pid in {*first_pids.values(), *final_pids.values()}:
+        assert not _alive(pid), f"process {pid} left behind"
+
+
+def test_ctrl_c_stops_every_process(tmp_path, byte_model):
+    run_dir = tmp_path / "interrupt"
+    process = _start(_overrides(tmp_path, byte_model, "interrupt", 1000))
+    try:
+        _wait_for_step(run_dir, 2, process)
+        pids = _all_pids(run_dir)
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, output
+    for pid in pids.values():
+        assert not _alive(pid), f"process {pid} left behind"
+
+
+def test_resume_continues_step_version_and_horizon(tmp_path, byte_model):
+    first = _start(_overrides(tmp_path, byte_model, "resume", 4))
+    output, _ = first.communicate(timeout=180)
+    assert first.returncode == 0, output
+    run_dir = tmp_path / "resume"
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+
+    second = _start(_overrides(tmp_path, byte_model, "resume", 8, ["run.resume=true"]))
+    output, _ = second.communicate(timeout=180)
+    assert second.returncode == 0, output
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [r["version"] for r in records[4:]] == [5, 6, 7, 8]
+    # Each record carries the cap in force after its step; stages last 3 steps, across the resume too.
+    assert [r["horizon_cap"] for r in records] == [2, 2, 3, 3, 3, 4, 4, 4]
+    assert "resumed from" in (run_dir / "logs" / "learner.log").read_text()
