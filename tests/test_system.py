@@ -142,3 +142,13 @@ def test_resume_continues_step_version_and_horizon(tmp_path, byte_model):
     # Each record carries the cap in force after its step; stages last 3 steps, across the resume too.
     assert [r["horizon_cap"] for r in records] == [2, 2, 3, 3, 3, 4, 4, 4]
     assert "resumed from" in (run_dir / "logs" / "learner.log").read_text()
+
+
+def test_sync_mode_trains_only_on_the_current_version(tmp_path, byte_model):
+    process = _start(_overrides(tmp_path, byte_model, "sync", 6, ["run.mode='sync'"]))
+    output, _ = process.communicate(timeout=180)
+    assert process.returncode == 0, output
+    records = read_metrics(tmp_path / "sync")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert all(r["staleness_max"] == 0 for r in records)
+    assert all(r["groups_dropped_stale"] == 0 for r in records)

@@ -1,0 +1,37 @@
+"""Packaging: a built wheel installs the folders under the single `longhorizon` import name."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_wheel_installs_under_one_import_name(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(REPO_ROOT), "-w", str(tmp_path)],
+        check=True, capture_output=True,
+    )
+    wheel = next(tmp_path.glob("longhorizon-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "longhorizon/common/wire.py" in names and "longhorizon/configs/quickstart.toml" in names
+    assert not any(name.startswith(("common/", "envs/", "launch/", "tests/")) for name in names)
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)  # what an installer does for a pure-Python wheel
+    probe = (
+        "import longhorizon, longhorizon.common.config, longhorizon.envs.base, importlib.util;"
+        "assert 'site-packages' in longhorizon.__file__, longhorizon.__file__;"
+        "assert importlib.util.find_spec('common') is None and importlib.util.find_spec('launch') is None"
+    )
+    subprocess.run([str(venv / "bin" / "python"), "-c", probe], check=True, cwd=tmp_path)
