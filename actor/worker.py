@@ -32,7 +32,7 @@ def sync_share(groups_per_step: int, num_actors: int, actor_index: int) -> int:
     return base + (1 if actor_index < extra else 0)
 
 
-def engine_settings(config: Config, model_path: str) -> EngineSettings:
+def engine_settings(config: Config, model_path: str, actor_index: int = 0) -> EngineSettings:
     actor = config.actor
     return EngineSettings(
         model_path=model_path,
@@ -43,7 +43,7 @@ def engine_settings(config: Config, model_path: str) -> EngineSettings:
         env_options=dict(config.env.options),
         scripted_policy=actor.scripted_policy,
         simulated_token_latency_s=actor.simulated_token_latency_s,
-        seed=config.run.seed,
+        seed=config.run.seed * 1000 + actor_index,  # actors must not sample identical streams
         torch_threads=actor.torch_threads,
     )
 
@@ -226,7 +226,7 @@ async def run_actor(config: Config, actor_index: int, endpoints, *, engine: Engi
         model_path = ""
         if config.actor.engine != "scripted":
             model_path = str(resolve_model_path(config.model.path, config.model.cache_dir))
-        settings = engine_settings(config, model_path)
+        settings = engine_settings(config, model_path, actor_index)
         engine = await trio.to_thread.run_sync(make_engine, config.actor.engine, settings)
     actor = Actor(config, actor_index, endpoints, engine)
     try:

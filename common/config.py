@@ -138,10 +138,6 @@ class LearnerConfig:
     folder on a filesystem every actor can read)."""
     checkpoint_every: int = 10
     """Write a checkpoint every N steps (and always at the end)."""
-    eval_every: int = 0
-    """Greedy evaluation on held-out tasks every N steps (0: only at the end when eval_episodes > 0)."""
-    eval_episodes: int = 0
-    """Held-out episodes evaluated by the learner at the end of the run (0 disables)."""
     sample_episodes_every: int = 1
     """Write one sample episode as text every N steps."""
     torch_threads: int = 1

@@ -18,10 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-from longhorizon.common.config import Config, dump_toml
+from longhorizon.common.config import Config, ConfigError, dump_toml
 from longhorizon.common.metrics import read_metrics
 
 _MAX_RESTARTS_PER_ACTOR = 20
+_MIN_SECONDS_BETWEEN_STARTS = 2.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -38,6 +39,40 @@ def with_ports(config: Config) -> Config:
         for name in ("trajectory_port", "broadcast_port", "control_port")
     }
     return dataclasses.replace(config, transport=dataclasses.replace(transport, **ports))
+
+
+def validate_config(config: Config) -> None:
+    """Cheap checks before any process starts, so a wrong name fails once with a clear message
+    instead of crashing every actor in a restart loop."""
+    from longhorizon.actor.engines.base import load_engine_class
+    from longhorizon.envs.base import get_env_spec, list_tasks
+    from longhorizon.learner.broadcast import WEIGHTS_TRANSPORTS
+    from longhorizon.learner.curriculum import make_horizon_schedule
+    from longhorizon.learner.losses import POLICY_LOSS_NAMES
+
+    def require(condition: bool, message: str) -> None:
+        if not condition:
+            raise ConfigError(message)
+
+    require(config.run.mode in ("async", "sync"), f"run.mode must be async or sync, got {config.run.mode!r}")
+    require(config.run.total_steps > 0, "run.total_steps must be positive")
+    require(config.actor.num_actors > 0, "actor.num_actors must be positive")
+    require(config.actor.group_size >= 2, "actor.group_size must be at least 2 (GRPO compares episodes)")
+    require(config.learner.loss in POLICY_LOSS_NAMES,
+            f"learner.loss {config.learner.loss!r} is not one of {', '.join(POLICY_LOSS_NAMES)}")
+    require(config.learner.advantage in ("grpo", "rloo"), f"learner.advantage must be grpo or rloo")
+    require(config.learner.weights_transport in WEIGHTS_TRANSPORTS,
+            f"learner.weights_transport must be one of {', '.join(WEIGHTS_TRANSPORTS)}")
+    get_env_spec(config.env.name)
+    if not list_tasks(config.env.name, config.env.train_split, **dict(config.env.options)):
+        raise ConfigError(f"env {config.env.name!r} has no {config.env.train_split!r} tasks")
+    load_engine_class(config.actor.engine)
+    if config.actor.engine == "scripted" and config.actor.scripted_policy not in get_env_spec(config.env.name).policies:
+        raise ConfigError(
+            f"env {config.env.name!r} has no scripted policy {config.actor.scripted_policy!r}; "
+            f"available: {', '.join(sorted(get_env_spec(config.env.name).policies))}"
+        )
+    make_horizon_schedule(config.horizon.schedule, config.horizon.stages, config.horizon.stage_steps)
 
 
 def prepare_run_dir(config: Config) -> Path:
@@ -67,6 +102,7 @@ class _Child:
         self.config_path, self.log_path = config_path, log_path
         self.process: subprocess.Popen | None = None
         self.restarts = 0
+        self.started_at = 0.0
 
     @property
     def name(self) -> str:
@@ -77,6 +113,7 @@ class _Child:
             sys.executable, "-m", "longhorizon.launch.worker", self.role,
             "--config", str(self.config_path), "--index", str(self.index),
         ]
+        self.started_at = time.monotonic()
         log_file = self.log_path.open("ab")
         # A session of its own: the launcher decides the order of shutdown on Ctrl-C.
         self.process = subprocess.Popen(
@@ -128,6 +165,7 @@ def launch_local(config: Config, *, progress=print) -> int:
     """Run a training job in processes; returns the exit code (0 when training finished)."""
     from longhorizon.common.models import resolve_model_path
 
+    validate_config(config)
     config = with_ports(config)
     run_dir = prepare_run_dir(config)
     config_path = run_dir / "config.toml"
@@ -168,6 +206,8 @@ def launch_local(config: Config, *, progress=print) -> int:
                     progress(f"{actor.name} exited with {code} too often; not restarting")
                     actor.process = None
                     continue
+                if time.monotonic() - actor.started_at < _MIN_SECONDS_BETWEEN_STARTS:
+                    continue  # crashing at start-up: wait a little before trying again
                 actor.restarts += 1
                 progress(f"{actor.name} exited with code {code}; restarting ({actor.restarts})")
                 actor.start()
@@ -199,6 +239,7 @@ async def train_in_process(config: Config, *, model_path: str | None = None, eng
     from longhorizon.common.transport import InProcessNetwork
     from longhorizon.learner.worker import run_learner
 
+    validate_config(config)
     prepare_run_dir(config)
     network = InProcessNetwork()
     async with trio.open_nursery() as nursery:

@@ -1,5 +1,6 @@
 """Packaging: a built wheel installs the folders under the single `longhorizon` import name."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -12,8 +13,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_wheel_installs_under_one_import_name(tmp_path):
+    # Build from a copy: setuptools leaves a build/ folder in the source tree it builds from.
+    source = tmp_path / "source"
+    shutil.copytree(
+        REPO_ROOT, source,
+        ignore=shutil.ignore_patterns(".venv", ".cache", ".git", "runs", "build", "*.egg-info", "__pycache__"),
+    )
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(REPO_ROOT), "-w", str(tmp_path)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source), "-w", str(tmp_path)],
         check=True, capture_output=True,
     )
     wheel = next(tmp_path.glob("longhorizon-*.whl"))

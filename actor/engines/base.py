@@ -85,7 +85,7 @@ class Engine(Protocol):
         """Release resources."""
 
 
-class EngineError(RuntimeError):
+class EngineError(ValueError):
     """An engine cannot be found or started."""
 
 

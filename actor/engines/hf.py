@@ -70,6 +70,8 @@ class HFEngine:
         from longhorizon.common.models import load_causal_lm, load_tokenizer
 
         torch.set_num_threads(max(1, settings.torch_threads))
+        # transformers samples from torch's global generator.
+        torch.manual_seed(settings.seed)
         self.settings = settings
         self.sampling = settings.sampling
         self.model = load_causal_lm(settings.model_path, settings.dtype).eval()
@@ -82,7 +84,6 @@ class HFEngine:
         self._model_lock = threading.Lock()
         self._pending: list[_Slot] = []
         self._busy = False
-        self._generator = torch.Generator().manual_seed(settings.seed)
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         slot = _Slot(request)

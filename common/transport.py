@@ -1,0 +1,849 @@
+"""Message transports: ZeroMQ sockets polled from trio, and an in-process twin with the same interfaces.
+
+Three channels connect the learner and its actors:
+
+- trajectories, actor PUSH (connect) -> learner PULL (bind). When the high-water marks are
+  reached the sender waits: nothing is dropped.
+- broadcasts (weights, horizon cap), learner PUB (bind) -> actor SUB (connect). Each broadcast
+  supersedes the previous one, so losing one is tolerable; a subscriber only sees messages
+  published after it connected, and once its queue and the publisher's are full (the high-water
+  marks) newer messages are dropped until it catches up.
+- control (hello, heartbeat, stop, statistics), actor DEALER (connect, identity = actor id) <->
+  learner ROUTER (bind).
+
+Every receiving socket has ``zmq.MAXMSGSIZE`` set from its ``WireLimits``: libzmq drops a frame
+larger than that before buffering it and disconnects the peer that sent it (a connecting peer
+then reconnects by itself); such a message never reaches the decoder and is not counted. The
+decoder's own limits (total size, frame count, strings, tokens) catch everything else, and each
+message they reject is counted in ``rejected`` and logged at WARNING, at most once per
+``REJECTION_LOG_INTERVAL_S`` per socket.
+
+Addresses are ZeroMQ endpoints such as ``"tcp://127.0.0.1:5555"``; a bound socket accepts port 0 or
+``*`` and exposes the port it got in ``.address``. Sockets bind on 127.0.0.1 by default. Nothing
+here authenticates peers: exposing a socket beyond loopback needs CurveZMQ, which is not built yet.
+
+Arrays in a sent message are handed to ZeroMQ without copying: do not modify them after ``send``.
+"""
+
+import logging
+import time
+from collections import deque
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+from urllib.parse import urlsplit
+
+import trio
+import zmq
+
+from longhorizon.common.wire import (
+    CONTROL_LIMITS,
+    DEFAULT_LIMITS,
+    WEIGHTS_LIMITS,
+    Message,
+    WireError,
+    WireLimits,
+    decode,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+REJECTION_LOG_INTERVAL_S = 10.0
+"""At most one warning per socket in this many seconds; the others are summed into the next."""
+
+DEFAULT_TRAJECTORY_HWM = 64
+"""Trajectories queued per connection on each side before a sender waits (~1 MiB each)."""
+
+DEFAULT_BROADCAST_HWM = 8
+"""Broadcasts queued per subscriber on each side; whole models can be in each."""
+
+DEFAULT_CONTROL_HWM = 256
+"""Control messages queued per connection on each side; they are small."""
+
+_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+
+class UnknownPeer(LookupError):
+    """A router was asked to send to a peer that is not connected (or never was)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Interfaces
+# ---------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Sender(Protocol):
+    """Sends messages to one channel; ``send`` waits while the channel is full."""
+
+    async def send(self, message: Message) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Receiver(Protocol):
+    """Receives valid messages; invalid ones are skipped, logged and counted in ``rejected``."""
+
+    rejected: int
+
+    async def receive(self) -> Message: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Router(Protocol):
+    """The learner's end of the control channel: talks to many peers by id."""
+
+    rejected: int
+
+    async def receive(self) -> tuple[str, Message]: ...
+
+    async def send(self, peer_id: str, message: Message) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Dealer(Protocol):
+    """An actor's end of the control channel."""
+
+    rejected: int
+
+    async def send(self, message: Message) -> None: ...
+
+    async def receive(self) -> Message: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class LearnerEndpoints:
+    """Everything the learner process talks through."""
+
+    trajectories: Receiver
+    broadcast: Sender
+    control: Router
+
+    def close(self) -> None:
+        self.trajectories.close()
+        self.broadcast.close()
+        self.control.close()
+
+
+@dataclass
+class ActorEndpoints:
+    """Everything an actor process talks through."""
+
+    trajectories: Sender
+    broadcast: Receiver
+    control: Dealer
+
+    def close(self) -> None:
+        self.trajectories.close()
+        self.broadcast.close()
+        self.control.close()
+
+
+class _RejectionLog:
+    """Counts rejected messages and logs them without letting a flood spam the log."""
+
+    def __init__(self, socket_name: str, interval_s: float = REJECTION_LOG_INTERVAL_S) -> None:
+        self.socket_name = socket_name
+        self.interval_s = interval_s
+        self.count = 0
+        self._unreported = 0
+        self._next_report_time = 0.0
+
+    def record(self, reason: str) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now < self._next_report_time:
+            self._unreported += 1
+            return
+        also = f" ({self._unreported} more rejected since the last report)" if self._unreported else ""
+        logger.warning("%s rejected a message: %s%s", self.socket_name, reason[:300], also)
+        self._unreported = 0
+        self._next_report_time = now + self.interval_s
+
+
+class _Decoding:
+    """Decodes received frames; counts and logs the messages it has to reject."""
+
+    _limits: WireLimits
+    _rejections: _RejectionLog
+
+    @property
+    def rejected(self) -> int:
+        """Messages received and dropped as invalid since this endpoint was made."""
+        return self._rejections.count
+
+    def _decode_or_count(self, frames: Any) -> Message | None:
+        try:
+            return decode(frames, limits=self._limits)
+        except WireError as error:
+            self._rejections.record(error.reason)
+            return None
+
+
+# ---------------------------------------------------------------------------------------------
+# ZeroMQ under trio
+# ---------------------------------------------------------------------------------------------
+
+
+class _TrioSocket:
+    """A ZeroMQ socket whose sends and receives wait in trio instead of blocking the thread.
+
+    ZeroMQ exposes one file descriptor per socket that becomes readable whenever the socket's
+    state *may* have changed, in either direction (so it is waited on for readability even when
+    waiting to send). It is edge-triggered, and any call into the socket (send, receive, even
+    reading ZMQ_EVENTS) can consume the edge. So: always read ZMQ_EVENTS before waiting; let
+    only one task wait on the descriptor at a time (trio allows no more); and whenever a call
+    finds the socket ready in a direction some other task is waiting for, wake that task,
+    because the edge it was waiting for may just have been consumed.
+    """
+
+    def __init__(self, socket: zmq.Socket, name: str) -> None:
+        self.socket = socket
+        self.name = name
+        self.closed = False
+        self._fd = socket.getsockopt(zmq.FD)
+        self._waiting = {zmq.POLLIN: 0, zmq.POLLOUT: 0}
+        self._fd_watch: trio.CancelScope | None = None
+        self._bystanders = 0
+        self._state_changed = trio.Event()
+
+    def _raise_if_closed(self) -> None:
+        if self.closed:
+            raise trio.ClosedResourceError(f"{self.name} is closed")
+
+    def _wake_others(self) -> None:
+        if self._fd_watch is not None:
+            self._fd_watch.cancel()
+        if self._bystanders:
+            self._state_changed.set()
+            self._state_changed = trio.Event()
+
+    def _read_events(self) -> int:
+        events = self.socket.getsockopt(zmq.EVENTS)
+        if (events & zmq.POLLIN and self._waiting[zmq.POLLIN]) or (
+            events & zmq.POLLOUT and self._waiting[zmq.POLLOUT]
+        ):
+            self._wake_others()
+        return events
+
+    async def _wait_for(self, flag: int) -> None:
+        self._waiting[flag] += 1
+        try:
+            while True:
+                self._raise_if_closed()
+                if self._read_events() & flag:
+                    return
+                if self._fd_watch is None:
+                    with trio.CancelScope() as scope:
+                        self._fd_watch = scope
+                        try:
+                            await trio.lowlevel.wait_readable(self._fd)
+                        finally:
+                            self._fd_watch = None
+                            # Someone else may need to take over watching the descriptor.
+                            if self._bystanders:
+                                self._state_changed.set()
+                                self._state_changed = trio.Event()
+                else:
+                    self._bystanders += 1
+                    try:
+                        await self._state_changed.wait()
+                    finally:
+                        self._bystanders -= 1
+        finally:
+            self._waiting[flag] -= 1
+
+    def _after_operation(self) -> None:
+        if self._waiting[zmq.POLLIN] or self._waiting[zmq.POLLOUT]:
+            self._read_events()
+
+    async def send_frames(self, frames: list[Any], *, full_retry_s: float | None = None) -> None:
+        """Send one multipart message, waiting while the socket cannot take it.
+
+        ``full_retry_s``: for a ROUTER, where ZMQ_EVENTS says "writable" as long as *any* peer
+        has room, a full peer is retried after this many seconds instead of waiting on events.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            self._raise_if_closed()
+            try:
+                # Multipart messages are atomic in ZeroMQ: if the first frame is accepted, so are
+                # the rest, so a NOBLOCK send never leaves half a message behind.
+                self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if full_retry_s is None:
+                    await self._wait_for(zmq.POLLOUT)
+                else:
+                    await trio.sleep(full_retry_s)
+                continue
+            self._after_operation()
+            # Let other tasks run even when the socket never makes us wait.
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+
+    async def receive_frames(self) -> list[zmq.Frame]:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            self._raise_if_closed()
+            try:
+                frames = self.socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                await self._wait_for(zmq.POLLIN)
+                continue
+            self._after_operation()
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return frames
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._fd_watch is not None:
+            # Wakes the task parked on the descriptor with ClosedResourceError before the
+            # descriptor disappears (only possible inside trio, where such a task can exist).
+            trio.lowlevel.notify_closing(self._fd)
+        if self._bystanders:
+            self._state_changed.set()
+        self.socket.close(linger=0)
+
+
+def _warn_if_exposed(address: str, name: str) -> None:
+    parts = urlsplit(address)
+    if parts.scheme == "tcp" and parts.hostname is not None:
+        host = parts.netloc.rsplit(":", 1)[0]
+        if host not in _LOOPBACK_HOSTS:
+            logger.warning(
+                "%s binds to %s: beyond loopback and without authentication (CurveZMQ is not "
+                "built yet); any host that can reach it can send messages",
+                name,
+                address,
+            )
+
+
+def _open_socket(
+    *,
+    context: zmq.Context | None,
+    socket_type: int,
+    name: str,
+    address: str,
+    bind: bool,
+    send_hwm: int,
+    receive_hwm: int,
+    limits: WireLimits | None,
+    identity: str | None = None,
+    options: dict[int, int] | None = None,
+) -> tuple[_TrioSocket, str]:
+    """A configured, bound or connected socket, and its address (with the real port if bound)."""
+    if not isinstance(address, str) or "://" not in address:
+        raise ValueError(f"{name}: {address!r} is not a ZeroMQ address like 'tcp://127.0.0.1:5555'")
+    if send_hwm < 0 or receive_hwm < 0:
+        raise ValueError(f"{name}: high-water marks must be >= 0 (0 means unlimited)")
+    socket = (context or zmq.Context.instance()).socket(socket_type)
+    try:
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, send_hwm)
+        socket.setsockopt(zmq.RCVHWM, receive_hwm)
+        if limits is not None:
+            socket.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
+        if identity is not None:
+            socket.setsockopt(zmq.IDENTITY, identity.encode("utf-8"))
+        for option, value in (options or {}).items():
+            socket.setsockopt(option, value)
+        if bind:
+            _warn_if_exposed(address, name)
+            socket.bind(address)
+            address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            socket.connect(address)
+    except zmq.ZMQError as error:
+        socket.close(linger=0)
+        verb = "bind" if bind else "connect"
+        raise OSError(error.errno, f"{name}: cannot {verb} to {address!r}: {error.strerror}") from error
+    return _TrioSocket(socket, name), address
+
+
+class _ZmqEndpoint:
+    """Shared by the ZeroMQ endpoints: the socket, its address, and closing."""
+
+    _socket: _TrioSocket
+    address: str
+
+    def close(self) -> None:
+        """Close the socket at once (LINGER 0): messages not yet sent are dropped."""
+        self._socket.close()
+
+    def __enter__(self) -> "_ZmqEndpoint":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class _ZmqReceiving(_Decoding, _ZmqEndpoint):
+    """A ZeroMQ endpoint that decodes what it receives."""
+
+
+class ZmqPushSender(_ZmqEndpoint):
+    """Sends trajectories to the learner (PUSH, connects); waits when the queues are full."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        send_hwm: int = DEFAULT_TRAJECTORY_HWM,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self._socket, self.address = _open_socket(
+            context=context, socket_type=zmq.PUSH, name="trajectory sender", address=address,
+            bind=False, send_hwm=send_hwm, receive_hwm=0, limits=None,
+        )
+
+    async def send(self, message: Message) -> None:
+        await self._socket.send_frames(encode(message))
+
+
+class ZmqPullReceiver(_ZmqReceiving):
+    """Receives trajectories from all actors (PULL, binds)."""
+
+    def __init__(
+        self,
+        address: str = "tcp://127.0.0.1:*",
+        *,
+        limits: WireLimits = DEFAULT_LIMITS,
+        receive_hwm: int = DEFAULT_TRAJECTORY_HWM,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self._limits = limits
+        self._rejections = _RejectionLog("trajectory receiver")
+        self._socket, self.address = _open_socket(
+            context=context, socket_type=zmq.PULL, name="trajectory receiver", address=address,
+            bind=True, send_hwm=0, receive_hwm=receive_hwm, limits=limits,
+        )
+
+    async def receive(self) -> Message:
+        while True:
+            message = self._decode_or_count(await self._socket.receive_frames())
+            if message is not None:
+                return message
+
+
+class ZmqPublisher(_ZmqEndpoint):
+    """Broadcasts weights and horizon updates to every subscribed actor (PUB, binds).
+
+    Never waits: a subscriber that is more than the high-water marks behind misses messages.
+    """
+
+    def __init__(
+        self,
+        address: str = "tcp://127.0.0.1:*",
+        *,
+        send_hwm: int = DEFAULT_BROADCAST_HWM,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self._socket, self.address = _open_socket(
+            context=context, socket_type=zmq.PUB, name="broadcast publisher", address=address,
+            bind=True, send_hwm=send_hwm, receive_hwm=0, limits=None,
+        )
+
+    async def send(self, message: Message) -> None:
+        await self._socket.send_frames(encode(message))
+
+
+class ZmqSubscriber(_ZmqReceiving):
+    """Receives every broadcast published after it connected (SUB, connects)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        limits: WireLimits = WEIGHTS_LIMITS,
+        receive_hwm: int = DEFAULT_BROADCAST_HWM,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self._limits = limits
+        self._rejections = _RejectionLog("broadcast subscriber")
+        self._socket, self.address = _open_socket(
+            context=context, socket_type=zmq.SUB, name="broadcast subscriber", address=address,
+            bind=False, send_hwm=0, receive_hwm=receive_hwm, limits=limits,
+        )
+        self._socket.socket.setsockopt(zmq.SUBSCRIBE, b"")
+
+    async def receive(self) -> Message:
+        while True:
+            message = self._decode_or_count(await self._socket.receive_frames())
+            if message is not None:
+                return message
+
+
+class ZmqRouter(_ZmqReceiving):
+    """The learner's control socket (ROUTER, binds): messages arrive tagged with the actor id.
+
+    An actor that reconnects under the same id takes over its old connection (ROUTER_HANDOVER),
+    so a restarted actor is reachable at once. Sending to an id that is not connected raises
+    ``UnknownPeer`` instead of dropping the message silently (ROUTER_MANDATORY).
+    """
+
+    def __init__(
+        self,
+        address: str = "tcp://127.0.0.1:*",
+        *,
+        limits: WireLimits = CONTROL_LIMITS,
+        hwm: int = DEFAULT_CONTROL_HWM,
+        full_peer_retry_s: float = 0.01,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self._limits = limits
+        self._rejections = _RejectionLog("control router")
+        self._full_peer_retry_s = full_peer_retry_s
+        self._socket, self.address = _open_socket(
+            context=context, socket_type=zmq.ROUTER, name="control router", address=address,
+            bind=True, send_hwm=hwm, receive_hwm=hwm, limits=limits,
+            options={zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1},
+        )
+
+    async def receive(self) -> tuple[str, Message]:
+        while True:
+            frames = await self._socket.receive_frames()
+            try:
+                peer_id = frames[0].bytes.decode("utf-8")
+            except UnicodeDecodeError:
+                self._rejections.record("peer identity is not UTF-8 (not one of our actors)")
+                continue
+            message = self._decode_or_count(frames[1:])
+            if message is not None:
+                return peer_id, message
+
+    async def send(self, peer_id: str, message: Message) -> None:
+        frames = [peer_id.encode("utf-8"), *encode(message)]
+        try:
+            await self._socket.send_frames(frames, full_retry_s=self._full_peer_retry_s)
+        except zmq.ZMQError as error:
+            if error.errno == zmq.EHOSTUNREACH:
+                raise UnknownPeer(f"control router: no connected peer {peer_id!r}") from None
+            raise
+
+
+class ZmqDealer(_ZmqReceiving):
+    """An actor's control socket (DEALER, connects, identity = actor id)."""
+
+    def __init__(
+        self,
+        actor_id: str,
+        address: str,
+        *,
+        limits: WireLimits = CONTROL_LIMITS,
+        hwm: int = DEFAULT_CONTROL_HWM,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if not actor_id:
+            raise ValueError("a dealer needs a non-empty actor id (it is its routing identity)")
+        self.actor_id = actor_id
+        self._limits = limits
+        self._rejections = _RejectionLog(f"control dealer {actor_id}")
+        self._socket, self.address = _open_socket(
+            context=context, socket_type=zmq.DEALER, name=f"control dealer {actor_id}",
+            address=address, bind=False, send_hwm=hwm, receive_hwm=hwm, limits=limits,
+            identity=actor_id,
+        )
+
+    async def send(self, message: Message) -> None:
+        await self._socket.send_frames(encode(message))
+
+    async def receive(self) -> Message:
+        while True:
+            message = self._decode_or_count(await self._socket.receive_frames())
+            if message is not None:
+                return message
+
+
+def zmq_learner_endpoints(
+    *,
+    trajectory_address: str,
+    broadcast_address: str,
+    control_address: str,
+    trajectory_limits: WireLimits = DEFAULT_LIMITS,
+    control_limits: WireLimits = CONTROL_LIMITS,
+    trajectory_hwm: int = DEFAULT_TRAJECTORY_HWM,
+    broadcast_hwm: int = DEFAULT_BROADCAST_HWM,
+    control_hwm: int = DEFAULT_CONTROL_HWM,
+    context: zmq.Context | None = None,
+) -> LearnerEndpoints:
+    """The learner's three sockets, bound (port 0 picks free ports; see each ``.address``)."""
+    with ExitStack() as opened:
+        trajectories = ZmqPullReceiver(
+            trajectory_address, limits=trajectory_limits, receive_hwm=trajectory_hwm, context=context
+        )
+        opened.callback(trajectories.close)
+        broadcast = ZmqPublisher(broadcast_address, send_hwm=broadcast_hwm, context=context)
+        opened.callback(broadcast.close)
+        control = ZmqRouter(control_address, limits=control_limits, hwm=control_hwm, context=context)
+        opened.pop_all()
+    return LearnerEndpoints(trajectories=trajectories, broadcast=broadcast, control=control)
+
+
+def zmq_actor_endpoints(
+    actor_id: str,
+    *,
+    trajectory_address: str,
+    broadcast_address: str,
+    control_address: str,
+    broadcast_limits: WireLimits = WEIGHTS_LIMITS,
+    control_limits: WireLimits = CONTROL_LIMITS,
+    trajectory_hwm: int = DEFAULT_TRAJECTORY_HWM,
+    broadcast_hwm: int = DEFAULT_BROADCAST_HWM,
+    control_hwm: int = DEFAULT_CONTROL_HWM,
+    context: zmq.Context | None = None,
+) -> ActorEndpoints:
+    """An actor's three sockets, connected to the learner's addresses.
+
+    Connecting succeeds even while the learner is not up yet: ZeroMQ keeps retrying.
+    """
+    with ExitStack() as opened:
+        trajectories = ZmqPushSender(trajectory_address, send_hwm=trajectory_hwm, context=context)
+        opened.callback(trajectories.close)
+        broadcast = ZmqSubscriber(
+            broadcast_address, limits=broadcast_limits, receive_hwm=broadcast_hwm, context=context
+        )
+        opened.callback(broadcast.close)
+        control = ZmqDealer(
+            actor_id, control_address, limits=control_limits, hwm=control_hwm, context=context
+        )
+        opened.pop_all()
+    return ActorEndpoints(trajectories=trajectories, broadcast=broadcast, control=control)
+
+
+# ---------------------------------------------------------------------------------------------
+# The in-process twin
+# ---------------------------------------------------------------------------------------------
+
+
+def _detached(frames: list[Any]) -> list[bytes]:
+    """A private copy of the frames, as a real socket would deliver: neither side sees the other's
+    later changes to its arrays. (One copy per message; cheap next to the work around it.)"""
+    return [bytes(frame) for frame in frames]
+
+
+class InProcessPushSender:
+    """Twin of ZmqPushSender: waits when the network's bounded trajectory buffer is full."""
+
+    def __init__(self, channel: trio.MemorySendChannel) -> None:
+        self._channel = channel
+
+    async def send(self, message: Message) -> None:
+        await self.send_frames(encode(message))
+
+    async def send_frames(self, frames: list[Any]) -> None:
+        """Put raw frames on the channel, as a faulty or hostile peer could (for tests)."""
+        await self._channel.send(_detached(frames))
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class InProcessPullReceiver(_Decoding):
+    """Twin of ZmqPullReceiver."""
+
+    def __init__(self, channel: trio.MemoryReceiveChannel, limits: WireLimits) -> None:
+        self._channel = channel
+        self._limits = limits
+        self._rejections = _RejectionLog("in-process trajectory receiver")
+
+    async def receive(self) -> Message:
+        while True:
+            message = self._decode_or_count(await self._channel.receive())
+            if message is not None:
+                return message
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class InProcessPublisher:
+    """Twin of ZmqPublisher: never waits; each subscriber keeps what it has not read yet."""
+
+    def __init__(self, network: "InProcessNetwork") -> None:
+        self._network = network
+        self._closed = False
+
+    async def send(self, message: Message) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("in-process publisher is closed")
+        frames = _detached(encode(message))
+        for subscriber in list(self._network._subscribers):
+            subscriber._deliver(frames)
+        await trio.lowlevel.checkpoint()
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class InProcessSubscriber(_Decoding):
+    """Twin of ZmqSubscriber: gets every message published after it subscribed, except that when
+    it falls behind it keeps only the latest ``keep_latest`` (older ones are superseded anyway)."""
+
+    def __init__(self, network: "InProcessNetwork", keep_latest: int, limits: WireLimits) -> None:
+        self._network = network
+        self._pending: deque[list[bytes]] = deque(maxlen=keep_latest)
+        self._arrived = trio.lowlevel.ParkingLot()
+        self._closed = False
+        self._limits = limits
+        self._rejections = _RejectionLog("in-process broadcast subscriber")
+
+    def _deliver(self, frames: list[bytes]) -> None:
+        self._pending.append(frames)
+        self._arrived.unpark_all()
+
+    async def receive(self) -> Message:
+        await trio.lowlevel.checkpoint()
+        while True:
+            if self._closed:
+                raise trio.ClosedResourceError("in-process subscriber is closed")
+            if not self._pending:
+                await self._arrived.park()
+                continue
+            message = self._decode_or_count(self._pending.popleft())
+            if message is not None:
+                return message
+
+    def close(self) -> None:
+        self._closed = True
+        self._network._subscribers.discard(self)
+        self._arrived.unpark_all()
+
+
+class InProcessRouter(_Decoding):
+    """Twin of ZmqRouter."""
+
+    def __init__(self, network: "InProcessNetwork", limits: WireLimits) -> None:
+        self._network = network
+        self._inbox = network._control_inbox_receive.clone()
+        self._closed = False
+        self._limits = limits
+        self._rejections = _RejectionLog("in-process control router")
+
+    async def receive(self) -> tuple[str, Message]:
+        while True:
+            peer_id, frames = await self._inbox.receive()
+            message = self._decode_or_count(frames)
+            if message is not None:
+                return peer_id, message
+
+    async def send(self, peer_id: str, message: Message) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("in-process router is closed")
+        frames = _detached(encode(message))
+        dealer = self._network._dealers.get(peer_id)
+        if dealer is None:
+            raise UnknownPeer(f"in-process router: no connected peer {peer_id!r}")
+        try:
+            await dealer._inbox_send.send(frames)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise UnknownPeer(f"in-process router: peer {peer_id!r} has closed") from None
+
+    def close(self) -> None:
+        self._closed = True
+        self._inbox.close()
+
+
+class InProcessDealer(_Decoding):
+    """Twin of ZmqDealer. A second dealer with the same id takes over from the first, like a
+    restarted actor reconnecting to a ROUTER with handover."""
+
+    def __init__(
+        self, network: "InProcessNetwork", peer_id: str, buffer: int, limits: WireLimits
+    ) -> None:
+        self.actor_id = peer_id
+        self._network = network
+        self._to_router = network._control_inbox_send.clone()
+        self._inbox_send, self._inbox_receive = trio.open_memory_channel(buffer)
+        self._limits = limits
+        self._rejections = _RejectionLog(f"in-process control dealer {peer_id}")
+
+    async def send(self, message: Message) -> None:
+        await self._to_router.send((self.actor_id, _detached(encode(message))))
+
+    async def receive(self) -> Message:
+        while True:
+            message = self._decode_or_count(await self._inbox_receive.receive())
+            if message is not None:
+                return message
+
+    def close(self) -> None:
+        if self._network._dealers.get(self.actor_id) is self:
+            del self._network._dealers[self.actor_id]
+        self._to_router.close()
+        self._inbox_receive.close()
+        self._inbox_send.close()
+
+
+class InProcessNetwork:
+    """The three channels on trio memory channels, for tests and single-process runs.
+
+    Messages still go through ``encode`` and ``decode`` (with a copy of the frames), so
+    everything that crosses this network has crossed the real codec. Must be used from one trio
+    run (memory channels belong to it once used).
+    """
+
+    def __init__(
+        self,
+        *,
+        trajectory_buffer: int = DEFAULT_TRAJECTORY_HWM,
+        broadcast_keep_latest: int = DEFAULT_BROADCAST_HWM,
+        control_buffer: int = DEFAULT_CONTROL_HWM,
+        trajectory_limits: WireLimits = DEFAULT_LIMITS,
+        broadcast_limits: WireLimits = WEIGHTS_LIMITS,
+        control_limits: WireLimits = CONTROL_LIMITS,
+    ) -> None:
+        if trajectory_buffer < 0 or control_buffer < 0 or broadcast_keep_latest < 1:
+            raise ValueError("buffers must be >= 0 and broadcast_keep_latest >= 1")
+        self._trajectory_send, self._trajectory_receive = trio.open_memory_channel(trajectory_buffer)
+        self._control_inbox_send, self._control_inbox_receive = trio.open_memory_channel(control_buffer)
+        self._subscribers: set[InProcessSubscriber] = set()
+        self._dealers: dict[str, InProcessDealer] = {}
+        self._broadcast_keep_latest = broadcast_keep_latest
+        self._control_buffer = control_buffer
+        self._trajectory_limits = trajectory_limits
+        self._broadcast_limits = broadcast_limits
+        self._control_limits = control_limits
+
+    def push_sender(self) -> InProcessPushSender:
+        return InProcessPushSender(self._trajectory_send.clone())
+
+    def pull_receiver(self) -> InProcessPullReceiver:
+        return InProcessPullReceiver(self._trajectory_receive.clone(), self._trajectory_limits)
+
+    def publisher(self) -> InProcessPublisher:
+        return InProcessPublisher(self)
+
+    def subscriber(self) -> InProcessSubscriber:
+        subscriber = InProcessSubscriber(self, self._broadcast_keep_latest, self._broadcast_limits)
+        self._subscribers.add(subscriber)
+        return subscriber
+
+    def router(self) -> InProcessRouter:
+        return InProcessRouter(self, self._control_limits)
+
+    def dealer(self, peer_id: str) -> InProcessDealer:
+        if not peer_id:
+            raise ValueError("a dealer needs a non-empty actor id (it is its routing identity)")
+        dealer = InProcessDealer(self, peer_id, self._control_buffer, self._control_limits)
+        self._dealers[peer_id] = dealer
+        return dealer
+
+    def learner_endpoints(self) -> LearnerEndpoints:
+        return LearnerEndpoints(
+            trajectories=self.pull_receiver(), broadcast=self.publisher(), control=self.router()
+        )
+
+    def actor_endpoints(self, actor_id: str) -> ActorEndpoints:
+        return ActorEndpoints(
+            trajectories=self.push_sender(), broadcast=self.subscriber(), control=self.dealer(actor_id)
+        )

@@ -1,0 +1,754 @@
+"""Every message that crosses a process boundary, and its validating MessagePack codec (no pickle).
+
+A message travels as a list of frames. Frame 0 is a MessagePack map
+``{"type": tag, "schema": version, "fields": {...}}`` holding the scalar fields and one descriptor
+per array: ``{"dtype": "<i4", "shape": [T], "data": bytes}`` for small arrays (inline), or
+``{"dtype": ..., "shape": ..., "frame": k}`` for arrays larger than ``INLINE_ARRAY_BYTES``, whose
+raw bytes are frame ``k`` (frames 1, 2, ... in the order the header names them). Large arrays are
+never concatenated or copied on the way out: the frame is a ``memoryview`` of the array itself.
+
+``decode`` trusts nothing: whatever the bytes, it returns a message or raises ``WireError``.
+"""
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import msgpack
+import numpy as np
+
+INLINE_ARRAY_BYTES = 64 * 1024
+"""Arrays up to this many bytes ride inside the header; larger ones get their own frame."""
+
+_MIB = 1 << 20
+_INT64_MIN = -(1 << 63)
+_INT64_MAX = (1 << 63) - 1
+
+# Little-endian on the wire whatever the sender's byte order. bool is left out on purpose: numpy
+# gives undefined results for bool arrays whose bytes are not 0/1, so booleans travel as uint8.
+_ALLOWED_DTYPES: dict[str, np.dtype] = {
+    np.dtype(name).newbyteorder("<").str: np.dtype(name).newbyteorder("<")
+    for name in (
+        "float16", "float32", "float64",
+        "int8", "int16", "int32", "int64",
+        "uint8", "uint16", "uint32", "uint64",
+    )
+}
+
+
+class WireError(ValueError):
+    """A message that cannot be encoded or decoded; ``reason`` says what is wrong with it."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    """Bounds a receiver enforces on every incoming message (each socket chooses its own)."""
+
+    max_message_bytes: int = 64 * _MIB
+    """Total bytes over all frames; also set as the socket's ZMQ_MAXMSGSIZE (a per-frame bound)."""
+    max_frames: int = 64
+    """Frames in one message: the header plus one per large array."""
+    max_string_chars: int = 1024
+    """Identifiers and names: ids, hostnames, env names, tensor names."""
+    max_text_chars: int = 4 * _MIB
+    """Long free text: the episode text, error descriptions, stop reasons."""
+    max_tokens: int = 1 << 20
+    """Tokens in one trajectory."""
+    max_list_items: int = 65536
+    """Items in a list field such as per-turn rewards."""
+    max_tensors: int = 65536
+    """Named tensors in one weights update."""
+    max_array_dims: int = 8
+    """Dimensions of any array."""
+
+
+DEFAULT_LIMITS = WireLimits()
+"""For trajectories (the learner's PULL socket)."""
+
+WEIGHTS_LIMITS = WireLimits(max_message_bytes=32 * 1024 * _MIB, max_frames=65537)
+"""For the broadcast channel, where whole models travel as one message (one frame per tensor)."""
+
+CONTROL_LIMITS = WireLimits(max_message_bytes=1 * _MIB, max_frames=1)
+"""For hello / heartbeat / stop / statistics: small, single-frame messages only."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Field declarations
+# ---------------------------------------------------------------------------------------------
+
+
+def _array_field(dtype: str) -> Any:
+    """A field holding a numpy array of exactly this dtype."""
+    return field(metadata={"dtype": np.dtype(dtype).newbyteorder("<")})
+
+
+def _long_text_field(default: str | None = None) -> Any:
+    """A string field bounded by ``max_text_chars`` rather than ``max_string_chars``."""
+    if default is None:
+        return field(metadata={"long_text": True})
+    return field(default=default, metadata={"long_text": True})
+
+
+@dataclass(kw_only=True, eq=False)
+class Trajectory:
+    """One finished episode: everything the learner needs to use it in an update."""
+
+    TYPE_TAG: ClassVar[str] = "trajectory"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    # Unique per episode, so the learner can drop a trajectory that arrives twice.
+    trajectory_id: str
+    # Which actor produced it: statistics, debugging, and error attribution.
+    actor_id: str
+    # The environment, so one learner can train on several at once and report them apart.
+    env_name: str
+    # The task instance played; episodes of one group share it.
+    task_id: str
+    # GRPO compares the members of a group; the learner collects them under this key.
+    group_id: str
+    # How many members the group will have, so the learner knows when it is complete.
+    group_size: int
+    # The whole conversation as token ids, exactly as generated (never re-tokenised).
+    token_ids: np.ndarray = _array_field("int32")
+    # 1 on tokens the model generated (they carry loss), 0 on prompt and environment tokens.
+    loss_mask: np.ndarray = _array_field("uint8")
+    # Log-probability the actor sampled each generated token with (0 elsewhere): the behaviour
+    # policy in the off-policy correction.
+    behaviour_logprobs: np.ndarray = _array_field("float32")
+    # Policy version that generated each token (-1 on tokens not generated); weights can change
+    # mid-episode, and staleness is measured against the oldest generated token.
+    policy_versions: np.ndarray = _array_field("int32")
+    # Tokens before the first generated token, so the learner can skip the shared prompt.
+    prompt_length: int
+    # The final outcome: the reward the update optimises.
+    reward: float
+    # Per-turn rewards, kept for inspection and for reward-shaping experiments.
+    turn_rewards: list[float]
+    # Turns taken; compared with the horizon cap to see how often episodes hit it.
+    num_turns: int
+    # Horizon cap in force when the episode ran; the learner's curriculum watches it.
+    horizon_cap: int
+    # The environment ended the episode (success or failure).
+    terminated: bool
+    # The episode was cut off (horizon cap, token budget), not ended by the environment.
+    truncated: bool
+    # Whether the task was solved, which is not always reward > 0.
+    success: bool
+    # Seconds spent generating and in the environment: throughput accounting on the learner.
+    generation_seconds: float
+    env_seconds: float
+    # The episode as readable text, for sample logs.
+    text: str = _long_text_field(default="")
+    # "" normally; otherwise what failed (environment or engine), so failures are visible.
+    error: str = _long_text_field(default="")
+
+
+@dataclass(kw_only=True, eq=False)
+class WeightsUpdate:
+    """New policy weights: either the tensors themselves or where to read them."""
+
+    TYPE_TAG: ClassVar[str] = "weights_update"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    # The policy version these weights are; actors tag generated tokens with it.
+    version: int
+    # Parameter name -> array; each large tensor travels as its own zero-copy frame. bfloat16
+    # has no numpy dtype, so it travels as uint16 with dtype_note saying so.
+    tensors: dict[str, np.ndarray] | None = None
+    # A safetensors directory on a filesystem the actors share with the learner, instead.
+    path: str | None = None
+    # Free-form hint about encodings, e.g. "bfloat16 as uint16".
+    dtype_note: str = ""
+
+
+@dataclass
+class HorizonUpdate:
+    """The horizon cap (most turns an episode may take) the actors must apply from now on."""
+
+    TYPE_TAG: ClassVar[str] = "horizon_update"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    # The new cap on turns per episode.
+    horizon_cap: int
+    # Stage of the horizon schedule, for logs and for resuming.
+    stage: int
+    # Learner step at which the cap took effect.
+    learner_step: int
+
+
+@dataclass
+class Hello:
+    """An actor announcing itself to the learner when it starts or reconnects."""
+
+    TYPE_TAG: ClassVar[str] = "hello"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    # The actor's identity; also its ZeroMQ routing identity.
+    actor_id: str
+    # Process id and host, so a person can find (and stop) the process.
+    pid: int
+    hostname: str
+    # The weights the actor holds, so the learner can tell whether it needs an update.
+    policy_version: int
+    # Engine type (hf, vllm, openai, scripted), for the run's records.
+    engine: str
+
+
+@dataclass
+class Heartbeat:
+    """Periodic sign of life from an actor; silence means it hangs or died."""
+
+    TYPE_TAG: ClassVar[str] = "heartbeat"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    actor_id: str
+    # Weights the actor currently samples with: shows how far behind it runs.
+    policy_version: int
+    # Progress since start: a heartbeat with no progress for long means a stuck actor.
+    episodes_done: int
+    # The actor's wall clock (time.time()); hosts' clocks differ, so only for display.
+    time: float
+
+
+@dataclass
+class Stop:
+    """Asks an actor (or all actors) to finish and exit."""
+
+    TYPE_TAG: ClassVar[str] = "stop"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    # Why, for the actor's log.
+    reason: str = _long_text_field()
+
+
+@dataclass
+class ActorStats:
+    """Throughput figures an actor reports now and then, for the learner's metrics."""
+
+    TYPE_TAG: ClassVar[str] = "actor_stats"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    actor_id: str
+    episodes_done: int
+    episodes_per_s: float
+    generated_tokens_per_s: float
+    mean_generation_seconds: float
+    mean_env_seconds: float
+    # Episodes that ended with an env or engine failure.
+    errors: int
+
+
+Message = Trajectory | WeightsUpdate | HorizonUpdate | Hello | Heartbeat | Stop | ActorStats
+
+MESSAGE_TYPES: tuple[type, ...] = (
+    Trajectory, WeightsUpdate, HorizonUpdate, Hello, Heartbeat, Stop, ActorStats,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Schemas derived from the declarations
+# ---------------------------------------------------------------------------------------------
+
+_KIND_BY_ANNOTATION: dict[Any, str] = {
+    str: "str",
+    int: "int",
+    float: "float",
+    bool: "bool",
+    list[float]: "float_list",
+    np.ndarray: "array",
+    dict[str, np.ndarray] | None: "tensors",
+    str | None: "optional_str",
+}
+
+
+@dataclass(frozen=True)
+class _FieldSpec:
+    name: str
+    kind: str
+    dtype: np.dtype | None
+
+
+@dataclass(frozen=True)
+class _MessageSpec:
+    cls: type
+    tag: str
+    version: int
+    fields: tuple[_FieldSpec, ...]
+    names: frozenset[str]
+    check: Callable[[dict[str, Any], "WireLimits | None"], None]
+
+
+def _field_specs(cls: type) -> tuple[_FieldSpec, ...]:
+    specs = []
+    for declared in dataclasses.fields(cls):
+        kind = _KIND_BY_ANNOTATION[declared.type]
+        if kind == "str" and declared.metadata.get("long_text"):
+            kind = "text"
+        specs.append(_FieldSpec(declared.name, kind, declared.metadata.get("dtype")))
+    return tuple(specs)
+
+
+def _fail(reason: str) -> None:
+    raise WireError(reason)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """repr of an untrusted value, bounded so a hostile message cannot flood the logs."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-message semantic checks (shared by encode and decode)
+# ---------------------------------------------------------------------------------------------
+
+
+def _require_nonempty(values: dict[str, Any], owner: str, *names: str) -> None:
+    for name in names:
+        if values[name] == "":
+            _fail(f"{owner}.{name} must not be empty")
+
+
+def _require_at_least(values: dict[str, Any], owner: str, minimum: int, *names: str) -> None:
+    for name in names:
+        if values[name] < minimum:
+            _fail(f"{owner}.{name} must be >= {minimum}, got {values[name]}")
+
+
+_TOKEN_ARRAYS = ("token_ids", "loss_mask", "behaviour_logprobs", "policy_versions")
+
+
+def _check_trajectory(values: dict[str, Any], limits: WireLimits | None) -> None:
+    _require_nonempty(values, "Trajectory", "trajectory_id", "actor_id", "group_id")
+    _require_at_least(values, "Trajectory", 1, "group_size")
+    _require_at_least(values, "Trajectory", 0, "num_turns", "horizon_cap")
+    for name in _TOKEN_ARRAYS:
+        if values[name].ndim != 1:
+            _fail(f"Trajectory.{name} must be 1-D, got shape {values[name].shape}")
+    length = len(values["token_ids"])
+    lengths = {name: len(values[name]) for name in _TOKEN_ARRAYS}
+    if len(set(lengths.values())) != 1:
+        _fail(f"Trajectory token arrays differ in length: {lengths}")
+    if limits is not None and length > limits.max_tokens:
+        _fail(f"Trajectory has {length} tokens, more than the limit {limits.max_tokens}")
+    if not 0 <= values["prompt_length"] <= length:
+        _fail(f"Trajectory.prompt_length {values['prompt_length']} is outside 0..{length}")
+    if length == 0:
+        return
+    # Reductions rather than elementwise comparisons: no temporary arrays on the hot path.
+    token_ids, loss_mask = values["token_ids"], values["loss_mask"]
+    if token_ids.min() < 0:
+        _fail("Trajectory.token_ids holds negative token ids")
+    if loss_mask.max() > 1:
+        _fail("Trajectory.loss_mask must hold only 0 and 1")
+    # One sum finds any NaN or infinity (it would only also trip on log-probs near 1e38, which
+    # are as broken as infinite ones).
+    if not math.isfinite(float(values["behaviour_logprobs"].sum())):
+        _fail("Trajectory.behaviour_logprobs holds NaN, infinity or absurdly large values")
+    policy_versions = values["policy_versions"]
+    if policy_versions.min() < -1:
+        _fail("Trajectory.policy_versions must be >= -1")
+    # Staleness is computed from generated tokens' versions; a -1 there would corrupt it. With
+    # versions >= -1 and a 0/1 mask, the product is negative exactly at such a token.
+    if (policy_versions * loss_mask).min() < 0:
+        _fail("Trajectory.policy_versions must be >= 0 on generated tokens (loss_mask 1)")
+
+
+def _check_weights_update(values: dict[str, Any], limits: WireLimits | None) -> None:
+    _require_at_least(values, "WeightsUpdate", 0, "version")
+    has_tensors, has_path = values["tensors"] is not None, values["path"] is not None
+    if has_tensors == has_path:
+        _fail("WeightsUpdate needs exactly one of tensors and path")
+    if has_path and values["path"] == "":
+        _fail("WeightsUpdate.path must not be empty")
+    if has_tensors and any(name == "" for name in values["tensors"]):
+        _fail("WeightsUpdate.tensors has an empty tensor name")
+
+
+def _check_horizon_update(values: dict[str, Any], limits: WireLimits | None) -> None:
+    _require_at_least(values, "HorizonUpdate", 1, "horizon_cap")
+    _require_at_least(values, "HorizonUpdate", 0, "stage", "learner_step")
+
+
+def _check_hello(values: dict[str, Any], limits: WireLimits | None) -> None:
+    _require_nonempty(values, "Hello", "actor_id")
+    _require_at_least(values, "Hello", 0, "pid")
+
+
+def _check_heartbeat(values: dict[str, Any], limits: WireLimits | None) -> None:
+    _require_nonempty(values, "Heartbeat", "actor_id")
+    _require_at_least(values, "Heartbeat", 0, "episodes_done")
+
+
+def _check_nothing(values: dict[str, Any], limits: WireLimits | None) -> None:
+    return None
+
+
+def _check_actor_stats(values: dict[str, Any], limits: WireLimits | None) -> None:
+    _require_nonempty(values, "ActorStats", "actor_id")
+    _require_at_least(values, "ActorStats", 0, "episodes_done", "errors")
+
+
+_CHECKS: dict[type, Callable[[dict[str, Any], WireLimits | None], None]] = {
+    Trajectory: _check_trajectory,
+    WeightsUpdate: _check_weights_update,
+    HorizonUpdate: _check_horizon_update,
+    Hello: _check_hello,
+    Heartbeat: _check_heartbeat,
+    Stop: _check_nothing,
+    ActorStats: _check_actor_stats,
+}
+
+
+def _build_spec(cls: type) -> _MessageSpec:
+    fields = _field_specs(cls)
+    return _MessageSpec(
+        cls=cls,
+        tag=cls.TYPE_TAG,
+        version=cls.SCHEMA_VERSION,
+        fields=fields,
+        names=frozenset(spec.name for spec in fields),
+        check=_CHECKS[cls],
+    )
+
+
+_SPEC_BY_CLASS: dict[type, _MessageSpec] = {cls: _build_spec(cls) for cls in MESSAGE_TYPES}
+_SPEC_BY_TAG: dict[str, _MessageSpec] = {spec.tag: spec for spec in _SPEC_BY_CLASS.values()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def _normalise_int(where: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        _fail(f"{where} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if not _INT64_MIN <= value <= _INT64_MAX:
+        _fail(f"{where} does not fit in 64 bits")
+    return value
+
+
+def _normalise_float(where: str, value: Any) -> float:
+    if not _is_number(value):
+        _fail(f"{where} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        _fail(f"{where} must be finite, got {value}")
+    return value
+
+
+def _wire_array(where: str, value: Any, dtype: np.dtype | None) -> np.ndarray:
+    """The value as a C-contiguous little-endian array of an allowed dtype (``dtype`` if given)."""
+    array = np.asarray(value)
+    if dtype is None:
+        if array.dtype == np.bool_:
+            _fail(f"{where}: send booleans as uint8")
+        dtype = array.dtype.newbyteorder("<")
+        if dtype.str not in _ALLOWED_DTYPES:
+            _fail(f"{where} has dtype {array.dtype}, which cannot travel")
+    elif array.dtype != dtype:
+        if not np.can_cast(array.dtype, dtype, casting="same_kind"):
+            _fail(f"{where} must be {dtype.name}, got {array.dtype}")
+        converted = array.astype(dtype)
+        if dtype.kind in "iu" and not np.array_equal(converted, array):
+            _fail(f"{where} holds values outside the range of {dtype.name}")
+        array = converted
+    if array.dtype != dtype:
+        array = array.astype(dtype)
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    return array
+
+
+def _normalise(owner: str, spec: _FieldSpec, value: Any) -> Any:
+    where = f"{owner}.{spec.name}"
+    kind = spec.kind
+    if kind in ("str", "text"):
+        if not isinstance(value, str):
+            _fail(f"{where} must be a str, got {type(value).__name__}")
+        return value
+    if kind == "optional_str":
+        if value is not None and not isinstance(value, str):
+            _fail(f"{where} must be a str or None, got {type(value).__name__}")
+        return value
+    if kind == "int":
+        return _normalise_int(where, value)
+    if kind == "float":
+        return _normalise_float(where, value)
+    if kind == "bool":
+        if not isinstance(value, (bool, np.bool_)):
+            _fail(f"{where} must be a bool, got {type(value).__name__}")
+        return bool(value)
+    if kind == "float_list":
+        if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+            _fail(f"{where} must be a list of numbers, got {type(value).__name__}")
+        if all(type(item) is float for item in value) and math.isfinite(sum(value)):
+            return list(value)
+        return [_normalise_float(f"{where}[{index}]", item) for index, item in enumerate(value)]
+    if kind == "array":
+        return _wire_array(where, value, spec.dtype)
+    if kind == "tensors":
+        if value is None:
+            return None
+        if not isinstance(value, Mapping):
+            _fail(f"{where} must be a dict of name -> array, got {type(value).__name__}")
+        tensors = {}
+        for name, tensor in value.items():
+            if not isinstance(name, str):
+                _fail(f"{where} keys must be str, got {type(name).__name__}")
+            tensors[name] = _wire_array(f"{where}[{name!r}]", tensor, None)
+        return tensors
+    raise AssertionError(f"unhandled field kind {kind}")
+
+
+def _array_descriptor(array: np.ndarray, frames: list[bytes | memoryview], inline_limit: int) -> dict:
+    raw = memoryview(array.reshape(-1).view(np.uint8))
+    descriptor: dict[str, Any] = {"dtype": array.dtype.str, "shape": list(array.shape)}
+    if raw.nbytes > inline_limit:
+        descriptor["frame"] = len(frames)
+        frames.append(raw)
+    else:
+        descriptor["data"] = raw.tobytes()
+    return descriptor
+
+
+def encode(message: Message, *, inline_limit: int = INLINE_ARRAY_BYTES) -> list[bytes | memoryview]:
+    """Frames for ``message``: a MessagePack header, then one zero-copy frame per large array.
+
+    The frames of large arrays share memory with the message's arrays: do not modify those
+    arrays until the frames have been sent. Raises ``WireError`` if the message is not valid.
+    """
+    spec = _SPEC_BY_CLASS.get(type(message))
+    if spec is None:
+        raise WireError(f"cannot encode {type(message).__name__}: not a wire message type")
+    owner = spec.cls.__name__
+    values = {field.name: _normalise(owner, field, getattr(message, field.name)) for field in spec.fields}
+    spec.check(values, None)
+    frames: list[bytes | memoryview] = [b""]
+    packed_fields: dict[str, Any] = {}
+    for field_spec in spec.fields:
+        value = values[field_spec.name]
+        if field_spec.kind == "array":
+            value = _array_descriptor(value, frames, inline_limit)
+        elif field_spec.kind == "tensors" and value is not None:
+            value = {name: _array_descriptor(array, frames, inline_limit) for name, array in value.items()}
+        packed_fields[field_spec.name] = value
+    header = {"type": spec.tag, "schema": spec.version, "fields": packed_fields}
+    frames[0] = msgpack.packb(header, use_bin_type=True)
+    return frames
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+# ---------------------------------------------------------------------------------------------
+
+
+class _FrameCursor:
+    """Hands out the array frames in order, so each is used exactly once."""
+
+    def __init__(self, buffers: list[memoryview]) -> None:
+        self.buffers = buffers
+        self.next_index = 1
+
+    def take(self, where: str, index: Any) -> memoryview:
+        if type(index) is not int or index != self.next_index:
+            _fail(f"{where} refers to frame {_short(index)}, expected frame {self.next_index}")
+        if index >= len(self.buffers):
+            _fail(f"{where} refers to frame {index}, but the message has {len(self.buffers)} frames")
+        self.next_index += 1
+        return self.buffers[index]
+
+
+def _byte_view(frame: Any, index: int) -> memoryview:
+    try:
+        view = memoryview(frame)
+    except TypeError:
+        _fail(f"frame {index} is not a buffer ({type(frame).__name__})")
+    if view.ndim != 1 or view.format != "B":
+        try:
+            view = view.cast("B")
+        except (TypeError, ValueError):
+            _fail(f"frame {index} is not a contiguous buffer")
+    return view
+
+
+def _decode_str(where: str, raw: Any, max_chars: int) -> str:
+    if not isinstance(raw, str):
+        _fail(f"{where} must be a str, got {type(raw).__name__}")
+    if len(raw) > max_chars:
+        _fail(f"{where} has {len(raw)} characters, more than the limit {max_chars}")
+    return raw
+
+
+def _decode_int(where: str, raw: Any) -> int:
+    if type(raw) is not int:
+        _fail(f"{where} must be an int, got {type(raw).__name__}")
+    if not _INT64_MIN <= raw <= _INT64_MAX:
+        _fail(f"{where} does not fit in 64 bits")
+    return raw
+
+
+def _decode_float(where: str, raw: Any) -> float:
+    if type(raw) not in (float, int):
+        _fail(f"{where} must be a number, got {type(raw).__name__}")
+    value = float(raw)
+    if not math.isfinite(value):
+        _fail(f"{where} must be finite, got {value}")
+    return value
+
+
+def _decode_array(
+    where: str, raw: Any, dtype: np.dtype | None, cursor: _FrameCursor, limits: WireLimits
+) -> np.ndarray:
+    if not isinstance(raw, dict):
+        _fail(f"{where} must be an array descriptor, got {type(raw).__name__}")
+    keys = set(raw)
+    if keys == {"dtype", "shape", "data"}:
+        buffer = raw["data"]
+        if not isinstance(buffer, bytes):
+            _fail(f"{where} inline data must be bytes, got {type(buffer).__name__}")
+        byte_length = len(buffer)
+    elif keys == {"dtype", "shape", "frame"}:
+        buffer = cursor.take(where, raw["frame"])
+        byte_length = buffer.nbytes
+    else:
+        _fail(f"{where} descriptor has keys {_short(sorted(map(str, keys)))}")
+    dtype_name = raw["dtype"]
+    if not isinstance(dtype_name, str) or dtype_name not in _ALLOWED_DTYPES:
+        _fail(f"{where} has dtype {_short(dtype_name)}, which is not allowed")
+    wire_dtype = _ALLOWED_DTYPES[dtype_name]
+    if dtype is not None and wire_dtype != dtype:
+        _fail(f"{where} must be {dtype.name}, got {wire_dtype.name}")
+    shape = raw["shape"]
+    if not isinstance(shape, list) or len(shape) > limits.max_array_dims:
+        _fail(f"{where} shape must be a list of at most {limits.max_array_dims} sizes")
+    for size in shape:
+        if type(size) is not int or size < 0:
+            _fail(f"{where} shape {_short(shape)} is not a list of non-negative ints")
+    count = math.prod(shape)
+    if count * wire_dtype.itemsize != byte_length:
+        _fail(
+            f"{where} has {byte_length} bytes, but shape {shape} of {wire_dtype.name} "
+            f"needs {count * wire_dtype.itemsize}"
+        )
+    return np.frombuffer(buffer, dtype=wire_dtype, count=count).reshape(shape)
+
+
+def _decode_value(
+    owner: str, spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits
+) -> Any:
+    where = f"{owner}.{spec.name}"
+    kind = spec.kind
+    if kind == "str":
+        return _decode_str(where, raw, limits.max_string_chars)
+    if kind == "text":
+        return _decode_str(where, raw, limits.max_text_chars)
+    if kind == "optional_str":
+        return None if raw is None else _decode_str(where, raw, limits.max_text_chars)
+    if kind == "int":
+        return _decode_int(where, raw)
+    if kind == "float":
+        return _decode_float(where, raw)
+    if kind == "bool":
+        if type(raw) is not bool:
+            _fail(f"{where} must be a bool, got {type(raw).__name__}")
+        return raw
+    if kind == "float_list":
+        if not isinstance(raw, list):
+            _fail(f"{where} must be a list, got {type(raw).__name__}")
+        if len(raw) > limits.max_list_items:
+            _fail(f"{where} has {len(raw)} items, more than the limit {limits.max_list_items}")
+        # One pass over the common case (all floats, finite sum); item by item only to say
+        # which item is wrong, or when ints need converting.
+        if all(type(item) is float for item in raw) and math.isfinite(sum(raw)):
+            return raw
+        return [_decode_float(f"{where}[{index}]", item) for index, item in enumerate(raw)]
+    if kind == "array":
+        return _decode_array(where, raw, spec.dtype, cursor, limits)
+    if kind == "tensors":
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            _fail(f"{where} must be a map of name -> array, got {type(raw).__name__}")
+        if len(raw) > limits.max_tensors:
+            _fail(f"{where} has {len(raw)} tensors, more than the limit {limits.max_tensors}")
+        tensors = {}
+        for name, descriptor in raw.items():
+            name = _decode_str(f"{where} name", name, limits.max_string_chars)
+            tensors[name] = _decode_array(f"{where}[{name!r}]", descriptor, None, cursor, limits)
+        return tensors
+    raise AssertionError(f"unhandled field kind {kind}")
+
+
+def _decode(frames: Sequence[Any], limits: WireLimits) -> Message:
+    if isinstance(frames, (bytes, bytearray, memoryview, str)):
+        _fail("expected a sequence of frames, got a single buffer")
+    if not isinstance(frames, Sequence):
+        _fail(f"expected a sequence of frames, got {type(frames).__name__}")
+    frame_count = len(frames)
+    if frame_count == 0:
+        _fail("message has no frames")
+    if frame_count > limits.max_frames:
+        _fail(f"message has {frame_count} frames, more than the limit {limits.max_frames}")
+    buffers = [_byte_view(frame, index) for index, frame in enumerate(frames)]
+    total_bytes = sum(buffer.nbytes for buffer in buffers)
+    if total_bytes > limits.max_message_bytes:
+        _fail(f"message has {total_bytes} bytes, more than the limit {limits.max_message_bytes}")
+    try:
+        header = msgpack.unpackb(buffers[0], raw=False, strict_map_key=True, use_list=True)
+    except Exception as error:  # msgpack raises many types; all mean a malformed header
+        raise WireError(f"header is not valid MessagePack ({type(error).__name__})") from error
+    if not isinstance(header, dict) or set(header) != {"type", "schema", "fields"}:
+        _fail("header must be a map with exactly the keys type, schema, fields")
+    spec = _SPEC_BY_TAG.get(header["type"]) if isinstance(header["type"], str) else None
+    if spec is None:
+        _fail(f"unknown message type {_short(header['type'])}")
+    schema = header["schema"]
+    if type(schema) is not int or schema != spec.version:
+        _fail(f"{spec.tag} schema version {_short(schema)} is not supported (expected {spec.version})")
+    raw_fields = header["fields"]
+    if not isinstance(raw_fields, dict):
+        _fail(f"{spec.tag} fields must be a map")
+    given = set(raw_fields)
+    if given != spec.names:
+        missing = sorted(spec.names - given)
+        unknown = sorted(_short(name, 40) for name in given - spec.names)
+        _fail(f"{spec.tag} fields do not match the schema (missing {missing}, unknown {unknown[:5]})")
+    owner = spec.cls.__name__
+    cursor = _FrameCursor(buffers)
+    values = {
+        field.name: _decode_value(owner, field, raw_fields[field.name], cursor, limits)
+        for field in spec.fields
+    }
+    if cursor.next_index != frame_count:
+        _fail(f"message has {frame_count} frames, but its header uses {cursor.next_index}")
+    spec.check(values, limits)
+    return spec.cls(**values)
+
+
+def decode(frames: Sequence[Any], *, limits: WireLimits = DEFAULT_LIMITS) -> Message:
+    """The message in ``frames`` (bytes, memoryviews or zmq.Frame objects), fully validated.
+
+    Arrays are numpy views on the frames' buffers (no copy). Raises ``WireError``, and nothing
+    else, for any input that is not a valid message within ``limits``.
+    """
+    try:
+        return _decode(frames, limits)
+    except WireError:
+        raise
+    except Exception as error:  # a safety net: no byte pattern may escape as another exception
+        raise WireError(f"malformed message ({type(error).__name__}: {_short(str(error))})") from error

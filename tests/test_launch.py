@@ -1,0 +1,55 @@
+"""The command line and the launcher's checks: clear one-line errors before any process starts."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from longhorizon.common.config import load_config
+from longhorizon.launch.cli import main
+from longhorizon.launch.local import format_progress, validate_config
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("env.name=nope", "unknown env 'nope'"),
+        ("env.options.foo=1", "unknown option 'foo'"),
+        ("learner.loss=ppo", "learner.loss 'ppo'"),
+        ("horizon.stages=[3, 2]", "strictly increasing"),
+        ("actor.engine=nonexistent", "unknown engine 'nonexistent'"),
+        ("actor.group_size=1", "group_size"),
+        ("run.mode=fast", "run.mode"),
+    ],
+)
+def test_validate_config_names_the_problem(override, message):
+    with pytest.raises(ValueError, match=message):
+        validate_config(load_config(None, ["env.name=codebook", override]))
+
+
+def test_cli_reports_errors_in_one_line(capsys):
+    config = Path(__file__).resolve().parent.parent / "configs" / "codebook.toml"
+    assert main(["train", str(config), "learner.learnin_rate=1"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("longhorizon: error: unknown config key learner.learnin_rate")
+    assert "Traceback" not in error
+
+
+def test_help_is_fast_and_imports_nothing_heavy():
+    probe = (
+        "import sys; from longhorizon.launch.cli import build_parser; build_parser();"
+        "heavy = [m for m in ('torch', 'transformers', 'zmq', 'matplotlib') if m in sys.modules];"
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", probe], check=True)
+
+
+def test_progress_line():
+    line = format_progress(
+        {"step": 3, "reward_mean": 0.5, "success_rate": 0.25, "horizon_cap": 4, "horizon_stage": 1,
+         "staleness_mean": 1.5, "episodes_per_s": 2.0, "tokens_per_s": 100.0, "groups_used": 2,
+         "groups_skipped_zero_variance": 1},
+        10,
+    )
+    assert "step    3/10" in line and "success 25.0%" in line and "horizon 4 (stage 1)" in line
