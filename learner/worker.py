@@ -18,7 +18,7 @@ import trio
 from longhorizon.common.config import Config
 from longhorizon.common.metrics import MetricsWriter
 from longhorizon.common.wire import ActorStats, Heartbeat, Hello, Stop
-from longhorizon.learner.broadcast import broadcast, make_weights_update
+from longhorizon.learner.broadcast import broadcast, horizon_update, make_weights_update
 from longhorizon.learner.buffer import GroupBuffer, staleness
 from longhorizon.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from longhorizon.learner.curriculum import make_horizon_schedule
@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 # An actor reporting an older version than this many seconds after a broadcast probably missed
 # it (PUB drops messages for slow subscribers); the learner then publishes the latest again.
 _REPUBLISH_AFTER_S = 5.0
+_HORIZON_REPEAT_S = 2.0
+_WAITING_REPORT_S = 30.0
 
 
 class Learner:
@@ -131,12 +133,28 @@ class Learner:
         self.last_broadcast = time.monotonic()
         await broadcast(self.endpoints.broadcast, self.horizon, self.latest_weights)
 
+    async def _repeat_horizon(self) -> None:
+        """Publish the horizon every few seconds: a subscriber that joined after the last
+        broadcast (ZeroMQ's slow-joiner gap) still learns the cap and the learner's version."""
+        while True:
+            await trio.sleep(_HORIZON_REPEAT_S)
+            await self.endpoints.broadcast.send(horizon_update(self.horizon))
+
     # -- training --------------------------------------------------------------------------
 
     async def _collect_batch(self) -> list:
         wanted = self.config.learner.groups_per_step
         groups: list = []
+        waiting_since = last_report = time.monotonic()
         while len(groups) < wanted:
+            if time.monotonic() - last_report > _WAITING_REPORT_S:
+                # Say what the learner waits for rather than hanging silently.
+                last_report = time.monotonic()
+                log.warning(
+                    "waiting %.0fs for groups: %d/%d ready, %d trajectories pending in %d groups, actors seen: %s",
+                    last_report - waiting_since, len(groups), wanted, len(self.buffer), self.buffer.pending_groups,
+                    ", ".join(sorted(self.peers)) or "none",
+                )
             groups += self.buffer.pop_ready(wanted - len(groups), learner_version=self.version)
             if len(groups) >= wanted:
                 break
@@ -235,6 +253,7 @@ class Learner:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._receive_trajectories)
                 nursery.start_soon(self._control)
+                nursery.start_soon(self._repeat_horizon)
                 await self._train()
                 await self.stop_actors("training finished")
                 nursery.cancel_scope.cancel()
