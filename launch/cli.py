@@ -98,8 +98,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Subcommands that parse their own arguments (their --help included).
+_PASS_THROUGH = {("bench",): "bench", ("env", "play"): "play"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for prefix in _PASS_THROUGH:
+        if tuple(argv[: len(prefix)]) == prefix and len(argv) > len(prefix) and argv[len(prefix)].startswith("-"):
+            argv = [*prefix, "--", *argv[len(prefix):]]
+            break
     args = build_parser().parse_args(argv)
+    if getattr(args, "rest", None) and args.rest[0] == "--":
+        args.rest = args.rest[1:]
     try:
         return args.handler(args)
     except KeyboardInterrupt:

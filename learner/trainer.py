@@ -1,6 +1,6 @@
 """The learner's update step: groups of trajectories in, one (or a few) optimiser steps out.
 
-Read top to bottom: filter and score the groups (advantages), pad the batch, compute the
+Read top to bottom: filter and score the groups (advantages), pad micro-batches, compute the
 proximal log-probs, then for each optimiser step run micro-batches through the model, form the
 off-policy-corrected policy loss (plus an optional KL term) and step.
 """
@@ -83,11 +83,6 @@ class PaddedBatch:
     behaviour_logprobs: torch.Tensor  # [B, L-1]
     advantages: torch.Tensor  # [B]
 
-    def rows(self, index: slice) -> "PaddedBatch":
-        return PaddedBatch(*(tensor[index] for tensor in (
-            self.input_ids, self.attention_mask, self.loss_mask, self.behaviour_logprobs, self.advantages,
-        )))
-
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
@@ -156,23 +151,28 @@ class Trainer:
             return dict(is_cap=config.behaviour_weight_cap, aggregation=config.aggregation)
         return dict(clip_eps=config.clip_eps, aggregation=config.aggregation)
 
-    def _micro_batches(self, batch: PaddedBatch) -> list[PaddedBatch]:
+    def _micro_batches(self, examples: list[Example]) -> list[PaddedBatch]:
+        """Micro-batches of similar lengths, each padded only to its own longest sequence:
+        one long episode then costs its own micro-batch, not the whole step."""
         size = max(1, self.config.micro_batch_size)
-        return [batch.rows(slice(start, start + size)) for start in range(0, len(batch), size)]
+        by_length = sorted(examples, key=lambda e: len(e.token_ids))
+        return [pad_examples(by_length[start:start + size], self.pad_token_id) for start in range(0, len(by_length), size)]
 
-    def _share(self, micro: PaddedBatch, batch: PaddedBatch) -> float:
-        """Weight of a micro-batch's mean loss so that accumulated gradients equal the full batch's."""
+    def _shares(self, micro_batches: list[PaddedBatch]) -> list[float]:
+        """Weight of each micro-batch's mean loss so that accumulated gradients equal the full batch's."""
         if self.config.aggregation == "token":
-            return float(micro.loss_mask.sum() / batch.loss_mask.sum())
-        with_tokens = lambda b: float((b.loss_mask.sum(-1) > 0).sum())  # noqa: E731
-        return with_tokens(micro) / with_tokens(batch)
+            counts = [float(micro.loss_mask.sum()) for micro in micro_batches]
+        else:
+            counts = [float((micro.loss_mask.sum(-1) > 0).sum()) for micro in micro_batches]
+        total = sum(counts) or 1.0
+        return [count / total for count in counts]
 
     def step(self, examples: list[Example]) -> dict[str, float]:
         """Apply `optimizer_steps_per_batch` updates on one batch; returns metrics."""
         config = self.config
         started = time.perf_counter()
-        batch = pad_examples(examples, self.pad_token_id)
-        micro_batches = self._micro_batches(batch)
+        micro_batches = self._micro_batches(examples)
+        shares = self._shares(micro_batches)
         self.model.train()
         # The proximal policy is the parameters at the start of this update. With one optimiser
         # step it equals the current policy, so it is taken from the same forward pass (detached).
@@ -204,7 +204,7 @@ class Trainer:
                     **self._loss_options(),
                 )
                 loss = output.loss
-                share = self._share(micro, batch)
+                share = shares[index]
                 if reference[index] is not None:
                     kl = kl_penalty(logprobs, reference[index], micro.loss_mask, aggregation=config.aggregation)
                     loss = loss + config.kl_coef * kl.loss
@@ -222,7 +222,7 @@ class Trainer:
         steps = max(1, config.optimizer_steps_per_batch)
         metrics = {key: value / steps for key, value in totals.items()}
         metrics["grad_norm"] = grad_norm
-        metrics["train_tokens"] = float(batch.loss_mask.sum())
-        metrics["train_sequences"] = float(len(batch))
+        metrics["train_tokens"] = float(sum(micro.loss_mask.sum() for micro in micro_batches))
+        metrics["train_sequences"] = float(len(examples))
         metrics["learner_step_seconds"] = time.perf_counter() - started
         return metrics

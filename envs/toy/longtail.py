@@ -117,10 +117,12 @@ def tasks(
 
 
 def first_observation(task_id: str) -> str:
-    return (
-        f"Task {task_id}: reply 'continue' to keep working, and when you are done reply "
-        f"'answer: <colour>' with one of {', '.join(COLOURS)}."
-    )
+    return f"Task {task_id}: reply 'continue' or, when done, 'answer: <colour>' ({', '.join(COLOURS)})."
+
+
+# Observations are kept to a few bytes: they are not generated (no simulated latency) but the
+# learner still trains on whole conversations, so every observation byte is learner cost only.
+CONTINUE_OBSERVATION = "ok"
 
 
 class LongTailEnv:
@@ -170,7 +172,7 @@ class LongTailEnv:
         self._turns += 1
         text = action.strip() if isinstance(action, str) else ""
         if text.lower().startswith("continue"):
-            return f"noted (turn {self._turns}); continue or answer", 0.0, False, False, _info(False, False)
+            return CONTINUE_OBSERVATION, 0.0, False, False, _info(False, False)
         match = _ANSWER_PATTERN.match(text)
         if match is None or match.group(1).lower() not in COLOURS:
             observation = f"invalid action {text[:40]!r}: reply 'continue' or 'answer: <colour>'"
@@ -208,6 +210,9 @@ class LongTailPolicy:
         self._turn = 0
 
     def reset(self, task: Task, first_observation: str, rng: random.Random) -> None:
+        # Mixing the task id into the draws keeps two engines seeded alike (one per actor, each
+        # on its own shard of tasks) from playing episodes of identical lengths.
+        rng = random.Random(f"{task.task_id}:{rng.getrandbits(64)}")
         self.planned_turns = self.lengths.draw(rng)
         right = task.data.get("answer", COLOURS[0]) if isinstance(task.data, Mapping) else COLOURS[0]
         if rng.random() < self.answer_accuracy:

@@ -1,0 +1,109 @@
+"""`longhorizon bench`: steady-state arithmetic, the two modes' configs, arguments, and real runs."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from longhorizon.common.config import config_to_dict
+from longhorizon.common.metrics import read_metrics
+from longhorizon.launch.bench import AsyncVsSyncSettings, bench_config, main, steady_state
+
+
+def record(step: int, time: float, used: int, flat: int = 0, small: int = 0, staleness_mean: float = 0.0,
+           staleness_max: int = 0, dropped: int = 0) -> dict:
+    return {
+        "step": step, "time": time, "groups_used": used, "groups_skipped_zero_variance": flat,
+        "groups_skipped_too_small": small, "staleness_mean": staleness_mean, "staleness_max": staleness_max,
+        "groups_dropped_stale": dropped, "episode_turns_mean": 4.0, "reward_mean": 0.5,
+        "learner_step_seconds": 0.25,
+    }
+
+
+def test_steady_state_counts_episodes_after_the_first_step():
+    records = [
+        record(1, time=1.0, used=4, staleness_mean=0.0),
+        record(2, time=3.0, used=3, flat=1, staleness_mean=1.0, staleness_max=2),
+        record(3, time=6.0, used=2, flat=1, small=1, staleness_mean=2.0, staleness_max=3, dropped=1),
+    ]
+    figures = steady_state(records, group_size=4)
+    # Steps 2 and 3 consumed 4 groups each of 4 episodes over 6.0 - 1.0 seconds.
+    assert figures["window_episodes"] == 32
+    assert figures["window_seconds"] == pytest.approx(5.0)
+    assert figures["episodes_per_s"] == pytest.approx(6.4)
+    assert figures["seconds_per_step"] == pytest.approx(2.5)
+    assert figures["staleness_mean"] == pytest.approx(1.0)
+    assert figures["staleness_max"] == 3
+    assert figures["groups_dropped_stale"] == 1
+    assert figures["groups_used"] == 9
+
+
+def test_steady_state_needs_two_increasing_steps():
+    with pytest.raises(ValueError, match="two learner steps"):
+        steady_state([record(1, 1.0, 4)], group_size=4)
+    with pytest.raises(ValueError, match="do not increase"):
+        steady_state([record(1, 2.0, 4), record(2, 2.0, 4)], group_size=4)
+
+
+def test_the_two_modes_differ_only_in_mode(tmp_path):
+    settings = AsyncVsSyncSettings(actors=2, concurrent_groups=3, token_latency_s=0.004)
+    configs = {mode: config_to_dict(bench_config(settings, mode, tmp_path, tmp_path / "model")) for mode in ("async", "sync")}
+    assert configs["async"]["run"]["mode"] == "async" and configs["sync"]["run"]["mode"] == "sync"
+    for config in configs.values():
+        del config["run"]["mode"], config["run"]["name"]
+    assert configs["async"] == configs["sync"]
+    config = configs["sync"]
+    assert config["env"]["name"] == "longtail"
+    assert config["actor"]["engine"] == "scripted" and config["actor"]["num_actors"] == 2
+    assert config["actor"]["simulated_token_latency_s"] == 0.004
+    # A sync batch is exactly what the actors run at once: 2 actors x 3 groups.
+    assert config["learner"]["groups_per_step"] == 6
+    assert config["horizon"]["schedule"] == "fixed" and config["horizon"]["stages"] == [30]
+
+
+@pytest.mark.parametrize(
+    "arguments, complaint",
+    [
+        (["async-vs-sync", "--steps", "1"], "steps must be at least 2"),
+        (["async-vs-sync", "--group-size", "1"], "group-size"),
+        (["async-vs-sync", "--long-fraction", "2"], "long-fraction"),
+        (["async-vs-sync", "--token-latency-ms", "-1"], "latency"),
+        (["nonsense"], "invalid choice"),
+        (["async-vs-sync", "--steps", "many"], "invalid int value"),
+    ],
+)
+def test_bad_arguments_are_a_clear_error(arguments, complaint, capsys):
+    assert main(arguments) == 2
+    assert complaint in capsys.readouterr().err
+
+
+def test_transport_prints_a_table_then_json(capsys):
+    assert main(["transport", "--trajectory-bytes", "4096", "--transport-seconds", "0.3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) > 2
+    result = json.loads(lines[-1])
+    assert result["trajectory_bytes"] == 4096 and result["raw_mb_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_async_vs_sync_runs_both_modes_over_real_processes(tmp_path, capsys):
+    output_dir = tmp_path / "bench"
+    code = main([
+        "async-vs-sync", "--steps", "3", "--actors", "2", "--concurrent-groups", "1", "--group-size", "2",
+        "--token-latency-ms", "0.5", "--output-dir", str(output_dir),
+    ])
+    assert code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("async ") for line in lines) and any(line.startswith("sync ") for line in lines)
+    result = json.loads(lines[-1])
+    assert result == json.loads((output_dir / "bench.json").read_text())
+    for mode in ("async", "sync"):
+        assert result[f"{mode}_steps"] == 3
+        # Steps 2 and 3 each consumed 2 groups (one per actor) of 2 episodes.
+        assert result[f"{mode}_window_episodes"] == 8
+        assert result[f"{mode}_episodes_per_s"] > 0
+        assert len(read_metrics(Path(output_dir) / mode)) == 3
+    assert result["sync_staleness_mean"] == 0.0 and result["sync_staleness_max"] == 0
+    assert result["async_staleness_mean"] >= 0.0
+    assert result["speedup"] == pytest.approx(result["async_episodes_per_s"] / result["sync_episodes_per_s"])
+    assert {"target_speedup", "meets_target", "concurrent_episodes", "token_latency_s"} <= set(result)
