@@ -19,7 +19,7 @@ import trio
 from longhorizon.actor.agent import ActionParseError, error_observation, parse_action
 from longhorizon.actor.engines.base import Engine, GenerationRequest
 from longhorizon.common.chat import TokenConversation
-from longhorizon.common.wire import Trajectory
+from longhorizon.common.wire import Trajectory, pack_arrays
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,8 @@ def to_trajectory(
 ) -> Trajectory:
     """Package a finished episode for the learner."""
     if result.conversation is not None:
-        arrays = result.conversation.arrays()
+        # One buffer for all per-token arrays: the wire sends it as a single zero-copy frame.
+        arrays = pack_arrays(result.conversation.arrays())
         prompt_length = result.conversation.prompt_length
         text = result.conversation.text()
     else:  # the episode failed before its first prompt was built

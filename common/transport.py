@@ -31,7 +31,6 @@ from collections import deque
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
-from urllib.parse import urlsplit
 
 import trio
 import zmq
@@ -52,8 +51,8 @@ logger = logging.getLogger(__name__)
 REJECTION_LOG_INTERVAL_S = 10.0
 """At most one warning per socket in this many seconds; the others are summed into the next."""
 
-DEFAULT_TRAJECTORY_HWM = 64
-"""Trajectories queued per connection on each side before a sender waits (~1 MiB each)."""
+DEFAULT_TRAJECTORY_HWM = 32
+"""Trajectories queued per connection on each side before a sender waits (often ~1 MiB each)."""
 
 DEFAULT_BROADCAST_HWM = 8
 """Broadcasts queued per subscriber on each side; whole models can be in each."""
@@ -316,9 +315,8 @@ class _TrioSocket:
 
 
 def _warn_if_exposed(address: str, name: str) -> None:
-    parts = urlsplit(address)
-    if parts.scheme == "tcp" and parts.hostname is not None:
-        host = parts.netloc.rsplit(":", 1)[0]
+    if address.startswith("tcp://"):
+        host = address[len("tcp://") :].rsplit(":", 1)[0]
         if host not in _LOOPBACK_HOSTS:
             logger.warning(
                 "%s binds to %s: beyond loopback and without authentication (CurveZMQ is not "
@@ -488,7 +486,10 @@ class ZmqRouter(_ZmqReceiving):
 
     An actor that reconnects under the same id takes over its old connection (ROUTER_HANDOVER),
     so a restarted actor is reachable at once. Sending to an id that is not connected raises
-    ``UnknownPeer`` instead of dropping the message silently (ROUTER_MANDATORY).
+    ``UnknownPeer`` instead of dropping the message silently (ROUTER_MANDATORY). Sending to a
+    peer whose queue is full waits (retrying every ``full_peer_retry_s``) until it has room: a
+    peer that hangs without disconnecting makes ``send`` wait, so callers that must not stall
+    wrap it in a timeout.
     """
 
     def __init__(
@@ -788,8 +789,8 @@ class InProcessNetwork:
     """The three channels on trio memory channels, for tests and single-process runs.
 
     Messages still go through ``encode`` and ``decode`` (with a copy of the frames), so
-    everything that crosses this network has crossed the real codec. Must be used from one trio
-    run (memory channels belong to it once used).
+    everything that crosses this network has crossed the real codec. Like everything trio, it
+    is meant for tasks of one thread.
     """
 
     def __init__(

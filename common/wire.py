@@ -4,8 +4,10 @@ A message travels as a list of frames. Frame 0 is a MessagePack map
 ``{"type": tag, "schema": version, "fields": {...}}`` holding the scalar fields and one descriptor
 per array: ``{"dtype": "<i4", "shape": [T], "data": bytes}`` for small arrays (inline), or
 ``{"dtype": ..., "shape": ..., "frame": k}`` for arrays larger than ``INLINE_ARRAY_BYTES``, whose
-raw bytes are frame ``k`` (frames 1, 2, ... in the order the header names them). Large arrays are
-never concatenated or copied on the way out: the frame is a ``memoryview`` of the array itself.
+raw bytes are frame ``k`` (frames 1, 2, ... in the order the header names them). The tensors of a
+weights update are never copied on the way out: each frame is a ``memoryview`` of the tensor. The
+per-token arrays of a trajectory, when several are large, are copied into one frame instead
+(``"offset"`` says where each starts): one frame costs ZeroMQ less than several.
 
 ``decode`` trusts nothing: whatever the bytes, it returns a message or raises ``WireError``.
 """
@@ -20,7 +22,10 @@ import msgpack
 import numpy as np
 
 INLINE_ARRAY_BYTES = 64 * 1024
-"""Arrays up to this many bytes ride inside the header; larger ones get their own frame."""
+"""Arrays up to this many bytes ride inside the header; larger ones get a frame."""
+
+_PACK_ALIGNMENT = 8
+"""Offsets of arrays packed into one frame are multiples of this (any allowed item size divides it)."""
 
 _MIB = 1 << 20
 _INT64_MIN = -(1 << 63)
@@ -282,6 +287,7 @@ class _MessageSpec:
     fields: tuple[_FieldSpec, ...]
     names: frozenset[str]
     check: Callable[[dict[str, Any], "WireLimits | None"], None]
+    check_contents: Callable[[dict[str, Any]], None] | None
 
 
 def _field_specs(cls: type) -> tuple[_FieldSpec, ...]:
@@ -339,24 +345,28 @@ def _check_trajectory(values: dict[str, Any], limits: WireLimits | None) -> None
         _fail(f"Trajectory has {length} tokens, more than the limit {limits.max_tokens}")
     if not 0 <= values["prompt_length"] <= length:
         _fail(f"Trajectory.prompt_length {values['prompt_length']} is outside 0..{length}")
-    if length == 0:
+
+
+def _check_token_contents(values: dict[str, Any]) -> None:
+    """The values inside the token arrays, which a learner would otherwise trip over later."""
+    if len(values["token_ids"]) == 0:
         return
-    # Reductions rather than elementwise comparisons: no temporary arrays on the hot path.
+    # Whole-array reductions: they cost a pass over the arrays each, but no temporaries.
     token_ids, loss_mask = values["token_ids"], values["loss_mask"]
     if token_ids.min() < 0:
         _fail("Trajectory.token_ids holds negative token ids")
     if loss_mask.max() > 1:
         _fail("Trajectory.loss_mask must hold only 0 and 1")
-    # One sum finds any NaN or infinity (it would only also trip on log-probs near 1e38, which
-    # are as broken as infinite ones).
-    if not math.isfinite(float(values["behaviour_logprobs"].sum())):
-        _fail("Trajectory.behaviour_logprobs holds NaN, infinity or absurdly large values")
+    # min and max propagate NaN, and any infinity shows up in one of them.
+    behaviour_logprobs = values["behaviour_logprobs"]
+    if not (math.isfinite(behaviour_logprobs.min()) and math.isfinite(behaviour_logprobs.max())):
+        _fail("Trajectory.behaviour_logprobs holds NaN or infinity")
     policy_versions = values["policy_versions"]
     if policy_versions.min() < -1:
         _fail("Trajectory.policy_versions must be >= -1")
-    # Staleness is computed from generated tokens' versions; a -1 there would corrupt it. With
-    # versions >= -1 and a 0/1 mask, the product is negative exactly at such a token.
-    if (policy_versions * loss_mask).min() < 0:
+    # Staleness is computed from generated tokens' versions; a -1 there would corrupt it.
+    # A masked reduction: one pass, no temporary arrays (this runs for every received message).
+    if np.minimum.reduce(policy_versions, where=loss_mask.view(np.bool_), initial=0) < 0:
         _fail("Trajectory.policy_versions must be >= 0 on generated tokens (loss_mask 1)")
 
 
@@ -406,6 +416,15 @@ _CHECKS: dict[type, Callable[[dict[str, Any], WireLimits | None], None]] = {
 }
 
 
+# Checks that read every element of an array run only when decoding: the receiver is where
+# input is not trusted, and a bad value there is dropped, counted and logged like any bad
+# message, instead of raising inside the sender's loop (encode still checks types, dtypes,
+# shapes and lengths, which are programming errors).
+_CONTENT_CHECKS: dict[type, Callable[[dict[str, Any]], None]] = {
+    Trajectory: _check_token_contents,
+}
+
+
 def _build_spec(cls: type) -> _MessageSpec:
     fields = _field_specs(cls)
     return _MessageSpec(
@@ -415,6 +434,7 @@ def _build_spec(cls: type) -> _MessageSpec:
         fields=fields,
         names=frozenset(spec.name for spec in fields),
         check=_CHECKS[cls],
+        check_contents=_CONTENT_CHECKS.get(cls),
     )
 
 
@@ -526,6 +546,78 @@ def _array_descriptor(array: np.ndarray, frames: list[bytes | memoryview], inlin
     return descriptor
 
 
+def _aligned_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    offsets, total = [], 0
+    for size in sizes:
+        total = -(-total // _PACK_ALIGNMENT) * _PACK_ALIGNMENT
+        offsets.append(total)
+        total += size
+    return offsets, total
+
+
+def pack_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Copies of `arrays` laid out in one shared buffer (aligned), which `encode` sends as one
+    frame without copying. Producers of large messages (the actor building a trajectory) call
+    this once when they create the arrays."""
+    contiguous = {name: np.ascontiguousarray(array) for name, array in arrays.items()}
+    offsets, total = _aligned_offsets([array.nbytes for array in contiguous.values()])
+    storage = np.empty(total, dtype=np.uint8)
+    packed = {}
+    for (name, array), start in zip(contiguous.items(), offsets):
+        view = storage[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+        view[...] = array
+        packed[name] = view
+    return packed
+
+
+def _shared_storage(arrays: Mapping[str, np.ndarray]) -> tuple[np.ndarray, dict[str, int]] | None:
+    """The one buffer all `arrays` are views of (as `pack_arrays` makes them), with offsets."""
+    bases = {id(array.base): array.base for array in arrays.values()}
+    if len(bases) != 1:
+        return None
+    storage = next(iter(bases.values()))
+    if not isinstance(storage, np.ndarray) or storage.dtype != np.uint8 or storage.ndim != 1:
+        return None
+    start = storage.__array_interface__["data"][0]
+    offsets = {}
+    for name, array in arrays.items():
+        offset = array.__array_interface__["data"][0] - start
+        if not array.flags.c_contiguous or offset % _PACK_ALIGNMENT or offset + array.nbytes > storage.nbytes:
+            return None
+        offsets[name] = offset
+    return storage, offsets
+
+
+def _pack_descriptors(arrays: dict[str, np.ndarray], frames: list[bytes | memoryview], inline_limit: int) -> dict[str, dict]:
+    """Descriptors for a message's per-token arrays, the large ones sharing ONE frame.
+
+    ZeroMQ pays per frame (each large frame costs about as much as copying it again), so the
+    large arrays travel together, each at an aligned offset. Arrays made by `pack_arrays` already
+    share one buffer and go out without a copy; others are copied into one. Tensors of a weights
+    update are not packed: each keeps its own zero-copy frame.
+    """
+    large = {name: array for name, array in arrays.items() if array.nbytes > inline_limit}
+    if len(large) < 2:
+        return {name: _array_descriptor(array, frames, inline_limit) for name, array in arrays.items()}
+    shared = _shared_storage(large)
+    if shared is None:
+        copies = pack_arrays(large)
+        shared = _shared_storage(copies)
+        large = copies
+    storage, offsets = shared
+    frame_index = len(frames)
+    frames.append(memoryview(storage))
+    descriptors = {}
+    for name, array in arrays.items():
+        if name in large:
+            descriptors[name] = {
+                "dtype": array.dtype.str, "shape": list(array.shape), "frame": frame_index, "offset": offsets[name],
+            }
+        else:
+            descriptors[name] = _array_descriptor(array, frames, inline_limit)
+    return descriptors
+
+
 def encode(message: Message, *, inline_limit: int = INLINE_ARRAY_BYTES) -> list[bytes | memoryview]:
     """Frames for ``message``: a MessagePack header, then one zero-copy frame per large array.
 
@@ -540,10 +632,13 @@ def encode(message: Message, *, inline_limit: int = INLINE_ARRAY_BYTES) -> list[
     spec.check(values, None)
     frames: list[bytes | memoryview] = [b""]
     packed_fields: dict[str, Any] = {}
+    array_fields = _pack_descriptors(
+        {f.name: values[f.name] for f in spec.fields if f.kind == "array"}, frames, inline_limit
+    )
     for field_spec in spec.fields:
         value = values[field_spec.name]
         if field_spec.kind == "array":
-            value = _array_descriptor(value, frames, inline_limit)
+            value = array_fields[field_spec.name]
         elif field_spec.kind == "tensors" and value is not None:
             value = {name: _array_descriptor(array, frames, inline_limit) for name, array in value.items()}
         packed_fields[field_spec.name] = value
@@ -564,7 +659,10 @@ class _FrameCursor:
         self.buffers = buffers
         self.next_index = 1
 
-    def take(self, where: str, index: Any) -> memoryview:
+    def take(self, where: str, index: Any, *, shared: bool = False) -> memoryview:
+        """The frame `index`: the next unused one, or (for packed arrays) the one just taken."""
+        if shared and type(index) is int and index == self.next_index - 1 and index >= 1:
+            return self.buffers[index]
         if type(index) is not int or index != self.next_index:
             _fail(f"{where} refers to frame {_short(index)}, expected frame {self.next_index}")
         if index >= len(self.buffers):
@@ -625,6 +723,13 @@ def _decode_array(
     elif keys == {"dtype", "shape", "frame"}:
         buffer = cursor.take(where, raw["frame"])
         byte_length = buffer.nbytes
+    elif keys == {"dtype", "shape", "frame", "offset"}:
+        frame = cursor.take(where, raw["frame"], shared=True)
+        offset = raw["offset"]
+        if type(offset) is not int or offset < 0 or offset % _PACK_ALIGNMENT or offset > frame.nbytes:
+            _fail(f"{where} has offset {_short(offset)}, not an aligned position in its frame")
+        buffer = frame[offset:]
+        byte_length = None  # the array takes what its shape needs from the offset on
     else:
         _fail(f"{where} descriptor has keys {_short(sorted(map(str, keys)))}")
     dtype_name = raw["dtype"]
@@ -640,7 +745,10 @@ def _decode_array(
         if type(size) is not int or size < 0:
             _fail(f"{where} shape {_short(shape)} is not a list of non-negative ints")
     count = math.prod(shape)
-    if count * wire_dtype.itemsize != byte_length:
+    if byte_length is None:
+        if count * wire_dtype.itemsize > buffer.nbytes:
+            _fail(f"{where} needs {count * wire_dtype.itemsize} bytes past its offset, the frame has {buffer.nbytes}")
+    elif count * wire_dtype.itemsize != byte_length:
         _fail(
             f"{where} has {byte_length} bytes, but shape {shape} of {wire_dtype.name} "
             f"needs {count * wire_dtype.itemsize}"
@@ -737,6 +845,8 @@ def _decode(frames: Sequence[Any], limits: WireLimits) -> Message:
     if cursor.next_index != frame_count:
         _fail(f"message has {frame_count} frames, but its header uses {cursor.next_index}")
     spec.check(values, limits)
+    if spec.check_contents is not None:
+        spec.check_contents(values)
     return spec.cls(**values)
 
 

@@ -1,17 +1,22 @@
 """Transport benchmark: raw ZeroMQ PUSH->PULL against real Trajectory messages through our sockets.
 
-Both runs use the same process, the same tcp loopback, the same high-water marks and the same way
-of polling from trio, so the ratio shows what the codec and the transport layer cost:
+Each run has a sender in a child process (as an actor is) and the receiver in this process (as the
+learner is), over tcp loopback with the same high-water marks, the receiver polled from trio; so
+the ratio shows what the codec and the transport layer cost where they really run:
 
 - raw: single byte frames of ``trajectory_bytes``, sent and received without copying
   (``copy=False`` on both ends) by the leanest loop we can write;
 - trajectory: ``Trajectory`` messages of about the same size (mostly token arrays) through
   ``ZmqPushSender`` -> ``ZmqPullReceiver``: full encode, and a validating decode of every message.
+- raw_split (for diagnosis): raw byte frames of exactly the sizes a Trajectory's frames have (a
+  header plus one frame per large array), no codec. It separates what ZeroMQ charges per frame
+  from what the codec and the transport layer cost.
 
 Run: ``python -m longhorizon.launch.bench_transport``. Prints a table, then one line of JSON.
 """
 
 import json
+import multiprocessing
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -22,7 +27,7 @@ import trio
 import zmq
 
 from longhorizon.common.transport import DEFAULT_TRAJECTORY_HWM, ZmqPullReceiver, ZmqPushSender
-from longhorizon.common.wire import Trajectory, encode
+from longhorizon.common.wire import Trajectory, encode, pack_arrays
 
 TARGET_RATIO = 0.8
 """Trajectory throughput should reach this share of the raw baseline."""
@@ -47,6 +52,13 @@ def make_trajectory(trajectory_bytes: int, *, seed: int = 0) -> Trajectory:
         loss_mask[start : start + turn_length] = 1
     behaviour_logprobs = np.where(loss_mask == 1, -rng.exponential(1.0, tokens), 0.0).astype(np.float32)
     policy_versions = np.where(loss_mask == 1, 41, -1).astype(np.int32)
+    # Laid out in one buffer, as the actor builds its trajectories (see wire.pack_arrays).
+    arrays = pack_arrays({
+        "token_ids": rng.integers(0, 49152, tokens, dtype=np.int32),
+        "loss_mask": loss_mask,
+        "behaviour_logprobs": behaviour_logprobs,
+        "policy_versions": policy_versions,
+    })
     return Trajectory(
         trajectory_id="bench-actor-0/episode-000001",
         actor_id="bench-actor-0",
@@ -54,10 +66,7 @@ def make_trajectory(trajectory_bytes: int, *, seed: int = 0) -> Trajectory:
         task_id="craft/iron_pickaxe",
         group_id="bench-actor-0/group-0001",
         group_size=8,
-        token_ids=rng.integers(0, 49152, tokens, dtype=np.int32),
-        loss_mask=loss_mask,
-        behaviour_logprobs=behaviour_logprobs,
-        policy_versions=policy_versions,
+        **arrays,
         prompt_length=prompt_length,
         reward=1.0,
         turn_rewards=[0.0] * (num_turns - 1) + [1.0],
@@ -73,94 +82,126 @@ def make_trajectory(trajectory_bytes: int, *, seed: int = 0) -> Trajectory:
     )
 
 
-async def _transfer(
-    send_one: Callable[[], Awaitable[None]],
-    receive_one: Callable[[], Awaitable[Any]],
-    messages: int,
-) -> float:
-    """Seconds from the first send until the last of ``messages`` has been received."""
-    started = time.perf_counter()
+def _sender_process(kind: str, address: str, count: int, trajectory_bytes: int, received) -> None:
+    """Child process: connect like an actor does and send ``count`` messages as fast as possible.
 
-    async def send_all() -> None:
-        for _ in range(messages):
-            await send_one()
+    Sockets close with linger 0 (as actors' do), which would drop what is still queued: the
+    child waits for the receiver to say it has everything before closing."""
+    context = zmq.Context()
+    trajectory = make_trajectory(trajectory_bytes)
+    if kind == "trajectory":
+        sender = ZmqPushSender(address, context=context)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(send_all)
-        for _ in range(messages):
-            await receive_one()
-    return time.perf_counter() - started
+        async def send_all() -> None:
+            for _ in range(count):
+                await sender.send(trajectory)
 
+        trio.run(send_all)
+        received.wait(timeout=120)
+        sender.close()
+    else:
+        frames = [bytes(trajectory_bytes)] if kind == "raw" else [
+            bytes(memoryview(frame).nbytes) for frame in encode(trajectory)
+        ]
+        push = context.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, DEFAULT_TRAJECTORY_HWM)
+        push.connect(address)
+        fd = push.getsockopt(zmq.FD)
 
-async def _measure(
-    send_one: Callable[[], Awaitable[None]],
-    receive_one: Callable[[], Awaitable[Any]],
-    messages: int,
-    budget_s: float,
-) -> tuple[int, float]:
-    """(messages timed, seconds) after a warm-up that also sizes the run to fit ``budget_s``."""
-    warmup_seconds = await _transfer(send_one, receive_one, _WARMUP_MESSAGES)
-    per_message_s = warmup_seconds / _WARMUP_MESSAGES
-    count = max(1, min(messages, int(budget_s / max(per_message_s, 1e-9))))
-    return count, await _transfer(send_one, receive_one, count)
+        async def send_all() -> None:
+            # The leanest trio-polled loop: the same I/O model as our sockets, without them.
+            for _ in range(count):
+                while True:
+                    try:
+                        push.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                        break
+                    except zmq.Again:
+                        while not push.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                            await trio.lowlevel.wait_readable(fd)
 
-
-async def _measure_raw(
-    context: zmq.Context, payload: bytes, messages: int, budget_s: float
-) -> tuple[int, float]:
-    pull = context.socket(zmq.PULL)
-    push = context.socket(zmq.PUSH)
-    try:
-        for socket in (pull, push):
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.SNDHWM, DEFAULT_TRAJECTORY_HWM)
-            socket.setsockopt(zmq.RCVHWM, DEFAULT_TRAJECTORY_HWM)
-        pull.bind("tcp://127.0.0.1:0")
-        push.connect(pull.getsockopt_string(zmq.LAST_ENDPOINT))
-        push_fd, pull_fd = push.getsockopt(zmq.FD), pull.getsockopt(zmq.FD)
-
-        async def send_one() -> None:
-            while True:
-                try:
-                    push.send(payload, zmq.NOBLOCK, copy=False)
-                    return
-                except zmq.Again:
-                    while not push.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
-                        await trio.lowlevel.wait_readable(push_fd)
-
-        async def receive_one() -> zmq.Frame:
-            while True:
-                try:
-                    return pull.recv(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    while not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        await trio.lowlevel.wait_readable(pull_fd)
-
-        return await _measure(send_one, receive_one, messages, budget_s)
-    finally:
+        trio.run(send_all)
+        received.wait(timeout=120)
         push.close(linger=0)
+    context.term()
+
+
+async def _receive_raw(address_holder: list[str], count: int, started: trio.Event) -> float:
+    context = zmq.Context.instance()
+    pull = context.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    pull.setsockopt(zmq.RCVHWM, DEFAULT_TRAJECTORY_HWM)
+    pull.bind("tcp://127.0.0.1:0")
+    address_holder.append(pull.getsockopt_string(zmq.LAST_ENDPOINT))
+    started.set()
+    fd = pull.getsockopt(zmq.FD)
+
+    async def receive_one() -> None:
+        while True:
+            try:
+                pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                while not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    await trio.lowlevel.wait_readable(fd)
+
+    try:
+        return await _timed(receive_one, count)
+    finally:
         pull.close(linger=0)
 
 
-async def _measure_trajectories(
-    context: zmq.Context, trajectory: Trajectory, messages: int, budget_s: float
-) -> tuple[int, float]:
-    receiver = ZmqPullReceiver("tcp://127.0.0.1:0", context=context)
-    sender = ZmqPushSender(receiver.address, context=context)
+async def _receive_trajectories(address_holder: list[str], count: int, started: trio.Event) -> float:
+    receiver = ZmqPullReceiver("tcp://127.0.0.1:0")
+    address_holder.append(receiver.address)
+    started.set()
+
+    async def receive_one() -> None:
+        received = await receiver.receive()
+        assert isinstance(received, Trajectory)
+
     try:
-
-        async def send_one() -> None:
-            await sender.send(trajectory)
-
-        async def receive_one() -> Any:
-            received = await receiver.receive()
-            assert isinstance(received, Trajectory)
-            return received
-
-        return await _measure(send_one, receive_one, messages, budget_s)
+        return await _timed(receive_one, count)
     finally:
-        sender.close()
         receiver.close()
+
+
+async def _timed(receive_one: Callable[[], Awaitable[None]], count: int) -> float:
+    """Seconds to receive ``count`` messages after ``_WARMUP_MESSAGES`` untimed ones."""
+    for _ in range(_WARMUP_MESSAGES):
+        await receive_one()
+    started = time.perf_counter()
+    for _ in range(count):
+        await receive_one()
+    return time.perf_counter() - started
+
+
+def _measure(kind: str, count: int, trajectory_bytes: int) -> float:
+    """Receive here (as the learner does) from a sender in another process (as an actor is)."""
+    context = multiprocessing.get_context("spawn")
+    received = context.Event()
+
+    async def run() -> float:
+        address: list[str] = []
+        started = trio.Event()
+        receive = _receive_trajectories if kind == "trajectory" else _receive_raw
+        async with trio.open_nursery() as nursery:
+            result: list[float] = []
+
+            async def receiving() -> None:
+                result.append(await receive(address, count, started))
+
+            nursery.start_soon(receiving)
+            await started.wait()
+            child = context.Process(
+                target=_sender_process,
+                args=(kind, address[0], count + _WARMUP_MESSAGES, trajectory_bytes, received),
+            )
+            child.start()
+        received.set()
+        await trio.to_thread.run_sync(child.join)
+        return result[0]
+
+    return trio.run(run)
 
 
 def _figures(prefix: str, count: int, seconds: list[float], message_bytes: int) -> dict[str, Any]:
@@ -185,28 +226,23 @@ def bench_transport(
     if trajectory_bytes < 64 or messages < 1 or seconds_cap <= 0 or rounds < 1:
         raise ValueError("need trajectory_bytes >= 64, messages >= 1, seconds_cap > 0, rounds >= 1")
     trajectory = make_trajectory(trajectory_bytes)
-    trajectory_message_bytes = sum(memoryview(frame).nbytes for frame in encode(trajectory))
-    payload = bytes(trajectory_bytes)
-    budget_s = seconds_cap / (2 * rounds)
-    context = zmq.Context.instance()
-
-    async def run_all() -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-        raw_runs, trajectory_runs = [], []
-        for _ in range(rounds):
-            raw_runs.append(await _measure_raw(context, payload, messages, budget_s))
-            trajectory_runs.append(await _measure_trajectories(context, trajectory, messages, budget_s))
-        return raw_runs, trajectory_runs
-
-    raw_runs, trajectory_runs = trio.run(run_all)
-    # Every round times the same count unless a slow warm-up shrank one; normalise to the smallest.
-    raw_count = min(count for count, _ in raw_runs)
-    trajectory_count = min(count for count, _ in trajectory_runs)
-    raw_seconds = [seconds * raw_count / count for count, seconds in raw_runs]
-    trajectory_seconds = [seconds * trajectory_count / count for count, seconds in trajectory_runs]
+    frame_sizes = [memoryview(frame).nbytes for frame in encode(trajectory)]
+    kinds = ("raw", "trajectory", "raw_split")
+    runs: dict[str, list[tuple[int, float]]] = {kind: [] for kind in kinds}
+    for _ in range(rounds):
+        for kind in kinds:
+            runs[kind].append((messages, _measure(kind, messages, trajectory_bytes)))
+    message_bytes = {"raw": trajectory_bytes, "trajectory": sum(frame_sizes), "raw_split": sum(frame_sizes)}
     result: dict[str, Any] = {"trajectory_bytes": trajectory_bytes, "rounds": rounds}
-    result.update(_figures("raw", raw_count, raw_seconds, len(payload)))
-    result.update(_figures("trajectory", trajectory_count, trajectory_seconds, trajectory_message_bytes))
+    for kind in kinds:
+        # Every round times the same count unless a slow warm-up shrank one: normalise to the
+        # smallest.
+        count = min(count for count, _ in runs[kind])
+        seconds = [elapsed * count / timed for timed, elapsed in runs[kind]]
+        result.update(_figures(kind, count, seconds, message_bytes[kind]))
+    result["trajectory_frames"] = len(frame_sizes)
     result["trajectory_tokens"] = int(len(trajectory.token_ids))
+    result["raw_split_ratio"] = result["raw_split_mb_per_s"] / result["raw_mb_per_s"]
     result["ratio"] = result["trajectory_mb_per_s"] / result["raw_mb_per_s"]
     result["target_ratio"] = TARGET_RATIO
     result["meets_target"] = result["ratio"] >= TARGET_RATIO
@@ -217,13 +253,17 @@ def print_table(result: dict) -> None:
     """A table for people, then the result as one line of JSON for machines."""
     print(f"transport over tcp loopback, {result['rounds']} rounds, medians")
     print(f"{'':12} {'bytes/msg':>11} {'messages':>9} {'msg/s':>10} {'MB/s':>10}")
-    for prefix in ("raw", "trajectory"):
+    for prefix in ("raw", "trajectory", "raw_split"):
         print(
             f"{prefix:12} {result[prefix + '_message_bytes']:>11,} {result[prefix + '_messages']:>9}"
             f" {result[prefix + '_messages_per_s']:>10.1f} {result[prefix + '_mb_per_s']:>10.1f}"
         )
     verdict = "meets" if result["meets_target"] else "misses"
     print(f"trajectory / raw = {result['ratio']:.2f} ({verdict} the target {result['target_ratio']:.2f})")
+    print(
+        f"raw_split / raw = {result['raw_split_ratio']:.2f} (the same bytes in "
+        f"{result['trajectory_frames']} frames, no codec: ZeroMQ's own cost of the framing)"
+    )
     print(json.dumps(result, sort_keys=True))
 
 

@@ -224,7 +224,7 @@ async def test_malformed_and_oversized_messages_are_rejected_counted_and_logged(
         [b"\xc1 garbage"],
         [msgpack.packb({**header, "type": "no_such_type"}), *valid[1:]],
         [msgpack.packb({**header, "schema": 99}), *valid[1:]],
-        [valid[0], valid[1], bytes(valid[2])[:-8], valid[3]],  # truncated array
+        [valid[0], bytes(valid[1])[:-8]],  # truncated arrays
         [b"x" * 200_000, b"y" * 200_000],  # every frame under MAXMSGSIZE, the total over the limit
     ]
     caplog.set_level(logging.WARNING, logger=TRANSPORT_LOGGER)
@@ -447,12 +447,14 @@ async def test_in_process_dealer_with_the_same_id_takes_over() -> None:
 
 def test_bench_transport_reports_every_figure(capsys) -> None:
     result = bench_transport(trajectory_bytes=4096, messages=5, seconds_cap=1, rounds=1)
-    for prefix in ("raw", "trajectory"):
+    for prefix in ("raw", "trajectory", "raw_split"):
         for figure in ("message_bytes", "messages", "seconds", "messages_per_s", "mb_per_s"):
             assert result[f"{prefix}_{figure}"] > 0, f"{prefix}_{figure}"
     assert result["raw_message_bytes"] == 4096
     assert result["ratio"] == pytest.approx(result["trajectory_mb_per_s"] / result["raw_mb_per_s"])
-    assert {"trajectory_tokens", "target_ratio", "meets_target", "rounds"} <= set(result)
+    assert result["raw_split_message_bytes"] == result["trajectory_message_bytes"]
+    expected = {"trajectory_tokens", "trajectory_frames", "raw_split_ratio", "target_ratio", "meets_target"}
+    assert expected <= set(result)
     print_table(result)
     lines = capsys.readouterr().out.strip().splitlines()
     assert json.loads(lines[-1]) == json.loads(json.dumps(result))

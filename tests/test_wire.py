@@ -1,5 +1,6 @@
 """Tests for the wire codec: round trips, zero-copy framing, and rejection of every kind of bad input."""
 
+import dataclasses
 import math
 import random
 
@@ -25,6 +26,7 @@ from longhorizon.common.wire import (
     WireLimits,
     decode,
     encode,
+    pack_arrays,
 )
 
 
@@ -124,26 +126,37 @@ def test_every_message_type_has_a_distinct_tag_and_a_schema_version() -> None:
     assert all(cls.SCHEMA_VERSION == 1 for cls in MESSAGE_TYPES)
 
 
-def test_large_arrays_get_their_own_zero_copy_frames_and_small_ones_ride_inline() -> None:
-    # 20,000 tokens: int32 and float32 arrays are 80,000 bytes (> 64 KiB, own frames), the uint8
-    # loss mask is 20,000 bytes (inline).
+def test_large_token_arrays_share_one_frame_and_small_ones_ride_inline() -> None:
+    # 20,000 tokens: int32 and float32 arrays are 80,000 bytes (> 64 KiB), packed into one frame
+    # at aligned offsets; the uint8 loss mask is 20,000 bytes (inline).
     trajectory = make_trajectory(tokens=20_000)
     frames = encode(trajectory)
-    assert len(frames) == 4
+    assert len(frames) == 2
     fields = header_of(frames)["fields"]
-    assert fields["token_ids"] == {"dtype": "<i4", "shape": [20_000], "frame": 1}
-    assert fields["behaviour_logprobs"]["frame"] == 2
-    assert fields["policy_versions"]["frame"] == 3
+    assert fields["token_ids"] == {"dtype": "<i4", "shape": [20_000], "frame": 1, "offset": 0}
+    assert fields["behaviour_logprobs"] == {"dtype": "<f4", "shape": [20_000], "frame": 1, "offset": 80_000}
+    assert fields["policy_versions"]["offset"] == 160_000
+    assert memoryview(frames[1]).nbytes == 240_000
     assert len(fields["loss_mask"]["data"]) == 20_000
-    # The frames are views of the trajectory's own arrays, not copies.
-    assert isinstance(frames[1], memoryview)
-    assert np.shares_memory(np.frombuffer(frames[1], dtype=np.int32), trajectory.token_ids)
+    decoded = decode(frames)
+    np.testing.assert_array_equal(decoded.policy_versions, trajectory.policy_versions)
+
+
+def test_arrays_made_by_pack_arrays_go_out_without_a_copy() -> None:
+    trajectory = make_trajectory(tokens=20_000)
+    names = ("token_ids", "loss_mask", "behaviour_logprobs", "policy_versions")
+    packed = pack_arrays({name: getattr(trajectory, name) for name in names})
+    assert all(array.base is packed["token_ids"].base for array in packed.values())
+    frames = encode(dataclasses.replace(trajectory, **packed))
+    assert len(frames) == 2
+    assert np.shares_memory(np.frombuffer(frames[1], dtype=np.uint8), packed["token_ids"])
+    np.testing.assert_array_equal(decode(frames).behaviour_logprobs, trajectory.behaviour_logprobs)
 
 
 def test_inline_limit_is_a_parameter() -> None:
     frames = encode(make_trajectory(tokens=12), inline_limit=16)
-    # token ids, log-probs and versions are 48 bytes each (> 16); the mask is 12 bytes.
-    assert len(frames) == 4
+    # token ids, log-probs and versions are 48 bytes each (> 16): one packed frame; the mask is 12 bytes.
+    assert len(frames) == 2
     assert len(encode(make_trajectory(tokens=12))) == 1
     assert INLINE_ARRAY_BYTES == 64 * 1024
 
@@ -226,8 +239,6 @@ def test_non_contiguous_and_big_endian_arrays_are_sent_correctly() -> None:
         (make_trajectory(turn_rewards=[0.0, "1"]), "turn_rewards[1] must be a number"),
         (make_trajectory(trajectory_id=""), "trajectory_id must not be empty"),
         (make_trajectory(prompt_length=13), "prompt_length 13 is outside 0..12"),
-        (make_trajectory(loss_mask=np.full(12, 2, dtype=np.uint8)), "only 0 and 1"),
-        (make_trajectory(policy_versions=np.full(12, -1, dtype=np.int32)), ">= 0 on generated tokens"),
         (WeightsUpdate(version=1), "exactly one of tensors and path"),
         (WeightsUpdate(version=1, path="/x", tensors={"w": np.ones(2, np.float32)}), "exactly one"),
         (WeightsUpdate(version=1, tensors={"mask": np.ones(2, dtype=bool)}), "booleans as uint8"),
@@ -239,6 +250,14 @@ def test_encode_refuses_invalid_messages(message, reason: str) -> None:
     with pytest.raises(WireError) as caught:
         encode(message)
     assert reason in caught.value.reason
+
+
+def test_array_contents_are_checked_by_the_receiver_only() -> None:
+    # The sender checks structure; the receiver, where input is untrusted, also checks values.
+    frames = encode(make_trajectory(loss_mask=np.full(12, 2, dtype=np.uint8)))
+    assert_rejected(frames, "only 0 and 1")
+    frames = encode(make_trajectory(policy_versions=np.full(12, -1, dtype=np.int32)))
+    assert_rejected(frames, ">= 0 on generated tokens")
 
 
 def test_encode_refuses_objects_that_are_not_messages() -> None:
@@ -308,11 +327,15 @@ def test_rejects_bad_array_descriptors() -> None:
     assert_rejected(with_field("token_ids", {**token_ids, "dtype": "<f4"}), "must be int32")
     for dtype in ("|b1", ">i4", "<U4", "|O", 5):
         assert_rejected(with_field("token_ids", {**token_ids, "dtype": dtype}), "not allowed")
-    assert_rejected(with_field("token_ids", {**token_ids, "shape": [20_001]}), "has 80000 bytes")
     assert_rejected(with_field("token_ids", {**token_ids, "shape": [-1]}), "non-negative ints")
     assert_rejected(with_field("token_ids", {**token_ids, "shape": [1] * 9}), "at most 8 sizes")
     assert_rejected(with_field("token_ids", {**token_ids, "frame": 2}), "expected frame 1")
     assert_rejected(with_field("token_ids", {**token_ids, "data": b""}), "descriptor has keys")
+    assert_rejected(with_field("token_ids", {**token_ids, "offset": 3}), "not an aligned position")
+    assert_rejected(with_field("token_ids", {**token_ids, "offset": -8}), "not an aligned position")
+    assert_rejected(with_field("token_ids", {**token_ids, "offset": 10**9}), "not an aligned position")
+    versions = fields["policy_versions"]
+    assert_rejected(with_field("policy_versions", {**versions, "shape": [20_001]}), "bytes past its offset")
     mask = fields["loss_mask"]
     assert_rejected(with_field("loss_mask", {**mask, "data": "text"}), "inline data must be bytes")
     assert_rejected(with_field("loss_mask", {**mask, "data": mask["data"][:-1]}), "has 19999 bytes")
@@ -320,10 +343,10 @@ def test_rejects_bad_array_descriptors() -> None:
 
 def test_rejects_truncated_missing_and_extra_frames() -> None:
     frames = valid_frames()
-    truncated = [*frames[:3], bytes(frames[3])[:-4]]
-    assert_rejected(truncated, "policy_versions has 79996 bytes")
-    assert_rejected(frames[:3], "refers to frame 3, but the message has 3 frames")
-    assert_rejected([*frames, b"extra"], "has 5 frames, but its header uses 4")
+    truncated = [frames[0], bytes(frames[1])[:-4]]
+    assert_rejected(truncated, "policy_versions needs 80000 bytes past its offset")
+    assert_rejected(frames[:1], "refers to frame 1, but the message has 1 frames")
+    assert_rejected([*frames, b"extra"], "has 3 frames, but its header uses 2")
 
 
 def test_rejects_misaligned_token_arrays() -> None:
@@ -368,7 +391,7 @@ def test_limits_are_enforced() -> None:
     frames = valid_frames()
     total = sum(memoryview(frame).nbytes for frame in frames)
     assert_rejected(frames, f"has {total} bytes, more than", WireLimits(max_message_bytes=total - 1))
-    assert_rejected(frames, "more than the limit 3", WireLimits(max_frames=3))
+    assert_rejected(frames, "more than the limit 1", WireLimits(max_frames=1))
     assert_rejected(frames, "20000 tokens, more than the limit 19999", WireLimits(max_tokens=19_999))
     long_id = encode(make_trajectory(actor_id="a" * 1025))
     assert_rejected(long_id, "actor_id has 1025 characters", DEFAULT_LIMITS)
