@@ -357,17 +357,18 @@ def _check_token_contents(values: dict[str, Any]) -> None:
         _fail("Trajectory.token_ids holds negative token ids")
     if loss_mask.max() > 1:
         _fail("Trajectory.loss_mask must hold only 0 and 1")
-    # min and max propagate NaN, and any infinity shows up in one of them.
+    # One pass: a sum is NaN or infinite if any term is (or, harmlessly, if log-probs so large
+    # that no real policy produces them overflow it).
     behaviour_logprobs = values["behaviour_logprobs"]
-    if not (math.isfinite(behaviour_logprobs.min()) and math.isfinite(behaviour_logprobs.max())):
+    if not math.isfinite(behaviour_logprobs.sum(dtype=np.float64)):
         _fail("Trajectory.behaviour_logprobs holds NaN or infinity")
     policy_versions = values["policy_versions"]
     if policy_versions.min() < -1:
         _fail("Trajectory.policy_versions must be >= -1")
-    # Staleness is computed from generated tokens' versions; a -1 there would corrupt it.
-    # A masked reduction: one pass, no temporary arrays (this runs for every received message).
-    if np.minimum.reduce(policy_versions, where=loss_mask.view(np.bool_), initial=0) < 0:
-        _fail("Trajectory.policy_versions must be >= 0 on generated tokens (loss_mask 1)")
+    # Staleness is computed from generated tokens' versions: exactly the non-generated tokens
+    # carry -1 (this runs for every received message, so it is one comparison of two masks).
+    if not np.array_equal(policy_versions < 0, loss_mask == 0):
+        _fail("Trajectory.policy_versions must be >= 0 on generated tokens and -1 elsewhere")
 
 
 def _check_weights_update(values: dict[str, Any], limits: WireLimits | None) -> None:
