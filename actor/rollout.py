@@ -49,6 +49,7 @@ async def run_episode(
     max_new_tokens: int,
     seed: int | None = None,
     episode_id: str | None = None,
+    invalid_reply_reward: float = 0.0,
 ) -> EpisodeResult:
     """Play one episode. Env and engine failures are reported in `error`, never raised."""
     episode_id = episode_id or uuid.uuid4().hex
@@ -82,7 +83,8 @@ async def run_episode(
             try:
                 action = parse_action(generation.text, env.prompt_format)
             except ActionParseError as exc:
-                observation, reward, terminated, truncated = error_observation(exc, env.prompt_format), 0.0, False, False
+                observation, terminated, truncated = error_observation(exc, env.prompt_format), False, False
+                reward = invalid_reply_reward
                 result.invalid_actions += 1
             else:
                 started = time.perf_counter()
@@ -201,6 +203,7 @@ async def run_group(
     max_new_tokens: int,
     seed: int,
     on_trajectory: Callable[[Trajectory], Awaitable[None]],
+    invalid_reply_reward: float = 0.0,
 ) -> list[Trajectory]:
     """Run G episodes of one task concurrently; each trajectory is handed over as soon as it ends."""
     trajectories: list[Trajectory] = []
@@ -217,6 +220,7 @@ async def run_group(
             # Every member sees the same task instance (same reset seed); the sampling differs.
             seed=seed,
             episode_id=f"{group_id}-{member}",
+            invalid_reply_reward=invalid_reply_reward,
         )
         env_pool.release(env, broken=bool(result.error))
         trajectory = to_trajectory(

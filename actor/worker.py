@@ -100,7 +100,7 @@ class Actor:
             if self.config.run.mode == "sync":
                 nursery.start_soon(self._sync_loop)
             else:
-                for slot in range(self.config.actor.concurrent_groups):
+                for _ in range(self.config.actor.concurrent_groups):
                     nursery.start_soon(self._async_group_loop)
             task_status.started()
             while True:
@@ -185,6 +185,7 @@ class Actor:
             max_new_tokens=self.config.actor.sampling.max_new_tokens,
             seed=self.rng.randrange(2**31),
             on_trajectory=self._send,
+            invalid_reply_reward=self.config.actor.invalid_reply_reward,
         )
 
     async def _wait_for(self, condition) -> None:

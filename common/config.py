@@ -91,6 +91,9 @@ class ActorConfig:
     """CPU threads per actor process for torch."""
     simulated_token_latency_s: float = 0.0
     """Scripted engine only: seconds of simulated generation per token (benchmarks)."""
+    invalid_reply_reward: float = 0.0
+    """Reward added for each reply with no parsable action (e.g. -0.1): a format signal for small
+    models that rarely reach the goal. 0 keeps rewards outcome-only, as in the reference."""
     heartbeat_s: float = 2.0
     """Seconds between heartbeats to the learner."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

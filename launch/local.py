@@ -60,7 +60,7 @@ def validate_config(config: Config) -> None:
     require(config.actor.group_size >= 2, "actor.group_size must be at least 2 (GRPO compares episodes)")
     require(config.learner.loss in POLICY_LOSS_NAMES,
             f"learner.loss {config.learner.loss!r} is not one of {', '.join(POLICY_LOSS_NAMES)}")
-    require(config.learner.advantage in ("grpo", "rloo"), f"learner.advantage must be grpo or rloo")
+    require(config.learner.advantage in ("grpo", "rloo"), "learner.advantage must be grpo or rloo")
     require(config.learner.weights_transport in WEIGHTS_TRANSPORTS,
             f"learner.weights_transport must be one of {', '.join(WEIGHTS_TRANSPORTS)}")
     get_env_spec(config.env.name)

@@ -1,6 +1,5 @@
 """The hf engine: batched generation whose log-probs are the learner's, and in-place weight updates."""
 
-import dataclasses
 
 import numpy as np
 import pytest

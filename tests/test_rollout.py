@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import trio
 
 from longhorizon.actor.engines.base import EngineSettings, GenerationResult, make_engine
 from longhorizon.actor.rollout import EnvPool, run_episode, run_group
@@ -109,3 +108,14 @@ async def test_context_budget_truncates():
         make_env("codebook"), engine, task, horizon_cap=10, max_context_tokens=40, max_new_tokens=4
     )
     assert result.truncated and result.num_turns < 3
+
+
+async def test_invalid_reply_reward_is_added_per_garbled_reply():
+    engine = _FixedReplyEngine("no idea")
+    task = list_tasks("textcraft", "test")[0]
+    result = await run_episode(
+        make_env("textcraft"), engine, task, horizon_cap=3, max_context_tokens=100_000, max_new_tokens=64,
+        seed=0, invalid_reply_reward=-0.1,
+    )
+    assert result.turn_rewards == [-0.1, -0.1, -0.1]
+    assert result.reward == pytest.approx(-0.3)
