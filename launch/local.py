@@ -75,8 +75,13 @@ def validate_config(config: Config) -> None:
     make_horizon_schedule(config.horizon.schedule, config.horizon.stages, config.horizon.stage_steps)
 
 
-def prepare_run_dir(config: Config) -> Path:
+def prepare_run_dir(config: Config, *, progress=print) -> Path:
     run_dir = config.run_dir
+    if not config.run.resume and ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
+        # A fresh run must not append to an old run's metrics or resume from its checkpoints.
+        kept = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.rename(kept)
+        progress(f"an earlier run was in {run_dir}; moved it to {kept} (run.resume=true continues a run)")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     (run_dir / "config.toml").write_text(dump_toml(config))
@@ -167,7 +172,7 @@ def launch_local(config: Config, *, progress=print) -> int:
 
     validate_config(config)
     config = with_ports(config)
-    run_dir = prepare_run_dir(config)
+    run_dir = prepare_run_dir(config, progress=progress)
     config_path = run_dir / "config.toml"
     # Convert or build the model once here, not in every process at the same time.
     resolve_model_path(config.model.path, config.model.cache_dir)

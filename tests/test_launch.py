@@ -53,3 +53,18 @@ def test_progress_line():
         10,
     )
     assert "step    3/10" in line and "success 25.0%" in line and "horizon 4 (stage 1)" in line
+
+
+def test_a_fresh_run_moves_an_earlier_one_aside(tmp_path):
+    from longhorizon.launch.local import prepare_run_dir
+
+    config = load_config(None, [f"run.output_dir={str(tmp_path)!r}", "run.name='x'"])
+    first = prepare_run_dir(config, progress=lambda line: None)
+    (first / "metrics.jsonl").write_text('{"step": 1}\n')
+    messages = []
+    second = prepare_run_dir(config, progress=messages.append)
+    assert second == first and not (second / "metrics.jsonl").exists()
+    assert len(list(tmp_path.glob("x.*"))) == 1 and "moved it" in messages[0]
+    (second / "metrics.jsonl").write_text('{"step": 1}\n')
+    resumed = load_config(None, [f"run.output_dir={str(tmp_path)!r}", "run.name='x'", "run.resume=true"])
+    assert (prepare_run_dir(resumed) / "metrics.jsonl").exists()
