@@ -256,7 +256,7 @@ async def test_router_rejects_bad_control_messages(context) -> None:
     raw.setsockopt(zmq.IDENTITY, b"rogue")
     raw.connect(router.address)
     raw.send_multipart([b"not msgpack \xc1"])
-    raw.send_multipart(encode(make_trajectory(20_000)))  # four frames: too many for control
+    raw.send_multipart(encode(make_trajectory(20_000)))  # two frames: more than control allows
     raw.send_multipart(encode(Stop(reason="valid")))
     with trio.fail_after(10):
         peer_id, message = await router.receive()
@@ -459,3 +459,34 @@ def test_bench_transport_reports_every_figure(capsys) -> None:
     lines = capsys.readouterr().out.strip().splitlines()
     assert json.loads(lines[-1]) == json.loads(json.dumps(result))
     assert len(lines) > 2
+
+
+async def test_subscriber_rejects_bad_broadcasts(context) -> None:
+    raw = context.socket(zmq.PUB)
+    raw.setsockopt(zmq.LINGER, 0)
+    port = raw.bind_to_random_port("tcp://127.0.0.1")
+    subscriber = ZmqSubscriber(f"tcp://127.0.0.1:{port}", context=context)
+    bad_schema = msgpack.packb({"type": "horizon_update", "schema": 99, "fields": {}})
+    valid = encode(HorizonUpdate(horizon_cap=5, stage=1, learner_step=9))
+    received = []
+
+    async def receive() -> None:
+        received.append(await subscriber.receive())
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(receive)
+            # PUB drops everything until the subscription has arrived: repeat until one lands.
+            while not received:
+                raw.send_multipart(valid)
+                await trio.sleep(0.05)
+        assert subscriber.rejected == 0
+        raw.send_multipart([b"\xc1 not msgpack"])
+        raw.send_multipart([bad_schema])
+        raw.send_multipart(encode(HorizonUpdate(horizon_cap=6, stage=2, learner_step=10)))
+        while not received or received[-1].learner_step != 10:  # skip phase-one repeats still queued
+            await receive()
+    assert vars(received[-1]) == {"horizon_cap": 6, "stage": 2, "learner_step": 10}
+    assert subscriber.rejected == 2
+    subscriber.close()
+    raw.close(linger=0)
