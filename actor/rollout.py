@@ -164,30 +164,41 @@ def to_trajectory(
 
 
 class EnvPool:
-    """Reusable env instances: one per concurrent episode, created on first need."""
+    """Reusable env instances: one per concurrent episode, created on first need.
+
+    Every env it made is closed at the end, including broken ones and ones still mid-episode
+    (remote envs hold server-side instances until closed)."""
 
     def __init__(self, make_env: Callable[[], object]) -> None:
         self._make_env = make_env
         self._free: list = []
-        self.created = 0
+        self._all: list = []
+
+    @property
+    def created(self) -> int:
+        return len(self._all)
 
     def acquire(self):
         if self._free:
             return self._free.pop()
-        self.created += 1
-        return self._make_env()
+        env = self._make_env()
+        self._all.append(env)
+        return env
 
     def release(self, env, *, broken: bool = False) -> None:
         if not broken:
             self._free.append(env)
 
     async def close(self) -> None:
-        for env in self._free:
-            try:
-                await env.close()
-            except Exception as exc:
-                log.warning("closing env failed: %r", exc)
+        with trio.CancelScope(shield=True):  # runs while the actor is being cancelled
+            for env in self._all:
+                try:
+                    with trio.move_on_after(5):
+                        await env.close()
+                except Exception as exc:
+                    log.warning("closing env failed: %r", exc)
         self._free.clear()
+        self._all.clear()
 
 
 async def run_group(

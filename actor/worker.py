@@ -94,23 +94,25 @@ class Actor:
             )
         )
         stop_reason = ""
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._receive_broadcasts)
-            nursery.start_soon(self._heartbeats)
-            if self.config.run.mode == "sync":
-                nursery.start_soon(self._sync_loop)
-            else:
-                for _ in range(self.config.actor.concurrent_groups):
-                    nursery.start_soon(self._async_group_loop)
-            task_status.started()
-            while True:
-                message = await self.endpoints.control.receive()
-                if isinstance(message, Stop):
-                    stop_reason = message.reason
-                    log.info("%s: stop requested (%s)", self.actor_id, message.reason)
-                    nursery.cancel_scope.cancel()
-                    break
-        await self.env_pool.close()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._receive_broadcasts)
+                nursery.start_soon(self._heartbeats)
+                if self.config.run.mode == "sync":
+                    nursery.start_soon(self._sync_loop)
+                else:
+                    for _ in range(self.config.actor.concurrent_groups):
+                        nursery.start_soon(self._async_group_loop)
+                task_status.started()
+                while True:
+                    message = await self.endpoints.control.receive()
+                    if isinstance(message, Stop):
+                        stop_reason = message.reason
+                        log.info("%s: stop requested (%s)", self.actor_id, message.reason)
+                        nursery.cancel_scope.cancel()
+                        break
+        finally:
+            await self.env_pool.close()  # also when cancelled from outside (a signal)
         return stop_reason
 
     async def _receive_broadcasts(self) -> None:

@@ -82,6 +82,7 @@ class EnvSpec:
 BUILTIN_ENV_MODULES: Mapping[str, str] = {
     "codebook": "longhorizon.envs.toy.codebook",
     "longtail": "longhorizon.envs.toy.longtail",
+    "remote": "longhorizon.envs.remote",
     "textcraft": "longhorizon.envs.textcraft.env",
 }
 

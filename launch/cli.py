@@ -56,7 +56,33 @@ def _env(args: argparse.Namespace) -> int:
         trio.run(lambda: check_env(args.name))
         print(f"{args.name}: ok")
         return 0
+    if args.env_command == "serve":
+        return _serve(args)
     raise AssertionError(args.env_command)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import json
+
+    from longhorizon.envs.server import ServiceSettings, serve
+
+    options = {}
+    for item in args.option:
+        key, separator, text = item.partition("=")
+        if not separator or not key:
+            raise ValueError(f"--option takes KEY=VALUE, got {item!r}")
+        try:
+            options[key] = json.loads(text)
+        except ValueError:
+            options[key] = text  # a bare word is a string
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(
+        ServiceSettings(
+            env_name=args.name, env_options=options, host=args.host, port=args.port,
+            max_instances=args.max_instances, idle_timeout_s=args.idle_timeout, max_body_bytes=args.max_body_bytes,
+        )
+    )
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -83,13 +109,21 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir")
     plot.set_defaults(handler=_plot)
 
-    env = commands.add_parser("env", help="environments: list, play in the terminal, check")
+    env = commands.add_parser("env", help="environments: list, play in the terminal, check, serve")
     env_commands = env.add_subparsers(dest="env_command", required=True)
     env_commands.add_parser("list", help="registered environments")
     play = env_commands.add_parser("play", help="play an environment yourself", add_help=False)
     play.add_argument("rest", nargs=argparse.REMAINDER)
     check = env_commands.add_parser("check", help="run the env checker (determinism, types)")
     check.add_argument("name")
+    serve = env_commands.add_parser("serve", help="serve an env over HTTP (AgentGym-compatible endpoints)")
+    serve.add_argument("name")
+    serve.add_argument("--port", type=int, default=8700)
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (no authentication: keep it loopback)")
+    serve.add_argument("--max-instances", type=int, default=128, help="most live env instances")
+    serve.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an unused instance is closed")
+    serve.add_argument("--max-body-bytes", type=int, default=1024 * 1024, help="largest request body accepted")
+    serve.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="env option (JSON value)")
     env.set_defaults(handler=_env)
 
     bench = commands.add_parser("bench", help="benchmarks: transport, async-vs-sync", add_help=False)

@@ -1,0 +1,873 @@
+"""An AgentGym-compatible HTTP service that exposes any registered env as a table of live instances.
+
+Run it with `longhorizon env serve NAME --port P`; talk to it with envs/remote.py or any AgentGym
+client. Endpoints (JSON in, JSON out):
+
+    POST /create  {data_idx?, seed?, goal?, commands?} -> {id, observation, reward, score, done, ...}
+    POST /reset   {id, data_idx, seed?}               -> {id, observation, reward, score, done, ...}
+    POST /step    {id, action}                        -> {observation, reward, score, done, ...}
+    POST /close   {id}                                -> {id, closed}
+    GET  /observation?id=I                            -> the instance's latest observation (a string)
+    GET  /tasks?split=train|test&offset=&limit=       -> {env, split, total, offset, tasks: [...]}
+    GET  /info                                        -> env name, options, prompt format, instructions
+    GET  /health                                      -> {status, env, instances, max_instances}
+
+Success responses keep the reference's field names (`id`, `observation`, `reward`, `done`, `score`)
+so existing clients read them; extra fields (`terminated`, `truncated`, `info`, `task_id`) carry
+what our Env protocol returns. Failures, unlike the reference's, use real status codes with a body
+{"error": "..."}: 400 bad JSON / types / missing fields, 404 unknown endpoint or instance id, 405
+wrong method, 409 stepping a finished episode, 411 no Content-Length, 413 body too large, 503
+instance table or connection slots full, 504 env call timed out, 500 the env itself failed.
+
+data_idx: a task whose data carries an integer "index" keeps it as its data_idx when every task of
+the env has one (TextCraft: the AgentGym position among craftable items sorted by recipe depth, so
+AgentGym clients land on the same goals); otherwise the train tasks take 0..n-1 and the test tasks
+n..n+m-1, both in list_tasks order. GET /tasks lists the mapping. `seed` is our extension: reset
+without one uses seed 0, so a data_idx always gives the same first observation to clients that do
+not send seeds.
+
+Threads: http.server's ThreadingHTTPServer parses requests on one thread per connection, and one
+trio event loop on a dedicated thread owns the instance table and runs every env call, reached
+through trio.from_thread with the loop's token. One loop per server (not one per instance) because
+the envs are cheap coroutines that mostly compute: extra loops would cost threads and gain nothing
+under the GIL, while a single owner of the table needs no locks. A per-instance trio.Lock keeps two
+requests for the same instance from interleaving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import trio
+from longhorizon.envs.base import SPLITS, Env, Task, get_env_spec, list_tasks, make_env
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SEED = 0
+MAX_TASKS_PAGE = 1000
+# An oversized body is read and thrown away up to this size so the client can read our 413 before
+# the connection closes; beyond it the connection is simply closed.
+MAX_DISCARDED_BODY_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    env_name: str
+    """The registered env this service exposes."""
+    env_options: Mapping[str, Any] = field(default_factory=dict)
+    """Options for the env and its task list, as in config env.options."""
+    host: str = "127.0.0.1"
+    """Interface to bind; anything beyond loopback is reachable by others and has no authentication."""
+    port: int = 0
+    """TCP port; 0 picks a free one (read it back from EnvServer.port)."""
+    max_instances: int = 128
+    """Most live instances; /create answers 503 beyond it."""
+    idle_timeout_s: float = 600.0
+    """An instance untouched for this long is closed and forgotten."""
+    max_body_bytes: int = 1024 * 1024
+    """Largest request body accepted; larger ones get 413."""
+    max_connections: int = 256
+    """Most connections served at once (one thread each); more get 503."""
+    keep_alive_timeout_s: float = 60.0
+    """A connection silent this long is closed, freeing its thread."""
+    env_call_timeout_s: float = 120.0
+    """An env reset or step still awaiting after this long is abandoned (504) and its instance dropped."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_instances", "max_body_bytes", "max_connections"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"env service setting {name} must be a positive integer, got {value!r}")
+        for name in ("idle_timeout_s", "keep_alive_timeout_s", "env_call_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"env service setting {name} must be a positive number of seconds, got {value!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"env service port must be an integer in 0..65535, got {self.port!r}")
+
+
+class ServiceError(Exception):
+    """A request the service refuses; becomes an HTTP status with {"error": message}."""
+
+    def __init__(self, status: int, message: str, headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = dict(headers or {})
+
+
+# ---------------------------------------------------------------- task table (data_idx <-> Task)
+
+
+@dataclass(frozen=True)
+class TaskTable:
+    """The env's tasks keyed by AgentGym data_idx."""
+
+    by_data_idx: Mapping[int, Task]
+    data_idx_by_split: Mapping[str, tuple[int, ...]]
+    """Each split's data_idx values in list_tasks order."""
+    mapping: str
+    """"index" (taken from task.data["index"]) or "position" (train then test)."""
+
+    def task(self, data_idx: int) -> Task:
+        task = self.by_data_idx.get(data_idx)
+        if task is None:
+            raise ServiceError(
+                HTTPStatus.BAD_REQUEST,
+                f"data_idx {data_idx} names no task of this env ({len(self.by_data_idx)} tasks; "
+                "GET /tasks lists the valid data_idx values)",
+            )
+        return task
+
+    def first_data_idx(self) -> int:
+        for split in SPLITS:
+            if self.data_idx_by_split.get(split):
+                return self.data_idx_by_split[split][0]
+        raise ServiceError(HTTPStatus.INTERNAL_SERVER_ERROR, "the env has no tasks")
+
+
+def build_task_table(env_name: str, env_options: Mapping[str, Any]) -> TaskTable:
+    """Every task of both splits under its data_idx (see the module docstring for the mapping)."""
+    by_split = {split: list_tasks(env_name, split, **dict(env_options)) for split in SPLITS}
+    every_task = [task for split in SPLITS for task in by_split[split]]
+    if not every_task:
+        raise ValueError(f"env {env_name!r} has no tasks to serve")
+
+    def own_index(task: Task) -> int | None:
+        index = task.data.get("index") if isinstance(task.data, Mapping) else None
+        return index if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else None
+
+    indexes = [own_index(task) for task in every_task]
+    if all(index is not None for index in indexes) and len(set(indexes)) == len(indexes):
+        mapping = "index"
+        numbered = {split: [(own_index(task), task) for task in by_split[split]] for split in SPLITS}
+    else:
+        mapping = "position"
+        numbered, offset = {}, 0
+        for split in SPLITS:
+            numbered[split] = [(offset + position, task) for position, task in enumerate(by_split[split])]
+            offset += len(by_split[split])
+    return TaskTable(
+        by_data_idx={data_idx: task for split in SPLITS for data_idx, task in numbered[split]},
+        data_idx_by_split={split: tuple(data_idx for data_idx, _ in numbered[split]) for split in SPLITS},
+        mapping=mapping,
+    )
+
+
+def task_listing(table: TaskTable, split: str | None, offset: int, limit: int) -> dict:
+    """One page of GET /tasks: the tasks of a split (or both) with their data_idx."""
+    if split is not None and split not in SPLITS:
+        raise ServiceError(HTTPStatus.BAD_REQUEST, f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
+    chosen = [split] if split is not None else list(SPLITS)
+    data_idx_values = [data_idx for name in chosen for data_idx in table.data_idx_by_split.get(name, ())]
+    page = data_idx_values[offset : offset + limit]
+    tasks = []
+    for data_idx in page:
+        task = table.by_data_idx[data_idx]
+        tasks.append(
+            {
+                "data_idx": data_idx,
+                "task_id": task.task_id,
+                "split": task.split,
+                "category": task.category,
+                "data": dict(task.data),
+            }
+        )
+    return {
+        "split": split or "all",
+        "total": len(data_idx_values),
+        "offset": offset,
+        "mapping": table.mapping,
+        "tasks": tasks,
+    }
+
+
+# ---------------------------------------------------------------- request validation (pure)
+
+
+def parse_json_object(body: bytes) -> dict:
+    """The request body as a JSON object; anything else is a 400."""
+    if not body.strip():
+        return {}
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError) as error:
+        raise ServiceError(HTTPStatus.BAD_REQUEST, f"the body is not valid JSON: {error}") from None
+    if not isinstance(payload, dict):
+        raise ServiceError(HTTPStatus.BAD_REQUEST, f"the body must be a JSON object, got {type(payload).__name__}")
+    return payload
+
+
+def integer_field(payload: Mapping[str, Any], name: str, *, required: bool = True) -> int | None:
+    value = payload.get(name)
+    if value is None:
+        if required:
+            raise ServiceError(HTTPStatus.BAD_REQUEST, f"missing field {name!r} (an integer)")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ServiceError(HTTPStatus.BAD_REQUEST, f"field {name!r} must be an integer, got {json.dumps(value)[:80]}")
+    return value
+
+
+def string_field(payload: Mapping[str, Any], name: str, *, required: bool = True) -> str | None:
+    value = payload.get(name)
+    if value is None:
+        if required:
+            raise ServiceError(HTTPStatus.BAD_REQUEST, f"missing field {name!r} (a string)")
+        return None
+    if not isinstance(value, str):
+        raise ServiceError(HTTPStatus.BAD_REQUEST, f"field {name!r} must be a string, got {json.dumps(value)[:80]}")
+    return value
+
+
+def query_integer(query: Mapping[str, list[str]], name: str, default: int | None = None) -> int:
+    values = query.get(name)
+    if not values:
+        if default is None:
+            raise ServiceError(HTTPStatus.BAD_REQUEST, f"missing query parameter {name!r} (an integer)")
+        return default
+    try:
+        return int(values[-1])
+    except ValueError:
+        raise ServiceError(
+            HTTPStatus.BAD_REQUEST, f"query parameter {name!r} must be an integer, got {values[-1][:80]!r}"
+        ) from None
+
+
+def _finite_reward(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ServiceError(HTTPStatus.INTERNAL_SERVER_ERROR, f"the env returned a reward that is not a finite number: {value!r}")
+    return float(value)
+
+
+def _info_for_json(info: Any) -> dict:
+    # Env info dicts are meant to be plain data, but one stray object must not break the response.
+    if not isinstance(info, dict):
+        return {}
+    return json.loads(json.dumps(info, default=repr, allow_nan=False))
+
+
+# ---------------------------------------------------------------- the instance table (trio side)
+
+
+class _Instance:
+    def __init__(self, env: Env, now: float) -> None:
+        self.env = env
+        self.lock = trio.Lock()
+        self.last_used = now
+        self.observation = ""
+        self.score = 0.0
+        self.done = False
+        self.data_idx: int | None = None
+        self.task_id = ""
+        self.reset_info: dict = {}
+
+
+class EnvService:
+    """The live instances of one env. Every method runs on the service's trio thread."""
+
+    def __init__(self, settings: ServiceSettings, table: TaskTable, clock: Callable[[], float] = time.monotonic):
+        self.settings = settings
+        self.table = table
+        self.clock = clock
+        self.instances: dict[int, _Instance] = {}
+        self.next_id = 0
+        self.expired = 0
+        self._spec = get_env_spec(settings.env_name)
+        self._goal_to_data_idx = self._goal_lookup()
+
+    def _goal_lookup(self) -> dict[str, int]:
+        # TextCraft's /create may name a goal item instead of a data_idx; accept the full id
+        # ("minecraft:stick") and the short name ("stick").
+        lookup: dict[str, int] = {}
+        for data_idx, task in self.table.by_data_idx.items():
+            goal = task.data.get("goal") if isinstance(task.data, Mapping) else None
+            if isinstance(goal, str):
+                lookup.setdefault(goal, data_idx)
+                lookup.setdefault(goal.split(":", 1)[-1].replace("_", " "), data_idx)
+                lookup.setdefault(goal.split(":", 1)[-1], data_idx)
+        return lookup
+
+    def data_idx_for_goal(self, goal: str) -> int:
+        data_idx = self._goal_to_data_idx.get(goal.strip())
+        if data_idx is None:
+            raise ServiceError(HTTPStatus.BAD_REQUEST, f"goal {goal[:80]!r} is not the goal of any task of this env")
+        return data_idx
+
+    async def expire_idle(self) -> int:
+        """Close instances idle past the timeout; returns how many went."""
+        deadline = self.clock() - self.settings.idle_timeout_s
+        stale = [
+            instance_id
+            for instance_id, instance in self.instances.items()
+            if instance.last_used < deadline and not instance.lock.locked()
+        ]
+        for instance_id in stale:
+            await self._drop(instance_id)
+        self.expired += len(stale)
+        if stale:
+            log.info("closed %d idle instance(s); %d live", len(stale), len(self.instances))
+        return len(stale)
+
+    async def _drop(self, instance_id: int) -> None:
+        instance = self.instances.pop(instance_id, None)
+        if instance is None:
+            return
+        try:
+            await instance.env.close()
+        except Exception as error:  # a failing close must not keep the slot or stop the service
+            log.warning("closing instance %d failed: %r", instance_id, error)
+
+    def _instance(self, instance_id: int) -> _Instance:
+        instance = self.instances.get(instance_id)
+        if instance is None:
+            raise ServiceError(HTTPStatus.NOT_FOUND, f"no live instance with id {instance_id} (closed, expired or never created)")
+        return instance
+
+    async def create(self, data_idx: int | None, seed: int | None) -> dict:
+        if len(self.instances) >= self.settings.max_instances:
+            await self.expire_idle()
+        if len(self.instances) >= self.settings.max_instances:
+            raise ServiceError(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                f"the instance table is full ({self.settings.max_instances} live instances); "
+                "close instances you no longer use or retry later",
+                {"Retry-After": "1"},
+            )
+        chosen = self.table.first_data_idx() if data_idx is None else data_idx
+        self.table.task(chosen)  # refuse a bad data_idx before building anything
+        try:
+            env = self._spec.factory(**dict(self.settings.env_options))
+        except Exception as error:
+            log.exception("building a %s env failed", self.settings.env_name)
+            raise ServiceError(HTTPStatus.INTERNAL_SERVER_ERROR, f"building the env failed: {error!r}") from None
+        instance_id = self.next_id
+        self.next_id += 1
+        instance = _Instance(env, self.clock())
+        self.instances[instance_id] = instance
+        try:
+            async with instance.lock:
+                await self._reset_locked(instance_id, instance, chosen, seed)
+        except BaseException:
+            await self._drop(instance_id)
+            raise
+        return {"id": instance_id, **self._reset_response(instance)}
+
+    async def reset(self, instance_id: int, data_idx: int, seed: int | None) -> dict:
+        instance = self._instance(instance_id)
+        self.table.task(data_idx)
+        async with instance.lock:
+            await self._reset_locked(instance_id, instance, data_idx, seed)
+        return {"id": instance_id, **self._reset_response(instance)}
+
+    async def _reset_locked(self, instance_id: int, instance: _Instance, data_idx: int, seed: int | None) -> None:
+        task = self.table.task(data_idx)
+        result = await self._call_env(instance_id, instance.env.reset(task, seed=DEFAULT_SEED if seed is None else seed))
+        if not isinstance(result, tuple) or len(result) != 2 or not isinstance(result[0], str):
+            raise ServiceError(HTTPStatus.INTERNAL_SERVER_ERROR, "the env's reset did not return (observation, info)")
+        observation, info = result
+        instance.observation = observation
+        instance.score = 0.0
+        instance.done = False
+        instance.data_idx = data_idx
+        instance.task_id = task.task_id
+        instance.reset_info = _info_for_json(info)
+        instance.last_used = self.clock()
+
+    def _reset_response(self, instance: _Instance) -> dict:
+        task = self.table.by_data_idx[instance.data_idx]
+        return {
+            "observation": instance.observation,
+            "reward": 0.0,
+            "score": 0.0,
+            "done": False,
+            "data_idx": instance.data_idx,
+            "task_id": instance.task_id,
+            # The names SciWorld clients read; our task id stands in for task and variation.
+            "task_name": task.task_id,
+            "task_description": instance.observation,
+            "info": instance.reset_info,
+        }
+
+    async def step(self, instance_id: int, action: str) -> dict:
+        instance = self._instance(instance_id)
+        async with instance.lock:
+            if instance.done:
+                raise ServiceError(
+                    HTTPStatus.CONFLICT, f"the episode of instance {instance_id} has ended; POST /reset to start another"
+                )
+            result = await self._call_env(instance_id, instance.env.step(action))
+            if not isinstance(result, tuple) or len(result) != 5:
+                raise ServiceError(HTTPStatus.INTERNAL_SERVER_ERROR, "the env's step did not return five values")
+            observation, reward, terminated, truncated, info = result
+            reward = _finite_reward(reward)
+            instance.observation = observation if isinstance(observation, str) else str(observation)
+            instance.score += reward
+            instance.done = bool(terminated) or bool(truncated)
+            instance.last_used = self.clock()
+            return {
+                "observation": instance.observation,
+                "reward": reward,
+                "score": instance.score,
+                "done": instance.done,
+                "terminated": bool(terminated),
+                "truncated": bool(truncated),
+                "info": _info_for_json(info),
+            }
+
+    async def _call_env(self, instance_id: int, call) -> Any:
+        try:
+            with trio.fail_after(self.settings.env_call_timeout_s):
+                return await call
+        except trio.TooSlowError:
+            # The env is in an unknown state mid-call: forget it rather than hand it out again.
+            self.instances.pop(instance_id, None)
+            raise ServiceError(
+                HTTPStatus.GATEWAY_TIMEOUT,
+                f"the env call did not finish within {self.settings.env_call_timeout_s} s; instance {instance_id} was dropped",
+            ) from None
+        except ServiceError:
+            raise
+        except RuntimeError as error:
+            raise ServiceError(HTTPStatus.CONFLICT, f"the env refused the call: {error}") from None
+        except Exception as error:
+            log.exception("env call on instance %d failed", instance_id)
+            raise ServiceError(HTTPStatus.INTERNAL_SERVER_ERROR, f"the env failed: {error!r}") from None
+
+    async def close(self, instance_id: int) -> dict:
+        instance = self._instance(instance_id)
+        async with instance.lock:
+            await self._drop(instance_id)
+        return {"id": instance_id, "closed": True}
+
+    async def observation(self, instance_id: int) -> str:
+        instance = self._instance(instance_id)
+        instance.last_used = self.clock()
+        return instance.observation
+
+    async def health(self) -> dict:
+        return {
+            "status": "ok",
+            "env": self.settings.env_name,
+            "instances": len(self.instances),
+            "max_instances": self.settings.max_instances,
+            "expired_instances": self.expired,
+        }
+
+    async def close_all(self) -> None:
+        for instance_id in list(self.instances):
+            await self._drop(instance_id)
+
+
+# ---------------------------------------------------------------- HTTP side (one thread per connection)
+
+
+@dataclass(frozen=True)
+class _Route:
+    method: str
+    handler: Callable[[EnvServer, dict, Mapping[str, list[str]]], tuple[int, Any]]
+
+
+def _create(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> tuple[int, Any]:
+    if payload.get("commands") is not None:
+        raise ServiceError(
+            HTTPStatus.BAD_REQUEST, "custom crafting commands are not supported; pick a task with data_idx or goal"
+        )
+    data_idx = integer_field(payload, "data_idx", required=False)
+    goal = string_field(payload, "goal", required=False)
+    seed = integer_field(payload, "seed", required=False)
+    if goal is not None and data_idx is None:
+        data_idx = server.service.data_idx_for_goal(goal)  # reads an immutable table: no hop needed
+    return HTTPStatus.OK, server.call(server.service.create, data_idx, seed)
+
+
+def _reset(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> tuple[int, Any]:
+    instance_id = integer_field(payload, "id")
+    data_idx = integer_field(payload, "data_idx")
+    seed = integer_field(payload, "seed", required=False)
+    return HTTPStatus.OK, server.call(server.service.reset, instance_id, data_idx, seed)
+
+
+def _step(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> tuple[int, Any]:
+    instance_id = integer_field(payload, "id")
+    action = string_field(payload, "action")
+    return HTTPStatus.OK, server.call(server.service.step, instance_id, action)
+
+
+def _close(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> tuple[int, Any]:
+    return HTTPStatus.OK, server.call(server.service.close, integer_field(payload, "id"))
+
+
+def _observation(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> tuple[int, Any]:
+    return HTTPStatus.OK, server.call(server.service.observation, query_integer(query, "id"))
+
+
+def _tasks(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> tuple[int, Any]:
+    split = query.get("split", [None])[-1]
+    offset = query_integer(query, "offset", 0)
+    limit = query_integer(query, "limit", MAX_TASKS_PAGE)
+    if offset < 0 or not 1 <= limit <= MAX_TASKS_PAGE:
+        raise ServiceError(HTTPStatus.BAD_REQUEST, f"need offset >= 0 and 1 <= limit <= {MAX_TASKS_PAGE}")
+    listing = task_listing(server.table, split, offset, limit)
+    return HTTPStatus.OK, {"env": server.settings.env_name, **listing}
+
+
+def _info(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> tuple[int, Any]:
+    return HTTPStatus.OK, server.info
+
+
+def _health(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> tuple[int, Any]:
+    return HTTPStatus.OK, server.call(server.service.health)
+
+
+ROUTES: Mapping[str, _Route] = {
+    "/create": _Route("POST", _create),
+    "/reset": _Route("POST", _reset),
+    "/step": _Route("POST", _step),
+    "/close": _Route("POST", _close),
+    "/observation": _Route("GET", _observation),
+    "/tasks": _Route("GET", _tasks),
+    "/info": _Route("GET", _info),
+    "/health": _Route("GET", _health),
+}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: a RemoteEnv reuses one connection per instance
+    server_version = "longhorizon-env"
+    # Headers and body go out in two writes; with Nagle on, the second waits for a delayed ACK.
+    disable_nagle_algorithm = True
+    server: _HTTPServer
+
+    def setup(self) -> None:
+        self.timeout = self.server.env_server.settings.keep_alive_timeout_s
+        super().setup()
+
+    def do_GET(self) -> None:
+        self._handle("GET")
+
+    def do_POST(self) -> None:
+        self._handle("POST")
+
+    def do_PUT(self) -> None:
+        self._handle("PUT")
+
+    def do_DELETE(self) -> None:
+        self._handle("DELETE")
+
+    def do_PATCH(self) -> None:
+        self._handle("PATCH")
+
+    def _handle(self, method: str) -> None:
+        env_server = self.server.env_server
+        try:
+            body = self._read_body(env_server.settings.max_body_bytes)
+            parts = urlsplit(self.path)
+            route = ROUTES.get(parts.path.rstrip("/") or "/")
+            if route is None:
+                raise ServiceError(HTTPStatus.NOT_FOUND, f"unknown endpoint {parts.path[:100]!r}; endpoints: {', '.join(ROUTES)}")
+            if method != route.method:
+                raise ServiceError(
+                    HTTPStatus.METHOD_NOT_ALLOWED, f"{parts.path} takes {route.method}, not {method}", {"Allow": route.method}
+                )
+            payload = parse_json_object(body) if method == "POST" else {}
+            status, response = route.handler(env_server, payload, parse_qs(parts.query))
+            self._send_json(status, response)
+        except ServiceError as error:
+            env_server.count_error(error.status)
+            self._send_json(error.status, {"error": error.message}, error.headers)
+        except Exception as error:  # the service outlives any one bad request
+            log.exception("request %s %s failed", method, self.path[:100])
+            env_server.count_error(HTTPStatus.INTERNAL_SERVER_ERROR)
+            self._send_json(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"internal error: {error!r}"})
+
+    def _read_body(self, limit: int) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() not in ("", "identity"):
+            self.close_connection = True
+            raise ServiceError(HTTPStatus.LENGTH_REQUIRED, "chunked bodies are not accepted; send Content-Length")
+        declared = self.headers.get("Content-Length")
+        if declared is None:
+            return b""
+        try:
+            length = int(declared)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            self.close_connection = True
+            raise ServiceError(HTTPStatus.BAD_REQUEST, f"bad Content-Length {declared[:40]!r}") from None
+        if length > limit:
+            self.close_connection = True
+            self._discard(length)
+            raise ServiceError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is {length} bytes; the limit is {limit}")
+        body = self.rfile.read(length)
+        if len(body) != length:
+            self.close_connection = True
+            raise ServiceError(HTTPStatus.BAD_REQUEST, "the body ended before Content-Length bytes arrived")
+        return body
+
+    def _discard(self, length: int) -> None:
+        if length > MAX_DISCARDED_BODY_BYTES:
+            return
+        remaining = length
+        try:
+            while remaining > 0:
+                chunk = self.rfile.read(min(remaining, 64 * 1024))
+                if not chunk:
+                    return
+                remaining -= len(chunk)
+        except OSError:
+            return
+
+    def _send_json(self, status: int, payload: Any, headers: Mapping[str, str] | None = None) -> None:
+        try:
+            data = json.dumps(payload, allow_nan=False).encode("utf-8")
+        except ValueError as error:
+            status, data = HTTPStatus.INTERNAL_SERVER_ERROR, json.dumps({"error": f"unserialisable response: {error}"}).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:
+            self.close_connection = True  # the client went away; nothing left to tell it
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        # http.server's own refusals (bad request line, oversized headers, unknown method) as JSON too.
+        self.close_connection = True
+        if self.request_version == "HTTP/0.9":
+            self.request_version = "HTTP/1.0"  # an unparsable request line still gets a status line
+        self.server.env_server.count_error(code)
+        self._send_json(code, {"error": message or HTTPStatus(code).phrase})
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], env_server: EnvServer):
+        self.env_server = env_server
+        self._slots = threading.BoundedSemaphore(env_server.settings.max_connections)
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            body = json.dumps({"error": "too many open connections; retry later"}).encode()
+            head = (
+                f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+            ).encode()
+            try:
+                request.settimeout(1.0)
+                request.sendall(head + body)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        with self._open_lock:
+            self._open.add(request)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._forget(request)
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._forget(request)
+
+    def _forget(self, request: socket.socket) -> None:
+        with self._open_lock:
+            if request in self._open:
+                self._open.discard(request)
+                self._slots.release()
+
+    def open_connections(self) -> int:
+        with self._open_lock:
+            return len(self._open)
+
+    def drop_connections(self) -> None:
+        # Wakes handler threads blocked reading an idle keep-alive connection so shutdown is prompt.
+        with self._open_lock:
+            for request in self._open:
+                try:
+                    request.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+class EnvServer:
+    """The HTTP service around one env: start() binds and serves on background threads; stop() ends it.
+
+    Usable as a context manager. `port` and `url` are known once start() returns.
+    """
+
+    def __init__(self, settings: ServiceSettings):
+        self.settings = settings
+        self.table = build_task_table(settings.env_name, settings.env_options)
+        probe = make_env(settings.env_name, **dict(settings.env_options))
+        self.info = {
+            "env": settings.env_name,
+            "options": dict(settings.env_options),
+            "prompt_format": probe.prompt_format,
+            "instructions": probe.instructions(),
+            "num_tasks": {split: len(self.table.data_idx_by_split[split]) for split in SPLITS},
+            "data_idx_mapping": self.table.mapping,
+            "max_instances": settings.max_instances,
+            "idle_timeout_s": settings.idle_timeout_s,
+            "max_body_bytes": settings.max_body_bytes,
+        }
+        self.service = EnvService(settings, self.table)
+        self.error_counts: dict[int, int] = {}
+        self._error_lock = threading.Lock()
+        self._http: _HTTPServer | None = None
+        self._trio_token: trio.lowlevel.TrioToken | None = None
+        self._stop_event: trio.Event | None = None
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def port(self) -> int:
+        if self._http is None:
+            raise RuntimeError("the env server is not started")
+        return self._http.server_address[1]
+
+    @property
+    def url(self) -> str:
+        host = self.settings.host if ":" not in self.settings.host else f"[{self.settings.host}]"
+        return f"http://{host}:{self.port}"
+
+    def count_error(self, status: int) -> None:
+        with self._error_lock:
+            self.error_counts[int(status)] = self.error_counts.get(int(status), 0) + 1
+
+    def open_connections(self) -> int:
+        return 0 if self._http is None else self._http.open_connections()
+
+    def call(self, async_function: Callable[..., Any], *args: Any) -> Any:
+        """Run a service method on the trio thread and wait for its result (from a handler thread)."""
+        if self._trio_token is None:
+            raise ServiceError(HTTPStatus.SERVICE_UNAVAILABLE, "the service is shutting down")
+        try:
+            return trio.from_thread.run(async_function, *args, trio_token=self._trio_token)
+        except trio.RunFinishedError:
+            raise ServiceError(HTTPStatus.SERVICE_UNAVAILABLE, "the service is shutting down") from None
+
+    def start(self) -> EnvServer:
+        if self._http is not None:
+            raise RuntimeError("the env server is already started")
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        async def loop_main() -> None:
+            self._trio_token = trio.lowlevel.current_trio_token()
+            self._stop_event = trio.Event()
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._expire_forever)
+                    ready.set()
+                    await self._stop_event.wait()
+                    nursery.cancel_scope.cancel()
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self.service.close_all()
+
+        def run_loop() -> None:
+            try:
+                trio.run(loop_main)
+            except BaseException as error:
+                failure.append(error)
+                log.exception("the env service's trio loop failed")
+            finally:
+                ready.set()
+
+        loop_thread = threading.Thread(target=run_loop, name="env-service-trio", daemon=True)
+        loop_thread.start()
+        ready.wait()
+        if failure:
+            raise RuntimeError(f"the env service's event loop did not start: {failure[0]!r}")
+        try:
+            self._http = _HTTPServer((self.settings.host, self.settings.port), self)
+        except BaseException:
+            self._stop_loop()
+            loop_thread.join()
+            raise
+        http_thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.2}, name="env-service-http", daemon=True)
+        http_thread.start()
+        self._threads = [loop_thread, http_thread]
+        log.info("serving env %s at %s (%d tasks)", self.settings.env_name, self.url, len(self.table.by_data_idx))
+        if self.settings.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("the env service listens on %s without authentication: anyone who can reach it can use it", self.settings.host)
+        return self
+
+    async def _expire_forever(self) -> None:
+        interval = min(max(self.settings.idle_timeout_s / 4, 0.05), 10.0)
+        while True:
+            await trio.sleep(interval)
+            await self.service.expire_idle()
+
+    def _stop_loop(self) -> None:
+        if self._trio_token is None or self._stop_event is None:
+            return
+        token, event = self._trio_token, self._stop_event
+        self._trio_token = None
+        try:
+            # run_sync_soon works from any thread, a trio thread of another loop included.
+            token.run_sync_soon(event.set)
+        except trio.RunFinishedError:
+            pass
+
+    def stop(self) -> None:
+        """Stop accepting, close every instance, end the threads. Safe to call twice."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.drop_connections()
+            self._http.server_close()
+        self._stop_loop()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self._threads = []
+
+    def __enter__(self) -> EnvServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def serve_until_interrupted(self) -> None:
+        """Start, print where, and serve until Ctrl-C (the CLI's `env serve`)."""
+        self.start()
+        print(f"serving {self.settings.env_name} at {self.url} (Ctrl-C stops)", flush=True)
+        try:
+            while all(thread.is_alive() for thread in self._threads):
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.stop()
+
+
+def serve(settings: ServiceSettings) -> None:
+    """Serve until interrupted."""
+    EnvServer(settings).serve_until_interrupted()
