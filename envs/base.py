@@ -80,6 +80,7 @@ class EnvSpec:
 # Built-in envs register themselves when their module is imported; importing them lazily keeps
 # `import longhorizon.envs.base` cheap (TextCraft parses ~860 recipe files on first use).
 BUILTIN_ENV_MODULES: Mapping[str, str] = {
+    "babyai": "longhorizon.envs.babyai.env",
     "codebook": "longhorizon.envs.toy.codebook",
     "longtail": "longhorizon.envs.toy.longtail",
     "remote": "longhorizon.envs.remote",

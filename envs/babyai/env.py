@@ -1,0 +1,161 @@
+"""The "babyai" env: minigrid's BabyAI levels as egocentric text with high-level actions.
+
+Tasks follow the reference numbering: data_idx i plays level LEVEL_NAMES[i % 40] laid out by
+seed i // 40. The test split holds seeds 0 .. num_test_seeds - 1, the train split the next
+num_train_seeds seeds. The layout depends only on the task, so reset's seed changes nothing (the
+simulator has no other randomness). Reward is minigrid's: 1 - 0.9 * steps / max_steps on success,
+0 otherwise; the episode ends when minigrid terminates it or its own step limit runs out.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from longhorizon.envs.babyai.levels import (
+    LevelSimulators,
+    check_options,
+    data_idx_of,
+    play_primitives,
+    task_level_and_seed,
+)
+from longhorizon.envs.babyai.policies import OraclePolicy, RandomPolicy
+from longhorizon.envs.babyai.view import CHECK_ACTIONS, View, read_view, render_actions, render_view
+from longhorizon.envs.base import EnvSpec, Task, register_env
+
+ENV_NAME = "babyai"
+
+INSTRUCTIONS = """\
+You are an agent in a grid world of rooms, walls, doors and objects (keys, balls, boxes). Each \
+episode gives you a goal, such as "go to the red ball" or "open the blue door". After every \
+action you are told what you see (positions are counted in steps from you: in front, to your left \
+or right), what you carry, and the list of actions available right now.
+
+Actions (use one from the available list, written exactly as listed):
+- turn left / turn right / move forward: one step.
+- go to <object> <n>: walk next to the n-th seen object of that description and face it.
+- pickup <object> <n>: go to that object and pick it up (you can carry one object).
+- go through <door> <n>: walk through an open door.
+- toggle and go through <door> <n>: open a closed door (a locked one needs its key) and walk through.
+- toggle: open or close the door, or open the box, right in front of you.
+- drop: put down what you carry in the empty cell in front of you.
+- check available actions: list the actions again.
+To go to a door counts as reaching it; to open a door you must toggle it.
+
+Reply with your reasoning and one action, in exactly this format:
+Thought:
+<your reasoning>
+
+Action:
+<one action>"""
+
+
+def first_observation(mission: str, view: View) -> str:
+    """The goal line followed by the view."""
+    return f"Your goal: {mission}\n{render_view(view)}"
+
+
+def tasks(
+    split: str,
+    *,
+    levels: Sequence[str] | None = None,
+    num_train_seeds: int = 500,
+    num_test_seeds: int = 5,
+    max_primitive_steps: int = 64,
+) -> list[Task]:
+    """The split's tasks in data_idx order (seed by seed, each seed over the chosen levels)."""
+    chosen = check_options(levels, num_train_seeds, num_test_seeds, max_primitive_steps)
+    if split == "test":
+        seeds = range(num_test_seeds)
+    elif split == "train":
+        seeds = range(num_test_seeds, num_test_seeds + num_train_seeds)
+    else:
+        raise ValueError(f"unknown split {split!r} for env {ENV_NAME!r}; valid splits: train, test")
+    result = []
+    for seed in seeds:
+        for level in chosen:
+            data_idx = data_idx_of(level, seed)
+            result.append(
+                Task(
+                    env_name=ENV_NAME,
+                    task_id=f"{split}-{data_idx}",
+                    split=split,
+                    category=level,
+                    data={"level": level, "seed": seed, "data_idx": data_idx},
+                )
+            )
+    return result
+
+
+class BabyAIEnv:
+    """One BabyAI episode at a time; reuse the object across episodes with reset."""
+
+    name = ENV_NAME
+    prompt_format = "react"
+
+    def __init__(
+        self,
+        *,
+        levels: Sequence[str] | None = None,
+        num_train_seeds: int = 500,
+        num_test_seeds: int = 5,
+        max_primitive_steps: int = 64,
+    ):
+        check_options(levels, num_train_seeds, num_test_seeds, max_primitive_steps)
+        self.max_primitive_steps = max_primitive_steps
+        self._simulators = LevelSimulators()
+        self._sim: Any = None
+        self._view: View | None = None
+        self._finished = False
+
+    def instructions(self) -> str:
+        return INSTRUCTIONS
+
+    async def reset(self, task: Task, *, seed: int | None = None) -> tuple[str, dict]:
+        level, layout_seed = task_level_and_seed(task)
+        self._sim = self._simulators.start(level, layout_seed)
+        self._finished = False
+        self._view = read_view(self._sim, max_primitive_steps=self.max_primitive_steps)
+        info = {"success": False, "invalid_action": False, "level": level, "mission": self._sim.mission}
+        return first_observation(self._sim.mission, self._view), info
+
+    async def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+        if self._sim is None or self._view is None:
+            raise RuntimeError("babyai env: call reset() before step()")
+        if self._finished:
+            raise RuntimeError("babyai env: the episode has ended; call reset() to start another")
+        command = " ".join(action.lower().split()).rstrip(".") if isinstance(action, str) else ""
+        primitives = self._view.actions.get(command)
+        if primitives is None:
+            shown = f'"{command}" is not' if command else "An empty action is not"
+            observation = f"{shown} one of the available actions. {render_actions(self._view)}"
+            return observation, 0.0, False, False, {"success": False, "invalid_action": True}
+        if command == CHECK_ACTIONS:
+            return render_view(self._view), 0.0, False, False, {"success": False, "invalid_action": False}
+        reward, terminated, truncated = play_primitives(self._sim, primitives)
+        self._view = read_view(self._sim, max_primitive_steps=self.max_primitive_steps)
+        success = terminated and reward > 0
+        observation = render_view(self._view)
+        if success:
+            observation = f"The task is completed.\n{observation}"
+        elif terminated:
+            observation = f"The task has failed.\n{observation}"
+        elif truncated:
+            observation = f"You have run out of steps.\n{observation}"
+        self._finished = terminated or truncated
+        info = {"success": success, "invalid_action": False, "primitive_steps": int(self._sim.step_count)}
+        return observation, float(reward), terminated, truncated, info
+
+    async def close(self) -> None:
+        self._simulators.close()
+        self._sim = None
+        self._view = None
+
+
+register_env(
+    EnvSpec(
+        name=ENV_NAME,
+        factory=BabyAIEnv,
+        tasks=tasks,
+        policies={"oracle": OraclePolicy, "random": RandomPolicy},
+    )
+)

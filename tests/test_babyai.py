@@ -1,0 +1,186 @@
+"""BabyAI: text rendering and action expansion on hand-built grids, the env, policies and checker."""
+
+import random
+
+import pytest
+
+from longhorizon.envs.babyai.levels import (
+    LEVEL_NAMES,
+    ORACLE_UNSOLVED_LEVELS,
+    LevelSimulators,
+    data_idx_of,
+    level_and_seed,
+    play_primitives,
+    resolve_levels,
+)
+from longhorizon.envs.babyai.policies import available_actions
+from longhorizon.envs.babyai.view import FORWARD, PICKUP, TOGGLE, TURN_RIGHT, read_view, render_view
+from longhorizon.envs.base import Task, action_from_reply, list_tasks, make_env, make_policy
+from longhorizon.envs.checker import check_env
+
+
+def hand_built_simulator(width: int, height: int, agent_position: tuple[int, int]):
+    """A real minigrid simulator with its grid replaced by an empty walled room, agent facing north."""
+    from minigrid.core.grid import Grid
+
+    simulator = LevelSimulators().start("GoToRedBallNoDists", 0)
+    simulator.grid = Grid(width, height)
+    simulator.grid.wall_rect(0, 0, width, height)
+    simulator.agent_pos = agent_position
+    simulator.agent_dir = 3
+    simulator.carrying = None
+    # Nothing in the hand-built room satisfies the level's own goal, so no step ends the episode.
+    simulator.instrs.verify = lambda action: "continue"
+    return simulator
+
+
+def test_rendering_and_pickup_in_a_hand_built_room():
+    from minigrid.core.world_object import Ball
+
+    simulator = hand_built_simulator(7, 7, (3, 5))
+    simulator.grid.set(4, 2, Ball("red"))
+    simulator.grid.set(1, 5, Ball("green"))
+    view = read_view(simulator)
+    assert render_view(view).splitlines() == [
+        "You see green ball 1, 2 steps to your left.",
+        "You see red ball 1, 3 steps in front of you and 1 step to your right.",
+        "There is a wall 5 steps in front of you.",
+        "You are not carrying anything.",
+        'Available actions: ["turn left", "turn right", "move forward", "go to green ball 1", '
+        '"pickup green ball 1", "go to red ball 1", "pickup red ball 1", "check available actions"]',
+    ]
+    # Three steps north to (3, 2), then a right turn faces the ball at (4, 2).
+    assert view.actions["go to red ball 1"] == (FORWARD, FORWARD, FORWARD, TURN_RIGHT)
+    assert view.actions["pickup red ball 1"] == (FORWARD, FORWARD, FORWARD, TURN_RIGHT, PICKUP)
+    play_primitives(simulator, view.actions["pickup red ball 1"])
+    assert tuple(int(value) for value in simulator.agent_pos) == (3, 2)
+    assert simulator.carrying.color == "red" and simulator.grid.get(4, 2) is None
+    after = read_view(simulator)
+    assert "You are carrying a red ball." in render_view(after)
+    assert "drop" in after.actions and not any(action.startswith("pickup") for action in after.actions)
+
+
+def test_toggle_and_go_through_a_closed_door():
+    from minigrid.core.world_object import Ball, Door, Wall
+
+    simulator = hand_built_simulator(7, 9, (3, 6))
+    for x in range(7):
+        simulator.grid.set(x, 3, Wall())
+    simulator.grid.set(3, 3, Door("yellow", is_open=False))
+    simulator.grid.set(5, 1, Ball("blue"))
+    view = read_view(simulator)
+    # The closed door hides the room behind it, ball included.
+    assert [seen.label for seen in view.objects] == ["yellow closed door 1"]
+    assert view.actions["go to yellow closed door 1"] == (FORWARD, FORWARD)
+    assert "go through yellow closed door 1" not in view.actions
+    expansion = view.actions["toggle and go through yellow closed door 1"]
+    assert expansion == (FORWARD, FORWARD, TOGGLE, FORWARD, FORWARD)
+    play_primitives(simulator, expansion)
+    assert tuple(int(value) for value in simulator.agent_pos) == (3, 2)
+    assert simulator.grid.get(3, 3).is_open
+    assert [seen.label for seen in read_view(simulator).objects] == ["blue ball 1"]
+
+
+def test_locked_door_needs_its_key():
+    from minigrid.core.world_object import Door, Key, Wall
+
+    simulator = hand_built_simulator(7, 9, (3, 6))
+    for x in range(7):
+        simulator.grid.set(x, 3, Wall())
+    simulator.grid.set(3, 3, Door("red", is_locked=True))
+    view = read_view(simulator)
+    assert "go to red locked door 1" in view.actions
+    assert "toggle and go through red locked door 1" not in view.actions
+    simulator.carrying = Key("red")
+    assert "toggle and go through red locked door 1" in read_view(simulator).actions
+
+
+def test_data_idx_numbering_matches_the_reference():
+    assert len(LEVEL_NAMES) == 40
+    assert level_and_seed(0) == ("GoToRedBallGrey", 0)
+    assert level_and_seed(41) == ("GoToRedBall", 1)
+    assert level_and_seed(79) == ("BossLevelNoUnlock", 1)
+    assert data_idx_of("GoToRedBall", 1) == 41
+    assert resolve_levels(["BabyAI-Pickup-v0", "GoToRedBall"]) == ("GoToRedBall", "Pickup")
+    with pytest.raises(ValueError, match="unknown BabyAI level"):
+        resolve_levels(["NoSuchLevel"])
+
+
+def test_task_splits_are_disjoint_and_labelled():
+    test_tasks = list_tasks("babyai", "test", num_test_seeds=2)
+    train_tasks = list_tasks("babyai", "train", num_test_seeds=2, num_train_seeds=3)
+    assert len(test_tasks) == 80 and len(train_tasks) == 120
+    assert test_tasks[41].task_id == "test-41" and test_tasks[41].category == "GoToRedBall"
+    assert test_tasks[41].data == {"level": "GoToRedBall", "seed": 1, "data_idx": 41}
+    assert {task.data["seed"] for task in train_tasks} == {2, 3, 4}
+    test_indices = {task.data["data_idx"] for task in test_tasks}
+    assert not test_indices & {task.data["data_idx"] for task in train_tasks}
+    only_two = list_tasks("babyai", "test", levels=["Pickup", "GoToRedBall"], num_test_seeds=1)
+    assert [task.category for task in only_two] == ["GoToRedBall", "Pickup"]
+    with pytest.raises(ValueError, match="num_test_seeds"):
+        list_tasks("babyai", "test", num_test_seeds=0)
+
+
+async def test_invalid_and_check_actions_do_not_move_the_agent():
+    env = make_env("babyai")
+    task = list_tasks("babyai", "test", levels=["GoToRedBall"], num_test_seeds=1)[0]
+    first, info = await env.reset(task, seed=0)
+    assert first.startswith("Your goal: go to the red ball\n") and info["success"] is False
+    for bad in ("fly away", "", "pickup purple dragon 1"):
+        observation, reward, terminated, truncated, info = await env.step(bad)
+        assert info["invalid_action"] is True and reward == 0.0 and not terminated and not truncated
+        assert "not one of the available actions" in observation
+        assert available_actions(observation) == available_actions(first)
+    observation, _, _, _, info = await env.step("check available actions")
+    assert info["invalid_action"] is False and observation == first.split("\n", 1)[1]
+    await env.close()
+
+
+async def test_go_to_the_goal_object_succeeds_with_minigrid_reward():
+    env = make_env("babyai")
+    task = list_tasks("babyai", "test", levels=["GoToRedBallNoDists"], num_test_seeds=1)[0]
+    first, _ = await env.reset(task)
+    assert "go to red ball 1" in available_actions(first)
+    observation, reward, terminated, truncated, info = await env.step("Go to red ball 1.")
+    assert terminated and not truncated and info["success"] is True
+    steps = info["primitive_steps"]
+    assert reward == pytest.approx(1 - 0.9 * steps / env._sim.max_steps)
+    assert observation.startswith("The task is completed.")
+    with pytest.raises(RuntimeError):
+        await env.step("turn left")
+
+
+async def play(env, policy_name: str, task: Task, max_turns: int) -> tuple[bool, int]:
+    policy = make_policy("babyai", policy_name)
+    observation, _ = await env.reset(task, seed=0)
+    policy.reset(task, observation, random.Random(task.task_id))
+    for turn in range(1, max_turns + 1):
+        action = action_from_reply(policy.act(observation), "react")
+        observation, _, terminated, truncated, info = await env.step(action)
+        assert info["invalid_action"] is False or policy_name == "random"
+        if terminated or truncated:
+            return info["success"], turn
+    return False, max_turns
+
+
+async def test_oracle_solves_the_test_split():
+    levels = [level for level in LEVEL_NAMES if level not in ORACLE_UNSOLVED_LEVELS]
+    tasks = list_tasks("babyai", "test", levels=levels, num_test_seeds=2)
+    env = make_env("babyai")
+    outcomes = [await play(env, "oracle", task, 1000) for task in tasks]
+    success_rate = sum(success for success, _ in outcomes) / len(outcomes)
+    assert success_rate >= 0.95, success_rate
+    await env.close()
+
+
+async def test_random_policy_rarely_succeeds():
+    tasks = list_tasks("babyai", "test", levels=["GoToObjMazeS7", "Open", "Unlock", "BossLevel"], num_test_seeds=3)
+    env = make_env("babyai")
+    outcomes = [await play(env, "random", task, 20) for task in tasks]
+    assert sum(success for success, _ in outcomes) <= 2
+    await env.close()
+
+
+async def test_checker_passes():
+    await check_env("babyai", {"levels": ["GoToRedBall", "OpenRedDoor", "PickupLoc"]}, split="test", num_tasks=3)
+    await check_env("babyai", {"num_test_seeds": 1}, split="test", num_tasks=2, policy="oracle", max_steps=60)
