@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-BENCHMARKS = ("transport", "async-vs-sync", "all")
+BENCHMARKS = ("transport", "async-vs-sync", "envs", "all")
 MODES = ("async", "sync")
 TARGET_SPEEDUP = 2.0
 """Async should consume episodes at least this many times faster than sync on this workload."""
@@ -358,7 +358,21 @@ def build_parser() -> argparse.ArgumentParser:
     transport.add_argument(
         "--transport-seconds", type=float, default=20.0, help="time budget of the timed runs (default %(default)s)"
     )
+    envs = parser.add_argument_group("envs")
+    envs.add_argument(
+        "--env", action="append", dest="envs", default=None,
+        help="env to measure (repeatable; default codebook, textcraft, babyai)",
+    )
+    envs.add_argument("--env-seconds", type=float, default=5.0, help="seconds per env and mode (default %(default)s)")
     return parser
+
+
+def _run_envs(args: argparse.Namespace) -> dict[str, Any]:
+    from longhorizon.launch.bench_envs import DEFAULT_ENVS, bench_env_steps, print_table
+
+    result = bench_env_steps(tuple(args.envs or DEFAULT_ENVS), seconds=args.env_seconds)
+    print_table(result)
+    return result
 
 
 def main(argv: list[str]) -> int:
@@ -387,6 +401,12 @@ def main(argv: list[str]) -> int:
             (Path(args.output_dir) / "bench.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
         results["async_vs_sync"] = result
         print_async_vs_sync(result)
+    if args.name in ("envs", "all"):
+        try:
+            results["envs"] = _run_envs(args)
+        except ValueError as error:
+            print(f"longhorizon bench: error: {error}", file=sys.stderr)
+            return 2
     if args.name == "all":
         print(json.dumps(results, sort_keys=True))
     return 0
