@@ -6,15 +6,15 @@ import pytest
 
 from longhorizon.envs.babyai.levels import (
     LEVEL_NAMES,
-    ORACLE_UNSOLVED_LEVELS,
     LevelSimulators,
     data_idx_of,
     level_and_seed,
+    mission_can_succeed,
     play_primitives,
     resolve_levels,
 )
-from longhorizon.envs.babyai.policies import available_actions
-from longhorizon.envs.babyai.view import FORWARD, PICKUP, TOGGLE, TURN_RIGHT, read_view, render_view
+from longhorizon.envs.babyai.policies import available_actions, path_to_face, scripted_chores
+from longhorizon.envs.babyai.view import DROP, FORWARD, PICKUP, TOGGLE, TURN_LEFT, TURN_RIGHT, read_view, render_view
 from longhorizon.envs.base import Task, action_from_reply, list_tasks, make_env, make_policy
 from longhorizon.envs.checker import check_env
 
@@ -163,13 +163,59 @@ async def play(env, policy_name: str, task: Task, max_turns: int) -> tuple[bool,
     return False, max_turns
 
 
-async def test_oracle_solves_the_test_split():
-    levels = [level for level in LEVEL_NAMES if level not in ORACLE_UNSOLVED_LEVELS]
-    tasks = list_tasks("babyai", "test", levels=levels, num_test_seeds=2)
+def test_chores_open_a_box_holding_a_key_and_put_down_what_is_carried():
+    from minigrid.core.world_object import Ball, Box, Key
+
+    simulator = hand_built_simulator(7, 7, (3, 5))
+    simulator.grid.set(5, 2, Box("green", Key("red")))
+    simulator.grid.set(1, 1, Box("blue"))  # an empty box hides nothing worth opening
+    chores = scripted_chores(simulator)
+    assert [(chore.description, chore.final) for chore in chores] == [("open the green box", TOGGLE)]
+    # Three steps north to (3, 2), a right turn, one step east to (4, 2): facing the box at (5, 2).
+    assert path_to_face(simulator, chores[0].wanted) == (FORWARD, FORWARD, FORWARD, TURN_RIGHT, FORWARD)
+    play_primitives(simulator, (FORWARD, FORWARD, FORWARD, TURN_RIGHT, FORWARD, TOGGLE))
+    assert simulator.grid.get(5, 2).type == "key" and scripted_chores(simulator) == []
+
+    simulator.carrying = Ball("purple")
+    [put_down] = scripted_chores(simulator)
+    assert (put_down.description, put_down.final) == ("put down the purple ball", DROP)
+    # The key now fills the cell ahead; (4, 1) and (4, 3) are both one turn away, and the search
+    # tries left turns before right ones.
+    assert path_to_face(simulator, put_down.wanted) == (TURN_LEFT,)
+
+
+def test_chores_open_doors_in_the_order_the_mission_names():
+    simulators = LevelSimulators()
+    after = simulators.start("OpenDoorsOrderN4Debug", 0)
+    assert after.mission == "open the purple door after you open the red door"
+    assert [chore.description for chore in scripted_chores(after)] == ["open the red door", "open the purple door"]
+    assert not mission_can_succeed(after)
+    single = simulators.start("OpenDoorsOrderN4Debug", 3)
+    assert single.mission == "open the green door"
+    assert [chore.description for chore in scripted_chores(single)] == ["open the green door"]
+    assert mission_can_succeed(single)
+    # Here only the first clause is strict, so the sequence can succeed.
+    red_then_blue = simulators.start("OpenRedBlueDoorsDebug", 0)
+    assert [chore.description for chore in scripted_chores(red_then_blue)] == ["open the red door", "open the blue door"]
+    assert mission_can_succeed(red_then_blue)
+    # Levels the bot handles alone get no chores.
+    assert scripted_chores(simulators.start("GoToRedBall", 0)) == []
+    simulators.close()
+
+
+async def test_oracle_solves_the_default_test_split_of_all_40_levels():
+    tasks = list_tasks("babyai", "test")
+    assert len(tasks) == 200
     env = make_env("babyai")
-    outcomes = [await play(env, "oracle", task, 1000) for task in tasks]
-    success_rate = sum(success for success, _ in outcomes) / len(outcomes)
-    assert success_rate >= 0.95, success_rate
+    failed = []
+    for task in tasks:
+        success, _ = await play(env, "oracle", task, 1000)
+        if not success:
+            failed.append((task.category, task.data["seed"], mission_can_succeed(env._sim)))
+    # The only misses allowed are missions minigrid makes impossible (strict door sequences).
+    assert all(not can_succeed for _, _, can_succeed in failed), failed
+    assert (len(tasks) - len(failed)) / len(tasks) >= 0.95, failed
+    assert {category for category, _, _ in failed} <= {"OpenDoorsOrderN4Debug"}
     await env.close()
 
 

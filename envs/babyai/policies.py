@@ -1,10 +1,12 @@
-"""Scripted BabyAI policies: an oracle driven by minigrid's BabyAIBot, and a random one."""
+"""Scripted BabyAI policies: an oracle (scripted chores, then minigrid's BabyAIBot), and a random one."""
 
 from __future__ import annotations
 
 import json
 import random
-from typing import Any, Sequence
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 from longhorizon.envs.babyai.levels import LevelSimulators, check_options, play_primitives, task_level_and_seed
 from longhorizon.envs.babyai.view import (
@@ -23,6 +25,7 @@ from longhorizon.envs.base import Task, react_reply
 _ACTIONS_PREFIX = "Available actions: "
 _TEXT_OF_PRIMITIVE = {TURN_LEFT: "turn left", TURN_RIGHT: "turn right", FORWARD: "move forward",
                       TOGGLE: "toggle", DROP: "drop"}
+_DIRECTION_VECTORS = ((1, 0), (0, 1), (-1, 0), (0, -1))
 # The bot can search forever on a few layouts; past this many path searches in one decision it
 # is declared stuck, and the oracle takes a random step and starts a fresh bot.
 _MAX_SEARCHES_PER_DECISION = 500
@@ -41,17 +44,130 @@ def available_actions(observation: str) -> list[str]:
     return []
 
 
+Cell = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Chore:
+    """A scripted step the bot cannot plan: walk until facing a cell `wanted` accepts, then `final`."""
+
+    description: str
+    wanted: Callable[[Any, Cell], bool]
+    """(simulator, cell in front of the agent) -> whether this is the cell to act on."""
+    final: int
+    """The primitive done there, e.g. TOGGLE or DROP."""
+
+
+def path_to_face(sim: Any, wanted: Callable[[Any, Cell], bool]) -> tuple[int, ...] | None:
+    """Fewest turns and moves over the whole grid that leave the agent facing a wanted cell.
+
+    The oracle knows the full map, unlike the agent, so cells out of view count as known. Returns
+    () when the agent faces a wanted cell already, None when no such cell can be reached.
+    """
+
+    def in_grid(cell: Cell) -> bool:
+        return 0 <= cell[0] < sim.grid.width and 0 <= cell[1] < sim.grid.height
+
+    def walkable(cell: Cell) -> bool:
+        if not in_grid(cell):
+            return False
+        world_object = sim.grid.get(*cell)
+        return world_object is None or (world_object.can_overlap() and world_object.type != "lava")
+
+    start = (int(sim.agent_pos[0]), int(sim.agent_pos[1]), int(sim.agent_dir))
+    came_from: dict[tuple[int, int, int], tuple[tuple[int, int, int], int] | None] = {start: None}
+    frontier = deque([start])
+    while frontier:
+        state = frontier.popleft()
+        x, y, direction = state
+        dx, dy = _DIRECTION_VECTORS[direction]
+        front = (x + dx, y + dy)
+        if in_grid(front) and wanted(sim, front):
+            path = []
+            while came_from[state] is not None:
+                state, primitive = came_from[state]
+                path.append(primitive)
+            return tuple(reversed(path))
+        successors = (
+            ((front[0], front[1], direction), FORWARD),
+            ((x, y, (direction - 1) % 4), TURN_LEFT),
+            ((x, y, (direction + 1) % 4), TURN_RIGHT),
+        )
+        for successor, primitive in successors:
+            if successor in came_from or (primitive == FORWARD and not walkable(front)):
+                continue
+            came_from[successor] = (state, primitive)
+            frontier.append(successor)
+    return None
+
+
+def _is_empty(sim: Any, cell: Cell) -> bool:
+    return sim.grid.get(*cell) is None
+
+
+def _holds(position: Cell) -> Callable[[Any, Cell], bool]:
+    return lambda sim, cell: cell == position
+
+
+def _doors_in_mission_order(instructions: Any) -> list[Any] | None:
+    """The door objects a strict door-opening mission names, in the order they must be opened.
+
+    None unless the mission is made only of "open the <door>" clauses, at least one strict (a
+    strict clause fails on touching any other door, which the bot's exploration does).
+    """
+    from minigrid.envs.babyai.core.verifier import AfterInstr, BeforeInstr, OpenInstr
+
+    if isinstance(instructions, OpenInstr):
+        clauses = [instructions]
+    elif isinstance(instructions, BeforeInstr):
+        clauses = [instructions.instr_a, instructions.instr_b]
+    elif isinstance(instructions, AfterInstr):
+        clauses = [instructions.instr_b, instructions.instr_a]
+    else:
+        return None
+    if not all(isinstance(clause, OpenInstr) for clause in clauses):
+        return None
+    if not any(clause.strict for clause in clauses) or not all(clause.desc.obj_set for clause in clauses):
+        return None
+    return [clause.desc.obj_set[0] for clause in clauses]
+
+
+def scripted_chores(sim: Any) -> list[Chore]:
+    """What to do before the bot can take over (or instead of it), from the episode's start state.
+
+    - An object already in hand (PutNext...Carrying): put it down; the bot assumes empty hands.
+    - A key hidden in a box (KeyInBox): open the box; the bot never opens boxes, so the key
+      stays invisible to it. Once the key lies in the open, the bot fetches it and unlocks.
+    - A strict door order (OpenDoorsOrder...Debug): open exactly the named doors in order; the
+      bot explores by opening doors, and a strict mission fails on the first wrong one.
+    """
+    chores = []
+    if sim.carrying is not None:
+        chores.append(Chore(f"put down the {sim.carrying.color} {sim.carrying.type}", _is_empty, DROP))
+    for x in range(sim.grid.width):
+        for y in range(sim.grid.height):
+            world_object = sim.grid.get(x, y)
+            hidden = world_object.contains if world_object is not None and world_object.type == "box" else None
+            if hidden is not None and hidden.type == "key":
+                chores.append(Chore(f"open the {world_object.color} box", _holds((x, y)), TOGGLE))
+    for door in _doors_in_mission_order(sim.instrs) or []:
+        position = (int(door.cur_pos[0]), int(door.cur_pos[1]))
+        chores.append(Chore(f"open the {door.color} door", _holds(position), TOGGLE))
+    return chores
+
+
 class _BotStuck(Exception):
     """The bot kept searching without deciding."""
 
 
 class OraclePolicy:
-    """Follows minigrid's BabyAIBot on a private copy of the task's simulator.
+    """Scripted chores where minigrid's BabyAIBot falls short, then the bot, on a private simulator.
 
-    The copy is built from the task (level and seed) and advanced with exactly the primitives the
-    env runs for each text action, so it stays in step with the env. The bot thinks in primitive
-    actions; each becomes the text action with that expansion ("pickup <object> <n>" for the object
-    in front). It solves every shipped level except ORACLE_UNSOLVED_LEVELS.
+    The private simulator is built from the task (level and seed) and advanced with exactly the
+    primitives the env runs for each text action, so it stays in step with the env. The oracle
+    first works through scripted_chores (planned on the full map), then follows the bot. Both
+    think in primitive actions; each becomes the text action with that expansion ("pickup
+    <object> <n>" for the object in front).
     """
 
     def __init__(
@@ -67,6 +183,7 @@ class OraclePolicy:
         self._simulators = LevelSimulators()
         self._sim: Any = None
         self._bot: Any = None
+        self._chores: list[Chore] = []
         self._last_primitive: int | None = None
         self._rng = random.Random(0)
         self._episode_over = False
@@ -76,7 +193,9 @@ class OraclePolicy:
         self._sim = self._simulators.start(level, seed)
         self._rng = rng
         self._episode_over = False
-        self._start_bot()
+        self._chores = scripted_chores(self._sim)
+        self._bot = None
+        self._last_primitive = None
 
     def act(self, observation: str) -> str:
         if self._sim is None:
@@ -84,9 +203,40 @@ class OraclePolicy:
         if self._episode_over:
             return react_reply("The episode is over.", CHECK_ACTIONS)
         view = read_view(self._sim, max_primitive_steps=self.max_primitive_steps)
+        step = self._chore_step(view)
+        if step is not None:
+            action, reason = step
+        else:
+            action, reason = self._bot_step(view), "The plan's next step"
+        _, terminated, truncated = play_primitives(self._sim, view.actions[action])
+        self._episode_over = terminated or truncated
+        return react_reply(f"{reason} is to {action}.", action)
+
+    def _chore_step(self, view: View) -> tuple[str, str] | None:
+        """The next text action of the current chore and why, or None once the chores are over.
+
+        A chore that cannot be reached or said as a text action is abandoned with the rest, and
+        the bot takes over from there.
+        """
+        if not self._chores:
+            return None
+        chore = self._chores[0]
+        path = path_to_face(self._sim, chore.wanted)
+        primitive = None if path is None else path[0] if path else chore.final
+        action = self._text_action(primitive, view) if primitive is not None else None
+        if action is None:
+            self._chores.clear()
+            return None
+        if not path:
+            self._chores.pop(0)
+        return action, f"To {chore.description}, my next step"
+
+    def _bot_step(self, view: View) -> str:
+        if self._bot is None:
+            self._start_bot()
         try:
             primitive = self._bot.replan(self._last_primitive)
-        except Exception:  # _BotStuck, or the bot's own assertion failures on levels it cannot do
+        except Exception:  # _BotStuck, or the bot's own assertion failures on layouts it cannot do
             primitive = None
         action = self._text_action(int(primitive), view) if primitive is not None else None
         if action is None:
@@ -97,9 +247,7 @@ class OraclePolicy:
             primitive = view.actions[action][-1]
             self._start_bot()
         self._last_primitive = primitive
-        _, terminated, truncated = play_primitives(self._sim, view.actions[action])
-        self._episode_over = terminated or truncated
-        return react_reply(f"The plan's next step is to {action}.", action)
+        return action
 
     def _start_bot(self) -> None:
         from minigrid.utils.baby_ai_bot import BabyAIBot
