@@ -356,7 +356,7 @@ async def test_remote_env_against_a_reference_style_service():
             await env.step("inventory")
         await env.close()
         with pytest.raises(ValueError, match="not registered here"):
-            list_tasks("remote", "train", url=url, env="sciworld")
+            list_tasks("remote", "train", url=url, env="no_such_env")
     finally:
         server.shutdown()
         server.server_close()
