@@ -11,6 +11,8 @@ MODEL_CACHE ?= .cache/models
 setup: $(SETUP_STAMP)
 
 $(SETUP_STAMP): pyproject.toml
+	# ScienceWorld's wheel ships its jar but needs a Java runtime.
+	command -v java >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends default-jre-headless)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# The exact pin takes the CPU wheel here; a looser one would pull several GB of CUDA packages.

@@ -84,6 +84,7 @@ BUILTIN_ENV_MODULES: Mapping[str, str] = {
     "codebook": "longhorizon.envs.toy.codebook",
     "longtail": "longhorizon.envs.toy.longtail",
     "remote": "longhorizon.envs.remote",
+    "sciworld": "longhorizon.envs.sciworld.env",
     "textcraft": "longhorizon.envs.textcraft.env",
 }
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-BENCHMARKS = ("transport", "async-vs-sync", "envs", "all")
+BENCHMARKS = ("transport", "async-vs-sync", "envs", "sciworld-memory", "all")
 MODES = ("async", "sync")
 TARGET_SPEEDUP = 2.0
 """Async should consume episodes at least this many times faster than sync on this workload."""
@@ -364,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="env to measure (repeatable; default codebook, textcraft, babyai)",
     )
     envs.add_argument("--env-seconds", type=float, default=5.0, help="seconds per env and mode (default %(default)s)")
+    sciworld = parser.add_argument_group("sciworld-memory (not part of 'all': about 10 minutes)")
+    sciworld.add_argument("--episodes", type=int, default=1000, help="SciWorld episodes (default %(default)s)")
     return parser
 
 
@@ -401,6 +403,10 @@ def main(argv: list[str]) -> int:
             (Path(args.output_dir) / "bench.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
         results["async_vs_sync"] = result
         print_async_vs_sync(result)
+    if args.name == "sciworld-memory":
+        from longhorizon.launch.bench_sciworld import bench_sciworld_memory, print_table
+
+        print_table(bench_sciworld_memory(args.episodes))
     if args.name in ("envs", "all"):
         try:
             results["envs"] = _run_envs(args)
