@@ -453,3 +453,42 @@ async def test_training_runs_through_remote_envs(tmp_path):
     records = read_metrics(tmp_path / "remote")
     assert [record["step"] for record in records] == [1, 2]
     assert all(record["failed_episodes"] == 0 and record["reward_mean"] == 1.0 for record in records)
+
+
+async def test_babyai_through_remote_matches_in_process():
+    with EnvServer(ServiceSettings("babyai", max_instances=8)) as server:
+        options = {"url": server.url, "env": "babyai"}
+        remote_tasks = list_tasks("remote", "test", **options)
+        local_tasks = list_tasks("babyai", "test")
+        assert [task.task_id for task in remote_tasks] == [task.task_id for task in local_tasks]
+        remote_env, local_env = make_env("remote", **options), make_env("babyai")
+        try:
+            # A few levels of different families, oracle and random play.
+            for index in (0, 7, 23):
+                for seed, policy_name in ((0, "oracle"), (3, "random")):
+                    local = await _play(local_env, local_tasks[index], seed, make_policy("babyai", policy_name), 25)
+                    remote = await _play(
+                        remote_env, remote_tasks[index], seed, make_policy("remote", policy_name, **options), 25
+                    )
+                    assert remote == local
+        finally:
+            await remote_env.close()
+            await local_env.close()
+
+
+@pytest.mark.slow
+async def test_sciworld_through_remote_matches_in_process():
+    with EnvServer(ServiceSettings("sciworld", env_options={"task_names": ["boil"]}, max_instances=2)) as server:
+        options = {"url": server.url, "env": "sciworld", "env_options": {"task_names": ["boil"]}}
+        remote_tasks = list_tasks("remote", "test", **options)
+        local_tasks = list_tasks("sciworld", "test", task_names=["boil"])
+        assert [task.task_id for task in remote_tasks] == [task.task_id for task in local_tasks]
+        remote_env = make_env("remote", **options)
+        local_env = make_env("sciworld", task_names=["boil"])
+        try:
+            local = await _play(local_env, local_tasks[0], 0, make_policy("sciworld", "random", task_names=["boil"]), 6)
+            remote = await _play(remote_env, remote_tasks[0], 0, make_policy("remote", "random", **options), 6)
+            assert remote == local
+        finally:
+            await remote_env.close()
+            await local_env.close()
