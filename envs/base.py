@@ -8,8 +8,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
+from longhorizon.actor.agent import PROMPT_FORMATS  # the formats live with their parser
+
 SPLITS = ("train", "test")
-PROMPT_FORMATS = ("react", "bare")
 
 
 @dataclass(frozen=True)
@@ -192,20 +193,10 @@ def make_policy(env_name: str, policy_name: str, **options: Any) -> ScriptedPoli
 
 
 def action_from_reply(reply: str, prompt_format: str) -> str:
-    """The action inside a model reply: the line after the last "Action:" for react, else all of it.
+    """The action inside a reply, read exactly as the actor reads it (one parser for both)."""
+    from longhorizon.actor.agent import parse_action
 
-    A minimal reading for tests and terminal play; the actor has its own stricter parser.
-    """
-    if prompt_format not in PROMPT_FORMATS:
-        raise ValueError(f"unknown prompt format {prompt_format!r}; valid: {', '.join(PROMPT_FORMATS)}")
-    if prompt_format == "bare":
-        return reply.strip()
-    marker = "Action:"
-    position = reply.rfind(marker)
-    if position < 0:
-        return reply.strip()
-    after = reply[position + len(marker):].strip()
-    return after.splitlines()[0].strip() if after else ""
+    return parse_action(reply, prompt_format)
 
 
 def react_reply(thought: str, action: str) -> str:

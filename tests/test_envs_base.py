@@ -139,11 +139,14 @@ def test_env_protocol_is_checkable():
 
 def test_action_from_reply():
     assert action_from_reply(react_reply("think", "get 1 oak logs"), "react") == "get 1 oak logs"
-    reply = "Thought:\nAction: is a word\n\nAction:\n  inventory  \nmore text"
-    assert action_from_reply(reply, "react") == "inventory"
+    assert action_from_reply("Thought:\nhm\n\nAction:\n  inventory  \nmore text", "react") == "inventory"
     assert action_from_reply("Action: craft 1 stick using 2 bamboo", "react") == "craft 1 stick using 2 bamboo"
     assert action_from_reply("  a2 \n", "bare") == "a2"
-    assert action_from_reply("no marker here", "react") == "no marker here"
+    # The actor's own parser: garbled replies are errors, not guesses.
+    with pytest.raises(ValueError, match="no action found"):
+        action_from_reply("no marker here", "react")
+    with pytest.raises(ValueError, match="more than one"):
+        action_from_reply("Action: get 1 log\nAction: inventory", "react")
     with pytest.raises(ValueError, match="prompt format"):
         action_from_reply("x", "json")
 
