@@ -8,6 +8,7 @@ client. Endpoints (JSON in, JSON out):
     POST /step    {id, action}                        -> {observation, reward, score, done, ...}
     POST /close   {id}                                -> {id, closed}
     GET  /observation?id=I                            -> the instance's latest observation (a string)
+    GET  /action_hint?id=I                            -> {id, action_hint: [...]} (envs that list valid actions)
     GET  /tasks?split=train|test&offset=&limit=       -> {env, split, total, offset, tasks: [...]}
     GET  /info                                        -> env name, options, prompt format, instructions
     GET  /health                                      -> {status, env, instances, max_instances}
@@ -394,9 +395,7 @@ class EnvService:
             "done": False,
             "data_idx": instance.data_idx,
             "task_id": instance.task_id,
-            # The names SciWorld clients read; our task id stands in for task and variation.
-            "task_name": task.task_id,
-            "task_description": instance.observation,
+            **_task_fields(task, instance.observation),
             "info": instance.reset_info,
         }
 
@@ -450,6 +449,17 @@ class EnvService:
         async with instance.lock:
             await self._drop(instance_id)
         return {"id": instance_id, "closed": True}
+
+    async def action_hint(self, instance_id: int) -> dict:
+        """The actions the env accepts right now, for envs that can list them (SciWorld)."""
+        instance = self._instance(instance_id)
+        valid_actions = getattr(instance.env, "valid_actions", None)
+        if valid_actions is None:
+            raise ServiceError(HTTPStatus.NOT_FOUND, f"env {self.settings.env_name!r} gives no action hints")
+        async with instance.lock:
+            instance.last_used = self.clock()
+            actions = await self._call_env(instance_id, valid_actions())
+        return {"id": instance_id, "action_hint": list(actions)}
 
     async def observation(self, instance_id: int) -> str:
         instance = self._instance(instance_id)
@@ -531,7 +541,25 @@ def _health(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) ->
     return HTTPStatus.OK, server.call(server.service.health)
 
 
+def _action_hint(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> tuple[int, Any]:
+    return HTTPStatus.OK, server.call(server.service.action_hint, query_integer(query, "id"))
+
+
+def _task_fields(task: Task, observation: str) -> dict:
+    """The reset fields SciWorld clients read: the simulator's task name, variation and description
+    when the task has them, else our task id and the first observation."""
+    data = task.data if isinstance(task.data, Mapping) else {}
+    if isinstance(data.get("task_name"), str) and isinstance(data.get("variation"), int):
+        return {
+            "task_name": data["task_name"],
+            "var_num": data["variation"],
+            "task_description": observation.split("\n", 1)[0],
+        }
+    return {"task_name": task.task_id, "task_description": observation}
+
+
 ROUTES: Mapping[str, _Route] = {
+    "/action_hint": _Route("GET", _action_hint),
     "/create": _Route("POST", _create),
     "/reset": _Route("POST", _reset),
     "/step": _Route("POST", _step),

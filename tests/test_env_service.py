@@ -492,3 +492,21 @@ async def test_sciworld_through_remote_matches_in_process():
         finally:
             await remote_env.close()
             await local_env.close()
+
+
+@pytest.mark.slow
+def test_sciworld_reset_fields_and_action_hints():
+    with EnvServer(ServiceSettings("sciworld", env_options={"task_names": ["boil"]}, max_instances=2)) as server:
+        status, created, _ = _request(server.port, "POST", "/create", {"data_idx": 0})
+        assert status == 200
+        task = build_task_table("sciworld", {"task_names": ["boil"]}).by_data_idx[0]
+        assert created["task_name"] == task.data["task_name"] == "boil"
+        assert created["var_num"] == task.data["variation"]
+        assert created["task_description"] == created["observation"].split("\n", 1)[0]
+        status, hint, _ = _request(server.port, "GET", f"/action_hint?id={created['id']}")
+        assert status == 200 and "look around" in hint["action_hint"]
+        assert hint["action_hint"] == sorted(hint["action_hint"])
+    with EnvServer(ServiceSettings("codebook")) as server:
+        _, created, _ = _request(server.port, "POST", "/create", {})
+        status, body, _ = _request(server.port, "GET", f"/action_hint?id={created['id']}")
+        assert status == 404 and "no action hints" in body["error"]

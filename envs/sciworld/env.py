@@ -155,6 +155,13 @@ class SciWorldEnv:
                 "score": result.score, "moves": result.moves}
         return result.observation, reward, terminated, False, info
 
+    async def valid_actions(self) -> list[str]:
+        """Every action the simulator accepts right now, sorted (the env service's /action_hint)."""
+        if self._task is None or self._simulator is None:
+            raise RuntimeError("sciworld env: call reset() before asking for valid actions")
+        simulator = self._simulator
+        return sorted(await trio.to_thread.run_sync(simulator.valid_actions))
+
     async def close(self) -> None:
         simulator, self._simulator = self._simulator, None
         self._task = None
