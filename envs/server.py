@@ -20,9 +20,10 @@ what our Env protocol returns. Failures, unlike the reference's, use real status
 wrong method, 409 stepping a finished episode, 411 no Content-Length, 413 body too large, 503
 instance table or connection slots full, 504 env call timed out, 500 the env itself failed.
 
-data_idx: a task whose data carries an integer "index" keeps it as its data_idx when every task of
-the env has one (TextCraft: the AgentGym position among craftable items sorted by recipe depth, so
-AgentGym clients land on the same goals); otherwise the train tasks take 0..n-1 and the test tasks
+data_idx: a task whose data carries an integer "data_idx" or "index" keeps it as its data_idx when
+every task of the env has one (TextCraft: the AgentGym position among craftable items sorted by
+recipe depth; BabyAI: level = data_idx % 40 + 1, seed = data_idx // 40; SciWorld: the position in
+the reference's flat (task, variation) list), so AgentGym clients land on the same tasks; otherwise the train tasks take 0..n-1 and the test tasks
 n..n+m-1, both in list_tasks order. GET /tasks lists the mapping. `seed` is our extension: reset
 without one uses seed 0, so a data_idx always gives the same first observation to clients that do
 not send seeds.
@@ -146,7 +147,10 @@ def build_task_table(env_name: str, env_options: Mapping[str, Any]) -> TaskTable
         raise ValueError(f"env {env_name!r} has no tasks to serve")
 
     def own_index(task: Task) -> int | None:
-        index = task.data.get("index") if isinstance(task.data, Mapping) else None
+        # The reference's own numbering when the task carries it: "data_idx" (BabyAI: level and
+        # seed; SciWorld: position in the flat (task, variation) list) or "index" (TextCraft).
+        data = task.data if isinstance(task.data, Mapping) else {}
+        index = data.get("data_idx", data.get("index"))
         return index if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else None
 
     indexes = [own_index(task) for task in every_task]

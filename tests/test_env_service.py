@@ -510,3 +510,13 @@ def test_sciworld_reset_fields_and_action_hints():
         _, created, _ = _request(server.port, "POST", "/create", {})
         status, body, _ = _request(server.port, "GET", f"/action_hint?id={created['id']}")
         assert status == 404 and "no action hints" in body["error"]
+
+
+def test_babyai_and_sciworld_keep_the_reference_numbering():
+    babyai = build_task_table("babyai", {})
+    assert babyai.mapping == "index"
+    for data_idx in (0, 39, 40, 123):
+        assert babyai.by_data_idx[data_idx].data["data_idx"] == data_idx
+    sciworld = build_task_table("sciworld", {})
+    assert sciworld.mapping == "index"
+    assert all(task.data["data_idx"] == data_idx for data_idx, task in list(sciworld.by_data_idx.items())[:50])
