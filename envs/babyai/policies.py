@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -19,13 +18,13 @@ from longhorizon.envs.babyai.view import (
     TURN_RIGHT,
     View,
     read_view,
+    shortest_path_to_face,
 )
 from longhorizon.envs.base import Task, react_reply
 
 _ACTIONS_PREFIX = "Available actions: "
 _TEXT_OF_PRIMITIVE = {TURN_LEFT: "turn left", TURN_RIGHT: "turn right", FORWARD: "move forward",
                       TOGGLE: "toggle", DROP: "drop"}
-_DIRECTION_VECTORS = ((1, 0), (0, 1), (-1, 0), (0, -1))
 # The bot can search forever on a few layouts; past this many path searches in one decision it
 # is declared stuck, and the oracle takes a random step and starts a fresh bot.
 _MAX_SEARCHES_PER_DECISION = 500
@@ -74,31 +73,7 @@ def path_to_face(sim: Any, wanted: Callable[[Any, Cell], bool]) -> tuple[int, ..
         world_object = sim.grid.get(*cell)
         return world_object is None or (world_object.can_overlap() and world_object.type != "lava")
 
-    start = (int(sim.agent_pos[0]), int(sim.agent_pos[1]), int(sim.agent_dir))
-    came_from: dict[tuple[int, int, int], tuple[tuple[int, int, int], int] | None] = {start: None}
-    frontier = deque([start])
-    while frontier:
-        state = frontier.popleft()
-        x, y, direction = state
-        dx, dy = _DIRECTION_VECTORS[direction]
-        front = (x + dx, y + dy)
-        if in_grid(front) and wanted(sim, front):
-            path = []
-            while came_from[state] is not None:
-                state, primitive = came_from[state]
-                path.append(primitive)
-            return tuple(reversed(path))
-        successors = (
-            ((front[0], front[1], direction), FORWARD),
-            ((x, y, (direction - 1) % 4), TURN_LEFT),
-            ((x, y, (direction + 1) % 4), TURN_RIGHT),
-        )
-        for successor, primitive in successors:
-            if successor in came_from or (primitive == FORWARD and not walkable(front)):
-                continue
-            came_from[successor] = (state, primitive)
-            frontier.append(successor)
-    return None
+    return shortest_path_to_face(sim, walkable, lambda cell: in_grid(cell) and wanted(sim, cell))
 
 
 def _is_empty(sim: Any, cell: Cell) -> bool:

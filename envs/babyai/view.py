@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 # minigrid's primitive action numbers (minigrid.core.actions.Actions).
 TURN_LEFT, TURN_RIGHT, FORWARD, PICKUP, DROP, TOGGLE = 0, 1, 2, 3, 4, 5
@@ -80,8 +80,16 @@ def _passable(world_object: Any) -> bool:
     return world_object is None or (world_object.can_overlap() and world_object.type != "lava")
 
 
-def _path_to_face(sim: Any, walkable: set[tuple[int, int]], target: tuple[int, int]) -> tuple[int, ...] | None:
-    """Fewest turns and moves that leave the agent next to `target` and facing it, or None."""
+def shortest_path_to_face(
+    sim: Any,
+    passable: Callable[[tuple[int, int]], bool],
+    is_target: Callable[[tuple[int, int]], bool],
+) -> tuple[int, ...] | None:
+    """Fewest turns and moves (primitive actions) that leave the agent facing a target cell.
+
+    Breadth-first over (x, y, direction) states: moving forward needs a passable cell ahead.
+    Returns () when the agent faces a target already, None when no target can be reached.
+    """
     start = (int(sim.agent_pos[0]), int(sim.agent_pos[1]), int(sim.agent_dir))
     came_from: dict[tuple[int, int, int], tuple[tuple[int, int, int], int] | None] = {start: None}
     frontier = deque([start])
@@ -89,25 +97,29 @@ def _path_to_face(sim: Any, walkable: set[tuple[int, int]], target: tuple[int, i
         state = frontier.popleft()
         x, y, direction = state
         dx, dy = _DIRECTION_VECTORS[direction]
-        if (x + dx, y + dy) == target:
+        front = (x + dx, y + dy)
+        if is_target(front):
             path = []
             while came_from[state] is not None:
                 state, action = came_from[state]
                 path.append(action)
             return tuple(reversed(path))
         successors = (
-            ((x + dx, y + dy, direction), FORWARD),
+            ((front[0], front[1], direction), FORWARD),
             ((x, y, (direction - 1) % 4), TURN_LEFT),
             ((x, y, (direction + 1) % 4), TURN_RIGHT),
         )
         for successor, action in successors:
-            if successor in came_from:
-                continue
-            if action == FORWARD and (successor[0], successor[1]) not in walkable:
+            if successor in came_from or (action == FORWARD and not passable(front)):
                 continue
             came_from[successor] = (state, action)
             frontier.append(successor)
     return None
+
+
+def _path_to_face(sim: Any, walkable: set[tuple[int, int]], target: tuple[int, int]) -> tuple[int, ...] | None:
+    """Fewest turns and moves over the visible walkable cells that leave the agent facing `target`."""
+    return shortest_path_to_face(sim, walkable.__contains__, lambda cell: cell == target)
 
 
 def read_view(sim: Any, *, max_primitive_steps: int = 64) -> View:
