@@ -1,4 +1,4 @@
-"""Evaluate a policy on held-out tasks: success rate and mean reward over episodes run concurrently."""
+"""Evaluate a policy on held-out tasks: success, mean score (Avg@n), per-category results and Pass@k."""
 
 from __future__ import annotations
 
@@ -68,3 +68,95 @@ async def evaluate(
 def greedy(settings):
     """The same engine settings with greedy decoding (temperature 0)."""
     return dataclasses.replace(settings, sampling=dataclasses.replace(settings.sampling, temperature=0.0))
+
+
+@dataclass
+class EpisodeRecord:
+    task_id: str
+    category: str
+    success: bool
+    reward: float
+    turns: int
+    error: str
+
+
+async def play_tasks(
+    engine: Engine,
+    env_name: str,
+    env_options: dict,
+    tasks: list,
+    *,
+    samples: int,
+    horizon_cap: int,
+    max_new_tokens: int,
+    max_context_tokens: int = 4096,
+    concurrency: int = 32,
+) -> list[EpisodeRecord]:
+    """`samples` episodes of every task (for Pass@k), run concurrently; one record per episode."""
+    from longhorizon.envs.base import make_env
+
+    pool = EnvPool(lambda: make_env(env_name, **env_options))
+    limiter = trio.CapacityLimiter(concurrency)
+    records: list[EpisodeRecord] = []
+
+    async def one(task, sample: int) -> None:
+        async with limiter:
+            env = pool.acquire()
+            result = await run_episode(
+                env, engine, task, horizon_cap=horizon_cap, max_context_tokens=max_context_tokens,
+                max_new_tokens=max_new_tokens, seed=0, episode_id=f"eval-{task.task_id}-{sample}",
+            )
+            pool.release(env, broken=bool(result.error))
+            records.append(EpisodeRecord(
+                task.task_id, task.category, bool(result.success), result.reward, result.num_turns, result.error,
+            ))
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for task in tasks:
+                for sample in range(samples):
+                    nursery.start_soon(one, task, sample)
+    finally:
+        await pool.close()
+    return records
+
+
+def summarise(records: list[EpisodeRecord], samples: int, ks: list[int]) -> dict:
+    """Success with a Wilson interval, mean score (Avg@n) with a normal interval, per-category
+    success, and the unbiased Pass@k for each k <= samples."""
+    from collections import defaultdict
+
+    from longhorizon.actor.metrics import mean_interval, mean_pass_at_k, wilson_interval
+
+    played = [r for r in records if not r.error]
+    if not played:
+        raise ValueError("no episode finished without an error")
+    successes = sum(r.success for r in played)
+    low, high = wilson_interval(successes, len(played))
+    avg, avg_low, avg_high = mean_interval([r.reward for r in played])
+    by_task: dict[str, list[EpisodeRecord]] = defaultdict(list)
+    by_category: dict[str, list[EpisodeRecord]] = defaultdict(list)
+    for record in played:
+        by_task[record.task_id].append(record)
+        by_category[record.category].append(record)
+    complete = [runs for runs in by_task.values() if len(runs) == samples]
+    summary = {
+        "episodes": len(records),
+        "failed_episodes": len(records) - len(played),
+        "tasks": len(by_task),
+        "samples_per_task": samples,
+        "success_rate": successes / len(played),
+        "success_rate_ci95": [low, high],
+        f"avg@{samples}": avg,
+        f"avg@{samples}_ci95": [avg_low, avg_high],
+        "mean_turns": sum(r.turns for r in played) / len(played),
+        "per_category": {
+            category: {"episodes": len(runs), "success_rate": sum(r.success for r in runs) / len(runs),
+                       "mean_score": sum(r.reward for r in runs) / len(runs)}
+            for category, runs in sorted(by_category.items())
+        },
+    }
+    for k in ks:
+        if 1 <= k <= samples and complete:
+            summary[f"pass@{k}"] = mean_pass_at_k([sum(r.success for r in runs) for runs in complete], samples, k)
+    return summary
