@@ -10,7 +10,6 @@ components together in one process over the in-process transport, for tests and 
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import socket
 import subprocess
@@ -261,10 +260,3 @@ async def train_in_process(config: Config, *, model_path: str | None = None, eng
         nursery.cancel_scope.cancel()
     return learner
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
