@@ -8,8 +8,6 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
-from longhorizon.actor.agent import PROMPT_FORMATS  # the formats live with their parser
-
 SPLITS = ("train", "test")
 
 
