@@ -11,8 +11,19 @@ MODEL_CACHE ?= .cache/models
 setup: $(SETUP_STAMP)
 
 $(SETUP_STAMP): pyproject.toml
-	# ScienceWorld's wheel ships its jar but needs a Java runtime.
-	command -v java >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends default-jre-headless)
+	# Debian packages, installed only where missing: a Java runtime for ScienceWorld's jar, Chromium
+	# for the web envs (Playwright drives it; it cannot download its own browser here), and the
+	# local web applications of the WebArena-like tier (Fossil, DokuWiki on PHP).
+	@missing=""; \
+	command -v java >/dev/null || missing="$$missing default-jre-headless"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v fossil >/dev/null || missing="$$missing fossil"; \
+	command -v php >/dev/null || missing="$$missing php-cli"; \
+	test -f /usr/share/dokuwiki/doku.php || missing="$$missing dokuwiki"; \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages:$$missing"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+	fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# The exact pin takes the CPU wheel here; a looser one would pull several GB of CUDA packages.

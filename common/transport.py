@@ -60,6 +60,10 @@ DEFAULT_BROADCAST_HWM = 8
 DEFAULT_CONTROL_HWM = 256
 """Control messages queued per connection on each side; they are small."""
 
+COPY_THRESHOLD_BYTES = 512 * 1024
+"""Frames smaller than this are copied on send; larger ones (token arrays, weight tensors) are
+sent without a copy (pyzmq's own default is 64 KiB)."""
+
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
@@ -345,6 +349,10 @@ def _open_socket(
     if send_hwm < 0 or receive_hwm < 0:
         raise ValueError(f"{name}: high-water marks must be >= 0 (0 means unlimited)")
     socket = (context or zmq.Context.instance()).socket(socket_type)
+    # Frames under this size are copied into ZeroMQ rather than lent to it: a lent frame is
+    # released later through pyzmq's garbage-collector thread, which must take the GIL back from
+    # the sender, and that costs more than copying a message header of a few hundred KiB.
+    socket.copy_threshold = COPY_THRESHOLD_BYTES
     try:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, send_hwm)

@@ -357,17 +357,18 @@ def _check_token_contents(values: dict[str, Any]) -> None:
         _fail("Trajectory.token_ids holds negative token ids")
     if loss_mask.max() > 1:
         _fail("Trajectory.loss_mask must hold only 0 and 1")
-    # One pass: a sum is NaN or infinite if any term is (or, harmlessly, if log-probs so large
-    # that no real policy produces them overflow it).
+    # min and max propagate NaN and expose infinities: two vectorised passes in the array's own
+    # float32, where a float64 sum would first widen every element.
     behaviour_logprobs = values["behaviour_logprobs"]
-    if not math.isfinite(behaviour_logprobs.sum(dtype=np.float64)):
+    if not (math.isfinite(behaviour_logprobs.min()) and math.isfinite(behaviour_logprobs.max())):
         _fail("Trajectory.behaviour_logprobs holds NaN or infinity")
     policy_versions = values["policy_versions"]
     if policy_versions.min() < -1:
         _fail("Trajectory.policy_versions must be >= -1")
     # Staleness is computed from generated tokens' versions: exactly the non-generated tokens
-    # carry -1 (this runs for every received message, so it is one comparison of two masks).
-    if not np.array_equal(policy_versions < 0, loss_mask == 0):
+    # carry -1. The mask holds only 0 and 1 (checked above), so it reads as booleans without a
+    # copy, and "negative version XOR generated" must hold everywhere.
+    if not ((policy_versions < 0) ^ loss_mask.view(np.bool_)).all():
         _fail("Trajectory.policy_versions must be >= 0 on generated tokens and -1 elsewhere")
 
 

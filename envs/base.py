@@ -84,7 +84,11 @@ BUILTIN_ENV_MODULES: Mapping[str, str] = {
     "longtail": "longhorizon.envs.toy.longtail",
     "remote": "longhorizon.envs.remote",
     "sciworld": "longhorizon.envs.sciworld.env",
+    "search": "longhorizon.envs.search.env",
     "textcraft": "longhorizon.envs.textcraft.env",
+    "miniwob": "longhorizon.envs.web.miniwob",
+    "webarena": "longhorizon.envs.web.webarena",
+    "weblocal": "longhorizon.envs.web.local",
 }
 
 _registry: dict[str, EnvSpec] = {}

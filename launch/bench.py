@@ -18,6 +18,7 @@ Run: `longhorizon bench async-vs-sync [--steps N] [--token-latency-ms MS] [--act
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shutil
 import sys
@@ -28,6 +29,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 BENCHMARKS = ("transport", "async-vs-sync", "envs", "sciworld-memory", "all")
+STANDALONE_BENCHMARKS = {
+    "search": "longhorizon.launch.bench_search",
+    "web": "longhorizon.launch.bench_web",
+    "generation": "longhorizon.launch.bench_generation",
+}
+"""Benchmarks with their own module and options: `longhorizon bench NAME ...` calls the module's
+`main(argv)`, which prints a table for people and, last, one line of JSON."""
 MODES = ("async", "sync")
 TARGET_SPEEDUP = 2.0
 """Async should consume episodes at least this many times faster than sync on this workload."""
@@ -320,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="longhorizon bench",
         description="Benchmarks: a table for people, then one last line of JSON.",
+        epilog="Also: " + ", ".join(f"`longhorizon bench {name} --help`" for name in STANDALONE_BENCHMARKS) + ".",
     )
     parser.add_argument("name", choices=BENCHMARKS, help="which benchmark to run")
     workload = parser.add_argument_group("async-vs-sync")
@@ -378,6 +387,9 @@ def _run_envs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] in STANDALONE_BENCHMARKS:
+        module = importlib.import_module(STANDALONE_BENCHMARKS[argv[0]])
+        return int(module.main(argv[1:]))
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

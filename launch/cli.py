@@ -33,49 +33,15 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    import json
+    from longhorizon.launch.eval import main
 
-    import trio
+    return main(args.rest)
 
-    from longhorizon.actor.engines.base import make_engine
-    from longhorizon.actor.evaluate import play_tasks, summarise
-    from longhorizon.actor.worker import engine_settings
-    from longhorizon.common.config import load_config
-    from longhorizon.envs.base import list_tasks
 
-    config = load_config(args.config, args.overrides)
-    ks = [int(k) for k in args.k.split(",") if k.strip()]
-    model_path = ""
-    if config.actor.engine != "scripted":
-        from longhorizon.common.models import resolve_model_path
+def _serve_model(args: argparse.Namespace) -> int:
+    from longhorizon.launch.serve_model import main
 
-        model_path = str(args.checkpoint or resolve_model_path(config.model.path, config.model.cache_dir))
-    engine = make_engine(config.actor.engine, engine_settings(config, model_path))
-    options = dict(config.env.options)
-    tasks = list_tasks(config.env.name, config.env.eval_split, **options)[: args.tasks]
-    horizon_cap = args.horizon or max(config.horizon.stages)
-    records = trio.run(lambda: play_tasks(
-        engine, config.env.name, options, tasks, samples=args.samples, horizon_cap=horizon_cap,
-        max_new_tokens=config.actor.sampling.max_new_tokens, max_context_tokens=config.actor.max_context_tokens,
-    ))
-    summary = {"env": config.env.name, "split": config.env.eval_split, "horizon_cap": horizon_cap,
-               "engine": config.actor.engine, "model": model_path or None, **summarise(records, args.samples, ks)}
-    print(f"{summary['env']} {summary['split']}: {summary['tasks']} tasks x {args.samples} samples, horizon {horizon_cap}")
-    low, high = summary["success_rate_ci95"]
-    print(f"success {summary['success_rate']:.1%} (95% CI {low:.1%}-{high:.1%}), "
-          f"avg@{args.samples} {summary[f'avg@{args.samples}']:.3f}, failed episodes {summary['failed_episodes']}")
-    for k in ks:
-        if f"pass@{k}" in summary:
-            print(f"pass@{k} {summary[f'pass@{k}']:.1%}")
-    for category, figures in summary["per_category"].items():
-        print(f"  {category:24} {figures['success_rate']:6.1%} of {figures['episodes']}")
-    if args.output:
-        from pathlib import Path
-
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary, sort_keys=True))
-    return 0
+    return main(args.rest)
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -151,16 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-plots", action="store_true", help="skip writing plots at the end")
     train.set_defaults(handler=_train)
 
-    evaluate = commands.add_parser("eval", help="evaluate a model, checkpoint or scripted policy on held-out tasks")
-    evaluate.add_argument("config", help="TOML config (env, engine, sampling; see configs/)")
-    evaluate.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    evaluate.add_argument("--checkpoint", help="a model folder or run checkpoint (default: model.path)")
-    evaluate.add_argument("--tasks", type=int, default=100, help="first N tasks of env.eval_split (default %(default)s)")
-    evaluate.add_argument("--samples", type=int, default=1, help="episodes per task, for Pass@k (default %(default)s)")
-    evaluate.add_argument("--k", default="1", help="comma-separated k values for Pass@k (default %(default)s)")
-    evaluate.add_argument("--horizon", type=int, default=0, help="turn limit (default: the last horizon stage)")
-    evaluate.add_argument("--output", help="also write the summary JSON here")
+    evaluate = commands.add_parser(
+        "eval", help="evaluate a model, checkpoint or scripted policy on held-out tasks", add_help=False
+    )
+    evaluate.add_argument("rest", nargs=argparse.REMAINDER)
     evaluate.set_defaults(handler=_eval)
+
+    serve_model = commands.add_parser(
+        "serve-model", help="serve a model over an OpenAI-compatible HTTP API", add_help=False
+    )
+    serve_model.add_argument("rest", nargs=argparse.REMAINDER)
+    serve_model.set_defaults(handler=_serve_model)
 
     plot = commands.add_parser("plot", help="write PNG curves for a run directory")
     plot.add_argument("run_dir")
@@ -190,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Subcommands that parse their own arguments (their --help included).
-_PASS_THROUGH = {("bench",): "bench", ("env", "play"): "play"}
+_PASS_THROUGH = {("bench",): "bench", ("eval",): "eval", ("serve-model",): "serve-model", ("env", "play"): "play"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,8 @@ ENTRY_POINT_GROUP = "longhorizon.engines"
 _BUILTIN_ENGINES = {
     "hf": "longhorizon.actor.engines.hf:HFEngine",
     "scripted": "longhorizon.actor.engines.scripted:ScriptedEngine",
+    "vllm": "longhorizon.actor.engines.vllm:VLLMEngine",
+    "openai": "longhorizon.actor.engines.openai:OpenAIEngine",
 }
 
 

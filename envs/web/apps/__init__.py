@@ -1,0 +1,1 @@
+"""Web applications run on this machine for the WebArena-like tier: Fossil, DokuWiki and a shop."""

@@ -1,0 +1,253 @@
+"""`longhorizon eval CONFIG [k=v ...]`: play an engine on an env's held-out tasks and report success,
+Avg@n and Pass@k with confidence intervals; a table for people, then one line of JSON.
+
+Sweeps (each written as a Markdown table, a PNG plot and JSON in `--output-dir`, by default
+`<run dir>/eval-<env>-<time>` for a run checkpoint, else `<run.output_dir>/eval-<env>-<time>`):
+- `--sweep horizon --values 2,4,6,8,10`: success against the interaction budget (horizon cap);
+- `--sweep pass-at-k --samples 64 [--values 1,2,4,...,64]`: the unbiased Pass@k for each k, with
+  a bootstrap interval over tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SWEEPS = ("horizon", "pass-at-k")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="longhorizon eval",
+        description="Evaluate a model, checkpoint or scripted policy on an env's held-out tasks.",
+    )
+    parser.add_argument("config", help="TOML config (env, engine, sampling; see configs/)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    parser.add_argument("--checkpoint", help="a model folder or run checkpoint (default: model.path)")
+    parser.add_argument("--tasks", type=int, default=100, help="first N tasks of env.eval_split (default %(default)s)")
+    parser.add_argument("--samples", type=int, default=1, help="episodes per task, for Pass@k (default %(default)s)")
+    parser.add_argument("--k", default="1", help="comma-separated k values for Pass@k (default %(default)s)")
+    parser.add_argument("--horizon", type=int, default=0, help="turn limit (default: the last horizon stage)")
+    parser.add_argument("--output", help="also write the summary JSON here")
+    parser.add_argument("--sweep", choices=SWEEPS, help="sweep the horizon cap or k of Pass@k")
+    parser.add_argument("--values", default="",
+                        help="comma-separated sweep values: horizon caps, or k values (default 1,2,4,... up to --samples)")
+    parser.add_argument("--output-dir", help="folder for the sweep's (or the summary's) JSON, table and plot")
+    parser.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for Pass@k intervals (default %(default)s)")
+    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an engine-specific option (repeatable), e.g. base_url=http://host:8000/v1 for openai")
+    return parser
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise ValueError(f"{what} must be positive, got {text!r}")
+    return values
+
+
+def _engine_options(pairs: list[str]) -> dict[str, Any]:
+    """KEY=VALUE strings, with VALUE read as TOML where it parses (numbers, booleans, tables)."""
+    import tomllib
+
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--engine-option {pair!r} is not of the form KEY=VALUE")
+        try:
+            options[key.strip()] = tomllib.loads(f"v = {value.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            options[key.strip()] = value.strip()  # a bare string such as a URL
+    return options
+
+
+def make_eval_engine(config, args: argparse.Namespace):
+    """Build the configured engine for evaluation; returns (engine, model path or "")."""
+    from longhorizon.actor.engines.base import load_engine_class
+    from longhorizon.actor.worker import engine_settings
+    from longhorizon.common.models import ModelError, resolve_model_path
+
+    name = config.actor.engine
+    engine_class = load_engine_class(name)
+    options = _engine_options(args.engine_option)
+    model_path = ""
+    if args.checkpoint:
+        model_path = str(args.checkpoint)
+    elif name != "scripted":
+        try:
+            model_path = str(resolve_model_path(config.model.path, config.model.cache_dir))
+        except ModelError:
+            # Engines that can run without a local model (a hosted endpoint) take model.path as
+            # the model's name instead.
+            if getattr(engine_class, "needs_model", True):
+                raise
+            if name == "openai":
+                options.setdefault("model", config.model.path)
+    if name == "openai":
+        # Evaluation only needs text, so text-only (chat) endpoints are fine here.
+        options.setdefault("require_token_logprobs", False)
+    settings = engine_settings(config, model_path)
+    parameters = inspect.signature(engine_class).parameters
+    if not options:
+        engine = engine_class(settings)
+    elif "options" in parameters:  # an engine that takes its settings as one mapping
+        engine = engine_class(settings, options=options)
+    else:  # an engine that takes them as keyword arguments (e.g. vllm's load_format)
+        keywords = sorted(n for n, p in parameters.items() if p.kind == p.KEYWORD_ONLY or
+                          (p.kind == p.POSITIONAL_OR_KEYWORD and n != "settings"))
+        unknown = sorted(set(options) - set(keywords))
+        if unknown:
+            raise ValueError(f"engine {name!r} has no option {unknown[0]!r}; its options: {', '.join(keywords) or 'none'}")
+        engine = engine_class(settings, **options)
+    return engine, model_path
+
+
+async def _play(engine, config, tasks, *, samples: int, horizon_cap: int):
+    from longhorizon.actor.evaluate import play_tasks
+
+    return await play_tasks(
+        engine, config.env.name, dict(config.env.options), tasks, samples=samples, horizon_cap=horizon_cap,
+        max_new_tokens=config.actor.sampling.max_new_tokens, max_context_tokens=config.actor.max_context_tokens,
+    )
+
+
+def _default_output_dir(config, checkpoint: str | None) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = f"eval-{config.env.name}-{stamp}"
+    if checkpoint and Path(checkpoint).parent.name == "checkpoints":
+        return Path(checkpoint).parent.parent / name  # results live beside the run that made them
+    return Path(config.run.output_dir) / name
+
+
+def run_eval(args: argparse.Namespace) -> dict:
+    """Evaluate (or sweep) and return the JSON document; episode records are under "_records"."""
+    import trio
+
+    from longhorizon.actor.evaluate import default_ks, pass_at_k_curve, summarise
+    from longhorizon.common.config import load_config
+    from longhorizon.envs.base import list_tasks
+
+    config = load_config(args.config, args.overrides)
+    ks = _int_list(args.k, "--k")
+    values = _int_list(args.values, "--values") if args.values else []
+    if args.sweep == "horizon" and not values:
+        raise ValueError("--sweep horizon needs --values, e.g. --values 2,4,6,8,10")
+    if args.sweep == "pass-at-k":
+        if args.samples < 2:
+            raise ValueError("--sweep pass-at-k needs several samples per task, e.g. --samples 64")
+        values = values or default_ks(args.samples)
+        if max(values) > args.samples:
+            raise ValueError(f"k={max(values)} needs at least that many samples per task (--samples {args.samples})")
+    tasks = list_tasks(config.env.name, config.env.eval_split, **dict(config.env.options))[: args.tasks]
+    if not tasks:
+        raise ValueError(f"env {config.env.name!r} has no tasks in split {config.env.eval_split!r}")
+    horizon_cap = args.horizon or max(config.horizon.stages)
+    engine, model_path = make_eval_engine(config, args)
+    caps = sorted(set(values)) if args.sweep == "horizon" else [horizon_cap]
+
+    async def play_all() -> dict[int, list]:
+        try:
+            return {cap: await _play(engine, config, tasks, samples=args.samples, horizon_cap=cap) for cap in caps}
+        finally:
+            await engine.close()
+
+    records = trio.run(play_all)
+    header = {"env": config.env.name, "split": config.env.eval_split, "engine": config.actor.engine,
+              "model": model_path or None, "samples_per_task": args.samples}
+    episodes = [{"horizon_cap": cap, **dataclasses.asdict(r)} for cap, rs in records.items() for r in rs]
+    if args.sweep == "horizon":
+        points = [{"horizon_cap": cap, **summarise(records[cap], args.samples, ks)} for cap in caps]
+        return {"sweep": "horizon", **header, "tasks": points[0]["tasks"], "points": points, "_records": episodes}
+    summary = summarise(records[horizon_cap], args.samples, ks)
+    if args.sweep == "pass-at-k":
+        points = pass_at_k_curve(records[horizon_cap], args.samples, values, resamples=args.bootstrap,
+                                 seed=config.run.seed)
+        return {"sweep": "pass-at-k", **header, "horizon_cap": horizon_cap, "tasks": summary["tasks"],
+                "points": points, "summary": summary, "_records": episodes}
+    return {**header, "horizon_cap": horizon_cap, **summary, "_records": episodes}
+
+
+def print_summary(summary: dict, samples: int) -> None:
+    print(f"{summary['env']} {summary['split']}: {summary['tasks']} tasks x {samples} samples, "
+          f"horizon {summary['horizon_cap']}")
+    low, high = summary["success_rate_ci95"]
+    print(f"success {summary['success_rate']:.1%} (95% CI {low:.1%}-{high:.1%}), "
+          f"avg@{samples} {summary[f'avg@{samples}']:.3f}, failed episodes {summary['failed_episodes']}")
+    for key, value in summary.items():
+        if key.startswith("pass@"):
+            print(f"{key} {value:.1%}")
+    for category, figures in summary["per_category"].items():
+        print(f"  {category:24} {figures['success_rate']:6.1%} of {figures['episodes']}")
+
+
+def write_outputs(document: dict, output_dir: Path) -> list[Path]:
+    """The JSON document, the episodes, and for a sweep its table and plot."""
+    from longhorizon.launch import plot_eval
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    records = document.pop("_records")
+    sweep = document.get("sweep")
+    stem = {"horizon": "horizon-sweep", "pass-at-k": "pass-at-k"}.get(sweep, "summary")
+    written = [output_dir / f"{stem}.json", output_dir / "episodes.jsonl"]
+    written[0].write_text(json.dumps(document, indent=2) + "\n")
+    written[1].write_text("".join(json.dumps(r) + "\n" for r in records))
+    if sweep == "horizon":
+        (output_dir / f"{stem}.md").write_text(plot_eval.horizon_table(document))
+        written += [output_dir / f"{stem}.md", plot_eval.plot_horizon_sweep(document, output_dir / f"{stem}.png")]
+    elif sweep == "pass-at-k":
+        (output_dir / f"{stem}.md").write_text(plot_eval.pass_at_k_table(document))
+        written += [output_dir / f"{stem}.md", plot_eval.plot_pass_at_k_sweep(document, output_dir / f"{stem}.png")]
+    return written
+
+
+def main(argv: list[str]) -> int:
+    from longhorizon.actor.engines.base import EngineError
+    from longhorizon.common.config import ConfigError
+    from longhorizon.common.models import ModelError
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_request:  # --help, or a usage error already printed by argparse
+        return int(exit_request.code or 0)
+    try:
+        document = run_eval(args)
+    except (ConfigError, EngineError, ModelError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    sweep = document.get("sweep")
+    if sweep is None:
+        print_summary(document, args.samples)
+    else:
+        from longhorizon.launch import plot_eval
+
+        print(f"{document['env']} {document['split']}: {document['tasks']} tasks x {args.samples} samples, "
+              f"{sweep} sweep")
+        print(plot_eval.horizon_table(document) if sweep == "horizon" else plot_eval.pass_at_k_table(document), end="")
+    if sweep is not None or args.output_dir:
+        from longhorizon.common.config import load_config
+
+        output_dir = Path(args.output_dir) if args.output_dir else _default_output_dir(
+            load_config(args.config, args.overrides), args.checkpoint)
+        written = write_outputs(document, output_dir)
+        print("wrote " + ", ".join(str(path) for path in written))
+    document.pop("_records", None)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(document, indent=2) + "\n")
+    print(json.dumps(document, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
