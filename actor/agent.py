@@ -17,6 +17,9 @@ PROMPT_FORMATS = ("react", "bare")
 
 _ACTION_MARKER = re.compile(r"(?im)^\s*\**\s*action\s*\**\s*:")
 _MAX_ACTION_CHARS = 1000
+# A bare reply is the whole action, reasoning included (e.g. the search env's <think> before its
+# <search> tag), so it may be long; the env reads what it needs from it.
+_MAX_BARE_REPLY_CHARS = 16000
 
 
 class ActionParseError(ValueError):
@@ -29,7 +32,7 @@ def parse_action(reply: str, prompt_format: str) -> str:
         action = reply.strip()
         if not action:
             raise ActionParseError("empty reply: write the action")
-        return action[:_MAX_ACTION_CHARS]
+        return action[:_MAX_BARE_REPLY_CHARS]
     if prompt_format != "react":
         raise ValueError(f"unknown prompt format {prompt_format!r}; valid: {', '.join(PROMPT_FORMATS)}")
     markers = list(_ACTION_MARKER.finditer(reply))

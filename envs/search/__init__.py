@@ -1,0 +1,1 @@
+"""Deep search: multi-turn search and reasoning over a local passage corpus."""
