@@ -5,10 +5,20 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from longhorizon.envs.base import Env, Task, action_from_reply, get_env_spec, list_tasks, make_env, make_policy
+
+
+# Envs that start their own local servers (the web apps) get a free port per instance, which shows
+# in the URLs they observe; determinism is about everything else.
+_LOOPBACK_PORT = re.compile(r"\b(127\.0\.0\.1|localhost):\d+")
+
+
+def _comparable(observation: str) -> str:
+    return _LOOPBACK_PORT.sub(r"\1:PORT", observation)
 
 
 class EnvCheckError(AssertionError):
@@ -60,7 +70,7 @@ async def _reset(env: Env, task: Task, seed: int, context: str) -> str:
     if not isinstance(observation, str):
         raise _fail(context, f"the first observation must be a str, got {type(observation).__name__}")
     _check_info(info, f"{context}, reset")
-    return observation
+    return _comparable(observation)
 
 
 async def _step(env: Env, action: str, context: str) -> _StepRecord:
@@ -80,7 +90,7 @@ async def _step(env: Env, action: str, context: str) -> _StepRecord:
     _check_info(info, context)
     return _StepRecord(
         action=action,
-        observation=observation,
+        observation=_comparable(observation),
         reward=float(reward),
         terminated=terminated,
         truncated=truncated,

@@ -1,0 +1,267 @@
+"""The "miniwob" env: MiniWoB++ task pages (from the `miniwob` package) served locally, played in Chromium.
+
+Each MiniWoB task is a small web page that generates a problem from a seeded random generator,
+shows an instruction ("Click on the "OK" button.") and scores the agent's interaction itself. We
+serve the package's html folder from 127.0.0.1 (one static server per process), load a task page
+in a fresh browser context, seed it (`Math.seedrandom`), raise its episode time limit, start the
+episode and read the instruction from the page. After every action the page's raw reward is read:
+the episode ends when the page says so, with reward = the raw reward (1 correct, -1 wrong or out
+of time, partial credit on a few tasks) and success = raw reward > 0. stop()/send_msg_to_user()
+ends it early with the raw reward so far (0 when the page has not scored yet).
+
+Tasks: the MiniWoB task types in TASK_NAMES that a text agent can solve through the action grammar
+(no dragging, drawing or reading pictures). A Task is one (type, seed) instance: train instances
+use seeds 0.. and test instances seeds from TEST_SEED_BASE, so both splits cover every type with
+different problems. The reset seed is not used: the task names the instance.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import importlib.util
+import json
+import threading
+from pathlib import Path
+from typing import Any, Mapping
+
+from longhorizon.envs.base import EnvSpec, Task, register_env
+from longhorizon.envs.web.actions import action_help
+from longhorizon.envs.web.browser import BrowserSession
+from longhorizon.envs.web.env import INSTRUCTIONS, BrowserEnv, Episode
+from longhorizon.envs.web.policies import MINIWOB_SOLVERS, MiniWobOraclePolicy, RandomClickerPolicy
+
+ENV_NAME = "miniwob"
+TEST_SEED_BASE = 1_000_000
+REWARD_MODES = ("raw", "success")
+
+# MiniWoB task types a text agent can do with click / fill / select_option / press / scroll.
+TASK_NAMES = (
+    "choose-list", "click-button", "click-button-sequence", "click-checkboxes", "click-checkboxes-large",
+    "click-checkboxes-soft", "click-checkboxes-transfer", "click-collapsible", "click-collapsible-2",
+    "click-dialog", "click-dialog-2", "click-link", "click-menu", "click-option", "click-scroll-list",
+    "click-tab", "click-tab-2", "click-tab-2-easy", "click-tab-2-hard", "click-tab-2-medium", "click-test",
+    "click-test-2", "click-widget", "copy-paste", "copy-paste-2", "email-inbox", "email-inbox-delete",
+    "email-inbox-forward", "email-inbox-forward-nl", "email-inbox-important", "email-inbox-noscroll",
+    "email-inbox-reply", "email-inbox-star-reply", "enter-date", "enter-password", "enter-text",
+    "enter-text-2", "enter-text-dynamic", "enter-time", "find-word", "focus-text", "focus-text-2",
+    "form-sequence", "form-sequence-2", "form-sequence-3", "guess-number", "login-user", "login-user-popup",
+    "multi-layouts", "multi-orderings", "navigate-tree", "phone-book", "read-table", "read-table-2",
+    "search-engine", "simple-algebra", "simple-arithmetic", "social-media", "social-media-all",
+    "social-media-some", "terminal", "text-transform", "unicode-test", "use-autocomplete", "use-spinner",
+)
+
+INSTRUCTIONS_EXTRA = """
+
+The page is a small MiniWoB task; the goal line repeats its instruction. The task scores itself \
+when you complete it (for example by pressing its Submit button); you do not need to stop()."""
+
+# Hides MiniWoB's reward/timer panel (its countdown would make every observation differ) and
+# starts a seeded episode with our time limit; returns the instruction.
+_START_JS = """
+([seed, maxTimeMs]) => {
+  const style = document.createElement('style');
+  style.textContent = '#reward-display, #click-canvas, #sync-task-cover { display: none !important; }';
+  document.head.appendChild(style);
+  Math.seedrandom(seed);
+  core.EPISODE_MAX_TIME = maxTimeMs;
+  core.startEpisodeReal();
+  return WOB_TASK_READY;
+}
+"""
+_READY_JS = "() => WOB_TASK_READY"
+_UTTERANCE_JS = "() => { const u = core.getUtterance(); return typeof u === 'string' ? u : JSON.stringify(u); }"
+_STATUS_JS = "() => ({done: WOB_DONE_GLOBAL, raw: WOB_RAW_REWARD_GLOBAL, reason: WOB_REWARD_REASON})"
+
+
+def miniwob_html_dir() -> Path:
+    """The html folder shipped by the miniwob package."""
+    spec = importlib.util.find_spec("miniwob")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the miniwob env needs the MiniWoB++ pages: pip install miniwob==1.1.0")
+    html = Path(list(spec.submodule_search_locations)[0]) / "html"
+    if not (html / "miniwob").is_dir():
+        raise RuntimeError(f"the miniwob package has no task pages under {html}")
+    return html
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    # The task pages are UTF-8 without a <meta charset>: say so, or Chromium reads them as Latin-1.
+    extensions_map = {
+        **http.server.SimpleHTTPRequestHandler.extensions_map,
+        ".html": "text/html; charset=utf-8",
+        ".js": "text/javascript; charset=utf-8",
+        ".css": "text/css; charset=utf-8",
+    }
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class StaticServer:
+    """A static file server on 127.0.0.1 in a daemon thread."""
+
+    def __init__(self, directory: Path) -> None:
+        handler = functools.partial(_QuietHandler, directory=str(directory))
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="miniwob-static", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+_server: StaticServer | None = None
+_server_lock = threading.Lock()
+
+
+def shared_server() -> StaticServer:
+    """One server per process: every env instance sees the same URLs, so observations replay exactly."""
+    global _server
+    with _server_lock:
+        if _server is None:
+            _server = StaticServer(miniwob_html_dir())
+        return _server
+
+
+def _check_options(task_names: Any, instances_per_task: Any, time_limit_s: Any, reward_mode: Any) -> tuple[str, ...]:
+    names = tuple(TASK_NAMES if task_names is None else task_names)
+    unknown = [name for name in names if name not in TASK_NAMES]
+    if unknown or not names:
+        raise ValueError(f"unknown MiniWoB task(s) {unknown or '(none given)'}; valid: {', '.join(TASK_NAMES)}")
+    if not isinstance(instances_per_task, int) or isinstance(instances_per_task, bool) or instances_per_task < 1:
+        raise ValueError(f"instances_per_task must be a positive integer, got {instances_per_task!r}")
+    if not isinstance(time_limit_s, (int, float)) or time_limit_s <= 0:
+        raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
+    if reward_mode not in REWARD_MODES:
+        raise ValueError(f"unknown reward_mode {reward_mode!r}; valid: {', '.join(REWARD_MODES)}")
+    return names
+
+
+def tasks(split: str, *, task_names: list[str] | None = None, instances_per_task: int = 10,
+          time_limit_s: float = 600.0, reward_mode: str = "raw", **_browser_options: Any) -> list[Task]:
+    """instances_per_task seeded instances of every task type, ordered by type then seed."""
+    names = _check_options(task_names, instances_per_task, time_limit_s, reward_mode)
+    if split not in ("train", "test"):
+        raise ValueError(f"unknown split {split!r} for env {ENV_NAME!r}; valid splits: train, test")
+    base = 0 if split == "train" else TEST_SEED_BASE
+    return [
+        Task(env_name=ENV_NAME, task_id=f"{split}-{name}-{index}", split=split, category=name,
+             data={"task": name, "seed": base + index})
+        for name in names
+        for index in range(instances_per_task)
+    ]
+
+
+class MiniWobEnv(BrowserEnv):
+    """MiniWoB++ episodes; one at a time per instance, in a context of the process's browser pool."""
+
+    def __init__(
+        self,
+        *,
+        task_names: list[str] | None = None,
+        instances_per_task: int = 10,
+        time_limit_s: float = 600.0,
+        reward_mode: str = "raw",
+        num_browsers: int = 1,
+        action_timeout_s: float = 5.0,
+        navigation_timeout_s: float = 20.0,
+        pool: Any = None,
+    ) -> None:
+        _check_options(task_names, instances_per_task, time_limit_s, reward_mode)
+        super().__init__(name=ENV_NAME, sites={}, pool=pool, num_browsers=num_browsers,
+                         action_timeout_s=action_timeout_s, navigation_timeout_s=navigation_timeout_s)
+        self.time_limit_s = float(time_limit_s)
+        self.reward_mode = reward_mode
+        self._server = shared_server()
+
+    def instructions(self) -> str:
+        return INSTRUCTIONS.format(actions=action_help()) + INSTRUCTIONS_EXTRA
+
+    async def reset(self, task: Task, *, seed: int | None = None) -> tuple[str, dict]:
+        data = task.data if isinstance(task.data, Mapping) else {}
+        name = data.get("task")
+        if name not in TASK_NAMES or not isinstance(data.get("seed"), int):
+            raise ValueError(f"miniwob task {task.task_id!r} needs data {{'task': one of TASK_NAMES, 'seed': int}}, got {dict(data)}")
+        config = {"start_url": f"__MINIWOB__/miniwob/{name}.html", "sites": [], "miniwob_seed": data["seed"]}
+        return await super().reset(Task(task.env_name, task.task_id, task.split, task.category, config), seed=seed)
+
+    async def _prepare_sites(self, task: Task, config: Mapping[str, Any]) -> tuple[list[str], dict[str, str]]:
+        return [self._server.url], {"__MINIWOB__": self._server.url}
+
+    async def _on_loaded(self, episode: Episode, seed: int | None) -> None:
+        episode.goal = await episode.session.call(
+            _start_episode, str(episode.config["miniwob_seed"]), int(self.time_limit_s * 1000), timeout_s=20.0,
+        )
+
+    async def _after_action(self, session: BrowserSession, episode: Episode) -> tuple[float, bool, dict] | None:
+        try:
+            status = await session.page().evaluate(_STATUS_JS)
+        except Exception:
+            if not session.alive:
+                raise
+            return None  # the agent left the task page; the task cannot score until it returns
+        if not status.get("done"):
+            return None
+        return self._outcome(status)
+
+    async def _score(self, episode: Episode, answer: str) -> tuple[float, bool, dict]:
+        status = await episode.session.call(_read_status, timeout_s=10.0)
+        if not status.get("done"):
+            status = {**status, "raw": 0.0, "reason": "stopped before the task scored itself"}
+        return self._outcome(status)
+
+    def _outcome(self, status: Mapping[str, Any]) -> tuple[float, bool, dict]:
+        raw = float(status.get("raw") or 0.0)
+        success = raw > 0
+        reward = raw if self.reward_mode == "raw" else float(success)
+        return reward, success, {"raw_reward": raw, "reward_reason": str(status.get("reason") or "")}
+
+
+async def _start_episode(session: BrowserSession, seed: str, max_time_ms: int) -> str:
+    """Asyncio side: seed and start the loaded task page; returns its instruction."""
+    import asyncio
+
+    page = session.page()
+    ready = await page.evaluate(_START_JS, [seed, max_time_ms])
+    for _ in range(100):  # a few tasks build their problem asynchronously
+        if ready:
+            break
+        await asyncio.sleep(0.05)
+        ready = await page.evaluate(_READY_JS)
+    else:
+        raise RuntimeError("the MiniWoB task page did not become ready within 5 s")
+    utterance = await page.evaluate(_UTTERANCE_JS)
+    try:
+        parsed = json.loads(utterance)
+        if isinstance(parsed, dict):
+            utterance = str(parsed.get("utterance", utterance))
+    except ValueError:
+        pass
+    return " ".join(str(utterance).split())
+
+
+async def _read_status(session: BrowserSession) -> dict:
+    return await session.page().evaluate(_STATUS_JS)
+
+
+def _random_policy(**options: Any) -> RandomClickerPolicy:
+    return RandomClickerPolicy()
+
+
+def _oracle_policy(**options: Any) -> MiniWobOraclePolicy:
+    return MiniWobOraclePolicy()
+
+
+register_env(EnvSpec(
+    name=ENV_NAME,
+    factory=MiniWobEnv,
+    tasks=tasks,
+    policies={"oracle": _oracle_policy, "random": _random_policy},
+))
+
+ORACLE_TASKS = tuple(sorted(MINIWOB_SOLVERS))
+"""The task types MiniWobOraclePolicy solves."""

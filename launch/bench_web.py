@@ -1,0 +1,164 @@
+"""Web env benchmark: Chromium launch, episode reset, step latency, steps/s with N parallel contexts, memory per context.
+
+Runs MiniWoB++ pages (served from 127.0.0.1) in the system Chromium through the miniwob env, so
+each figure includes what an episode really pays: a fresh browser context per reset, the page
+load, and per step the action, the settle wait and the accessibility-tree observation. A step
+toggles a checkbox of the click-checkboxes task (the episode never ends). Memory is the growth of
+the browser processes' resident (RSS) and proportional (PSS, shared pages split between
+processes) set sizes per extra live context.
+
+Run: `longhorizon bench web [--contexts 1,2,4,8] [--seconds 5] [--resets 10] [--steps 30] [--browsers 1]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import trio
+
+TASK = "click-checkboxes"
+
+
+def _memory(pids: list[int]) -> tuple[float, float]:
+    """(RSS, PSS) in MiB of the browser processes and their children."""
+    import psutil
+
+    rss = pss = 0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            processes = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for process in processes:
+            try:
+                info = process.memory_full_info()
+            except psutil.Error:
+                continue
+            rss += info.rss
+            pss += getattr(info, "pss", info.rss)
+    return rss / 2**20, pss / 2**20
+
+
+def _checkbox(observation: str) -> str:
+    from longhorizon.envs.web.policies import parse_nodes
+
+    boxes = [node.bid for node in parse_nodes(observation) if node.role == "checkbox"]
+    if not boxes:
+        raise RuntimeError(f"the {TASK} page shows no checkbox:\n{observation[:500]}")
+    return boxes[0]
+
+
+async def _bench(contexts: list[int], seconds: float, resets: int, steps: int, browsers: int) -> dict[str, Any]:
+    from longhorizon.envs.base import list_tasks
+    from longhorizon.envs.web.browser import BrowserPool
+    from longhorizon.envs.web.miniwob import MiniWobEnv
+
+    pool = BrowserPool(browsers)
+    result: dict[str, Any] = {"task": TASK, "browsers": browsers, "seconds_per_run": seconds}
+    try:
+        started = time.perf_counter()
+        await pool.launch()
+        result["launch_s"] = (time.perf_counter() - started) / browsers
+        idle_rss, idle_pss = _memory(pool.browser_pids())
+        result["idle_browser_rss_mib"], result["idle_browser_pss_mib"] = idle_rss / browsers, idle_pss / browsers
+
+        tasks = list_tasks("miniwob", "train", task_names=[TASK], instances_per_task=max(resets, 1))
+        env = MiniWobEnv(task_names=[TASK], pool=pool)
+        reset_times, step_times = [], []
+        for task in tasks[:resets]:
+            started = time.perf_counter()
+            observation, _ = await env.reset(task)
+            reset_times.append(time.perf_counter() - started)
+        box = _checkbox(observation)
+        for _ in range(steps):
+            started = time.perf_counter()
+            await env.step(f"click({box!r})")
+            step_times.append(time.perf_counter() - started)
+        await env.close()
+        result["reset_ms_median"] = 1000 * statistics.median(reset_times)
+        result["reset_ms_mean"] = 1000 * statistics.fmean(reset_times)
+        result["step_ms_median"] = 1000 * statistics.median(step_times)
+        result["step_ms_p90"] = 1000 * sorted(step_times)[int(0.9 * (len(step_times) - 1))]
+
+        result["parallel"] = []
+        for count in contexts:
+            envs = [MiniWobEnv(task_names=[TASK], pool=pool) for _ in range(count)]
+            boxes = []
+            for index, env in enumerate(envs):
+                observation, _ = await env.reset(tasks[index % len(tasks)])
+                boxes.append(_checkbox(observation))
+            rss, pss = _memory(pool.browser_pids())
+            steps = [0] * count
+            deadline = time.perf_counter() + seconds
+
+            async def play(index: int) -> None:
+                while time.perf_counter() < deadline:
+                    await envs[index].step(f"click({boxes[index]!r})")
+                    steps[index] += 1
+
+            started = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for index in range(count):
+                    nursery.start_soon(play, index)
+            elapsed = time.perf_counter() - started
+            for env in envs:
+                await env.close()
+            result["parallel"].append({
+                "contexts": count,
+                "steps_per_s": sum(steps) / elapsed,
+                "rss_per_context_mib": (rss - idle_rss) / count,
+                "pss_per_context_mib": (pss - idle_pss) / count,
+            })
+    finally:
+        await pool.aclose()
+    return result
+
+
+def print_table(result: dict[str, Any]) -> None:
+    """A table for people, then the result as one line of JSON."""
+    print(f"web env on MiniWoB {result['task']} ({result['browsers']} browser(s), system Chromium)")
+    print(f"  browser launch      {result['launch_s']:8.2f} s   (idle browser: RSS {result['idle_browser_rss_mib']:.0f} MiB,"
+          f" PSS {result['idle_browser_pss_mib']:.0f} MiB)")
+    print(f"  reset (new context) {result['reset_ms_median']:8.0f} ms median, {result['reset_ms_mean']:.0f} ms mean")
+    print(f"  step (click + tree) {result['step_ms_median']:8.0f} ms median, {result['step_ms_p90']:.0f} ms p90")
+    print(f"  {'contexts':>8} {'steps/s':>9} {'RSS/context MiB':>16} {'PSS/context MiB':>16}")
+    for row in result["parallel"]:
+        print(f"  {row['contexts']:>8} {row['steps_per_s']:>9.1f} {row['rss_per_context_mib']:>16.1f} {row['pss_per_context_mib']:>16.1f}")
+    print(json.dumps(result, sort_keys=True))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="longhorizon bench web", description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="1,2,4,8", help="comma-separated numbers of parallel contexts")
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each parallel run")
+    parser.add_argument("--resets", type=int, default=10, help="resets timed (each a new task instance)")
+    parser.add_argument("--steps", type=int, default=30, help="steps timed one after another in one context")
+    parser.add_argument("--browsers", type=int, default=1, help="Chromium processes in the pool")
+    try:
+        args = parser.parse_args(argv)
+        contexts = [int(part) for part in args.contexts.split(",") if part.strip()]
+        if not contexts or min(contexts) < 1 or min(args.seconds, args.resets, args.steps, args.browsers) <= 0:
+            raise ValueError("contexts, seconds, resets, steps and browsers must be positive")
+    except SystemExit as exit_request:
+        return int(exit_request.code or 0)
+    except ValueError as error:
+        parser.print_usage(sys.stderr)
+        print(f"longhorizon bench web: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        result = trio.run(_bench, contexts, args.seconds, args.resets, args.steps, args.browsers)
+    except RuntimeError as error:
+        print(f"longhorizon bench web: {error}", file=sys.stderr)
+        return 1
+    print_table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,171 @@
+"""MiniWoB++ in a real Chromium: the task list, the oracles reaching reward 1, wrong answers, the time limit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from longhorizon.envs.base import action_from_reply, get_env_spec, list_tasks, make_env, make_policy
+from longhorizon.envs.checker import check_env
+from longhorizon.envs.web.browser import BrowserPool
+from longhorizon.envs.web.miniwob import ORACLE_TASKS, TASK_NAMES, TEST_SEED_BASE
+from longhorizon.envs.web.policies import parse_nodes
+
+
+def test_tasks_cover_at_least_40_types_in_both_splits():
+    assert len(TASK_NAMES) >= 40
+    train = list_tasks("miniwob", "train", instances_per_task=2)
+    test = list_tasks("miniwob", "test", instances_per_task=2)
+    assert len(train) == len(test) == 2 * len(TASK_NAMES)
+    assert {task.category for task in train} == {task.category for task in test} == set(TASK_NAMES)
+    assert {task.data["seed"] for task in train} == {0, 1}
+    assert {task.data["seed"] for task in test} == {TEST_SEED_BASE, TEST_SEED_BASE + 1}
+    assert train[0].task_id == "train-choose-list-0" and train == list_tasks("miniwob", "train", instances_per_task=2)
+    assert set(ORACLE_TASKS) <= set(TASK_NAMES) and len(ORACLE_TASKS) >= 5
+    for bad in ({"task_names": ["drag-box"]}, {"instances_per_task": 0}, {"reward_mode": "shaped"},
+                {"time_limit_s": -1}):
+        with pytest.raises(ValueError):
+            list_tasks("miniwob", "train", **bad)
+    with pytest.raises(ValueError, match="unknown option"):
+        make_env("miniwob", horizon=3)
+    assert set(get_env_spec("miniwob").policies) == {"oracle", "random"}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    browser_pool = BrowserPool(1)
+    yield browser_pool
+    browser_pool.close()
+
+
+async def _play(env, task, policy_name, options, max_steps=10):
+    observation, _ = await env.reset(task)
+    policy = make_policy("miniwob", policy_name, **options)
+    policy.reset(task, observation, random.Random(0))
+    for _ in range(max_steps):
+        action = action_from_reply(policy.act(observation), env.prompt_format)
+        observation, reward, terminated, truncated, info = await env.step(action)
+        if terminated or truncated:
+            return reward, info
+    raise AssertionError(f"{task.task_id}: no end in {max_steps} steps")
+
+
+@pytest.mark.browser
+async def test_oracles_reach_reward_one(pool):
+    options = {"task_names": list(ORACLE_TASKS), "instances_per_task": 2, "pool": pool}
+    env = make_env("miniwob", **options)
+    try:
+        tasks = list_tasks("miniwob", "test", **options)
+        for task in tasks[::2]:  # one instance of each type
+            reward, info = await _play(env, task, "oracle", options)
+            assert (reward, info["success"], info["raw_reward"]) == (1.0, True, 1.0), (task.task_id, info)
+    finally:
+        await env.close()
+
+
+@pytest.mark.browser
+async def test_instruction_wrong_answers_and_time_limit(pool):
+    options = {"task_names": ["click-button"], "instances_per_task": 1, "pool": pool}
+    env = make_env("miniwob", **options)
+    try:
+        (task,) = list_tasks("miniwob", "train", **options)
+        observation, _ = await env.reset(task)
+        goal = observation.splitlines()[0]
+        assert goal.startswith('Goal: Click on the "') and goal.endswith('" button.')
+        wanted = goal.split('"')[1]
+        assert f"StaticText '{goal.removeprefix('Goal: ')}'" in observation  # the page's own #query text
+        again, _ = await env.reset(task)
+        assert again == observation  # the seed fixes the problem
+        wrong = next(node for node in parse_nodes(observation) if node.role == "button" and node.name != wanted)
+        observation, reward, terminated, _, info = await env.step(f"click({wrong.bid!r})")
+        assert terminated and (reward, info["success"], info["raw_reward"]) == (-1.0, False, -1.0)
+
+        await env.reset(task)
+        _, reward, terminated, _, info = await env.step("stop()")
+        assert terminated and (reward, info["success"]) == (0.0, False)
+    finally:
+        await env.close()
+
+    hurried = make_env("miniwob", task_names=["click-button"], instances_per_task=1, time_limit_s=0.3,
+                       reward_mode="success", pool=pool)
+    try:
+        observation, _ = await hurried.reset(task)
+        _, reward, terminated, _, info = await hurried.step("noop(600)")
+        assert terminated and reward == 0.0 and info["raw_reward"] == -1.0 and info["reward_reason"] == "timed out"
+    finally:
+        await hurried.close()
+
+
+@pytest.mark.browser
+async def test_miniwob_keeps_the_env_contract(pool):
+    await check_env(
+        "miniwob",
+        {"task_names": ["click-button", "enter-text"], "instances_per_task": 1, "pool": pool, "action_timeout_s": 2.0},
+        num_tasks=2, policy="random", max_steps=4,
+    )
+
+
+@pytest.mark.browser
+async def test_rollout_reports_a_killed_browser_as_a_failed_episode_and_goes_on(pool):
+    import psutil
+
+    from longhorizon.actor.engines.base import EngineSettings
+    from longhorizon.actor.engines.scripted import ScriptedEngine
+    from longhorizon.actor.rollout import EnvPool, run_episode, run_group
+
+    options = {"task_names": ["enter-text"], "instances_per_task": 1, "pool": pool}
+    (task,) = list_tasks("miniwob", "train", **options)
+    engine = ScriptedEngine(EngineSettings(env_name="miniwob", env_options=options, scripted_policy="oracle"))
+    envs = EnvPool(lambda: make_env("miniwob", **options))
+    rollout = {"horizon_cap": 8, "max_context_tokens": 100_000, "max_new_tokens": 64}
+    try:
+        received = []
+
+        async def on_trajectory(trajectory):
+            received.append(trajectory)
+
+        group = await run_group(engine, envs, task, group_size=2, group_id="g0", actor_id="a0", seed=0,
+                                on_trajectory=on_trajectory, **rollout)
+        assert [(t.success, t.reward, t.error) for t in group] == [(True, 1.0, "")] * 2 and len(received) == 2
+
+        class KillingEngine:
+            """The oracle, except that the browser is killed before the second turn."""
+
+            tokenizer = engine.tokenizer
+            policy_version = 0
+            turns = 0
+
+            async def generate(self, request):
+                self.turns += 1
+                if self.turns == 2:
+                    for pid in pool.browser_pids():
+                        psutil.Process(pid).kill()
+                return await engine.generate(request)
+
+            def end_episode(self, episode_id):
+                engine.end_episode(episode_id)
+
+        env = envs.acquire()
+        failed = await run_episode(env, KillingEngine(), task, episode_id="killed", **rollout)
+        assert "BrowserFailure" in failed.error and not failed.success and failed.num_turns == 2
+        again = await run_episode(env, engine, task, episode_id="after", **rollout)  # the same env instance
+        assert (again.error, again.success, again.reward) == ("", True, 1.0)
+    finally:
+        await envs.close()
+
+
+@pytest.mark.browser
+def test_bench_web_prints_a_table_then_json(capsys):
+    import json
+
+    from longhorizon.launch.bench_web import main
+
+    assert main(["--contexts", "0"]) == 2
+    assert main(["--contexts", "1,2", "--seconds", "0.5", "--resets", "1", "--steps", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert lines[0].startswith("web env on MiniWoB")
+    assert [row["contexts"] for row in result["parallel"]] == [1, 2]
+    assert all(row["steps_per_s"] > 0 and row["pss_per_context_mib"] > 0 for row in result["parallel"])
+    assert result["launch_s"] > 0 and result["step_ms_median"] > 0 and result["reset_ms_median"] > 0
