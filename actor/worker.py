@@ -45,6 +45,7 @@ def engine_settings(config: Config, model_path: str, actor_index: int = 0) -> En
         simulated_token_latency_s=actor.simulated_token_latency_s,
         seed=config.run.seed * 1000 + actor_index,  # actors must not sample identical streams
         torch_threads=actor.torch_threads,
+        engine_options=dict(actor.engine_options),
     )
 
 

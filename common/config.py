@@ -79,6 +79,9 @@ class ActorConfig:
     """Actor type: `hf`, `scripted`, or a name registered under the `longhorizon.engines` entry point."""
     scripted_policy: str = "oracle"
     """With the scripted engine: which of the env's scripted policies acts."""
+    engine_options: dict = field(default_factory=dict)
+    """Settings of the chosen engine, which checks them (vllm: load_format, gpu_memory_utilization,
+    ...; openai: base_url, api_key_env, model, mode, ...; see docs/actor-types.md)."""
     group_size: int = 4
     """Episodes per GRPO group (same task instance, started on one actor)."""
     concurrent_groups: int = 2
@@ -191,7 +194,7 @@ class Config:
 
 
 # Tables whose keys are free-form (passed through to a component that validates them itself).
-_FREE_FORM = {("env", "options")}
+_FREE_FORM = {("env", "options"), ("actor", "engine_options")}
 
 
 def _is_dataclass_type(tp: Any) -> bool:

@@ -68,6 +68,8 @@ class EngineSettings:
     simulated_token_latency_s: float = 0.0
     seed: int = 0
     torch_threads: int = 1
+    engine_options: dict = field(default_factory=dict)
+    """actor.engine_options: settings only this engine understands (it rejects unknown ones)."""
 
 
 class Engine(Protocol):
@@ -107,6 +109,15 @@ def load_engine_class(name: str) -> type:
         return matches[0].load()
     module_name, _, attribute = target.partition(":")
     return getattr(importlib.import_module(module_name), attribute)
+
+
+def reject_engine_options(engine_name: str, settings: EngineSettings) -> None:
+    """For engines without options of their own: a setting meant for another engine is a mistake
+    to report, not to ignore."""
+    if settings.engine_options:
+        raise ValueError(
+            f"the {engine_name} engine takes no engine options, got {', '.join(sorted(settings.engine_options))}"
+        )
 
 
 def make_engine(name: str, settings: EngineSettings) -> Engine:

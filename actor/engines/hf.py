@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from longhorizon.actor.engines.base import EngineSettings, GenerationRequest, GenerationResult
+from longhorizon.actor.engines.base import EngineSettings, GenerationRequest, GenerationResult, reject_engine_options
 from longhorizon.common.chat import HFChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ class HFEngine:
 
         from longhorizon.common.models import load_causal_lm, load_tokenizer
 
+        reject_engine_options("hf", settings)
         torch.set_num_threads(max(1, settings.torch_threads))
         # transformers samples from torch's global generator.
         torch.manual_seed(settings.seed)
@@ -139,7 +140,8 @@ class HFEngine:
             do_sample=not greedy,
             temperature=None if greedy else sampling.temperature,
             top_p=None if greedy else sampling.top_p,
-            top_k=None,
+            # 0 disables top-k; None would let transformers fall back to its default of 50.
+            top_k=None if greedy else 0,
             eos_token_id=self.tokenizer.eos_token_id,
             pad_token_id=self.pad_token_id,
             output_scores=True,

