@@ -160,3 +160,71 @@ def summarise(records: list[EpisodeRecord], samples: int, ks: list[int]) -> dict
         if 1 <= k <= samples and complete:
             summary[f"pass@{k}"] = mean_pass_at_k([sum(r.success for r in runs) for runs in complete], samples, k)
     return summary
+
+
+def bootstrap_mean_interval(
+    values: list[float], *, resamples: int = 1000, seed: int = 0, confidence: float = 0.95
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of a mean: resample the values (one per task) with replacement."""
+    import numpy as np
+
+    if not values:
+        raise ValueError("no values")
+    if resamples < 1:
+        raise ValueError(f"need at least one resample, got {resamples}")
+    data = np.asarray(values, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = data[rng.integers(0, len(data), size=(resamples, len(data)))].mean(axis=1)
+    tail = (1.0 - confidence) / 2 * 100
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def default_ks(samples: int) -> list[int]:
+    """1, 2, 4, ... up to the number of samples per task, and that number itself."""
+    ks = []
+    k = 1
+    while k <= samples:
+        ks.append(k)
+        k *= 2
+    if ks[-1] != samples:
+        ks.append(samples)
+    return ks
+
+
+def pass_at_k_curve(
+    records: list[EpisodeRecord], samples: int, ks: list[int], *, resamples: int = 1000, seed: int = 0
+) -> list[dict]:
+    """Unbiased Pass@k for each k, with a bootstrap interval over tasks and per-category values.
+
+    Only tasks with all `samples` episodes finished count (a failed episode would bias the estimator)."""
+    from collections import defaultdict
+
+    from longhorizon.actor.metrics import pass_at_k
+
+    bad = [k for k in ks if not 1 <= k <= samples]
+    if bad:
+        raise ValueError(f"Pass@k needs 1 <= k <= samples per task ({samples}); got k={bad[0]}")
+    by_task: dict[str, list[EpisodeRecord]] = defaultdict(list)
+    for record in records:
+        if not record.error:
+            by_task[record.task_id].append(record)
+    complete = {task: runs for task, runs in by_task.items() if len(runs) == samples}
+    if not complete:
+        raise ValueError(f"no task has all {samples} of its episodes finished without an error")
+    points = []
+    for k in ks:
+        per_task = {task: pass_at_k(samples, sum(r.success for r in runs), k) for task, runs in complete.items()}
+        values = list(per_task.values())
+        low, high = bootstrap_mean_interval(values, resamples=resamples, seed=seed + k)
+        by_category: dict[str, list[float]] = defaultdict(list)
+        for task, value in per_task.items():
+            by_category[complete[task][0].category].append(value)
+        points.append({
+            "k": k,
+            "pass@k": sum(values) / len(values),
+            "ci95": [low, high],
+            "tasks": len(values),
+            "per_category": {category: sum(v) / len(v) for category, v in sorted(by_category.items())},
+        })
+    return points

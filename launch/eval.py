@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import sys
 import time
@@ -97,18 +96,9 @@ def make_eval_engine(config, args: argparse.Namespace):
         # Evaluation only needs text, so text-only (chat) endpoints are fine here.
         options.setdefault("require_token_logprobs", False)
     settings = engine_settings(config, model_path)
-    parameters = inspect.signature(engine_class).parameters
-    if not options:
-        engine = engine_class(settings)
-    elif "options" in parameters:  # an engine that takes its settings as one mapping
-        engine = engine_class(settings, options=options)
-    else:  # an engine that takes them as keyword arguments (e.g. vllm's load_format)
-        keywords = sorted(n for n, p in parameters.items() if p.kind == p.KEYWORD_ONLY or
-                          (p.kind == p.POSITIONAL_OR_KEYWORD and n != "settings"))
-        unknown = sorted(set(options) - set(keywords))
-        if unknown:
-            raise ValueError(f"engine {name!r} has no option {unknown[0]!r}; its options: {', '.join(keywords) or 'none'}")
-        engine = engine_class(settings, **options)
+    # Command-line options add to (and override) actor.engine_options; the engine checks them.
+    settings = dataclasses.replace(settings, engine_options={**settings.engine_options, **options})
+    engine = engine_class(settings)
     return engine, model_path
 
 
