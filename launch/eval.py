@@ -129,13 +129,15 @@ def run_eval(args: argparse.Namespace) -> dict:
 
     config = load_config(args.config, args.overrides)
     ks = _int_list(args.k, "--k")
+    if max(ks, default=1) > args.samples:
+        raise ValueError(f"--k {max(ks)} needs at least that many samples per task (--samples {args.samples})")
     values = _int_list(args.values, "--values") if args.values else []
     if args.sweep == "horizon" and not values:
         raise ValueError("--sweep horizon needs --values, e.g. --values 2,4,6,8,10")
     if args.sweep == "pass-at-k":
         if args.samples < 2:
             raise ValueError("--sweep pass-at-k needs several samples per task, e.g. --samples 64")
-        values = values or default_ks(args.samples)
+        values = sorted(set(values or default_ks(args.samples)))
         if max(values) > args.samples:
             raise ValueError(f"k={max(values)} needs at least that many samples per task (--samples {args.samples})")
     tasks = list_tasks(config.env.name, config.env.eval_split, **dict(config.env.options))[: args.tasks]

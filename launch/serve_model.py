@@ -329,7 +329,8 @@ def completion_response(server: ModelServer, body: dict, prompts: list[list[int]
         "object": "text_completion",
         "created": int(time.time()),
         "model": server.served_name,
-        "policy_version": server.policy_version,
+        # The weights the replies were generated with (a reload may have landed since).
+        "policy_version": min((result.policy_version for result in results), default=server.policy_version),
         "choices": choices,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
@@ -363,7 +364,8 @@ def chat_response(server: ModelServer, body: dict, prompt: list[int], results: l
         "object": "chat.completion",
         "created": int(time.time()),
         "model": server.served_name,
-        "policy_version": server.policy_version,
+        # The weights the replies were generated with (a reload may have landed since).
+        "policy_version": min((result.policy_version for result in results), default=server.policy_version),
         "choices": choices,
         "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
                   "total_tokens": len(prompt) + completion_tokens},
@@ -406,7 +408,9 @@ def handle_load_weights(server: ModelServer, body: dict) -> dict:
     if not isinstance(path, str) or not path:
         raise RequestError("'path' must name a folder of safetensors files")
     if not Path(path).is_dir():
-        raise RequestError(f"no such folder on the server: {path}", 404)
+        # 400, not 404: 404 means "no such route", which the openai engine reports as an endpoint
+        # that cannot take weights at all.
+        raise RequestError(f"no such folder on the server: {path} (the server must see the actor's files)", 400)
     version = _integer(body, "version", server.policy_version + 1, 0, 1 << 62)
     try:
         server.load_weights(path, version)
@@ -544,6 +548,8 @@ def main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_request:
         return int(exit_request.code or 0)
+    # Read now: if the parent dies while the model loads, getppid() would already name init.
+    parent_pid = os.getppid()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from longhorizon.common.models import ModelError, resolve_model_path
 
@@ -558,7 +564,7 @@ def main(argv: list[str]) -> int:
     )
     httpd = start_http_server(server, args.host, args.port)
     if args.exit_with_parent:
-        _exit_with_parent(os.getppid())
+        _exit_with_parent(parent_pid)
     host, port = httpd.server_address[:2]
     base_url = f"http://{host}:{port}/v1"
     print(f"serving {server.served_name} from {model_dir} at {base_url}", flush=True)

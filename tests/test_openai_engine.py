@@ -178,7 +178,7 @@ def test_server_rejects_bad_requests_with_json_errors(server):
     status, body = post("nowhere", {})
     assert status == 404 and "/v1/completions" in body["error"]["message"]
     status, body = post("load_weights", {"path": "/no/such/folder"})
-    assert status == 404
+    assert status == 400 and "the server must see" in body["error"]["message"]  # not 404: the route exists
     # A well-formed request: text prompt, n choices, stop string, vLLM's token-id labels.
     status, body = post("completions", {"prompt": "s0 s1", "max_tokens": 4, "n": 2, "logprobs": 0,
                                         "temperature": 1.0, "return_tokens_as_token_ids": True})

@@ -125,7 +125,14 @@ def test_memory_output_and_escape_limits():
     for escape in ("import os\nos.system('echo escaped')", "import subprocess\nsubprocess.run(['true'])",
                    "import ctypes\nctypes.CDLL(None).getpid()", "open('/tmp/longhorizon-escape', 'w')",
                    "import os\nos.kill(1, 0)", "import _posixsubprocess",
-                   "import os\nopen('a', 'w').close()\nos.rename('a', '/tmp/longhorizon-escape')"):
+                   "import os\nopen('a', 'w').close()\nos.rename('a', '/tmp/longhorizon-escape')",
+                   # a descriptor of an outside folder would let dir_fd= reach past the path checks
+                   "import os\nfolder = os.open('/tmp', os.O_RDONLY)\n"
+                   "os.open('longhorizon-escape', os.O_WRONLY | os.O_CREAT, dir_fd=folder)",
+                   "import os\nos.open('/proc/self', os.O_RDONLY)",
+                   # a shared library in the working folder would be importable native code
+                   "open('sneaky' + __import__('importlib.machinery').machinery.EXTENSION_SUFFIXES[0], 'wb')",
+                   "import os\nopen('a', 'w').close()\nos.rename('a', 'sneaky.so')"):
         result = run_python(escape, WIDE)
         assert "PermissionError" in result.output and "escaped" not in result.output, escape
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -95,6 +96,29 @@ async def test_instruction_wrong_answers_and_time_limit(pool):
         assert terminated and reward == 0.0 and info["raw_reward"] == -1.0 and info["reward_reason"] == "timed out"
     finally:
         await hurried.close()
+
+
+@pytest.mark.browser
+async def test_winning_another_task_page_does_not_score_this_episode(pool):
+    options = {"task_names": ["click-button"], "instances_per_task": 1, "pool": pool}
+    env = make_env("miniwob", **options)
+    try:
+        (task,) = list_tasks("miniwob", "train", **options)
+        await env.reset(task)
+        observation, _, terminated, _, _ = await env.step("goto('__MINIWOB__/miniwob/click-test.html')")
+        assert not terminated and "click-test.html" in observation
+        # Start the foreign task through its cover, then win it.
+        cover = re.search(r"\[(\w+)\] generic\n\s+StaticText 'START'", observation)
+        assert cover is not None, observation
+        observation, reward, terminated, _, info = await env.step(f"click({cover.group(1)!r})")
+        assert not terminated and reward == 0.0, info
+        button = next(node for node in parse_nodes(observation) if node.role == "button" and node.name == "Click Me!")
+        observation, reward, terminated, _, info = await env.step(f"click({button.bid!r})")
+        assert not terminated and reward == 0.0, info
+        _, reward, terminated, _, info = await env.step("stop()")
+        assert terminated and (reward, info["success"]) == (0.0, False), info
+    finally:
+        await env.close()
 
 
 @pytest.mark.browser

@@ -322,7 +322,7 @@ class VLLMEngine:
         # supported on CPU), so inline tensors go through a temporary one, in RAM where possible.
         from safetensors.numpy import save_file
 
-        scratch = Path(tempfile.mkdtemp(prefix="longhorizon-vllm-weights-", dir=_scratch_root()))
+        scratch = Path(tempfile.mkdtemp(prefix="longhorizon-vllm-weights-", dir=_scratch_root(sum(int(t.nbytes) for t in update.tensors.values()))))
         try:
             save_file(dict(update.tensors), str(scratch / "model.safetensors"))
             self._run_blocking(self._reload_on_loop(str(scratch), int(update.version)))
@@ -385,9 +385,13 @@ async def _shutdown_engine(engine) -> None:
     engine.shutdown()
 
 
-def _scratch_root() -> str | None:
+def _scratch_root(needed_bytes: int) -> str | None:
+    """Memory-backed /dev/shm when it has room (containers often give it only 64 MiB), else the
+    default temporary folder."""
     shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        return None
+    return str(shm) if shutil.disk_usage(shm).free > needed_bytes * 1.1 + (64 << 20) else None
 
 
 def _model_config(folder: Path) -> dict:

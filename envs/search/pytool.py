@@ -60,6 +60,17 @@ def _inside_python(name):
     return any(path.startswith(os.path.realpath(root) + os.sep) for root in _python_roots)
 
 _python_roots = {sys.prefix, sys.base_prefix, sys.exec_prefix}
+_extension_suffixes = tuple(__import__("importlib.machinery").machinery.EXTENSION_SUFFIXES) + (".so",)
+
+def _is_directory(path):
+    try:
+        return not isinstance(path, int) and os.path.isdir(os.fsdecode(path))
+    except Exception:
+        return True  # refuse what cannot be checked
+
+def _is_extension_module(path):
+    # Importing a shared library from the working folder would run native code no audit event sees.
+    return not isinstance(path, int) and os.fsdecode(path).endswith(_extension_suffixes)
 
 def _guard(event, args):
     if event == "ctypes.dlopen" and _inside_python(args[0] if args else None):
@@ -68,13 +79,22 @@ def _guard(event, args):
         raise PermissionError(f"the python tool does not allow importing {args[0]} (it starts processes unaudited)")
     if event.startswith(_blocked_prefixes):
         raise PermissionError(f"the python tool does not allow {event} (no network, processes or ctypes)")
-    if event == "open" and len(args) >= 3 and isinstance(args[2], int) and args[2] & _write_flags:
-        if not _inside_scratch(args[0]):
-            raise PermissionError(f"the python tool may only write inside its working folder, not {args[0]!r}")
+    if event == "open" and args:
+        if not _inside_scratch(args[0]) and _is_directory(args[0]):
+            # A directory descriptor would let os.open(..., dir_fd=) and friends reach past the
+            # path checks below, which only see the relative name.
+            raise PermissionError(f"the python tool may not open folders outside its working folder ({args[0]!r})")
+        if len(args) >= 3 and isinstance(args[2], int) and args[2] & _write_flags:
+            if not _inside_scratch(args[0]):
+                raise PermissionError(f"the python tool may only write inside its working folder, not {args[0]!r}")
+            if _is_extension_module(args[0]):
+                raise PermissionError("the python tool may not write native extension modules")
     elif event in _path_events:
         paths = [arg for arg in args[:2] if isinstance(arg, (str, bytes, os.PathLike))]
         if not all(_inside_scratch(path) for path in paths):
             raise PermissionError(f"the python tool may only change files inside its working folder ({event})")
+        if any(_is_extension_module(path) for path in paths):
+            raise PermissionError("the python tool may not create native extension modules")
 
 if use_guard:
     sys.addaudithook(_guard)

@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, urlsplit
 EVAL_TYPES = ("string_match", "url_match", "program_html", "state_check")
 OR_SEPARATOR = " |OR| "
 
-_TOKEN = re.compile(r"\w+|[^\w\s]")
+_TOKEN = re.compile(r"\d+(?:[.,]\d+)*|\w+|[^\w\s]")
 _PUNCTUATION = str.maketrans({character: " " for character in string.punctuation})
 
 
@@ -48,10 +48,11 @@ def exact_match(reference: str, prediction: str) -> bool:
 
 
 def must_include(reference: str, prediction: str, *, tokenize: bool = False) -> bool:
-    """The reference is a substring of the prediction; with `tokenize` a one-word reference must be a
-    whole token (so "1" is not found in "10")."""
+    """The reference is a substring of the prediction; with `tokenize` (as WebArena does it) a
+    one-character reference must be a whole token of the prediction (so "1" is not found in "10"
+    or in "1,000")."""
     clean_reference, clean_prediction = clean_answer(reference), clean_answer(prediction)
-    if tokenize and len(_TOKEN.findall(clean_reference)) == 1:
+    if tokenize and len(clean_reference) == 1:
         return clean_reference in _TOKEN.findall(clean_prediction)
     return clean_reference in clean_prediction
 

@@ -66,12 +66,20 @@ _START_JS = """
   Math.seedrandom(seed);
   core.EPISODE_MAX_TIME = maxTimeMs;
   core.startEpisodeReal();
+  window.__longhorizonSeeded = true;
   return WOB_TASK_READY;
 }
 """
 _READY_JS = "() => WOB_TASK_READY"
 _UTTERANCE_JS = "() => { const u = core.getUtterance(); return typeof u === 'string' ? u : JSON.stringify(u); }"
-_STATUS_JS = "() => ({done: WOB_DONE_GLOBAL, raw: WOB_RAW_REWARD_GLOBAL, reason: WOB_REWARD_REASON})"
+# Only the page this episode seeded may score it: any other page of the server (another task, or
+# this one reloaded) is a fresh document without the mark, so the agent cannot win an easier task
+# and be credited for this one.
+_STATUS_JS = """
+() => (window.__longhorizonSeeded === true && typeof WOB_DONE_GLOBAL !== 'undefined')
+  ? {done: WOB_DONE_GLOBAL, raw: WOB_RAW_REWARD_GLOBAL, reason: WOB_REWARD_REASON}
+  : {done: false, raw: 0, reason: 'not on the page this episode started'}
+"""
 
 
 def miniwob_html_dir() -> Path:
