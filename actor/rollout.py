@@ -73,6 +73,7 @@ async def run_episode(
                     episode_id=episode_id,
                     messages=conversation.messages,
                     task=task,
+                    stop_strings=tuple(getattr(env, "stop_strings", ())),
                 )
             )
             result.generation_seconds += time.perf_counter() - started

@@ -6,7 +6,7 @@ import pytest
 import torch
 import trio
 
-from longhorizon.actor.engines.base import EngineSettings, GenerationRequest, make_engine
+from longhorizon.actor.engines.base import EngineSettings, GenerationRequest, make_engine, tokens_through_stop_string
 from longhorizon.common.config import SamplingConfig
 from longhorizon.common.models import load_causal_lm
 from longhorizon.common.wire import WeightsUpdate
@@ -88,3 +88,29 @@ async def test_mismatched_weights_are_refused(tiny_codebook_model):
     with pytest.raises(ValueError, match="weights do not match"):
         engine.update_weights(WeightsUpdate(version=1, tensors={"nonsense": np.zeros(3, np.float32)}))
     assert engine.policy_version == 0
+
+
+async def test_a_reply_ends_at_its_first_stop_string(tiny_codebook_model):
+    engine = _engine(tiny_codebook_model, temperature=0.0, max_new_tokens=8)
+    (prompt,) = _prompts(engine, 1)
+    free = await engine.generate(GenerationRequest(token_ids=prompt, episode_id="free"))
+    words = [engine.tokenizer.decode([token]) for token in free.token_ids]
+    assert len(words) >= 3 and all(words[:3]), words  # greedy, so the same reply comes again below
+    stop = words[1]
+    expected = next(index for index, word in enumerate(words) if stop in word) + 1
+    cut = await engine.generate(GenerationRequest(token_ids=prompt, episode_id="cut", stop_strings=(stop, "never")))
+    assert cut.token_ids == free.token_ids[:expected] and cut.logprobs == pytest.approx(free.logprobs[:expected])
+    assert not cut.stopped_on_eos and cut.text.endswith(stop)
+
+
+def test_tokens_through_stop_string_counts_tokens_up_to_the_first_stop():
+    pieces = {1: "<sea", 2: "rch>q</", 3: "search>", 4: " more", 5: "</answer>"}
+
+    def decode(ids):
+        return "".join(pieces[i] for i in ids)
+
+    assert tokens_through_stop_string(decode, [1, 2, 3, 4, 5], ("</search>",)) == 3  # split across tokens
+    assert tokens_through_stop_string(decode, [1, 2, 3, 4, 5], ("</answer>", "</search>")) == 3  # the first one
+    assert tokens_through_stop_string(decode, [1, 2, 4, 5], ("</search>",)) is None
+    assert tokens_through_stop_string(decode, [5], ("</answer>",)) == 1
+    assert tokens_through_stop_string(decode, [1, 2, 3], ()) is None

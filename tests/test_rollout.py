@@ -119,3 +119,22 @@ async def test_invalid_reply_reward_is_added_per_garbled_reply():
     )
     assert result.turn_rewards == [-0.1, -0.1, -0.1]
     assert result.reward == pytest.approx(-0.3)
+
+
+async def test_requests_carry_the_envs_stop_strings():
+    class RecordingEngine(_FixedReplyEngine):
+        def __init__(self, reply):
+            super().__init__(reply)
+            self.stop_strings = []
+
+        async def generate(self, request):
+            self.stop_strings.append(request.stop_strings)
+            return await super().generate(request)
+
+    engine = RecordingEngine("<search>capital of France</search>")
+    task = list_tasks("search", "test")[0]
+    await run_episode(make_env("search"), engine, task, horizon_cap=2, max_context_tokens=100_000, max_new_tokens=64)
+    assert engine.stop_strings == [("</search>", "</answer>", "</python>")] * 2
+    await run_episode(make_env("textcraft"), engine, list_tasks("textcraft", "test")[0], horizon_cap=1,
+                      max_context_tokens=100_000, max_new_tokens=64)
+    assert engine.stop_strings[-1] == ()  # envs without stop strings

@@ -196,6 +196,27 @@ async def test_greedy_tokens_equal_hf(vllm_engine, learner_model, default_model_
 
 @pytest.mark.slow
 @needs_vllm
+async def test_replies_end_at_their_first_stop_string_as_with_hf(vllm_engine, default_model_path):
+    _with_sampling(vllm_engine, temperature=0.0)
+    prompt = _prompt_tokens(vllm_engine, PROMPTS[0])
+    free = await vllm_engine.generate(GenerationRequest(token_ids=prompt, episode_id="free"))
+    text = vllm_engine.tokenizer.decode(free.token_ids)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # a piece from the middle of the greedy reply
+    assert stop.strip(), text
+    request = GenerationRequest(token_ids=prompt, episode_id="cut", stop_strings=(stop,))
+    cut = await vllm_engine.generate(request)
+    assert stop in cut.text and not cut.stopped_on_eos and len(cut.token_ids) < len(free.token_ids)
+    assert cut.token_ids == free.token_ids[: len(cut.token_ids)]
+    assert stop not in vllm_engine.tokenizer.decode(cut.token_ids[:-1])  # cut right after it
+    hf_engine = make_engine(
+        "hf", EngineSettings(model_path=str(default_model_path), sampling=vllm_engine.sampling, max_batch_size=8)
+    )
+    assert (await hf_engine.generate(request)).token_ids == cut.token_ids
+    await hf_engine.close()
+
+
+@pytest.mark.slow
+@needs_vllm
 async def test_weight_update_is_visible_in_the_next_generation(vllm_engine, default_model_path, tmp_path):
     _with_sampling(vllm_engine, temperature=0.0)
     prompt = _prompt_tokens(vllm_engine, PROMPTS[0])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 from longhorizon.common.chat import ChatTokenizer
 from longhorizon.common.config import SamplingConfig
@@ -37,6 +37,9 @@ class GenerationRequest:
     """The same conversation as text messages (scripted engines act on text)."""
     task: Any = None
     """The env Task being played (scripted oracles may use it)."""
+    stop_strings: tuple[str, ...] = ()
+    """The turn ends with the first of these in the reply (kept in it), e.g. the search env's
+    "</search>": what a model writes after its tool call would otherwise be trained on."""
 
 
 @dataclass
@@ -109,6 +112,35 @@ def load_engine_class(name: str) -> type:
         return matches[0].load()
     module_name, _, attribute = target.partition(":")
     return getattr(importlib.import_module(module_name), attribute)
+
+
+def tokens_through_stop_string(
+    decode: Callable[[list[int]], str], token_ids: list[int], stop_strings: Sequence[str]
+) -> int | None:
+    """How many of `token_ids` it takes for their decoded text to contain one of `stop_strings`
+    (the reply is cut after that token), or None if the text never does.
+
+    Engines apply it to what they sampled; the log-probs of the kept tokens are unchanged, as a
+    prefix's probability does not depend on what followed it. A binary search over prefixes: once
+    a stop string appears in the decoded text, longer prefixes contain it too.
+    """
+    if not stop_strings or not token_ids:
+        return None
+
+    def contains_stop(count: int) -> bool:
+        text = decode(token_ids[:count])
+        return any(stop in text for stop in stop_strings)
+
+    if not contains_stop(len(token_ids)):
+        return None
+    low, high = 1, len(token_ids)
+    while low < high:
+        middle = (low + high) // 2
+        if contains_stop(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
 def reject_engine_options(engine_name: str, settings: EngineSettings) -> None:

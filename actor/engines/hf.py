@@ -17,7 +17,13 @@ from typing import Any
 
 import trio
 
-from longhorizon.actor.engines.base import EngineSettings, GenerationRequest, GenerationResult, reject_engine_options
+from longhorizon.actor.engines.base import (
+    EngineSettings,
+    GenerationRequest,
+    GenerationResult,
+    reject_engine_options,
+    tokens_through_stop_string,
+)
 from longhorizon.common.chat import HFChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -121,7 +127,7 @@ class HFEngine:
 
     def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         import torch
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, StoppingCriteriaList
 
         sampling = self.sampling
         longest = max(len(r.token_ids) for r in requests)
@@ -147,12 +153,20 @@ class HFEngine:
             output_scores=True,
             return_dict_in_generate=True,
         )
+        # Rows with stop strings stop generating once they have one (saving the tokens a model
+        # writes after its tool call); the cut below is what makes each reply end there.
+        stop_arguments = {}
+        if any(request.stop_strings for request in requests):
+            stop_arguments["stopping_criteria"] = StoppingCriteriaList(
+                [_StopStringsPerRow(self.tokenizer.decode, longest, [r.stop_strings for r in requests])]
+            )
         with self._model_lock, torch.inference_mode():
             version = self.policy_version
             output = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 generation_config=generation_config,
+                **stop_arguments,
             )
         new_tokens = output.sequences[:, longest:]
         # Scores are the processed logits the sampler drew from (temperature, top-p applied), so
@@ -163,10 +177,16 @@ class HFEngine:
         token_logprobs = step_logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
         results = []
         eos = self.tokenizer.eos_token_id
-        for row in range(len(requests)):
+        for row, request in enumerate(requests):
             tokens = new_tokens[row].tolist()
-            stopped = eos in tokens
-            count = tokens.index(eos) + 1 if stopped else len(tokens)
+            # A stop string first: a row that generate() ended on one is padded afterwards, and
+            # the pad id may be the end-of-turn id, which this turn did not sample.
+            count = tokens_through_stop_string(self.tokenizer.decode, tokens, request.stop_strings)
+            stopped = count is None and eos in tokens
+            if count is None:
+                count = tokens.index(eos) + 1 if stopped else len(tokens)
+            elif eos in tokens[:count]:  # the turn ended before its stop string was complete
+                count, stopped = tokens.index(eos) + 1, True
             tokens = tokens[:count]
             logprobs = token_logprobs[row, :count].tolist()
             if any(not math.isfinite(lp) for lp in logprobs):
@@ -193,3 +213,27 @@ class HFEngine:
 
     async def close(self) -> None:
         self.model = None
+
+
+class _StopStringsPerRow:
+    """A transformers stopping criterion: a row is done once its new text holds one of its stop
+    strings. transformers' own stop-string criterion needs a BPE-style vocabulary; this works with
+    any tokenizer. Only the last few tokens are decoded each step: a stop string completed by the
+    newest token lies within them."""
+
+    _WINDOW_TOKENS = 32
+
+    def __init__(self, decode, prompt_length: int, stop_strings: list[tuple[str, ...]]) -> None:
+        self.decode = decode
+        self.prompt_length = prompt_length
+        self.stop_strings = stop_strings
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        start = max(self.prompt_length, input_ids.shape[1] - self._WINDOW_TOKENS)
+        done = []
+        for row, stops in enumerate(self.stop_strings):
+            text = self.decode(input_ids[row, start:].tolist()) if stops else ""
+            done.append(any(stop in text for stop in stops))
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)

@@ -38,7 +38,13 @@ from typing import Any, Mapping
 
 import trio
 
-from longhorizon.actor.engines.base import EngineError, EngineSettings, GenerationRequest, GenerationResult
+from longhorizon.actor.engines.base import (
+    EngineError,
+    EngineSettings,
+    GenerationRequest,
+    GenerationResult,
+    tokens_through_stop_string,
+)
 
 log = logging.getLogger(__name__)
 
@@ -474,6 +480,11 @@ class OpenAIEngine:
         has_tokens = reply.token_ids is not None and reply.logprobs is not None and self.options.mode == "completions"
         if has_tokens:
             token_ids, logprobs = reply.token_ids, reply.logprobs
+            # The reply ends at the first stop string, as with the other engines (applied here, so
+            # it does not depend on how an endpoint treats "stop").
+            cut = tokens_through_stop_string(self.tokenizer.decode, token_ids, request.stop_strings)
+            if cut is not None:
+                token_ids, logprobs = token_ids[:cut], logprobs[:cut]
             text = self.tokenizer.decode(token_ids)
         elif self.options.require_token_logprobs:
             what = "chat replies carry text only" if self.options.mode == "chat" else (
@@ -486,7 +497,7 @@ class OpenAIEngine:
             )
         else:
             # Evaluation of a text-only endpoint: tokens only continue the conversation bookkeeping.
-            text = reply.text
+            text = _cut_text_at_stop(reply.text, request.stop_strings)
             token_ids = self.tokenizer.encode(text) + ([eos] if reply.finish_reason == "stop" else [])
             logprobs = [0.0] * len(token_ids)
         if not token_ids:
@@ -554,3 +565,9 @@ class OpenAIEngine:
         if self._weights_folder is not None:
             self._weights_folder.cleanup()
             self._weights_folder = None
+
+
+def _cut_text_at_stop(text: str, stop_strings: tuple[str, ...]) -> str:
+    """Text-only replies end after the first stop string they contain (kept, as token replies keep it)."""
+    ends = [text.index(stop) + len(stop) for stop in stop_strings if stop in text]
+    return text[: min(ends)] if ends else text

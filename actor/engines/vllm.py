@@ -40,7 +40,13 @@ from typing import Any
 
 import trio
 
-from longhorizon.actor.engines.base import EngineError, EngineSettings, GenerationRequest, GenerationResult
+from longhorizon.actor.engines.base import (
+    EngineError,
+    EngineSettings,
+    GenerationRequest,
+    GenerationResult,
+    tokens_through_stop_string,
+)
 from longhorizon.common.chat import HFChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -300,6 +306,10 @@ class VLLMEngine:
         tokens = list(completion.token_ids)
         logprobs = sampled_token_logprobs(tokens, completion.logprobs)
         eos = self.tokenizer.eos_token_id
+        # Stop strings are applied to our own decoding (vLLM's would need its detokenizer on).
+        cut = tokens_through_stop_string(self.tokenizer.decode, tokens, request.stop_strings)
+        if cut is not None:
+            tokens, logprobs = tokens[:cut], logprobs[:cut]
         return GenerationResult(
             token_ids=tokens,
             logprobs=logprobs,
