@@ -65,7 +65,7 @@ def _env(args: argparse.Namespace) -> int:
 
         from longhorizon.envs.checker import check_env
 
-        trio.run(lambda: check_env(args.name))
+        trio.run(lambda: check_env(args.name, policy=args.policy))
         print(f"{args.name}: ok")
         return 0
     if args.env_command == "serve":
@@ -140,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     play.add_argument("rest", nargs=argparse.REMAINDER)
     check = env_commands.add_parser("check", help="run the env checker (determinism, types)")
     check.add_argument("name")
+    check.add_argument("--policy", default="random",
+                       help="scripted policy that plays the checked episodes (default %(default)s); real web "
+                            "apps show random content on some pages (Fossil suggests random passwords), so "
+                            "check weblocal with --policy oracle")
     serve = env_commands.add_parser("serve", help="serve an env over HTTP (AgentGym-compatible endpoints)")
     serve.add_argument("name")
     serve.add_argument("--port", type=int, default=8700)

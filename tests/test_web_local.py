@@ -129,3 +129,11 @@ async def test_random_policy_plays_without_errors(pool, tasks_by_id):
                 break
     finally:
         await env.close()
+
+
+async def test_oracle_episodes_keep_the_env_contract():
+    # With the oracle: a random walk reaches pages where the apps themselves show random content
+    # (Fossil's suggested passwords), which no env could make repeatable.
+    from longhorizon.envs.checker import check_env
+
+    await check_env(ENV_NAME, {"sites": "fossil,shop"}, policy="oracle", num_tasks=2)

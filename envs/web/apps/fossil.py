@@ -32,7 +32,7 @@ TICKET_TEMPLATES = {"ticket-common": DATA_DIR / "fossil_ticket_common.th1",
                     "ticket-editpage": DATA_DIR / "fossil_ticket_edit.th1"}
 REPORT_SQL = DATA_DIR / "fossil_report.sql"
 SEED_PASSWORD = "pagesmith-demo"
-BUILD_FORMAT = "1"  # bump to rebuild cached repositories after a change to the build steps
+BUILD_FORMAT = "2"  # bump to rebuild cached repositories after a change to the build steps
 
 
 def _fossil(fossil: str, *args: str, cwd: Path, user: str, stdin: str | None = None) -> str:
@@ -59,6 +59,9 @@ def build_repository(target: Path) -> None:
         first_date = seed["commits"][0]["date"]
         _fossil(fossil, "init", "--admin-user", admin, "--date-override", first_date, str(repo), cwd=work, user=admin)
         settings = {"project-name": seed["project_name"], "project-description": seed["project_description"],
+                    # The default footer reports how long the page took to render, which would make
+                    # the same page read differently on every visit.
+                    "footer": f"<footer>{seed['project_name']}</footer>",
                     **{name: path.read_text() for name, path in TICKET_TEMPLATES.items()}}
         statements = [f"REPLACE INTO config(name, value, mtime) VALUES({_sql_literal(k)}, {_sql_literal(v)}, now());"
                       for k, v in settings.items()]
