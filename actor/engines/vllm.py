@@ -232,6 +232,14 @@ class VLLMEngine:
         self._updating = False
         try:
             self._engine = self._run_blocking(_start_engine(engine_options), timeout=options.start_timeout_s)
+        except TimeoutError:
+            # vLLM builds its engine synchronously on the loop, so a start that overruns cannot be
+            # interrupted; its processes end with this one.
+            self._stop_loop()
+            raise EngineError(
+                f"vLLM did not start within start_timeout_s={options.start_timeout_s} s; raise it with "
+                f"actor.engine_options.start_timeout_s (a first start on CPU can take minutes)"
+            ) from None
         except BaseException:
             self._stop_loop()
             raise
