@@ -269,16 +269,16 @@ def _messages(body: dict) -> list[dict]:
 
 
 def _cut_at_stop(server: ModelServer, token_ids: list[int], logprobs: list[float], stop: list[str]):
-    """Shorten a reply at the first stop string: (tokens, logprobs, text, stopped)."""
-    text = server.tokenizer.decode(token_ids)
-    if not stop or not any(s in text for s in stop):
-        return token_ids, logprobs, text, False
-    for count in range(1, len(token_ids) + 1):
-        prefix = server.tokenizer.decode(token_ids[:count])
-        hits = [prefix.index(s) for s in stop if s in prefix]
-        if hits:
-            return token_ids[:count], logprobs[:count], prefix[: min(hits)], True
-    return token_ids, logprobs, text, False
+    """Shorten a reply at the first stop string: (tokens, logprobs, text, stopped). The text ends
+    before the stop string, as OpenAI-compatible servers return it; the tokens include the one
+    that completed it."""
+    from longhorizon.actor.engines.base import tokens_through_stop_string
+
+    count = tokens_through_stop_string(server.tokenizer.decode, token_ids, stop)
+    if count is None:
+        return token_ids, logprobs, server.tokenizer.decode(token_ids), False
+    prefix = server.tokenizer.decode(token_ids[:count])
+    return token_ids[:count], logprobs[:count], prefix[: min(prefix.index(s) for s in stop if s in prefix)], True
 
 
 def _token_label(server: ModelServer, token_id: int, as_ids: bool) -> str:
