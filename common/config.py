@@ -176,6 +176,10 @@ class TransportConfig:
     """Largest accepted trajectory message."""
     max_weights_bytes: int = 4 << 30
     """Largest accepted weights message."""
+    keep_freed_memory: bool = True
+    """Learner and actor processes keep freed message buffers for reuse instead of returning them
+    to the kernel (glibc only; see common/memory.py): much less CPU per large trajectory, at the
+    price of holding on to freed memory."""
 
 
 @dataclass(frozen=True)

@@ -277,6 +277,12 @@ class _FieldSpec:
     name: str
     kind: str
     dtype: np.dtype | None
+    where: str
+    """"Owner.field", for error messages (built once, not per message)."""
+    normalise: Callable[["_FieldSpec", Any], Any]
+    """Checks and converts the field's value for sending (chosen by kind, once)."""
+    decode: Callable[["_FieldSpec", Any, "_FrameCursor", "WireLimits"], Any]
+    """Checks and converts the field's received value (chosen by kind, once)."""
 
 
 @dataclass(frozen=True)
@@ -296,7 +302,16 @@ def _field_specs(cls: type) -> tuple[_FieldSpec, ...]:
         kind = _KIND_BY_ANNOTATION[declared.type]
         if kind == "str" and declared.metadata.get("long_text"):
             kind = "text"
-        specs.append(_FieldSpec(declared.name, kind, declared.metadata.get("dtype")))
+        specs.append(
+            _FieldSpec(
+                name=declared.name,
+                kind=kind,
+                dtype=declared.metadata.get("dtype"),
+                where=f"{cls.__name__}.{declared.name}",
+                normalise=_NORMALISERS[kind],
+                decode=_DECODERS[kind],
+            )
+        )
     return tuple(specs)
 
 
@@ -427,23 +442,6 @@ _CONTENT_CHECKS: dict[type, Callable[[dict[str, Any]], None]] = {
 }
 
 
-def _build_spec(cls: type) -> _MessageSpec:
-    fields = _field_specs(cls)
-    return _MessageSpec(
-        cls=cls,
-        tag=cls.TYPE_TAG,
-        version=cls.SCHEMA_VERSION,
-        fields=fields,
-        names=frozenset(spec.name for spec in fields),
-        check=_CHECKS[cls],
-        check_contents=_CONTENT_CHECKS.get(cls),
-    )
-
-
-_SPEC_BY_CLASS: dict[type, _MessageSpec] = {cls: _build_spec(cls) for cls in MESSAGE_TYPES}
-_SPEC_BY_TAG: dict[str, _MessageSpec] = {spec.tag: spec for spec in _SPEC_BY_CLASS.values()}
-
-
 # ---------------------------------------------------------------------------------------------
 # Encoding
 # ---------------------------------------------------------------------------------------------
@@ -496,45 +494,68 @@ def _wire_array(where: str, value: Any, dtype: np.dtype | None) -> np.ndarray:
     return array
 
 
-def _normalise(owner: str, spec: _FieldSpec, value: Any) -> Any:
-    where = f"{owner}.{spec.name}"
-    kind = spec.kind
-    if kind in ("str", "text"):
-        if not isinstance(value, str):
-            _fail(f"{where} must be a str, got {type(value).__name__}")
-        return value
-    if kind == "optional_str":
-        if value is not None and not isinstance(value, str):
-            _fail(f"{where} must be a str or None, got {type(value).__name__}")
-        return value
-    if kind == "int":
-        return _normalise_int(where, value)
-    if kind == "float":
-        return _normalise_float(where, value)
-    if kind == "bool":
-        if not isinstance(value, (bool, np.bool_)):
-            _fail(f"{where} must be a bool, got {type(value).__name__}")
-        return bool(value)
-    if kind == "float_list":
-        if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
-            _fail(f"{where} must be a list of numbers, got {type(value).__name__}")
-        if all(type(item) is float for item in value) and math.isfinite(sum(value)):
-            return list(value)
-        return [_normalise_float(f"{where}[{index}]", item) for index, item in enumerate(value)]
-    if kind == "array":
-        return _wire_array(where, value, spec.dtype)
-    if kind == "tensors":
-        if value is None:
-            return None
-        if not isinstance(value, Mapping):
-            _fail(f"{where} must be a dict of name -> array, got {type(value).__name__}")
-        tensors = {}
-        for name, tensor in value.items():
-            if not isinstance(name, str):
-                _fail(f"{where} keys must be str, got {type(name).__name__}")
-            tensors[name] = _wire_array(f"{where}[{name!r}]", tensor, None)
-        return tensors
-    raise AssertionError(f"unhandled field kind {kind}")
+def _normalise_str(spec: _FieldSpec, value: Any) -> str:
+    if not isinstance(value, str):
+        _fail(f"{spec.where} must be a str, got {type(value).__name__}")
+    return value
+
+
+def _normalise_optional_str(spec: _FieldSpec, value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        _fail(f"{spec.where} must be a str or None, got {type(value).__name__}")
+    return value
+
+
+def _normalise_int_field(spec: _FieldSpec, value: Any) -> int:
+    return _normalise_int(spec.where, value)
+
+
+def _normalise_float_field(spec: _FieldSpec, value: Any) -> float:
+    return _normalise_float(spec.where, value)
+
+
+def _normalise_bool(spec: _FieldSpec, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        _fail(f"{spec.where} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def _normalise_float_list(spec: _FieldSpec, value: Any) -> list[float]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        _fail(f"{spec.where} must be a list of numbers, got {type(value).__name__}")
+    if all(type(item) is float for item in value) and math.isfinite(sum(value)):
+        return list(value)
+    return [_normalise_float(f"{spec.where}[{index}]", item) for index, item in enumerate(value)]
+
+
+def _normalise_array(spec: _FieldSpec, value: Any) -> np.ndarray:
+    return _wire_array(spec.where, value, spec.dtype)
+
+
+def _normalise_tensors(spec: _FieldSpec, value: Any) -> dict[str, np.ndarray] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        _fail(f"{spec.where} must be a dict of name -> array, got {type(value).__name__}")
+    tensors = {}
+    for name, tensor in value.items():
+        if not isinstance(name, str):
+            _fail(f"{spec.where} keys must be str, got {type(name).__name__}")
+        tensors[name] = _wire_array(f"{spec.where}[{name!r}]", tensor, None)
+    return tensors
+
+
+_NORMALISERS: dict[str, Callable[[_FieldSpec, Any], Any]] = {
+    "str": _normalise_str,
+    "text": _normalise_str,
+    "optional_str": _normalise_optional_str,
+    "int": _normalise_int_field,
+    "float": _normalise_float_field,
+    "bool": _normalise_bool,
+    "float_list": _normalise_float_list,
+    "array": _normalise_array,
+    "tensors": _normalise_tensors,
+}
 
 
 def _array_descriptor(array: np.ndarray, frames: list[bytes | memoryview], inline_limit: int) -> dict:
@@ -629,8 +650,7 @@ def encode(message: Message, *, inline_limit: int = INLINE_ARRAY_BYTES) -> list[
     spec = _SPEC_BY_CLASS.get(type(message))
     if spec is None:
         raise WireError(f"cannot encode {type(message).__name__}: not a wire message type")
-    owner = spec.cls.__name__
-    values = {field.name: _normalise(owner, field, getattr(message, field.name)) for field in spec.fields}
+    values = {field.name: field.normalise(field, getattr(message, field.name)) for field in spec.fields}
     spec.check(values, None)
     frames: list[bytes | memoryview] = [b""]
     packed_fields: dict[str, Any] = {}
@@ -645,7 +665,11 @@ def encode(message: Message, *, inline_limit: int = INLINE_ARRAY_BYTES) -> list[
             value = {name: _array_descriptor(array, frames, inline_limit) for name, array in value.items()}
         packed_fields[field_spec.name] = value
     header = {"type": spec.tag, "schema": spec.version, "fields": packed_fields}
-    frames[0] = msgpack.packb(header, use_bin_type=True)
+    # A view of the packer's own buffer, not packb's copy of it (the view keeps the packer alive):
+    # one copy of the episode text less per message.
+    packer = msgpack.Packer(use_bin_type=True, autoreset=False)
+    packer.pack(header)
+    frames[0] = packer.getbuffer()
     return frames
 
 
@@ -758,50 +782,96 @@ def _decode_array(
     return np.frombuffer(buffer, dtype=wire_dtype, count=count).reshape(shape)
 
 
-def _decode_value(
-    owner: str, spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits
-) -> Any:
-    where = f"{owner}.{spec.name}"
-    kind = spec.kind
-    if kind == "str":
-        return _decode_str(where, raw, limits.max_string_chars)
-    if kind == "text":
-        return _decode_str(where, raw, limits.max_text_chars)
-    if kind == "optional_str":
-        return None if raw is None else _decode_str(where, raw, limits.max_text_chars)
-    if kind == "int":
-        return _decode_int(where, raw)
-    if kind == "float":
-        return _decode_float(where, raw)
-    if kind == "bool":
-        if type(raw) is not bool:
-            _fail(f"{where} must be a bool, got {type(raw).__name__}")
+def _decode_str_field(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits) -> str:
+    return _decode_str(spec.where, raw, limits.max_string_chars)
+
+
+def _decode_text_field(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits) -> str:
+    return _decode_str(spec.where, raw, limits.max_text_chars)
+
+
+def _decode_optional_str(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits) -> str | None:
+    return None if raw is None else _decode_str(spec.where, raw, limits.max_text_chars)
+
+
+def _decode_int_field(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits) -> int:
+    return _decode_int(spec.where, raw)
+
+
+def _decode_float_field(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits) -> float:
+    return _decode_float(spec.where, raw)
+
+
+def _decode_bool(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits) -> bool:
+    if type(raw) is not bool:
+        _fail(f"{spec.where} must be a bool, got {type(raw).__name__}")
+    return raw
+
+
+def _decode_float_list(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits) -> list[float]:
+    if not isinstance(raw, list):
+        _fail(f"{spec.where} must be a list, got {type(raw).__name__}")
+    if len(raw) > limits.max_list_items:
+        _fail(f"{spec.where} has {len(raw)} items, more than the limit {limits.max_list_items}")
+    # One pass over the common case (all floats, finite sum); item by item only to say which
+    # item is wrong, or when ints need converting.
+    if all(type(item) is float for item in raw) and math.isfinite(sum(raw)):
         return raw
-    if kind == "float_list":
-        if not isinstance(raw, list):
-            _fail(f"{where} must be a list, got {type(raw).__name__}")
-        if len(raw) > limits.max_list_items:
-            _fail(f"{where} has {len(raw)} items, more than the limit {limits.max_list_items}")
-        # One pass over the common case (all floats, finite sum); item by item only to say
-        # which item is wrong, or when ints need converting.
-        if all(type(item) is float for item in raw) and math.isfinite(sum(raw)):
-            return raw
-        return [_decode_float(f"{where}[{index}]", item) for index, item in enumerate(raw)]
-    if kind == "array":
-        return _decode_array(where, raw, spec.dtype, cursor, limits)
-    if kind == "tensors":
-        if raw is None:
-            return None
-        if not isinstance(raw, dict):
-            _fail(f"{where} must be a map of name -> array, got {type(raw).__name__}")
-        if len(raw) > limits.max_tensors:
-            _fail(f"{where} has {len(raw)} tensors, more than the limit {limits.max_tensors}")
-        tensors = {}
-        for name, descriptor in raw.items():
-            name = _decode_str(f"{where} name", name, limits.max_string_chars)
-            tensors[name] = _decode_array(f"{where}[{name!r}]", descriptor, None, cursor, limits)
-        return tensors
-    raise AssertionError(f"unhandled field kind {kind}")
+    return [_decode_float(f"{spec.where}[{index}]", item) for index, item in enumerate(raw)]
+
+
+def _decode_array_field(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits) -> np.ndarray:
+    return _decode_array(spec.where, raw, spec.dtype, cursor, limits)
+
+
+def _decode_tensors(
+    spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits
+) -> dict[str, np.ndarray] | None:
+    if raw is None:
+        return None
+    where = spec.where
+    if not isinstance(raw, dict):
+        _fail(f"{where} must be a map of name -> array, got {type(raw).__name__}")
+    if len(raw) > limits.max_tensors:
+        _fail(f"{where} has {len(raw)} tensors, more than the limit {limits.max_tensors}")
+    tensors = {}
+    for name, descriptor in raw.items():
+        name = _decode_str(f"{where} name", name, limits.max_string_chars)
+        tensors[name] = _decode_array(f"{where}[{name!r}]", descriptor, None, cursor, limits)
+    return tensors
+
+
+_DECODERS: dict[str, Callable[[_FieldSpec, Any, _FrameCursor, WireLimits], Any]] = {
+    "str": _decode_str_field,
+    "text": _decode_text_field,
+    "optional_str": _decode_optional_str,
+    "int": _decode_int_field,
+    "float": _decode_float_field,
+    "bool": _decode_bool,
+    "float_list": _decode_float_list,
+    "array": _decode_array_field,
+    "tensors": _decode_tensors,
+}
+
+
+# The schemas, built once the field codecs above exist.
+
+
+def _build_spec(cls: type) -> _MessageSpec:
+    fields = _field_specs(cls)
+    return _MessageSpec(
+        cls=cls,
+        tag=cls.TYPE_TAG,
+        version=cls.SCHEMA_VERSION,
+        fields=fields,
+        names=frozenset(spec.name for spec in fields),
+        check=_CHECKS[cls],
+        check_contents=_CONTENT_CHECKS.get(cls),
+    )
+
+
+_SPEC_BY_CLASS: dict[type, _MessageSpec] = {cls: _build_spec(cls) for cls in MESSAGE_TYPES}
+_SPEC_BY_TAG: dict[str, _MessageSpec] = {spec.tag: spec for spec in _SPEC_BY_CLASS.values()}
 
 
 def _decode(frames: Sequence[Any], limits: WireLimits) -> Message:
@@ -838,12 +908,8 @@ def _decode(frames: Sequence[Any], limits: WireLimits) -> Message:
         missing = sorted(spec.names - given)
         unknown = sorted(_short(name, 40) for name in given - spec.names)
         _fail(f"{spec.tag} fields do not match the schema (missing {missing}, unknown {unknown[:5]})")
-    owner = spec.cls.__name__
     cursor = _FrameCursor(buffers)
-    values = {
-        field.name: _decode_value(owner, field, raw_fields[field.name], cursor, limits)
-        for field in spec.fields
-    }
+    values = {field.name: field.decode(field, raw_fields[field.name], cursor, limits) for field in spec.fields}
     if cursor.next_index != frame_count:
         _fail(f"message has {frame_count} frames, but its header uses {cursor.next_index}")
     spec.check(values, limits)

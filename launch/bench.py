@@ -304,7 +304,12 @@ def print_async_vs_sync(result: dict[str, Any]) -> None:
 def _run_transport(args: argparse.Namespace) -> dict[str, Any]:
     from longhorizon.launch.bench_transport import bench_transport, print_table
 
-    result = bench_transport(trajectory_bytes=args.trajectory_bytes, seconds_cap=args.transport_seconds)
+    result = bench_transport(
+        trajectory_bytes=args.trajectory_bytes,
+        messages=args.transport_messages,
+        rounds=args.transport_rounds,
+        keep_freed_memory=not args.glibc_allocator,
+    )
     print_table(result)
     return result
 
@@ -365,7 +370,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--trajectory-bytes", type=int, default=1 << 20, help="trajectory size in bytes (default %(default)s)"
     )
     transport.add_argument(
-        "--transport-seconds", type=float, default=20.0, help="time budget of the timed runs (default %(default)s)"
+        "--transport-messages", type=int, default=500, help="messages timed per run (default %(default)s)"
+    )
+    transport.add_argument(
+        "--transport-rounds", type=int, default=3, help="alternating rounds of each kind (default %(default)s)"
+    )
+    transport.add_argument(
+        "--glibc-allocator", action="store_true",
+        help="run both sides with glibc's allocator defaults instead of the settings our learner and actors use",
     )
     envs = parser.add_argument_group("envs")
     envs.add_argument(

@@ -12,6 +12,10 @@ the ratio shows what the codec and the transport layer cost where they really ru
   header plus one frame per large array), no codec. It separates what ZeroMQ charges per frame
   from what the codec and the transport layer cost.
 
+Both processes of every run, whatever the kind, use the same allocator settings: by default
+those our learner and actors run with (``common/memory.py``: freed message buffers kept for
+reuse), or glibc's own with ``keep_freed_memory=False``.
+
 Run: ``python -m longhorizon.launch.bench_transport``. Prints a table, then one line of JSON.
 """
 
@@ -26,6 +30,7 @@ import numpy as np
 import trio
 import zmq
 
+from longhorizon.common.memory import keep_freed_message_memory
 from longhorizon.common.transport import DEFAULT_TRAJECTORY_HWM, ZmqPullReceiver, ZmqPushSender
 from longhorizon.common.wire import Trajectory, encode, pack_arrays
 
@@ -82,11 +87,15 @@ def make_trajectory(trajectory_bytes: int, *, seed: int = 0) -> Trajectory:
     )
 
 
-def _sender_process(kind: str, address: str, count: int, trajectory_bytes: int, received) -> None:
+def _sender_process(
+    kind: str, address: str, count: int, trajectory_bytes: int, received, keep_freed_memory: bool
+) -> None:
     """Child process: connect like an actor does and send ``count`` messages as fast as possible.
 
     Sockets close with linger 0 (as actors' do), which would drop what is still queued: the
     child waits for the receiver to say it has everything before closing."""
+    if keep_freed_memory:
+        keep_freed_message_memory()
     context = zmq.Context()
     trajectory = make_trajectory(trajectory_bytes)
     if kind == "trajectory":
@@ -175,8 +184,10 @@ async def _timed(receive_one: Callable[[], Awaitable[None]], count: int) -> floa
     return time.perf_counter() - started
 
 
-def _measure(kind: str, count: int, trajectory_bytes: int) -> float:
-    """Receive here (as the learner does) from a sender in another process (as an actor is)."""
+def _measure(kind: str, count: int, trajectory_bytes: int, keep_freed_memory: bool = True) -> float:
+    """Receive here (as the learner does) from a sender in another process (as an actor is).
+
+    The allocator setting of this process is the caller's (see ``bench_transport``)."""
     context = multiprocessing.get_context("spawn")
     received = context.Event()
 
@@ -194,7 +205,7 @@ def _measure(kind: str, count: int, trajectory_bytes: int) -> float:
             await started.wait()
             child = context.Process(
                 target=_sender_process,
-                args=(kind, address[0], count + _WARMUP_MESSAGES, trajectory_bytes, received),
+                args=(kind, address[0], count + _WARMUP_MESSAGES, trajectory_bytes, received, keep_freed_memory),
             )
             child.start()
         received.set()
@@ -216,30 +227,41 @@ def _figures(prefix: str, count: int, seconds: list[float], message_bytes: int) 
 
 
 def bench_transport(
-    *, trajectory_bytes: int = 1 << 20, messages: int = 500, seconds_cap: float = 20, rounds: int = 3
+    *,
+    trajectory_bytes: int = 1 << 20,
+    messages: int = 500,
+    rounds: int = 3,
+    keep_freed_memory: bool = True,
 ) -> dict:
     """Throughput of raw frames and of Trajectory messages over tcp loopback, same run.
 
-    Runs ``rounds`` alternating rounds of each (medians reported), each timed run sized to fit
-    its share of ``seconds_cap`` (warm-ups and setup come on top, a second or two).
+    Runs ``rounds`` alternating rounds of each kind (medians reported), each timing ``messages``
+    messages after a few untimed ones.
+    ``keep_freed_memory`` applies our processes' allocator settings to both sides of every run
+    (this process's setting cannot be undone: run with False in a fresh process).
     """
-    if trajectory_bytes < 64 or messages < 1 or seconds_cap <= 0 or rounds < 1:
-        raise ValueError("need trajectory_bytes >= 64, messages >= 1, seconds_cap > 0, rounds >= 1")
+    if trajectory_bytes < 64 or messages < 1 or rounds < 1:
+        raise ValueError("need trajectory_bytes >= 64, messages >= 1, rounds >= 1")
+    if keep_freed_memory and not keep_freed_message_memory():
+        keep_freed_memory = False  # not glibc: both sides run with the C library's defaults
     trajectory = make_trajectory(trajectory_bytes)
     frame_sizes = [memoryview(frame).nbytes for frame in encode(trajectory)]
     kinds = ("raw", "trajectory", "raw_split")
-    runs: dict[str, list[tuple[int, float]]] = {kind: [] for kind in kinds}
+    seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     for _ in range(rounds):
         for kind in kinds:
-            runs[kind].append((messages, _measure(kind, messages, trajectory_bytes)))
+            seconds[kind].append(_measure(kind, messages, trajectory_bytes, keep_freed_memory))
     message_bytes = {"raw": trajectory_bytes, "trajectory": sum(frame_sizes), "raw_split": sum(frame_sizes)}
-    result: dict[str, Any] = {"trajectory_bytes": trajectory_bytes, "rounds": rounds}
+    result: dict[str, Any] = {
+        "trajectory_bytes": trajectory_bytes, "rounds": rounds, "keep_freed_memory": keep_freed_memory,
+    }
     for kind in kinds:
-        # Every round times the same count unless a slow warm-up shrank one: normalise to the
-        # smallest.
-        count = min(count for count, _ in runs[kind])
-        seconds = [elapsed * count / timed for timed, elapsed in runs[kind]]
-        result.update(_figures(kind, count, seconds, message_bytes[kind]))
+        result.update(_figures(kind, messages, seconds[kind], message_bytes[kind]))
+    # Each round's own ratio: how far apart they are shows how noisy the machine was.
+    result["round_ratios"] = [
+        (message_bytes["trajectory"] / trajectory_s) / (message_bytes["raw"] / raw_s)
+        for raw_s, trajectory_s in zip(seconds["raw"], seconds["trajectory"])
+    ]
     result["trajectory_frames"] = len(frame_sizes)
     result["trajectory_tokens"] = int(len(trajectory.token_ids))
     result["raw_split_ratio"] = result["raw_split_mb_per_s"] / result["raw_mb_per_s"]
@@ -251,7 +273,8 @@ def bench_transport(
 
 def print_table(result: dict) -> None:
     """A table for people, then the result as one line of JSON for machines."""
-    print(f"transport over tcp loopback, {result['rounds']} rounds, medians")
+    allocator = "freed buffers kept for reuse" if result["keep_freed_memory"] else "glibc defaults"
+    print(f"transport over tcp loopback, {result['rounds']} rounds, medians; allocator on both sides: {allocator}")
     print(f"{'':12} {'bytes/msg':>11} {'messages':>9} {'msg/s':>10} {'MB/s':>10}")
     for prefix in ("raw", "trajectory", "raw_split"):
         print(
@@ -259,6 +282,7 @@ def print_table(result: dict) -> None:
             f" {result[prefix + '_messages_per_s']:>10.1f} {result[prefix + '_mb_per_s']:>10.1f}"
         )
     verdict = "meets" if result["meets_target"] else "misses"
+    print("trajectory / raw per round: " + ", ".join(f"{ratio:.2f}" for ratio in result["round_ratios"]))
     print(f"trajectory / raw = {result['ratio']:.2f} ({verdict} the target {result['target_ratio']:.2f})")
     print(
         f"raw_split / raw = {result['raw_split_ratio']:.2f} (the same bytes in "

@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s {args.role}{'' if args.role == 'learner' else '-' + str(args.index)} %(levelname)s %(name)s: %(message)s",
     )
     config = load_config(args.config)
+    if config.transport.keep_freed_memory:
+        from longhorizon.common.memory import keep_freed_message_memory
+
+        keep_freed_message_memory()
     return trio.run(_main, args.role, config, args.index)
 
 

@@ -78,7 +78,7 @@ def test_bad_arguments_are_a_clear_error(arguments, complaint, capsys):
 
 
 def test_transport_prints_a_table_then_json(capsys):
-    assert main(["transport", "--trajectory-bytes", "4096", "--transport-seconds", "0.3"]) == 0
+    assert main(["transport", "--trajectory-bytes", "4096", "--transport-messages", "5", "--transport-rounds", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) > 2
     result = json.loads(lines[-1])
