@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from longhorizon.common import memory
 
 # Receives 1 MiB messages from a sender process, as the learner does, and prints the minor page
