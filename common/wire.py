@@ -366,24 +366,25 @@ def _check_token_contents(values: dict[str, Any]) -> None:
     """The values inside the token arrays, which a learner would otherwise trip over later."""
     if len(values["token_ids"]) == 0:
         return
-    # Whole-array reductions: they cost a pass over the arrays each, but no temporaries.
+    # Whole-array reductions (a pass each, no temporaries), and one boolean temporary at the end.
     token_ids, loss_mask = values["token_ids"], values["loss_mask"]
     if token_ids.min() < 0:
         _fail("Trajectory.token_ids holds negative token ids")
     if loss_mask.max() > 1:
         _fail("Trajectory.loss_mask must hold only 0 and 1")
-    # One vectorised pass in the array's own float32: the sum is NaN or infinite if any term is,
-    # or if the terms are so large (beyond 1e33 for a million tokens) that no policy made them.
+    # The smallest and largest values: NaN propagates into both, and an infinity is one of them.
+    # (Cheaper than a sum, which numpy adds pairwise.)
     behaviour_logprobs = values["behaviour_logprobs"]
-    if not math.isfinite(behaviour_logprobs.sum()):
-        _fail("Trajectory.behaviour_logprobs holds NaN, infinity or absurdly large values")
+    if not (math.isfinite(behaviour_logprobs.min()) and math.isfinite(behaviour_logprobs.max())):
+        _fail("Trajectory.behaviour_logprobs holds NaN or infinity")
     policy_versions = values["policy_versions"]
     if policy_versions.min() < -1:
         _fail("Trajectory.policy_versions must be >= -1")
     # Staleness is computed from generated tokens' versions: exactly the non-generated tokens
     # carry -1. The mask holds only 0 and 1 (checked above), so it reads as booleans without a
-    # copy, and "negative version XOR generated" must hold everywhere.
-    if not ((policy_versions < 0) ^ loss_mask.view(np.bool_)).all():
+    # copy, and "negative version != generated" must hold everywhere (computed in place).
+    not_generated = np.less(policy_versions, 0)
+    if not np.not_equal(not_generated, loss_mask.view(np.bool_), out=not_generated).all():
         _fail("Trajectory.policy_versions must be >= 0 on generated tokens and -1 elsewhere")
 
 
@@ -750,11 +751,10 @@ def _decode_array(
         buffer = cursor.take(where, raw["frame"])
         byte_length = buffer.nbytes
     elif keys == {"dtype", "shape", "frame", "offset"}:
-        frame = cursor.take(where, raw["frame"], shared=True)
+        buffer = cursor.take(where, raw["frame"], shared=True)
         offset = raw["offset"]
-        if type(offset) is not int or offset < 0 or offset % _PACK_ALIGNMENT or offset > frame.nbytes:
+        if type(offset) is not int or offset < 0 or offset % _PACK_ALIGNMENT or offset > buffer.nbytes:
             _fail(f"{where} has offset {_short(offset)}, not an aligned position in its frame")
-        buffer = frame[offset:]
         byte_length = None  # the array takes what its shape needs from the offset on
     else:
         _fail(f"{where} descriptor has keys {_short(sorted(map(str, keys)))}")
@@ -772,14 +772,18 @@ def _decode_array(
             _fail(f"{where} shape {_short(shape)} is not a list of non-negative ints")
     count = math.prod(shape)
     if byte_length is None:
-        if count * wire_dtype.itemsize > buffer.nbytes:
-            _fail(f"{where} needs {count * wire_dtype.itemsize} bytes past its offset, the frame has {buffer.nbytes}")
-    elif count * wire_dtype.itemsize != byte_length:
-        _fail(
-            f"{where} has {byte_length} bytes, but shape {shape} of {wire_dtype.name} "
-            f"needs {count * wire_dtype.itemsize}"
-        )
-    return np.frombuffer(buffer, dtype=wire_dtype, count=count).reshape(shape)
+        available = buffer.nbytes - offset
+        if count * wire_dtype.itemsize > available:
+            _fail(f"{where} needs {count * wire_dtype.itemsize} bytes past its offset, the frame has {available}")
+    else:
+        offset = 0
+        if count * wire_dtype.itemsize != byte_length:
+            _fail(
+                f"{where} has {byte_length} bytes, but shape {shape} of {wire_dtype.name} "
+                f"needs {count * wire_dtype.itemsize}"
+            )
+    array = np.frombuffer(buffer, dtype=wire_dtype, count=count, offset=offset)
+    return array if len(shape) == 1 else array.reshape(shape)
 
 
 def _decode_str_field(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits) -> str:
