@@ -9,19 +9,26 @@ page zeroed by the kernel: `longhorizon bench transport` measured about 150 us o
 1 MiB trajectory from this alone. Fixing the thresholds keeps freed message buffers in the heap,
 where the next message reuses them.
 
-The price is memory: each malloc arena may keep up to ``TRIM_THRESHOLD_BYTES`` of freed memory
-instead of returning it. Blocks larger than ``MMAP_THRESHOLD_BYTES`` (whole weight tensors) are
-still mapped and unmapped on their own.
+The price is memory, and it is process-wide: every allocation up to ``MMAP_THRESHOLD_BYTES`` (numpy
+arrays, torch CPU tensors) now comes from a heap, each malloc arena keeps up to
+``TRIM_THRESHOLD_BYTES`` of free memory at its top, and, as always with heaps, freed blocks below
+a live one stay with the process until they are reused. Blocks larger than the threshold (whole
+weight tensors) are still mapped and unmapped on their own. Processes started by fork inherit the
+settings; processes spawned fresh (vLLM's engine core) do not.
+
+Nothing is changed where the C library is not glibc, or where another allocator (jemalloc,
+tcmalloc) is preloaded: glibc's mallopt would report success there without any effect.
 """
 
 import ctypes
 import logging
-import platform
+import os
 
 logger = logging.getLogger(__name__)
 
 MMAP_THRESHOLD_BYTES = 32 << 20
-"""Blocks up to this size come from the heap (glibc's largest allowed value on 64-bit)."""
+"""Blocks up to this size come from a heap: the largest value every 64-bit glibc accepts, and
+more than any trajectory message."""
 
 TRIM_THRESHOLD_BYTES = 128 << 20
 """Free memory an arena keeps at its top before giving it back: several full receive queues."""
@@ -30,6 +37,18 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
 _applied = False
+
+
+def _is_glibc_malloc() -> bool:
+    """Whether malloc in this process is glibc's own (not another C library, not preloaded)."""
+    try:
+        version = os.confstr("CS_GNU_LIBC_VERSION")
+    except (ValueError, OSError):
+        return False
+    if not version or not version.startswith("glibc"):
+        return False
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    return not any(name in preloaded for name in ("jemalloc", "tcmalloc", "mimalloc"))
 
 
 def keep_freed_message_memory() -> bool:
@@ -41,7 +60,7 @@ def keep_freed_message_memory() -> bool:
     global _applied
     if _applied:
         return True
-    if platform.libc_ver()[0] != "glibc":
+    if not _is_glibc_malloc():
         return False
     try:
         libc = ctypes.CDLL(None)
@@ -56,3 +75,8 @@ def keep_freed_message_memory() -> bool:
         return False
     _applied = True
     return True
+
+
+def keeping_freed_message_memory() -> bool:
+    """Whether this process runs with the settings (they cannot be undone once applied)."""
+    return _applied

@@ -24,6 +24,9 @@ import numpy as np
 INLINE_ARRAY_BYTES = 64 * 1024
 """Arrays up to this many bytes ride inside the header; larger ones get a frame."""
 
+MAX_LOGPROB = 1e-3
+"""Largest behaviour log-probability a receiver accepts: 0 plus room for engines' rounding."""
+
 _PACK_ALIGNMENT = 8
 """Offsets of arrays packed into one frame are multiples of this (any allowed item size divides it)."""
 
@@ -373,10 +376,14 @@ def _check_token_contents(values: dict[str, Any]) -> None:
     if loss_mask.max() > 1:
         _fail("Trajectory.loss_mask must hold only 0 and 1")
     # The smallest and largest values: NaN propagates into both, and an infinity is one of them.
-    # (Cheaper than a sum, which numpy adds pairwise.)
+    # (Cheaper than a sum, which numpy adds pairwise.) A log-probability is at most 0; anything
+    # above rounding error is a broken engine.
     behaviour_logprobs = values["behaviour_logprobs"]
-    if not (math.isfinite(behaviour_logprobs.min()) and math.isfinite(behaviour_logprobs.max())):
+    lowest, highest = behaviour_logprobs.min(), behaviour_logprobs.max()
+    if not (math.isfinite(lowest) and math.isfinite(highest)):
         _fail("Trajectory.behaviour_logprobs holds NaN or infinity")
+    if highest > MAX_LOGPROB:
+        _fail(f"Trajectory.behaviour_logprobs holds {float(highest):.6g}, but log-probabilities are at most 0")
     policy_versions = values["policy_versions"]
     if policy_versions.min() < -1:
         _fail("Trajectory.policy_versions must be >= -1")
@@ -666,11 +673,7 @@ def encode(message: Message, *, inline_limit: int = INLINE_ARRAY_BYTES) -> list[
             value = {name: _array_descriptor(array, frames, inline_limit) for name, array in value.items()}
         packed_fields[field_spec.name] = value
     header = {"type": spec.tag, "schema": spec.version, "fields": packed_fields}
-    # A view of the packer's own buffer, not packb's copy of it (the view keeps the packer alive):
-    # one copy of the episode text less per message.
-    packer = msgpack.Packer(use_bin_type=True, autoreset=False)
-    packer.pack(header)
-    frames[0] = packer.getbuffer()
+    frames[0] = msgpack.packb(header, use_bin_type=True)
     return frames
 
 

@@ -301,6 +301,16 @@ def print_async_vs_sync(result: dict[str, Any]) -> None:
     print(json.dumps(result, sort_keys=True))
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _run_transport(args: argparse.Namespace) -> dict[str, Any]:
     from longhorizon.launch.bench_transport import bench_transport, print_table
 
@@ -370,10 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--trajectory-bytes", type=int, default=1 << 20, help="trajectory size in bytes (default %(default)s)"
     )
     transport.add_argument(
-        "--transport-messages", type=int, default=500, help="messages timed per run (default %(default)s)"
+        "--transport-messages", type=_at_least_one, default=500, help="messages timed per run (default %(default)s)"
     )
     transport.add_argument(
-        "--transport-rounds", type=int, default=3, help="alternating rounds of each kind (default %(default)s)"
+        "--transport-rounds", type=_at_least_one, default=3,
+        help="alternating rounds of each kind (default %(default)s)",
     )
     transport.add_argument(
         "--glibc-allocator", action="store_true",

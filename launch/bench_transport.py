@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import trio
 import zmq
-from longhorizon.common.memory import keep_freed_message_memory
+from longhorizon.common.memory import keep_freed_message_memory, keeping_freed_message_memory
 from longhorizon.common.transport import (
     DEFAULT_TRAJECTORY_HWM,
     ZmqPullReceiver,
@@ -187,7 +187,7 @@ async def _timed(receive_one: Callable[[], Awaitable[None]], count: int) -> floa
     return time.perf_counter() - started
 
 
-def _measure(kind: str, count: int, trajectory_bytes: int, keep_freed_memory: bool = True) -> float:
+def _measure(kind: str, count: int, trajectory_bytes: int, keep_freed_memory: bool) -> float:
     """Receive here (as the learner does) from a sender in another process (as an actor is).
 
     The allocator setting of this process is the caller's (see ``bench_transport``)."""
@@ -245,8 +245,13 @@ def bench_transport(
     """
     if trajectory_bytes < 64 or messages < 1 or rounds < 1:
         raise ValueError("need trajectory_bytes >= 64, messages >= 1, rounds >= 1")
+    if not keep_freed_memory and keeping_freed_message_memory():
+        raise ValueError(
+            "this process already keeps freed buffers (it cannot undo that): measure glibc's "
+            "defaults in a fresh process"
+        )
     if keep_freed_memory and not keep_freed_message_memory():
-        keep_freed_memory = False  # not glibc: both sides run with the C library's defaults
+        keep_freed_memory = False  # not glibc's malloc: both sides run with the C library's defaults
     trajectory = make_trajectory(trajectory_bytes)
     frame_sizes = [memoryview(frame).nbytes for frame in encode(trajectory)]
     kinds = ("raw", "trajectory", "raw_split")

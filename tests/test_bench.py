@@ -70,6 +70,7 @@ def test_the_two_modes_differ_only_in_mode(tmp_path):
         (["async-vs-sync", "--token-latency-ms", "-1"], "latency"),
         (["nonsense"], "invalid choice"),
         (["async-vs-sync", "--steps", "many"], "invalid int value"),
+        (["transport", "--transport-rounds", "0"], "at least 1"),
     ],
 )
 def test_bad_arguments_are_a_clear_error(arguments, complaint, capsys):
@@ -78,7 +79,9 @@ def test_bad_arguments_are_a_clear_error(arguments, complaint, capsys):
 
 
 def test_transport_prints_a_table_then_json(capsys):
-    assert main(["transport", "--trajectory-bytes", "4096", "--transport-messages", "5", "--transport-rounds", "1"]) == 0
+    arguments = ["transport", "--trajectory-bytes", "4096", "--transport-messages", "5", "--transport-rounds", "1"]
+    # --glibc-allocator keeps this test process's own allocator settings.
+    assert main([*arguments, "--glibc-allocator"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) > 2
     result = json.loads(lines[-1])

@@ -1,6 +1,5 @@
 """The allocator settings that learner and actor processes apply for large messages."""
 
-import platform
 import subprocess
 import sys
 
@@ -34,7 +33,7 @@ def _receiver_faults_per_message(tmp_path, setting: str) -> float:
     return float(result.stdout.split()[-1])
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings exist only in glibc's malloc")
+@pytest.mark.skipif(not memory._is_glibc_malloc(), reason="the settings exist only in glibc's own malloc")
 def test_kept_buffers_spare_the_receiver_a_page_fault_per_page_of_each_message(tmp_path) -> None:
     # With glibc's defaults the receiving process hands message buffers back to the kernel and
     # faults fresh pages in for the next messages (a 1 MiB message is 256 pages); with the
@@ -45,8 +44,11 @@ def test_kept_buffers_spare_the_receiver_a_page_fault_per_page_of_each_message(t
     assert default > 4 * kept, f"{default} page faults per message with glibc's defaults, {kept} kept"
 
 
-def test_applying_twice_is_harmless_and_not_glibc_changes_nothing(monkeypatch) -> None:
+def test_other_c_libraries_and_preloaded_allocators_are_left_alone(monkeypatch) -> None:
     monkeypatch.setattr(memory, "_applied", False)
-    monkeypatch.setattr(memory.platform, "libc_ver", lambda: ("musl", "1.2"))
+    monkeypatch.setattr(memory.os, "confstr", lambda name: None)  # not glibc (musl has no such name)
+    assert memory.keep_freed_message_memory() is False
+    monkeypatch.setattr(memory.os, "confstr", lambda name: "glibc 2.36")
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
     assert memory.keep_freed_message_memory() is False
     assert memory._applied is False

@@ -371,6 +371,10 @@ def test_rejects_bad_token_contents() -> None:
     logprobs = np.zeros(12, dtype=np.float32)
     logprobs[6] = np.nan
     assert_rejected(with_array("behaviour_logprobs", logprobs), "NaN")
+    assert_rejected(with_array("behaviour_logprobs", np.full(12, 3e38, dtype=np.float32)), "at most 0")
+    assert_rejected(with_array("behaviour_logprobs", np.full(12, 0.5, dtype=np.float32)), "at most 0")
+    # Rounding above 0 is not an error.
+    assert decode(with_array("behaviour_logprobs", np.full(12, 1e-6, dtype=np.float32))) is not None
     assert_rejected(with_array("policy_versions", np.full(12, -2, dtype=np.int32)), ">= -1")
     assert_rejected(with_array("policy_versions", np.full(12, -1, dtype=np.int32)), "on generated tokens")
 
