@@ -129,6 +129,9 @@ class GroupBuffer:
     cases it needs at least ``min_group_size_on_timeout`` members, else it is dropped. Groups with
     zero reward variance are not filtered here: the trainer counts and skips them.
 
+    With ``vocab_size``, trajectories holding token ids outside the model's vocabulary are
+    refused as malformed.
+
     Counters (``counters``): received, accepted, duplicates, dropped_malformed,
     dropped_stale_trajectories, dropped_future_trajectories (made by weights newer than the
     learner's), dropped_late_trajectories (for a group already returned or dropped),
@@ -146,6 +149,7 @@ class GroupBuffer:
         *,
         max_pending_groups: int = 1024,
         remembered_ids: int = 65536,
+        vocab_size: int | None = None,
     ) -> None:
         if not isinstance(max_staleness, int) or max_staleness < 0:
             raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
@@ -159,6 +163,11 @@ class GroupBuffer:
             raise ValueError(f"max_pending_groups must be >= 1, got {max_pending_groups!r}")
         if remembered_ids < 1:
             raise ValueError(f"remembered_ids must be >= 1, got {remembered_ids!r}")
+        if vocab_size is not None and vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1 or None, got {vocab_size!r}")
+        # Token ids at or beyond the model's vocabulary would fail in its embedding (on CUDA a
+        # device-side assert that ends the process): refused on arrival instead.
+        self.vocab_size = vocab_size
         self.max_staleness = max_staleness
         self.group_timeout_s = float(group_timeout_s)
         self.min_group_size_on_timeout = min_group_size_on_timeout
@@ -192,6 +201,8 @@ class GroupBuffer:
         """
         self.counters["received"] += 1
         problem = _describe_malformation(trajectory)
+        if problem is None and self.vocab_size is not None:
+            problem = _describe_out_of_vocabulary(trajectory, self.vocab_size)
         if problem is None:
             try:
                 trajectory_staleness = staleness(
@@ -305,6 +316,22 @@ class GroupBuffer:
         if not group.is_complete:
             self.counters["returned_partial_groups"] += 1
         self.staleness_histogram.update(member_staleness)
+
+
+def _describe_out_of_vocabulary(trajectory: Any, vocab_size: int) -> str | None:
+    """What is wrong with a trajectory's token ids for a model of ``vocab_size``, or None."""
+    try:
+        token_ids = np.asarray(trajectory.token_ids)
+    except AttributeError as error:
+        return f"missing field: {error}"
+    if token_ids.ndim != 1 or not np.issubdtype(token_ids.dtype, np.integer):
+        return f"token_ids must be a 1-D integer array, got shape {token_ids.shape} of {token_ids.dtype}"
+    if token_ids.size == 0:
+        return None
+    lowest, highest = int(token_ids.min()), int(token_ids.max())
+    if lowest < 0 or highest >= vocab_size:
+        return f"token ids {lowest}..{highest} are outside the model's vocabulary of {vocab_size}"
+    return None
 
 
 def _describe_malformation(trajectory: Any) -> str | None:

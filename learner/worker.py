@@ -64,6 +64,7 @@ class Learner:
         self.buffer = GroupBuffer(
             max_staleness=0 if self.sync else learner.max_staleness,
             group_timeout_s=learner.group_timeout_s,
+            vocab_size=self.model.get_input_embeddings().num_embeddings,
         )
         horizon = config.horizon
         self.schedule = make_horizon_schedule(horizon.schedule, horizon.stages, horizon.stage_steps)

@@ -320,3 +320,28 @@ def test_group_rewards_property():
     assert not group.is_complete
     assert group.member_staleness(3) == [2, 0]
     assert group.staleness(3) == 2
+
+
+@dataclass
+class StandInWithTokens(StandInTrajectory):
+    token_ids: np.ndarray
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_as_malformed():
+    buffer, _ = make_buffer(vocab_size=100)
+    inside = trajectory("t0", "g", versions=[-1, 0, 0])
+    buffer.add(StandInWithTokens(**vars(inside), token_ids=np.array([5, 99, 0])), learner_version=0)
+    assert buffer.counters["accepted"] == 1
+    for ids in ([5, 100, 0], [5, -3, 0]):
+        bad = trajectory(f"t{ids[1]}", "g", versions=[-1, 0, 0])
+        buffer.add(StandInWithTokens(**vars(bad), token_ids=np.array(ids)), learner_version=0)
+    assert buffer.counters["dropped_malformed"] == 2
+    assert buffer.counters["accepted"] == 1
+    # A trajectory without token ids cannot be checked: malformed, not an exception.
+    buffer.add(trajectory("t9", "g", versions=[-1, 0]), learner_version=0)
+    assert buffer.counters["dropped_malformed"] == 3
+
+
+def test_vocab_size_must_be_positive():
+    with pytest.raises(ValueError, match="vocab_size"):
+        make_buffer(vocab_size=0)
