@@ -5,8 +5,8 @@ free memory at the top of a heap back to the kernel once that exceeds its trim t
 thresholds adapt to the largest block freed so far, so they end up near one message's size. A
 learner receiving 1 MiB trajectories (ZeroMQ allocates each in its I/O thread, Python frees it
 later) and an actor encoding them then keep returning pages and faulting them in again, each
-page zeroed by the kernel: `longhorizon bench transport` measured about 150 us of extra CPU per
-1 MiB trajectory from this alone. Fixing the thresholds keeps freed message buffers in the heap,
+page zeroed by the kernel: on 2 cores this cost the receiving process 130-230 us of CPU per 1 MiB
+message (docs/benchmarks.md, Transport), about as much as receiving it. Fixing the thresholds keeps freed message buffers in the heap,
 where the next message reuses them.
 
 The price is memory, and it is process-wide: every allocation up to ``MMAP_THRESHOLD_BYTES`` (numpy

@@ -29,12 +29,9 @@ from typing import Any
 import numpy as np
 import trio
 import zmq
+
 from longhorizon.common.memory import keep_freed_message_memory, keeping_freed_message_memory
-from longhorizon.common.transport import (
-    DEFAULT_TRAJECTORY_HWM,
-    ZmqPullReceiver,
-    ZmqPushSender,
-)
+from longhorizon.common.transport import DEFAULT_TRAJECTORY_HWM, ZmqPullReceiver, ZmqPushSender
 from longhorizon.common.wire import Trajectory, encode, pack_arrays
 
 TARGET_RATIO = 0.8

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+
 from longhorizon.common import memory
 
 # Receives 1 MiB messages from a sender process, as the learner does, and prints the minor page
