@@ -324,9 +324,17 @@ def completion_response(server: ModelServer, body: dict, prompts: list[list[int]
             }
         choices.append(choice)
     prompt_tokens = sum(len(p) for p in prompts)
+    return _response("cmpl", "text_completion", server, results, choices, prompt_tokens, completion_tokens)
+
+
+def _response(
+    id_prefix: str, kind: str, server: ModelServer, results: list, choices: list,
+    prompt_tokens: int, completion_tokens: int,
+) -> dict:
+    """The envelope shared by completion and chat replies."""
     return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
+        "id": f"{id_prefix}-{uuid.uuid4().hex}",
+        "object": kind,
         "created": int(time.time()),
         "model": server.served_name,
         # The weights the replies were generated with (a reload may have landed since).
@@ -359,17 +367,7 @@ def chat_response(server: ModelServer, body: dict, prompt: list[int], results: l
                 for t, lp in zip(tokens, logprobs)
             ]}
         choices.append(choice)
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": server.served_name,
-        # The weights the replies were generated with (a reload may have landed since).
-        "policy_version": min((result.policy_version for result in results), default=server.policy_version),
-        "choices": choices,
-        "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
-                  "total_tokens": len(prompt) + completion_tokens},
-    }
+    return _response("chatcmpl", "chat.completion", server, results, choices, len(prompt), completion_tokens)
 
 
 def handle_completions(server: ModelServer, body: dict) -> dict:

@@ -328,10 +328,12 @@ def _describe_out_of_vocabulary(trajectory: Any, vocab_size: int) -> str | None:
         return f"token_ids must be a 1-D integer array, got shape {token_ids.shape} of {token_ids.dtype}"
     if token_ids.size == 0:
         return None
+    # One pass: read as unsigned, a negative id is larger than any vocabulary.
+    unsigned = token_ids.view(np.dtype(f"u{token_ids.itemsize}")) if token_ids.dtype.kind == "i" else token_ids
+    if int(unsigned.max()) < vocab_size:
+        return None
     lowest, highest = int(token_ids.min()), int(token_ids.max())
-    if lowest < 0 or highest >= vocab_size:
-        return f"token ids {lowest}..{highest} are outside the model's vocabulary of {vocab_size}"
-    return None
+    return f"token ids {lowest}..{highest} are outside the model's vocabulary of {vocab_size}"
 
 
 def _describe_malformation(trajectory: Any) -> str | None:
