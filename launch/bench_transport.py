@@ -16,14 +16,22 @@ Both processes of every run, whatever the kind, use the same allocator settings:
 those our learner and actors run with (``common/memory.py``: freed message buffers kept for
 reuse), or glibc's own with ``keep_freed_memory=False``.
 
+Where Linux says how much CPU each thread used (``/proc/self/task``), every run also reports the
+CPU time per message of each side's threads (the Python thread, ZeroMQ's I/O threads, the rest)
+and how many cores the two processes kept busy: when that is close to the machine's core count,
+throughput is set by the CPU the threads share, not by any one of them.
+
 Run: ``python -m longhorizon.launch.bench_transport``. Prints a table, then one line of JSON.
 """
 
 import json
 import multiprocessing
+import os
 import statistics
+import threading
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,6 +47,77 @@ TARGET_RATIO = 0.8
 
 _BYTES_PER_TOKEN = 4 + 1 + 4 + 4  # token id, loss mask, behaviour log-prob, policy version
 _WARMUP_MESSAGES = 10
+THREAD_GROUPS = ("main", "zeromq", "other")
+"""How a process's threads are grouped in the CPU figures: the main thread (where the Python loop
+and the codec run), ZeroMQ's own threads (I/O and reaper), and the rest (pyzmq's garbage
+collector thread, which releases zero-copy frames; worker threads)."""
+
+
+def thread_cpu_seconds() -> dict[str, float] | None:
+    """CPU seconds used so far by this process's threads, summed per group of ``THREAD_GROUPS``.
+
+    None where the kernel does not say (not Linux). A thread that ended is no longer counted, so
+    take differences over a stretch in which the threads of interest live throughout.
+    """
+    task_folder = "/proc/self/task"
+    try:
+        thread_ids = os.listdir(task_folder)
+    except OSError:
+        return None
+    main_thread = str(os.getpid())
+    totals = dict.fromkeys(THREAD_GROUPS, 0.0)
+    # The kernel brings a thread's figure up to date only when the thread is switched out or a
+    # timer tick lands, so a thread's own clock is the exact one for itself.
+    if threading.current_thread() is threading.main_thread():
+        totals["main"] = time.thread_time()
+    for thread_id in thread_ids:
+        if thread_id == main_thread and totals["main"]:
+            continue
+        try:
+            with open(f"{task_folder}/{thread_id}/comm") as comm_file:
+                name = comm_file.read().strip()
+            seconds = _thread_cpu(f"{task_folder}/{thread_id}")
+        except OSError:  # the thread ended while we were reading
+            continue
+        if seconds is None:
+            return None
+        group = "main" if thread_id == main_thread else "zeromq" if name.startswith("ZMQbg") else "other"
+        totals[group] += seconds
+    return totals
+
+
+def _thread_cpu(folder: str) -> float | None:
+    # schedstat's first field is nanoseconds on a CPU; stat's utime and stime (clock ticks) are the
+    # coarser fallback for kernels built without scheduler statistics.
+    try:
+        with open(f"{folder}/schedstat") as schedstat:
+            return int(schedstat.read().split()[0]) / 1e9
+    except FileNotFoundError:
+        pass
+    with open(f"{folder}/stat") as stat:
+        # The command name (field 2) may hold spaces; the fields after its closing parenthesis don't.
+        fields = stat.read().rsplit(")", 1)[1].split()
+    try:
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (IndexError, ValueError):
+        return None
+
+
+def _cpu_since(before: dict[str, float] | None, messages: int) -> dict[str, float] | None:
+    """Microseconds per message each thread group used since ``before``."""
+    after = thread_cpu_seconds()
+    if before is None or after is None:
+        return None
+    return {group: (after[group] - before[group]) / messages * 1e6 for group in THREAD_GROUPS}
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One run of one kind: seconds for the timed messages, and CPU per message by thread group
+    on each side (``receiver_main``, ``sender_zeromq``, ...; None where not measurable)."""
+
+    seconds: float
+    cpu_us_per_message: dict[str, float] | None
 
 
 def make_trajectory(trajectory_bytes: int, *, seed: int = 0) -> Trajectory:
@@ -88,12 +167,15 @@ def make_trajectory(trajectory_bytes: int, *, seed: int = 0) -> Trajectory:
 
 
 def _sender_process(
-    kind: str, address: str, count: int, trajectory_bytes: int, received, keep_freed_memory: bool
+    kind: str, address: str, count: int, trajectory_bytes: int, received, keep_freed_memory: bool, cpu_report
 ) -> None:
-    """Child process: connect like an actor does and send ``count`` messages as fast as possible.
+    """Child process: connect like an actor does and send ``_WARMUP_MESSAGES`` then ``count``
+    messages as fast as possible.
 
     Sockets close with linger 0 (as actors' do), which would drop what is still queued: the
-    child waits for the receiver to say it has everything before closing."""
+    child waits for the receiver to say it has everything before closing. It then sends its
+    threads' CPU per message down ``cpu_report``: from the end of the warm-up until the receiver
+    had every message (by then ZeroMQ's I/O thread has written them all out)."""
     if keep_freed_memory:
         keep_freed_message_memory()
     context = zmq.Context()
@@ -101,13 +183,10 @@ def _sender_process(
     if kind == "trajectory":
         sender = ZmqPushSender(address, context=context)
 
-        async def send_all() -> None:
-            for _ in range(count):
-                await sender.send(trajectory)
+        async def send_one() -> None:
+            await sender.send(trajectory)
 
-        trio.run(send_all)
-        received.wait(timeout=120)
-        sender.close()
+        close = sender.close
     else:
         frames = [bytes(trajectory_bytes)] if kind == "raw" else [
             bytes(memoryview(frame).nbytes) for frame in encode(trajectory)
@@ -117,24 +196,38 @@ def _sender_process(
         push.connect(address)
         fd = push.getsockopt(zmq.FD)
 
-        async def send_all() -> None:
+        async def send_one() -> None:
             # The leanest trio-polled loop: the same I/O model as our sockets, without them.
-            for _ in range(count):
-                while True:
-                    try:
-                        push.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                        break
-                    except zmq.Again:
-                        while not push.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
-                            await trio.lowlevel.wait_readable(fd)
+            while True:
+                try:
+                    push.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:
+                    while not push.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                        await trio.lowlevel.wait_readable(fd)
 
-        trio.run(send_all)
-        received.wait(timeout=120)
-        push.close(linger=0)
+        def close() -> None:
+            push.close(linger=0)
+
+    cpu_before: list[dict[str, float] | None] = []
+
+    async def send_all() -> None:
+        for _ in range(_WARMUP_MESSAGES):
+            await send_one()
+        cpu_before.append(thread_cpu_seconds())
+        for _ in range(count):
+            await send_one()
+
+    trio.run(send_all)
+    received.wait(timeout=120)
+    cpu_report.send(_cpu_since(cpu_before[0], count))
+    close()
     context.term()
 
 
-async def _receive_raw(address_holder: list[str], count: int, started: trio.Event) -> float:
+async def _receive_raw(
+    address_holder: list[str], count: int, started: trio.Event
+) -> tuple[float, dict[str, float] | None]:
     context = zmq.Context.instance()
     pull = context.socket(zmq.PULL)
     pull.setsockopt(zmq.LINGER, 0)
@@ -159,7 +252,9 @@ async def _receive_raw(address_holder: list[str], count: int, started: trio.Even
         pull.close(linger=0)
 
 
-async def _receive_trajectories(address_holder: list[str], count: int, started: trio.Event) -> float:
+async def _receive_trajectories(
+    address_holder: list[str], count: int, started: trio.Event
+) -> tuple[float, dict[str, float] | None]:
     receiver = ZmqPullReceiver("tcp://127.0.0.1:0")
     address_holder.append(receiver.address)
     started.set()
@@ -174,29 +269,35 @@ async def _receive_trajectories(address_holder: list[str], count: int, started: 
         receiver.close()
 
 
-async def _timed(receive_one: Callable[[], Awaitable[None]], count: int) -> float:
-    """Seconds to receive ``count`` messages after ``_WARMUP_MESSAGES`` untimed ones."""
+async def _timed(
+    receive_one: Callable[[], Awaitable[None]], count: int
+) -> tuple[float, dict[str, float] | None]:
+    """Seconds to receive ``count`` messages after ``_WARMUP_MESSAGES`` untimed ones, and this
+    process's CPU per message by thread group over the same stretch."""
     for _ in range(_WARMUP_MESSAGES):
         await receive_one()
+    cpu_before = thread_cpu_seconds()
     started = time.perf_counter()
     for _ in range(count):
         await receive_one()
-    return time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    return seconds, _cpu_since(cpu_before, count)
 
 
-def _measure(kind: str, count: int, trajectory_bytes: int, keep_freed_memory: bool) -> float:
+def _measure(kind: str, count: int, trajectory_bytes: int, keep_freed_memory: bool) -> _Run:
     """Receive here (as the learner does) from a sender in another process (as an actor is).
 
     The allocator setting of this process is the caller's (see ``bench_transport``)."""
     context = multiprocessing.get_context("spawn")
     received = context.Event()
+    cpu_reports, cpu_report = context.Pipe(duplex=False)
 
-    async def run() -> float:
+    async def run() -> _Run:
         address: list[str] = []
         started = trio.Event()
         receive = _receive_trajectories if kind == "trajectory" else _receive_raw
         async with trio.open_nursery() as nursery:
-            result: list[float] = []
+            result: list[tuple[float, dict[str, float] | None]] = []
 
             async def receiving() -> None:
                 result.append(await receive(address, count, started))
@@ -205,14 +306,32 @@ def _measure(kind: str, count: int, trajectory_bytes: int, keep_freed_memory: bo
             await started.wait()
             child = context.Process(
                 target=_sender_process,
-                args=(kind, address[0], count + _WARMUP_MESSAGES, trajectory_bytes, received, keep_freed_memory),
+                args=(kind, address[0], count, trajectory_bytes, received, keep_freed_memory, cpu_report),
             )
             child.start()
+            cpu_report.close()  # the child's end: without this copy, a dead child reads as EOF
         received.set()
+        sender_cpu = await trio.to_thread.run_sync(_read_report, cpu_reports)
         await trio.to_thread.run_sync(child.join)
-        return result[0]
+        seconds, receiver_cpu = result[0]
+        cpu = None
+        if receiver_cpu is not None and sender_cpu is not None:
+            cpu = {f"{side}_{group}": figures[group]
+                   for side, figures in (("receiver", receiver_cpu), ("sender", sender_cpu))
+                   for group in THREAD_GROUPS}
+        return _Run(seconds, cpu)
 
-    return trio.run(run)
+    try:
+        return trio.run(run)
+    finally:
+        cpu_reports.close()
+
+
+def _read_report(connection) -> dict[str, float] | None:
+    try:
+        return connection.recv() if connection.poll(120) else None
+    except EOFError:  # the sender ended without reporting
+        return None
 
 
 def _figures(prefix: str, count: int, seconds: list[float], message_bytes: int) -> dict[str, Any]:
@@ -223,6 +342,30 @@ def _figures(prefix: str, count: int, seconds: list[float], message_bytes: int) 
         f"{prefix}_seconds": median_seconds,
         f"{prefix}_messages_per_s": count / median_seconds,
         f"{prefix}_mb_per_s": count * message_bytes / median_seconds / 1e6,
+    }
+
+
+def _cpu_figures(prefix: str, count: int, runs: list[_Run]) -> dict[str, Any]:
+    """Median CPU per message of each side's thread groups, and the cores both processes kept
+    busy (CPU per message times messages per second; None where the kernel does not say)."""
+    timed = [(run.seconds, run.cpu_us_per_message) for run in runs if run.cpu_us_per_message is not None]
+    measured = [cpu for _, cpu in timed]
+    if not measured:
+        return {
+            f"{prefix}_cpu_us_per_message": None, f"{prefix}_cores_busy": None,
+            f"{prefix}_core_per_thread_messages_per_s": None,
+        }
+    busy = [sum(cpu.values()) * 1e-6 * count / seconds for seconds, cpu in timed]
+    return {
+        f"{prefix}_cpu_us_per_message": {
+            group: statistics.median(cpu[group] for cpu in measured) for group in measured[0]
+        },
+        f"{prefix}_cores_busy": statistics.median(busy),
+        # An estimate, not a measurement: the rate if every thread group had a core of its own,
+        # where the busiest one would set the pace.
+        f"{prefix}_core_per_thread_messages_per_s": statistics.median(
+            1e6 / max(cpu.values()) for cpu in measured
+        ),
     }
 
 
@@ -252,16 +395,19 @@ def bench_transport(
     trajectory = make_trajectory(trajectory_bytes)
     frame_sizes = [memoryview(frame).nbytes for frame in encode(trajectory)]
     kinds = ("raw", "trajectory", "raw_split")
-    seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
+    runs: dict[str, list[_Run]] = {kind: [] for kind in kinds}
     for _ in range(rounds):
         for kind in kinds:
-            seconds[kind].append(_measure(kind, messages, trajectory_bytes, keep_freed_memory))
+            runs[kind].append(_measure(kind, messages, trajectory_bytes, keep_freed_memory))
+    seconds = {kind: [run.seconds for run in runs[kind]] for kind in kinds}
     message_bytes = {"raw": trajectory_bytes, "trajectory": sum(frame_sizes), "raw_split": sum(frame_sizes)}
     result: dict[str, Any] = {
         "trajectory_bytes": trajectory_bytes, "rounds": rounds, "keep_freed_memory": keep_freed_memory,
     }
     for kind in kinds:
         result.update(_figures(kind, messages, seconds[kind], message_bytes[kind]))
+        result.update(_cpu_figures(kind, messages, runs[kind]))
+    result["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     # Each round's own ratio: how far apart they are shows how noisy the machine was.
     result["round_ratios"] = [
         (message_bytes["trajectory"] / trajectory_s) / (message_bytes["raw"] / raw_s)
@@ -293,7 +439,28 @@ def print_table(result: dict) -> None:
         f"raw_split / raw = {result['raw_split_ratio']:.2f} (the same bytes in "
         f"{result['trajectory_frames']} frames, no codec: ZeroMQ's own cost of the framing)"
     )
+    if all(result[f"{prefix}_cpu_us_per_message"] is not None for prefix in ("raw", "trajectory", "raw_split")):
+        _print_cpu_table(result)
     print(json.dumps(result, sort_keys=True))
+
+
+def _print_cpu_table(result: dict) -> None:
+    print(
+        "CPU per message in microseconds (main thread / ZeroMQ threads / others on each side), the "
+        "cores the two processes kept busy, and the msg/s the busiest thread group would allow on a "
+        "core of its own (an estimate for machines with a core per thread):"
+    )
+    print(f"{'':12} {'receiver':>17} {'sender':>17} {'total':>7} {'cores busy':>11} {'msg/s bound':>12}")
+    for prefix in ("raw", "trajectory", "raw_split"):
+        cpu = result[prefix + "_cpu_us_per_message"]
+        sides = [
+            " /".join(f"{cpu[f'{side}_{group}']:>4.0f}" for group in THREAD_GROUPS) for side in ("receiver", "sender")
+        ]
+        print(
+            f"{prefix:12} {sides[0]:>17} {sides[1]:>17} {sum(cpu.values()):>7.0f}"
+            f" {result[prefix + '_cores_busy']:>6.2f} of {result['cores']}"
+            f" {result[prefix + '_core_per_thread_messages_per_s']:>12,.0f}"
+        )
 
 
 if __name__ == "__main__":

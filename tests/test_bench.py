@@ -1,6 +1,9 @@
 """`longhorizon bench`: steady-state arithmetic, the two modes' configs, arguments, and real runs."""
 
 import json
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -8,6 +11,7 @@ import pytest
 from longhorizon.common.config import config_to_dict
 from longhorizon.common.metrics import read_metrics
 from longhorizon.launch.bench import AsyncVsSyncSettings, bench_config, main, steady_state
+from longhorizon.launch.bench_transport import THREAD_GROUPS, thread_cpu_seconds
 
 
 def record(step: int, time: float, used: int, flat: int = 0, small: int = 0, staleness_mean: float = 0.0,
@@ -86,6 +90,45 @@ def test_transport_prints_a_table_then_json(capsys):
     assert len(lines) > 2
     result = json.loads(lines[-1])
     assert result["trajectory_bytes"] == 4096 and result["raw_mb_per_s"] > 0
+    if sys.platform == "linux":
+        for kind in ("raw", "trajectory", "raw_split"):
+            cpu = result[f"{kind}_cpu_us_per_message"]
+            assert set(cpu) == {f"{side}_{group}" for side in ("receiver", "sender") for group in THREAD_GROUPS}
+            # Each timed message is sent and received by the main threads, and written out by
+            # the sender's ZeroMQ I/O thread after its warm-up. (Five small messages may already
+            # sit in the receiver's queues when its timing starts, so its I/O thread may have
+            # nothing left to do, and their rate, hence the cores busy, has no steady-state bound.)
+            for thread in ("receiver_main", "sender_main", "sender_zeromq"):
+                assert cpu[thread] > 0, (kind, cpu)
+            assert result[f"{kind}_cores_busy"] > 0
+        assert any("cores busy" in line for line in lines)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread CPU times are read from Linux's /proc")
+def test_thread_cpu_counts_each_thread_in_its_group():
+    def spin(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    measured = threading.Event()
+
+    def work_then_wait() -> None:
+        spin(0.2)
+        measured.wait(10)  # an ended thread drops out of the figures: stay until measured
+
+    before = thread_cpu_seconds()
+    spin(0.2)
+    worker = threading.Thread(target=work_then_wait)
+    worker.start()
+    time.sleep(0.3)
+    after = thread_cpu_seconds()
+    measured.set()
+    worker.join()
+    assert set(before) == set(THREAD_GROUPS)
+    assert after["main"] - before["main"] >= 0.15
+    assert after["other"] - before["other"] >= 0.15
+    assert after["zeromq"] >= before["zeromq"]
 
 
 @pytest.mark.slow
