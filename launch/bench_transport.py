@@ -68,10 +68,11 @@ def thread_cpu_seconds() -> dict[str, float] | None:
     totals = dict.fromkeys(THREAD_GROUPS, 0.0)
     # The kernel brings a thread's figure up to date only when the thread is switched out or a
     # timer tick lands, so a thread's own clock is the exact one for itself.
-    if threading.current_thread() is threading.main_thread():
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    if on_main_thread:
         totals["main"] = time.thread_time()
     for thread_id in thread_ids:
-        if thread_id == main_thread and totals["main"]:
+        if on_main_thread and thread_id == main_thread:
             continue
         try:
             with open(f"{task_folder}/{thread_id}/comm") as comm_file:
@@ -348,23 +349,24 @@ def _figures(prefix: str, count: int, seconds: list[float], message_bytes: int) 
 def _cpu_figures(prefix: str, count: int, runs: list[_Run]) -> dict[str, Any]:
     """Median CPU per message of each side's thread groups, and the cores both processes kept
     busy (CPU per message times messages per second; None where the kernel does not say)."""
-    timed = [(run.seconds, run.cpu_us_per_message) for run in runs if run.cpu_us_per_message is not None]
-    measured = [cpu for _, cpu in timed]
+    measured = [run for run in runs if run.cpu_us_per_message is not None]
     if not measured:
         return {
             f"{prefix}_cpu_us_per_message": None, f"{prefix}_cores_busy": None,
             f"{prefix}_core_per_thread_messages_per_s": None,
         }
-    busy = [sum(cpu.values()) * 1e-6 * count / seconds for seconds, cpu in timed]
     return {
         f"{prefix}_cpu_us_per_message": {
-            group: statistics.median(cpu[group] for cpu in measured) for group in measured[0]
+            group: statistics.median(run.cpu_us_per_message[group] for run in measured)
+            for group in measured[0].cpu_us_per_message
         },
-        f"{prefix}_cores_busy": statistics.median(busy),
+        f"{prefix}_cores_busy": statistics.median(
+            sum(run.cpu_us_per_message.values()) * 1e-6 * count / run.seconds for run in measured
+        ),
         # An estimate, not a measurement: the rate if every thread group had a core of its own,
         # where the busiest one would set the pace.
         f"{prefix}_core_per_thread_messages_per_s": statistics.median(
-            1e6 / max(cpu.values()) for cpu in measured
+            1e6 / max(run.cpu_us_per_message.values()) for run in measured
         ),
     }
 
