@@ -65,6 +65,12 @@ async def run_episode(
         messages.append({"role": "user", "content": observation})
         conversation = TokenConversation.start(engine.tokenizer, messages)
         result.conversation = conversation
+        if len(conversation) + max_new_tokens > max_context_tokens:
+            # Nothing the model could write would fit; the learner would refuse it as too long.
+            raise ValueError(
+                f"the first prompt has {len(conversation)} tokens: with {max_new_tokens} new tokens "
+                f"per turn it does not fit actor.max_context_tokens = {max_context_tokens}"
+            )
         while True:
             started = time.perf_counter()
             generation = await engine.generate(

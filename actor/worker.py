@@ -78,6 +78,7 @@ class Actor:
         self.counters = _Counters()
         self.started = time.monotonic()
         self.groups_started = 0
+        self.last_sync_version = -1  # sync mode: the version whose share was generated last
 
     def _notify(self) -> None:
         self.changed.set()
@@ -123,7 +124,17 @@ class Actor:
                 self.horizon = message
                 self._notify()
             elif isinstance(message, WeightsUpdate):
-                if message.version > self.engine.policy_version:
+                # The learner re-sends its latest version to latecomers: equal means held. A lower
+                # version means the learner restarted from an older checkpoint; its weights are
+                # the policy now, so the actor follows it back rather than wait for ever.
+                held = self.engine.policy_version
+                if message.version != held:
+                    if message.version < held:
+                        log.warning(
+                            "%s: the learner went back from v%d to v%d (resumed from a checkpoint)",
+                            self.actor_id, held, message.version,
+                        )
+                        self.last_sync_version = -1
                     started = time.perf_counter()
                     await trio.to_thread.run_sync(self.engine.update_weights, message)
                     log.info(
@@ -203,15 +214,14 @@ class Actor:
     async def _sync_loop(self) -> None:
         share = sync_share(self.config.learner.groups_per_step, max(1, self.config.actor.num_actors), self.actor_index)
         limit = trio.CapacityLimiter(max(1, self.config.actor.concurrent_groups))
-        last_version = -1
         while True:
             # Generate only with the weights of the learner's current version, once per version.
             await self._wait_for(
                 lambda: self.horizon is not None
                 and self.engine.policy_version >= self.horizon.learner_step
-                and self.engine.policy_version > last_version
+                and self.engine.policy_version > self.last_sync_version
             )
-            last_version = self.engine.policy_version
+            self.last_sync_version = self.engine.policy_version
 
             async def limited_group() -> None:
                 async with limit:

@@ -66,7 +66,9 @@ class SamplingConfig:
     temperature: float = 1.0
     """Sampling temperature; 0 means greedy."""
     top_p: float = 1.0
-    """Nucleus sampling mass; 1 keeps the full distribution (log-probs stay those of the policy)."""
+    """Nucleus sampling mass; 1 keeps the full distribution. Training needs 1: the engines record
+    log-probs of the truncated distribution, which the learner's policy does not have (`train`
+    refuses top_p < 1; eval may use it)."""
     max_new_tokens: int = 128
     """Most tokens the model may write in one turn."""
 
@@ -89,7 +91,8 @@ class ActorConfig:
     max_batch_size: int = 16
     """Most generation requests the engine runs in one forward batch."""
     max_context_tokens: int = 4096
-    """An episode whose conversation would exceed this is truncated."""
+    """An episode whose conversation would exceed this is truncated; the learner refuses (and
+    counts) trajectories longer than this."""
     torch_threads: int = 1
     """CPU threads per actor process for torch."""
     simulated_token_latency_s: float = 0.0
@@ -110,7 +113,20 @@ class LearnerConfig:
     max_staleness: int = 4
     """Largest allowed lag (learner version minus oldest behaviour version); older groups are dropped."""
     group_timeout_s: float = 600.0
-    """A group incomplete after this many seconds is used if it has at least two members."""
+    """A group still incomplete this many seconds after its first member arrived is given up on:
+    dropped, or used with the members it has (see `partial_groups`)."""
+    partial_groups: str = "drop"
+    """What to do with a group that lost members (refused as stale, timed out, never sent):
+    `drop` it (unbiased: the missing members are usually the long, failing episodes, so a partial
+    group's baseline leans towards short successes) or `keep` it when it has at least two members."""
+    max_tokens_per_micro_batch: int = 16384
+    """Most tokens in one forward/backward pass (sequences times the length they are padded to):
+    bounds the memory of a step. A sequence longer than this gets a micro-batch of its own."""
+    peer_timeout_s: float = 30.0
+    """An actor silent (no heartbeat) for this long is reported lost and no longer sent to."""
+    sync_batch_timeout_s: float = 600.0
+    """Sync mode: when no trajectory has arrived for this long, the step goes ahead with the groups
+    that are ready (a batch that lost a group would otherwise wait for ever)."""
     advantage: str = "grpo"
     """Advantage estimator: grpo or rloo."""
     scale_advantage_by_std: bool = True
@@ -136,7 +152,8 @@ class LearnerConfig:
     optimizer_steps_per_batch: int = 1
     """Optimiser steps on each batch (PPO epochs); the proximal policy is the one at the batch's start."""
     micro_batch_size: int = 4
-    """Sequences per forward/backward pass (gradients are accumulated)."""
+    """Most sequences per forward/backward pass (gradients are accumulated); see also
+    `max_tokens_per_micro_batch`."""
     broadcast_every: int = 1
     """Broadcast weights and horizon every N learner steps."""
     weights_transport: str = "inline"

@@ -58,3 +58,28 @@ def read_metrics(run_dir: Path) -> list[dict]:
             except json.JSONDecodeError:
                 continue  # a line being written right now
     return records
+
+
+def truncate_metrics(run_dir: Path, *, last_step: int) -> int:
+    """Remove the records of steps after `last_step` (a run resuming from that step's checkpoint
+    trains them again); returns how many records were removed. Written to a new file and renamed,
+    so a crash midway never loses the records kept."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    kept, removed = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            step = json.loads(line).get("step", 0)
+        except (json.JSONDecodeError, AttributeError):
+            removed += bool(line.strip())  # a line cut short by the crash that stopped the run
+            continue
+        if isinstance(step, int) and step > last_step:
+            removed += 1
+        else:
+            kept.append(line)
+    if removed:
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text("".join(line + "\n" for line in kept))
+        partial.replace(path)
+    return removed

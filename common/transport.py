@@ -129,11 +129,11 @@ class LearnerEndpoints:
     trajectories: Receiver
     broadcast: Sender
     control: Router
+    owned_context: Any = None
+    """A ZeroMQ context made for these sockets alone, terminated by ``close``."""
 
     def close(self) -> None:
-        self.trajectories.close()
-        self.broadcast.close()
-        self.control.close()
+        _close_in_order(self)
 
 
 @dataclass
@@ -143,20 +143,36 @@ class ActorEndpoints:
     trajectories: Sender
     broadcast: Receiver
     control: Dealer
+    owned_context: Any = None
+    """A ZeroMQ context made for these sockets alone, terminated by ``close``."""
 
     def close(self) -> None:
-        self.trajectories.close()
-        self.broadcast.close()
-        self.control.close()
+        _close_in_order(self)
 
 
-class _RejectionLog:
-    """Counts rejected messages and logs them without letting a flood spam the log."""
+def _close_in_order(endpoints: "LearnerEndpoints | ActorEndpoints") -> None:
+    """Close the three sockets, then terminate their own context. Terminating waits for ZeroMQ's
+    I/O threads to let go of every message (LINGER 0 drops what was not sent), so no buffer lent
+    to them is freed while they still read it, as could happen when a process exits with its
+    context alive."""
+    endpoints.trajectories.close()
+    endpoints.broadcast.close()
+    endpoints.control.close()
+    if endpoints.owned_context is not None:
+        endpoints.owned_context.term()
+        endpoints.owned_context = None
 
-    def __init__(self, socket_name: str, interval_s: float = REJECTION_LOG_INTERVAL_S) -> None:
-        self.socket_name = socket_name
+
+class RateLimitedLog:
+    """Counts events and logs them at WARNING without letting a flood spam the log: at most one
+    line per ``interval_s``, the events in between summed into the next line."""
+
+    def __init__(self, what: str, *, log: logging.Logger | None = None,
+                 interval_s: float = REJECTION_LOG_INTERVAL_S) -> None:
+        self.what = what
         self.interval_s = interval_s
         self.count = 0
+        self._log = log or logger
         self._unreported = 0
         self._next_report_time = 0.0
 
@@ -166,8 +182,8 @@ class _RejectionLog:
         if now < self._next_report_time:
             self._unreported += 1
             return
-        also = f" ({self._unreported} more rejected since the last report)" if self._unreported else ""
-        logger.warning("%s rejected a message: %s%s", self.socket_name, reason[:300], also)
+        also = f" ({self._unreported} more since the last report)" if self._unreported else ""
+        self._log.warning("%s: %s%s", self.what, reason[:300], also)
         self._unreported = 0
         self._next_report_time = now + self.interval_s
 
@@ -176,7 +192,7 @@ class _Decoding:
     """Decodes received frames; counts and logs the messages it has to reject."""
 
     _limits: WireLimits
-    _rejections: _RejectionLog
+    _rejections: RateLimitedLog
 
     @property
     def rejected(self) -> int:
@@ -428,7 +444,7 @@ class ZmqPullReceiver(_ZmqReceiving):
         context: zmq.Context | None = None,
     ) -> None:
         self._limits = limits
-        self._rejections = _RejectionLog("trajectory receiver")
+        self._rejections = RateLimitedLog("trajectory receiver rejected a message")
         self._socket, self.address = _open_socket(
             context=context, socket_type=zmq.PULL, name="trajectory receiver", address=address,
             bind=True, send_hwm=0, receive_hwm=receive_hwm, limits=limits,
@@ -475,7 +491,7 @@ class ZmqSubscriber(_ZmqReceiving):
         context: zmq.Context | None = None,
     ) -> None:
         self._limits = limits
-        self._rejections = _RejectionLog("broadcast subscriber")
+        self._rejections = RateLimitedLog("broadcast subscriber rejected a message")
         self._socket, self.address = _open_socket(
             context=context, socket_type=zmq.SUB, name="broadcast subscriber", address=address,
             bind=False, send_hwm=0, receive_hwm=receive_hwm, limits=limits,
@@ -510,7 +526,7 @@ class ZmqRouter(_ZmqReceiving):
         context: zmq.Context | None = None,
     ) -> None:
         self._limits = limits
-        self._rejections = _RejectionLog("control router")
+        self._rejections = RateLimitedLog("control router rejected a message")
         self._full_peer_retry_s = full_peer_retry_s
         self._socket, self.address = _open_socket(
             context=context, socket_type=zmq.ROUTER, name="control router", address=address,
@@ -556,7 +572,7 @@ class ZmqDealer(_ZmqReceiving):
             raise ValueError("a dealer needs a non-empty actor id (it is its routing identity)")
         self.actor_id = actor_id
         self._limits = limits
-        self._rejections = _RejectionLog(f"control dealer {actor_id}")
+        self._rejections = RateLimitedLog(f"control dealer {actor_id} rejected a message")
         self._socket, self.address = _open_socket(
             context=context, socket_type=zmq.DEALER, name=f"control dealer {actor_id}",
             address=address, bind=False, send_hwm=hwm, receive_hwm=hwm, limits=limits,
@@ -585,8 +601,16 @@ def zmq_learner_endpoints(
     control_hwm: int = DEFAULT_CONTROL_HWM,
     context: zmq.Context | None = None,
 ) -> LearnerEndpoints:
-    """The learner's three sockets, bound (port 0 picks free ports; see each ``.address``)."""
+    """The learner's three sockets, bound (port 0 picks free ports; see each ``.address``).
+
+    Without ``context`` they get a context of their own, which ``close()`` terminates.
+    """
+    owned = None
+    if context is None:
+        context = owned = zmq.Context()
     with ExitStack() as opened:
+        if owned is not None:
+            opened.callback(owned.term)
         trajectories = ZmqPullReceiver(
             trajectory_address, limits=trajectory_limits, receive_hwm=trajectory_hwm, context=context
         )
@@ -595,7 +619,7 @@ def zmq_learner_endpoints(
         opened.callback(broadcast.close)
         control = ZmqRouter(control_address, limits=control_limits, hwm=control_hwm, context=context)
         opened.pop_all()
-    return LearnerEndpoints(trajectories=trajectories, broadcast=broadcast, control=control)
+    return LearnerEndpoints(trajectories=trajectories, broadcast=broadcast, control=control, owned_context=owned)
 
 
 def zmq_actor_endpoints(
@@ -613,9 +637,15 @@ def zmq_actor_endpoints(
 ) -> ActorEndpoints:
     """An actor's three sockets, connected to the learner's addresses.
 
-    Connecting succeeds even while the learner is not up yet: ZeroMQ keeps retrying.
+    Connecting succeeds even while the learner is not up yet: ZeroMQ keeps retrying. Without
+    ``context`` the sockets get a context of their own, which ``close()`` terminates.
     """
+    owned = None
+    if context is None:
+        context = owned = zmq.Context()
     with ExitStack() as opened:
+        if owned is not None:
+            opened.callback(owned.term)
         trajectories = ZmqPushSender(trajectory_address, send_hwm=trajectory_hwm, context=context)
         opened.callback(trajectories.close)
         broadcast = ZmqSubscriber(
@@ -626,7 +656,7 @@ def zmq_actor_endpoints(
             actor_id, control_address, limits=control_limits, hwm=control_hwm, context=context
         )
         opened.pop_all()
-    return ActorEndpoints(trajectories=trajectories, broadcast=broadcast, control=control)
+    return ActorEndpoints(trajectories=trajectories, broadcast=broadcast, control=control, owned_context=owned)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -663,7 +693,7 @@ class InProcessPullReceiver(_Decoding):
     def __init__(self, channel: trio.MemoryReceiveChannel, limits: WireLimits) -> None:
         self._channel = channel
         self._limits = limits
-        self._rejections = _RejectionLog("in-process trajectory receiver")
+        self._rejections = RateLimitedLog("in-process trajectory receiver rejected a message")
 
     async def receive(self) -> Message:
         while True:
@@ -704,7 +734,7 @@ class InProcessSubscriber(_Decoding):
         self._arrived = trio.lowlevel.ParkingLot()
         self._closed = False
         self._limits = limits
-        self._rejections = _RejectionLog("in-process broadcast subscriber")
+        self._rejections = RateLimitedLog("in-process broadcast subscriber rejected a message")
 
     def _deliver(self, frames: list[bytes]) -> None:
         self._pending.append(frames)
@@ -736,7 +766,7 @@ class InProcessRouter(_Decoding):
         self._inbox = network._control_inbox_receive.clone()
         self._closed = False
         self._limits = limits
-        self._rejections = _RejectionLog("in-process control router")
+        self._rejections = RateLimitedLog("in-process control router rejected a message")
 
     async def receive(self) -> tuple[str, Message]:
         while True:
@@ -774,7 +804,7 @@ class InProcessDealer(_Decoding):
         self._to_router = network._control_inbox_send.clone()
         self._inbox_send, self._inbox_receive = trio.open_memory_channel(buffer)
         self._limits = limits
-        self._rejections = _RejectionLog(f"in-process control dealer {peer_id}")
+        self._rejections = RateLimitedLog(f"in-process control dealer {peer_id} rejected a message")
 
     async def send(self, message: Message) -> None:
         await self._to_router.send((self.actor_id, _detached(encode(message))))

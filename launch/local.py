@@ -1,10 +1,12 @@
 """Run a training job on this machine: one learner and N actor processes, supervised.
 
 The launcher resolves the config (free ports filled in), prepares the model once, starts the
-processes, restarts an actor that dies, prints one progress line per learner step, and on Ctrl-C
-stops every process it started. Children also get SIGTERM from the kernel if the launcher itself
-dies (PR_SET_PDEATHSIG), so no process is left behind. `train_in_process` wires the same
-components together in one process over the in-process transport, for tests and debugging.
+processes, restarts an actor that dies, restarts a learner that dies from its latest checkpoint,
+prints one progress line per learner step, and on Ctrl-C or SIGTERM stops every process it
+started (the learner first writes a checkpoint of its last step). Children also get SIGTERM from
+the kernel if the launcher itself dies (PR_SET_PDEATHSIG), so no process is left behind.
+`train_in_process` wires the same components together in one process over the in-process
+transport, for tests and debugging.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +24,19 @@ from longhorizon.common.config import Config, ConfigError, dump_toml
 from longhorizon.common.metrics import read_metrics
 
 _MAX_RESTARTS_PER_ACTOR = 20
+_MAX_LEARNER_RESTARTS = 3
 _MIN_SECONDS_BETWEEN_STARTS = 2.0
+# Actors stop within seconds; the learner may be writing its final checkpoint.
+_ACTOR_STOP_GRACE_S = 10.0
+_LEARNER_STOP_GRACE_S = 120.0
+
+
+class StopRequested(Exception):
+    """The launcher got SIGTERM: stop the run as on Ctrl-C."""
+
+
+def _raise_stop_requested(signum, frame) -> None:
+    raise StopRequested(f"signal {signum}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -46,8 +61,10 @@ def validate_config(config: Config) -> None:
     from longhorizon.actor.engines.base import load_engine_class
     from longhorizon.envs.base import get_env_spec, list_tasks
     from longhorizon.learner.broadcast import WEIGHTS_TRANSPORTS
+    from longhorizon.learner.buffer import PARTIAL_GROUP_POLICIES
     from longhorizon.learner.curriculum import make_horizon_schedule
     from longhorizon.learner.losses import POLICY_LOSS_NAMES
+    from longhorizon.learner.worker import check_sampling_for_training
 
     def require(condition: bool, message: str) -> None:
         if not condition:
@@ -62,6 +79,15 @@ def validate_config(config: Config) -> None:
     require(config.learner.advantage in ("grpo", "rloo"), "learner.advantage must be grpo or rloo")
     require(config.learner.weights_transport in WEIGHTS_TRANSPORTS,
             f"learner.weights_transport must be one of {', '.join(WEIGHTS_TRANSPORTS)}")
+    require(config.learner.partial_groups in PARTIAL_GROUP_POLICIES,
+            f"learner.partial_groups must be one of {', '.join(PARTIAL_GROUP_POLICIES)}")
+    require(config.learner.max_tokens_per_micro_batch > 0, "learner.max_tokens_per_micro_batch must be positive")
+    require(config.actor.max_context_tokens > config.actor.sampling.max_new_tokens,
+            "actor.max_context_tokens must be larger than actor.sampling.max_new_tokens")
+    try:
+        check_sampling_for_training(config)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     get_env_spec(config.env.name)
     if not list_tasks(config.env.name, config.env.train_split, **dict(config.env.options)):
         raise ConfigError(f"env {config.env.name!r} has no {config.env.train_split!r} tasks")
@@ -112,11 +138,13 @@ class _Child:
     def name(self) -> str:
         return "learner" if self.role == "learner" else f"actor-{self.index}"
 
-    def start(self) -> None:
+    def start(self, *, resume: bool = False) -> None:
         command = [
             sys.executable, "-m", "longhorizon.launch.worker", self.role,
             "--config", str(self.config_path), "--index", str(self.index),
         ]
+        if resume:
+            command.append("--resume")
         self.started_at = time.monotonic()
         log_file = self.log_path.open("ab")
         # A session of its own: the launcher decides the order of shutdown on Ctrl-C.
@@ -151,15 +179,17 @@ def _write_process_table(run_dir: Path, children: list[_Child]) -> None:
     partial.replace(run_dir / "processes.json")
 
 
-def _stop_all(children: list[_Child], grace_s: float = 10.0) -> None:
+def _stop_all(children: list[_Child]) -> None:
+    """SIGTERM to every child, then SIGKILL to any still running after its grace period."""
     for child in children:
         child.terminate()
-    deadline = time.monotonic() + grace_s
+    started = time.monotonic()
     for child in children:
         if child.process is None:
             continue
+        grace = _LEARNER_STOP_GRACE_S if child.role == "learner" else _ACTOR_STOP_GRACE_S
         try:
-            child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            child.process.wait(timeout=max(0.1, started + grace - time.monotonic()))
         except subprocess.TimeoutExpired:
             child.kill()
             child.process.wait()
@@ -187,6 +217,10 @@ def launch_local(config: Config, *, progress=print) -> int:
         f"model {config.model.path}, mode {config.run.mode}, {config.run.total_steps} steps"
     )
     already_seen = len(read_metrics(run_dir))
+    # Signal handlers can only be set from the main thread (a launcher run from a test's thread
+    # keeps the default).
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous_handler = signal.signal(signal.SIGTERM, _raise_stop_requested) if in_main_thread else None
     try:
         for child in children:
             child.start()
@@ -194,12 +228,23 @@ def launch_local(config: Config, *, progress=print) -> int:
         while True:
             time.sleep(0.5)
             records = read_metrics(run_dir)
+            # A restarted learner removes the records after its checkpoint and writes them again.
+            already_seen = min(already_seen, len(records))
             for record in records[already_seen:]:
                 progress(format_progress(record, config.run.total_steps))
             already_seen = len(records)
             learner_code = learner.poll()
             if learner_code is not None:
-                break
+                if learner_code == 0 or learner.restarts >= _MAX_LEARNER_RESTARTS:
+                    break
+                learner.restarts += 1
+                progress(
+                    f"the learner exited with code {learner_code}; restarting it from its latest "
+                    f"checkpoint ({learner.restarts}/{_MAX_LEARNER_RESTARTS})"
+                )
+                learner.start(resume=True)
+                _write_process_table(run_dir, children)
+                continue
             for actor in actors:
                 code = actor.poll()
                 if code is None or actor.process is None:
@@ -216,10 +261,14 @@ def launch_local(config: Config, *, progress=print) -> int:
                 progress(f"{actor.name} exited with code {code}; restarting ({actor.restarts})")
                 actor.start()
                 _write_process_table(run_dir, children)
-    except KeyboardInterrupt:
-        progress("interrupted: stopping all processes")
+    except (KeyboardInterrupt, StopRequested) as stop:
+        progress(f"{'interrupted' if isinstance(stop, KeyboardInterrupt) else 'stop requested'}: "
+                 "stopping all processes (the learner writes a checkpoint first)")
         _stop_all(children)
-        return 130
+        return 130 if isinstance(stop, KeyboardInterrupt) else 128 + signal.SIGTERM
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous_handler)
     # The learner finished (or failed): actors were sent Stop; give them a moment, then end them.
     deadline = time.monotonic() + 15
     for actor in actors:

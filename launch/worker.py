@@ -2,7 +2,9 @@
 
 The local launcher starts these; a cluster launcher would too. Each reads the resolved config
 the launcher wrote, connects its sockets from the addresses in it, and runs until it is told to
-stop (learner: after the last step; actor: on the learner's Stop, or SIGTERM/SIGINT).
+stop (learner: after the last step; actor: on the learner's Stop, or SIGTERM/SIGINT). A learner
+stopped by a signal writes a checkpoint of its last finished step first. On the way out the
+sockets close and their ZeroMQ context is terminated before the process exits.
 """
 
 from __future__ import annotations
@@ -93,13 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("role", choices=["learner", "actor"])
     parser.add_argument("--config", required=True)
     parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the run's latest checkpoint (a restarted learner)")
     args = parser.parse_args(argv)
     die_with_parent()
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {args.role}{'' if args.role == 'learner' else '-' + str(args.index)} %(levelname)s %(name)s: %(message)s",
     )
-    config = load_config(args.config)
+    config = load_config(args.config, ["run.resume=true"] if args.resume else [])
     if config.transport.keep_freed_memory:
         from longhorizon.common.memory import keep_freed_message_memory
 

@@ -36,12 +36,20 @@ def unique_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 def make_weights_update(model, version: int, transport: str, weights_dir: Path | None = None) -> WeightsUpdate:
+    """The weights of `version`, as a message that owns its bytes.
+
+    `inline` copies every tensor: ZeroMQ sends large frames without copying, from a thread of its
+    own and possibly long after `send` returned, and the same message is re-sent to actors that
+    join later, while the learner keeps training in place. Frames that were views of the live
+    parameters would go out holding values of later versions (torn weights).
+    """
     if transport == "inline":
         tensors = {}
         for name, tensor in unique_state_dict(model).items():
-            if tensor.dtype == torch.bfloat16:
-                tensor = tensor.float()  # numpy has no bfloat16; the engine casts back on load
-            tensors[name] = tensor.cpu().contiguous().numpy()
+            # numpy has no bfloat16: sent as float32, the engine casts back on load.
+            dtype = torch.float32 if tensor.dtype == torch.bfloat16 else tensor.dtype
+            owned = tensor.to(device="cpu", dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+            tensors[name] = owned.numpy()
         return WeightsUpdate(version=version, tensors=tensors)
     if transport == "path":
         if weights_dir is None:

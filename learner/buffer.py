@@ -19,7 +19,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Group", "GroupBuffer", "staleness"]
+from longhorizon.common.transport import RateLimitedLog
+
+__all__ = ["Group", "GroupBuffer", "PARTIAL_GROUP_POLICIES", "staleness"]
+
+PARTIAL_GROUP_POLICIES = ("drop", "keep")
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +112,14 @@ _COUNTER_NAMES = (
     "accepted",
     "duplicates",
     "dropped_malformed",
+    "dropped_too_long",
     "dropped_stale_trajectories",
     "dropped_future_trajectories",
     "dropped_late_trajectories",
     "dropped_overfull",
     "dropped_stale_groups",
     "dropped_incomplete_groups",
+    "dropped_partial_groups",
     "dropped_overflow_groups",
     "returned_groups",
     "returned_partial_groups",
@@ -124,19 +130,25 @@ _COUNTER_NAMES = (
 class GroupBuffer:
     """Collects trajectories by group id and releases ready, fresh-enough groups, oldest first.
 
-    A group is ready when all ``group_size`` members have arrived, or when the members not yet
-    here were refused as stale, or ``group_timeout_s`` after its first arrival; in the last two
-    cases it needs at least ``min_group_size_on_timeout`` members, else it is dropped. Groups with
-    zero reward variance are not filtered here: the trainer counts and skips them.
+    A group is ready when all ``group_size`` members have arrived. A group that lost members
+    (refused as stale or too long) or is still incomplete ``group_timeout_s`` after its first
+    arrival is *partial*: with ``partial_groups="drop"`` (the default) it is dropped, because
+    the members that go missing are not a random sample (the late ones are the long, often
+    failing episodes, so the survivors' mean and std lean towards short successes); with
+    ``"keep"`` it is released with the members it has if there are at least
+    ``min_group_size_on_timeout`` of them, else dropped. Groups with zero reward variance are
+    not filtered here: the trainer counts and skips them.
 
     With ``vocab_size``, trajectories holding token ids outside the model's vocabulary are
-    refused as malformed.
+    refused as malformed; with ``max_tokens``, trajectories longer than that are refused (the
+    run's context budget: one over-long trajectory could take the learner's memory).
 
     Counters (``counters``): received, accepted, duplicates, dropped_malformed,
-    dropped_stale_trajectories, dropped_future_trajectories (made by weights newer than the
-    learner's), dropped_late_trajectories (for a group already returned or dropped),
-    dropped_overfull (more members than group_size), dropped_stale_groups,
-    dropped_incomplete_groups, dropped_overflow_groups (beyond ``max_pending_groups``),
+    dropped_too_long, dropped_stale_trajectories, dropped_future_trajectories (made by weights
+    newer than the learner's), dropped_late_trajectories (for a group already returned or
+    dropped), dropped_overfull (more members than group_size), dropped_stale_groups,
+    dropped_incomplete_groups (partial, kept policy, too few members), dropped_partial_groups
+    (partial, drop policy), dropped_overflow_groups (beyond ``max_pending_groups``),
     returned_groups, returned_partial_groups, returned_trajectories.
     """
 
@@ -147,9 +159,11 @@ class GroupBuffer:
         min_group_size_on_timeout: int = 2,
         clock: Callable[[], float] = time.monotonic,
         *,
+        partial_groups: str = "drop",
         max_pending_groups: int = 1024,
         remembered_ids: int = 65536,
         vocab_size: int | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         if not isinstance(max_staleness, int) or max_staleness < 0:
             raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
@@ -159,18 +173,26 @@ class GroupBuffer:
             raise ValueError(
                 f"min_group_size_on_timeout must be >= 1, got {min_group_size_on_timeout!r}"
             )
+        if partial_groups not in PARTIAL_GROUP_POLICIES:
+            raise ValueError(
+                f"partial_groups must be one of {', '.join(PARTIAL_GROUP_POLICIES)}, got {partial_groups!r}"
+            )
         if max_pending_groups < 1:
             raise ValueError(f"max_pending_groups must be >= 1, got {max_pending_groups!r}")
         if remembered_ids < 1:
             raise ValueError(f"remembered_ids must be >= 1, got {remembered_ids!r}")
         if vocab_size is not None and vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1 or None, got {vocab_size!r}")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens!r}")
         # Token ids at or beyond the model's vocabulary would fail in its embedding (on CUDA a
         # device-side assert that ends the process): refused on arrival instead.
         self.vocab_size = vocab_size
+        self.max_tokens = max_tokens
         self.max_staleness = max_staleness
         self.group_timeout_s = float(group_timeout_s)
         self.min_group_size_on_timeout = min_group_size_on_timeout
+        self.partial_groups = partial_groups
         self.max_pending_groups = max_pending_groups
         self._clock = clock
         # Insertion order is first-arrival order, which is the order groups are handed out in.
@@ -181,6 +203,8 @@ class GroupBuffer:
         self._closed_group_ids = _RecentKeys(remembered_ids)
         self.counters: dict[str, int] = dict.fromkeys(_COUNTER_NAMES, 0)
         self.staleness_histogram: collections.Counter[int] = collections.Counter()
+        # A sender with a bug can send thousands of bad trajectories: one log line per interval.
+        self._refusals = RateLimitedLog("group buffer refused a trajectory", log=logger)
 
     def __len__(self) -> int:
         """Trajectories held."""
@@ -212,7 +236,7 @@ class GroupBuffer:
                 problem = str(error)
         if problem is not None:
             self.counters["dropped_malformed"] += 1
-            logger.warning("refused a malformed trajectory: %s", problem)
+            self._refusals.record(f"malformed: {problem}")
             return
 
         trajectory_id, group_id = trajectory.trajectory_id, trajectory.group_id
@@ -227,9 +251,9 @@ class GroupBuffer:
         group = self._pending.get(group_id)
         if group is not None and group.group_size != trajectory.group_size:
             self.counters["dropped_malformed"] += 1
-            logger.warning(
-                "refused trajectory %s: group %s has size %d but it says %d",
-                trajectory_id, group_id, group.group_size, trajectory.group_size,
+            self._refusals.record(
+                f"trajectory {trajectory_id}: group {group_id} has size {group.group_size} "
+                f"but it says {trajectory.group_size}"
             )
             return
         if trajectory_staleness < 0:
@@ -237,6 +261,15 @@ class GroupBuffer:
             return
         if group is None:
             group = self._open_group(group_id, trajectory.group_size)
+        length = len(trajectory.loss_mask)
+        if self.max_tokens is not None and length > self.max_tokens:
+            self.counters["dropped_too_long"] += 1
+            group.refused_members += 1
+            self._refusals.record(
+                f"trajectory {trajectory_id} has {length} tokens, more than the run's budget of "
+                f"{self.max_tokens} (actor.max_context_tokens)"
+            )
+            return
         if trajectory_staleness > self.max_staleness:
             self.counters["dropped_stale_trajectories"] += 1
             group.refused_members += 1
@@ -276,11 +309,13 @@ class GroupBuffer:
     # -----------------------------------------------------------------------------------------
     # Departures
 
-    def pop_ready(self, max_groups: int, *, learner_version: int) -> list[Group]:
+    def pop_ready(self, max_groups: int, *, learner_version: int, give_up_waiting: bool = False) -> list[Group]:
         """Up to ``max_groups`` ready groups, oldest first, each within ``max_staleness`` now.
 
-        Every pending group is also swept: groups that became too stale, and groups that timed
-        out (or lost members to staleness) with too few members, are dropped and counted.
+        Every pending group is also swept: groups that became too stale are dropped, and partial
+        groups (members refused or timed out) are dropped or released as ``partial_groups``
+        says. ``give_up_waiting`` treats every incomplete group as timed out (the caller knows
+        no more members will come, e.g. a synchronous batch whose actors are done).
         """
         if max_groups < 0:
             raise ValueError(f"max_groups must be >= 0, got {max_groups!r}")
@@ -293,10 +328,16 @@ class GroupBuffer:
                 self.counters["dropped_stale_groups"] += 1
                 continue
             if not group.is_complete:
+                lost_members = group.refused_members > 0
+                timed_out = give_up_waiting or now - group.first_arrival >= self.group_timeout_s
+                if self.partial_groups == "drop":
+                    if lost_members or timed_out:
+                        self._close(group_id)
+                        self.counters["dropped_partial_groups"] += 1
+                    continue
                 all_accounted_for = (
                     len(group.trajectories) + group.refused_members >= group.group_size
                 )
-                timed_out = now - group.first_arrival >= self.group_timeout_s
                 if not (all_accounted_for or timed_out):
                     continue
                 if len(group.trajectories) < self.min_group_size_on_timeout:

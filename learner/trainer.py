@@ -117,6 +117,36 @@ def token_logprobs(model, batch: PaddedBatch, temperature: float = 1.0) -> torch
     return chosen - torch.logsumexp(logits, dim=-1)
 
 
+def plan_micro_batches(examples: list[Example], max_sequences: int, max_tokens: int) -> list[list[Example]]:
+    """Split a step's examples into micro-batches of similar lengths.
+
+    Each micro-batch is padded only to its own longest sequence, so it is sorted by length and
+    cut where adding the next sequence would pass ``max_sequences`` or make (sequences x
+    longest length) pass ``max_tokens``: a step's peak memory follows the budget, not the
+    longest episode times the batch. A sequence longer than the budget is a micro-batch alone.
+    """
+    max_sequences, max_tokens = max(1, max_sequences), max(1, max_tokens)
+    chunks: list[list[Example]] = []
+    current: list[Example] = []
+    for example in sorted(examples, key=lambda e: len(e.token_ids)):
+        length = len(example.token_ids)  # the longest so far, as the list is sorted
+        if current and (len(current) + 1 > max_sequences or (len(current) + 1) * length > max_tokens):
+            chunks.append(current)
+            current = []
+        current.append(example)
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def has_dropout(model) -> bool:
+    """Whether the model samples dropout masks in train mode (modules or attention dropout)."""
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    return float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
+
+
 class Trainer:
     """Owns the optimiser and applies policy updates to `model`."""
 
@@ -152,11 +182,9 @@ class Trainer:
         return dict(clip_eps=config.clip_eps, aggregation=config.aggregation)
 
     def _micro_batches(self, examples: list[Example]) -> list[PaddedBatch]:
-        """Micro-batches of similar lengths, each padded only to its own longest sequence:
-        one long episode then costs its own micro-batch, not the whole step."""
-        size = max(1, self.config.micro_batch_size)
-        by_length = sorted(examples, key=lambda e: len(e.token_ids))
-        return [pad_examples(by_length[start:start + size], self.pad_token_id) for start in range(0, len(by_length), size)]
+        return [pad_examples(chunk, self.pad_token_id) for chunk in plan_micro_batches(
+            examples, self.config.micro_batch_size, self.config.max_tokens_per_micro_batch,
+        )]
 
     def _shares(self, micro_batches: list[PaddedBatch]) -> list[float]:
         """Weight of each micro-batch's mean loss so that accumulated gradients equal the full batch's."""
@@ -173,18 +201,21 @@ class Trainer:
         started = time.perf_counter()
         micro_batches = self._micro_batches(examples)
         shares = self._shares(micro_batches)
-        self.model.train()
-        # The proximal policy is the parameters at the start of this update. With one optimiser
-        # step it equals the current policy, so it is taken from the same forward pass (detached).
+        # The proximal policy is the parameters at the start of this update, evaluated as the
+        # actors sample (eval mode: no dropout). With one optimiser step and no dropout it
+        # equals the current policy, so it is taken from the training forward pass (detached).
+        separate_proximal = config.optimizer_steps_per_batch > 1 or has_dropout(self.model)
         proximal: list[torch.Tensor | None] = [None] * len(micro_batches)
         reference: list[torch.Tensor | None] = [None] * len(micro_batches)
-        if config.optimizer_steps_per_batch > 1 or self.reference_model is not None:
+        if separate_proximal or self.reference_model is not None:
+            self.model.eval()
             with torch.no_grad():
                 for index, micro in enumerate(micro_batches):
-                    if config.optimizer_steps_per_batch > 1:
+                    if separate_proximal:
                         proximal[index] = token_logprobs(self.model, micro, self.temperature)
                     if self.reference_model is not None and config.kl_coef > 0:
                         reference[index] = token_logprobs(self.reference_model, micro, self.temperature)
+        self.model.train()
         totals: dict[str, float] = {}
         grad_norm = 0.0
         for _ in range(max(1, config.optimizer_steps_per_batch)):

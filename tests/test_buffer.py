@@ -163,8 +163,8 @@ def test_complete_groups_come_out_oldest_first():
     assert buffer.counters["returned_trajectories"] == 6
 
 
-def test_incomplete_group_waits_for_the_timeout_then_comes_out_partial():
-    buffer, clock = make_buffer(group_timeout_s=30.0)
+def test_incomplete_group_waits_for_the_timeout_then_comes_out_partial_when_kept():
+    buffer, clock = make_buffer(group_timeout_s=30.0, partial_groups="keep")
     buffer.add(trajectory("a", "g", versions=[0], group_size=4), learner_version=0)
     buffer.add(trajectory("b", "g", versions=[0], group_size=4), learner_version=0)
     clock.now += 29.9
@@ -176,7 +176,7 @@ def test_incomplete_group_waits_for_the_timeout_then_comes_out_partial():
 
 
 def test_timed_out_group_with_too_few_members_is_dropped():
-    buffer, clock = make_buffer(group_timeout_s=10.0, min_group_size_on_timeout=2)
+    buffer, clock = make_buffer(group_timeout_s=10.0, min_group_size_on_timeout=2, partial_groups="keep")
     buffer.add(trajectory("a", "g", versions=[0], group_size=4), learner_version=0)
     clock.now += 10.0
     assert buffer.pop_ready(8, learner_version=0) == []
@@ -184,8 +184,8 @@ def test_timed_out_group_with_too_few_members_is_dropped():
     assert buffer.pending_groups == 0
 
 
-def test_members_refused_as_stale_are_not_waited_for():
-    buffer, _ = make_buffer(max_staleness=1)
+def test_members_refused_as_stale_are_not_waited_for_when_partial_groups_are_kept():
+    buffer, _ = make_buffer(max_staleness=1, partial_groups="keep")
     buffer.add(trajectory("stale", "g", versions=[0], group_size=3), learner_version=2)
     buffer.add(trajectory("a", "g", versions=[2], group_size=3), learner_version=2)
     buffer.add(trajectory("b", "g", versions=[2], group_size=3), learner_version=2)
@@ -198,6 +198,55 @@ def test_members_refused_as_stale_are_not_waited_for():
     # One usable member is below the minimum of 2.
     assert buffer.pop_ready(8, learner_version=2) == []
     assert buffer.counters["dropped_incomplete_groups"] == 1
+
+
+def test_partial_groups_are_dropped_by_default_and_counted():
+    buffer, clock = make_buffer(group_timeout_s=30.0)
+    assert buffer.partial_groups == "drop"
+    # Timed out with two of four members: dropped, not released with a biased baseline.
+    buffer.add(trajectory("a", "g", versions=[0], group_size=4), learner_version=0)
+    buffer.add(trajectory("b", "g", versions=[0], group_size=4), learner_version=0)
+    clock.now += 30.0
+    assert buffer.pop_ready(8, learner_version=0) == []
+    assert buffer.counters["dropped_partial_groups"] == 1
+    assert buffer.counters["returned_partial_groups"] == 0
+    assert buffer.pending_groups == 0
+    # The missing members arriving afterwards are late, not a new group.
+    buffer.add(trajectory("c", "g", versions=[0], group_size=4), learner_version=0)
+    assert buffer.counters["dropped_late_trajectories"] == 1 and buffer.pending_groups == 0
+
+
+def test_a_member_refused_as_stale_drops_its_group_at_once_by_default():
+    buffer, _ = make_buffer(max_staleness=1)
+    buffer.add(trajectory("a", "g", versions=[2], group_size=3), learner_version=2)
+    buffer.add(trajectory("b", "g", versions=[2], group_size=3), learner_version=2)
+    buffer.add(trajectory("stale", "g", versions=[0], group_size=3), learner_version=2)
+    # The long, late episode was refused: the group can never be whole, so it goes, no timeout.
+    assert buffer.pop_ready(8, learner_version=2) == []
+    assert buffer.counters["dropped_stale_trajectories"] == 1
+    assert buffer.counters["dropped_partial_groups"] == 1
+
+
+def test_trajectories_longer_than_the_budget_are_refused_and_their_group_is_partial():
+    buffer, _ = make_buffer(max_tokens=4)
+    buffer.add(trajectory("short", "g", versions=[-1, 0, 0, 0]), learner_version=0)
+    buffer.add(trajectory("long", "g", versions=[-1, 0, 0, 0, 0]), learner_version=0)
+    assert buffer.counters["dropped_too_long"] == 1
+    assert buffer.counters["accepted"] == 1
+    assert buffer.pop_ready(8, learner_version=0) == []
+    assert buffer.counters["dropped_partial_groups"] == 1
+    with pytest.raises(ValueError, match="max_tokens"):
+        make_buffer(max_tokens=0)
+
+
+def test_give_up_waiting_treats_incomplete_groups_as_timed_out():
+    for policy, released in (("drop", 0), ("keep", 1)):
+        buffer, _ = make_buffer(group_timeout_s=600.0, partial_groups=policy)
+        buffer.add(trajectory("a", "g", versions=[0], group_size=3), learner_version=0)
+        buffer.add(trajectory("b", "g", versions=[0], group_size=3), learner_version=0)
+        assert buffer.pop_ready(8, learner_version=0) == []
+        assert len(buffer.pop_ready(8, learner_version=0, give_up_waiting=True)) == released
+        assert buffer.pending_groups == 0
 
 
 def test_zero_variance_groups_are_not_filtered():
@@ -259,6 +308,19 @@ def test_malformed_trajectories_are_counted_not_raised(bad):
     assert len(buffer) == 0
 
 
+def test_a_flood_of_refusals_logs_one_line_with_the_count(caplog):
+    buffer, _ = make_buffer(vocab_size=10)
+    with caplog.at_level("WARNING", logger="longhorizon.learner.buffer"):
+        for index in range(200):
+            bad = trajectory(f"t{index}", f"g{index}", versions=[-1, 0])
+            bad.token_ids = np.array([3, 99])  # outside the vocabulary of 10
+            buffer.add(bad, learner_version=0)
+    assert buffer.counters["dropped_malformed"] == 200
+    warnings = [record for record in caplog.records if record.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert "outside the model's vocabulary" in warnings[0].getMessage()
+
+
 def test_group_size_disagreement_is_malformed():
     buffer, _ = make_buffer()
     buffer.add(trajectory("a", "g", versions=[0], group_size=4), learner_version=0)
@@ -302,6 +364,7 @@ def test_pop_ready_zero_and_negative():
         ({"max_staleness": 0, "group_timeout_s": 0.0}, "group_timeout_s"),
         ({"max_staleness": 0, "group_timeout_s": 1.0, "min_group_size_on_timeout": 0}, "min_group"),
         ({"max_staleness": 0, "group_timeout_s": 1.0, "max_pending_groups": 0}, "max_pending"),
+        ({"max_staleness": 0, "group_timeout_s": 1.0, "partial_groups": "some"}, "partial_groups"),
     ],
 )
 def test_constructor_validation(arguments, message):

@@ -1,0 +1,154 @@
+"""The update step: micro-batch planning, the behaviour log-probs reaching the loss, the proximal
+pass without dropout, and the two run modes building the same update."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from longhorizon.common.config import Config, LearnerConfig, RunConfig
+from longhorizon.common.models import load_causal_lm
+from longhorizon.learner import trainer as trainer_module
+from longhorizon.learner.trainer import Example, Trainer, has_dropout, pad_examples, plan_micro_batches, token_logprobs
+from longhorizon.learner.worker import build_buffer, build_trainer
+
+
+def _example(length: int) -> Example:
+    return Example(
+        token_ids=np.arange(length), loss_mask=np.ones(length, np.float32),
+        behaviour_logprobs=np.zeros(length, np.float32), advantage=0.0,
+    )
+
+
+def test_micro_batches_are_cut_by_sequences_and_by_padded_tokens():
+    examples = [_example(n) for n in (9, 2, 5, 3, 5)]
+    plan = plan_micro_batches(examples, max_sequences=3, max_tokens=12)
+    # Sorted 2,3,5,5,9: [2,3] (a third of length 5 would pad to 15), [5,5] (then 3 x 9 = 27), [9].
+    assert [[len(e.token_ids) for e in chunk] for chunk in plan] == [[2, 3], [5, 5], [9]]
+    # The sequence cap alone.
+    plan = plan_micro_batches(examples, max_sequences=2, max_tokens=10_000)
+    assert [len(chunk) for chunk in plan] == [2, 2, 1]
+    # A sequence longer than the budget still trains, alone.
+    plan = plan_micro_batches([_example(50), _example(2)], max_sequences=8, max_tokens=10)
+    assert [[len(e.token_ids) for e in chunk] for chunk in plan] == [[2], [50]]
+    for chunk in plan_micro_batches(examples, max_sequences=4, max_tokens=12):
+        assert len(chunk) == 1 or len(chunk) * max(len(e.token_ids) for e in chunk) <= 12
+
+
+def _on_policy_examples(model, seed: int = 0) -> list[Example]:
+    """Examples whose behaviour log-probs are the model's own, with advantages of both signs."""
+    rng = np.random.default_rng(seed)
+    examples = []
+    for row in range(6):
+        prompt = rng.integers(4, 15, size=4)
+        reply = rng.integers(4, 15, size=int(rng.integers(2, 5)))
+        tokens = np.concatenate([prompt, reply]).astype(np.int64)
+        mask = np.array([0] * len(prompt) + [1] * len(reply), np.float32)
+        examples.append(Example(tokens, mask, np.zeros(len(tokens), np.float32), advantage=1.0 if row % 2 else -1.0))
+    with torch.no_grad():
+        own = token_logprobs(model, pad_examples(examples, pad_token_id=0))
+    for row, example in enumerate(examples):
+        length = len(example.token_ids)
+        example.behaviour_logprobs[1:] = own[row, : length - 1].numpy() * example.loss_mask[1:]
+    return examples
+
+
+def _gradient(model_folder, config: LearnerConfig, examples: list[Example]) -> list[torch.Tensor]:
+    """The gradient of one update step (left on the parameters after the step), whose scale,
+    unlike an Adam step's, follows the loss's."""
+    model = load_causal_lm(model_folder)
+    Trainer(model, config).step(examples)
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _noise(update: list[torch.Tensor]) -> float:
+    """float32 rounding of summed gradients, relative to the largest entry."""
+    return 1e-5 * max(float(delta.abs().max()) for delta in update)
+
+
+@pytest.mark.parametrize("loss", ["decoupled_ppo", "truncated_is"])
+def test_behaviour_logprobs_that_differ_from_the_proximal_ones_weight_the_update(tiny_codebook_model, loss):
+    """With mu below pi_prox by d on every generated token, the behaviour weight is e^d (under the
+    cap) on every token, so the gradient is exactly e^d times the on-policy one. A trainer that
+    handed the proximal log-probs to the loss in place of the behaviour ones would give 1x."""
+    examples = _on_policy_examples(load_causal_lm(tiny_codebook_model))
+    config = LearnerConfig(loss=loss, behaviour_weight_cap=2.0, grad_clip=1e9, learning_rate=1e-2)
+    on_policy = _gradient(tiny_codebook_model, config, examples)
+    assert any(grad.abs().max() > 0 for grad in on_policy), "no gradient at all"
+    for shift in (0.3, -1.0):
+        off_policy = [
+            dataclasses.replace(e, behaviour_logprobs=(e.behaviour_logprobs - shift * e.loss_mask).astype(np.float32))
+            for e in examples
+        ]
+        update = _gradient(tiny_codebook_model, config, off_policy)
+        for delta, reference in zip(update, on_policy):
+            torch.testing.assert_close(delta, reference * float(np.exp(shift)), rtol=1e-3, atol=_noise(on_policy))
+
+
+def test_the_behaviour_weight_is_truncated_at_the_cap(tiny_codebook_model):
+    examples = _on_policy_examples(load_causal_lm(tiny_codebook_model))
+    config = LearnerConfig(loss="decoupled_ppo", behaviour_weight_cap=2.0, grad_clip=1e9)
+    on_policy = _gradient(tiny_codebook_model, config, examples)
+    far_behind = [
+        dataclasses.replace(e, behaviour_logprobs=(e.behaviour_logprobs - 3.0 * e.loss_mask).astype(np.float32))
+        for e in examples
+    ]
+    for delta, reference in zip(_gradient(tiny_codebook_model, config, far_behind), on_policy):
+        torch.testing.assert_close(delta, reference * 2.0, rtol=1e-3, atol=_noise(on_policy))
+
+
+def test_the_proximal_pass_runs_without_dropout(tiny_codebook_model, monkeypatch):
+    model = load_causal_lm(tiny_codebook_model)
+    model.extra_dropout = torch.nn.Dropout(0.5)
+    # Dropout on the embeddings: active in train mode only, like a model trained with dropout.
+    model.get_input_embeddings().register_forward_hook(lambda module, inputs, output: model.extra_dropout(output))
+    assert has_dropout(model)
+    examples = _on_policy_examples(model.eval())
+    # The trainer's micro-batch holds the examples sorted by length.
+    examples.sort(key=lambda e: len(e.token_ids))
+    expected = token_logprobs(model.eval(), pad_examples(examples, 0)).detach()
+    seen = []
+    real_policy_loss = trainer_module.policy_loss
+
+    def recording_policy_loss(name, logprobs, proximal, *args, **kwargs):
+        seen.append(proximal.detach().clone())
+        return real_policy_loss(name, logprobs, proximal, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "policy_loss", recording_policy_loss)
+    Trainer(model, LearnerConfig(micro_batch_size=64, max_tokens_per_micro_batch=10_000)).step(examples)
+    [proximal] = seen
+    mask = pad_examples(examples, 0).loss_mask.bool()
+    torch.testing.assert_close(proximal[mask], expected[mask])
+    assert not has_dropout(load_causal_lm(tiny_codebook_model))
+
+
+def test_sync_mode_and_async_at_zero_staleness_build_the_same_update(tiny_codebook_model):
+    """The two modes as a run builds them (buffer and trainer from the config), fed the same
+    on-policy batch: identical parameters, and equal to plain on-policy PPO."""
+    from tests.test_sync_equivalence import _fixed_batch
+
+    from longhorizon.learner.trainer import score_groups
+
+    version = 5
+    trajectories = _fixed_batch(load_causal_lm(tiny_codebook_model), version)
+    learner = LearnerConfig(learning_rate=1e-2, micro_batch_size=3, max_staleness=4)
+    results = {}
+    for name, config in {
+        "sync": Config(run=RunConfig(mode="sync"), learner=learner),
+        "async": Config(run=RunConfig(mode="async"), learner=dataclasses.replace(learner, max_staleness=0)),
+        "on-policy ppo": Config(run=RunConfig(mode="sync"), learner=dataclasses.replace(learner, loss="none")),
+    }.items():
+        buffer = build_buffer(config, vocab_size=None)
+        for trajectory in trajectories:
+            buffer.add(trajectory, learner_version=version)
+        groups = buffer.pop_ready(3, learner_version=version)
+        assert len(groups) == 3
+        torch.manual_seed(0)
+        model = load_causal_lm(tiny_codebook_model)
+        build_trainer(config, model, pad_token_id=0).step(score_groups(groups).examples)
+        results[name] = [p.detach().clone() for p in model.parameters()]
+    assert config.learner.loss == "none" and Config().learner.loss == "decoupled_ppo"
+    for a, b, c in zip(results["sync"], results["async"], results["on-policy ppo"]):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=0, atol=1e-6)
