@@ -12,8 +12,11 @@ policies and for the task list when the service has no /tasks), `timeout_s` (per
 
 Tasks come from the service's GET /tasks, each carrying its AgentGym `data_idx` in
 `task.data["data_idx"]`; reset sends that data_idx. With a reference AgentGym service (no /tasks,
-no /info) the task list is the local env's, and a task's data["index"] (TextCraft's AgentGym
-position) serves as data_idx. Requests use the standard library's http.client on trio worker
+no /info) the task list is the local env's, and a task's data["index"] serves as data_idx. For
+TextCraft that index is our own numbering, which the reference does not share (its order follows
+its recipe folder's directory listing; see envs/textcraft/env.py): such a service plays a goal of
+its own choosing for that number, and the goal to go by is the one its first observation names,
+not the task's. Requests use the standard library's http.client on trio worker
 threads (no extra dependency); each RemoteEnv keeps one keep-alive connection and one service
 instance, created on the first reset and reused across episodes.
 """
@@ -206,7 +209,7 @@ def _task_from_listing(entry: Any, split: str) -> Task:
 
 def _local_tasks(split: str, env: str, env_options: Mapping[str, Any] | None) -> list[Task]:
     # A reference service cannot list its tasks; our own copy of the env can, when its tasks carry
-    # the AgentGym position (TextCraft's data["index"]).
+    # a data["index"] to send as data_idx (TextCraft's, which is our numbering, not the reference's).
     try:
         spec = get_env_spec(env)
     except ValueError:

@@ -17,16 +17,35 @@ Success responses keep the reference's field names (`id`, `observation`, `reward
 so existing clients read them; extra fields (`terminated`, `truncated`, `info`, `task_id`) carry
 what our Env protocol returns. Failures, unlike the reference's, use real status codes with a body
 {"error": "..."}: 400 bad JSON / types / missing fields, 404 unknown endpoint or instance id, 405
-wrong method, 409 stepping a finished episode, 411 no Content-Length, 413 body too large, 503
+wrong method, 408 request not received in time, 409 stepping a finished episode, 411 no
+Content-Length, 413 body too large, 429 the client address holds its share of instances, 503
 instance table or connection slots full, 504 env call timed out, 500 the env itself failed.
 
-data_idx: a task whose data carries an integer "data_idx" or "index" keeps it as its data_idx when
-every task of the env has one (TextCraft: the AgentGym position among craftable items sorted by
-recipe depth; BabyAI: level = data_idx % 40 + 1, seed = data_idx // 40; SciWorld: the position in
-the reference's flat (task, variation) list), so AgentGym clients land on the same tasks; otherwise the train tasks take 0..n-1 and the test tasks
-n..n+m-1, both in list_tasks order. GET /tasks lists the mapping. `seed` is our extension: reset
-without one uses seed 0, so a data_idx always gives the same first observation to clients that do
-not send seeds.
+data_idx: when every task of the env carries an integer data["data_idx"] or data["index"], that
+number is its data_idx; otherwise the train tasks take 0..n-1 and the test tasks n..n+m-1, both in
+list_tasks order. GET /tasks lists the mapping. How it compares with the reference AgentGym services
+(each checked by a test in tests/test_env_service.py or tests/test_textcraft.py):
+  - BabyAI uses the reference's numbering: data_idx i is level i % 40 + 1 of the reference's level
+    table, laid out by seed i // 40, so a client gets the same minigrid level and layout (the
+    observation text is our own).
+  - SciWorld uses the reference's numbering: the position in the flat list of (task, variation)
+    pairs, tasks in the simulator's order less the seven the reference leaves out.
+  - TextCraft numbers are our own: the position among all craftable goals sorted by recipe depth,
+    then name, the same on every machine. They cannot match the reference's, whose order (and even
+    which of a few goals exist) follows the directory listing of its recipe folder on the machine
+    it runs on; it also has 544 goals to our 551 (envs/textcraft/env.py says why). An AgentGym
+    client's TextCraft data_idx therefore names one of our goals, usually not the one the
+    reference would give; /create with "goal" names a goal exactly.
+`seed` is our extension: reset without one uses seed 0, so a data_idx always gives the same first
+observation to clients that do not send seeds.
+
+Limits against clients that hog the service: max_connections threads, each connection closed after
+keep_alive_timeout_s idle between requests and after request_timeout_s for a whole request (head
+and body, however slowly it trickles in), so a slow client holds a slot for a bounded time; a
+listen backlog of LISTEN_BACKLOG for bursts of connects; instances never used after /create expire
+after unused_idle_timeout_s, and one (non-loopback) address holds at most max_instances_per_client
+of the table. A client that resets its connection mid-request costs one short log line, at most
+one per LOST_CLIENT_LOG_INTERVAL_S, not a traceback.
 
 Threads: http.server's ThreadingHTTPServer parses requests on one thread per connection, and one
 trio event loop on a dedicated thread owns the instance table and runs every env call, reached
@@ -38,10 +57,13 @@ requests for the same instance from interleaving.
 
 from __future__ import annotations
 
+import io
+import ipaddress
 import json
 import logging
 import math
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -61,6 +83,10 @@ MAX_TASKS_PAGE = 1000
 # An oversized body is read and thrown away up to this size so the client can read our 413 before
 # the connection closes; beyond it the connection is simply closed.
 MAX_DISCARDED_BODY_BYTES = 16 * 1024 * 1024
+# The listen backlog (the kernel caps it at net.core.somaxconn).
+LISTEN_BACKLOG = 128
+# Clients that reset their connection are logged in one line at most this often.
+LOST_CLIENT_LOG_INTERVAL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -77,12 +103,27 @@ class ServiceSettings:
     """Most live instances; /create answers 503 beyond it."""
     idle_timeout_s: float = 600.0
     """An instance untouched for this long is closed and forgotten."""
+    unused_idle_timeout_s: float = 60.0
+    """An instance nobody has touched since /create (no reset, step, observation or action hint) is
+    closed after this long instead, so a burst of /create calls cannot hold the table for
+    idle_timeout_s. RemoteEnv and AgentGym clients reset right after creating; a client that
+    creates, then waits longer than this before its first call, finds its instance gone (404)."""
+    max_instances_per_client: int | None = None
+    """Most live instances one client address may hold; beyond it /create answers 429. None means
+    half of max_instances (at least 1), so one remote client can never take the whole table from
+    the others. Loopback clients are exempt: trainer and service on one machine all come from
+    127.0.0.1, where a per-address cap could tell no one apart and would only shrink the table.
+    Raise it for a single trusted remote trainer that needs more than half the table."""
     max_body_bytes: int = 1024 * 1024
     """Largest request body accepted; larger ones get 413."""
     max_connections: int = 256
     """Most connections served at once (one thread each); more get 503."""
     keep_alive_timeout_s: float = 60.0
-    """A connection silent this long is closed, freeing its thread."""
+    """A connection idle this long between requests is closed, freeing its thread."""
+    request_timeout_s: float = 30.0
+    """Deadline for a whole request, head and body: counted from its first byte (from the accept
+    for a connection's first request) across all reads, not per read, so a client that trickles
+    bytes cannot hold a connection longer. A late request gets 408 and its connection is closed."""
     env_call_timeout_s: float = 120.0
     """An env reset or step still awaiting after this long is abandoned (504) and its instance dropped."""
 
@@ -91,12 +132,23 @@ class ServiceSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"env service setting {name} must be a positive integer, got {value!r}")
-        for name in ("idle_timeout_s", "keep_alive_timeout_s", "env_call_timeout_s"):
+        limit = self.max_instances_per_client
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"env service setting max_instances_per_client must be None or a positive integer, got {limit!r}")
+        for name in (
+            "idle_timeout_s", "unused_idle_timeout_s", "keep_alive_timeout_s", "request_timeout_s", "env_call_timeout_s"
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"env service setting {name} must be a positive number of seconds, got {value!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"env service port must be an integer in 0..65535, got {self.port!r}")
+
+    def client_instance_limit(self) -> int:
+        """The most instances one non-loopback client address may hold."""
+        if self.max_instances_per_client is not None:
+            return self.max_instances_per_client
+        return max(1, self.max_instances // 2)
 
 
 class ServiceError(Exception):
@@ -266,11 +318,26 @@ def _info_for_json(info: Any) -> dict:
 # ---------------------------------------------------------------- the instance table (trio side)
 
 
+def _is_loopback(client: str) -> bool:
+    """Whether a client address is this machine's (IPv4-mapped IPv6 included)."""
+    try:
+        address = ipaddress.ip_address(client)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
 class _Instance:
-    def __init__(self, env: Env, now: float) -> None:
+    def __init__(self, env: Env, now: float, owner: str) -> None:
         self.env = env
         self.lock = trio.Lock()
         self.last_used = now
+        self.owner = owner
+        """The client address that created it (for max_instances_per_client)."""
+        self.used = False
+        """Whether a request other than /create has touched it (see unused_idle_timeout_s)."""
         self.observation = ""
         self.score = 0.0
         self.done = False
@@ -310,20 +377,32 @@ class EnvService:
             raise ServiceError(HTTPStatus.BAD_REQUEST, f"goal {goal[:80]!r} is not the goal of any task of this env")
         return data_idx
 
+    def _idle_limit(self, instance: _Instance) -> float:
+        if instance.used:
+            return self.settings.idle_timeout_s
+        return min(self.settings.unused_idle_timeout_s, self.settings.idle_timeout_s)
+
     async def expire_idle(self) -> int:
-        """Close instances idle past the timeout; returns how many went."""
-        deadline = self.clock() - self.settings.idle_timeout_s
+        """Close instances idle past their timeout; returns how many went."""
+        now = self.clock()
         stale = [
             instance_id
             for instance_id, instance in self.instances.items()
-            if instance.last_used < deadline and not instance.lock.locked()
+            if instance.last_used < now - self._idle_limit(instance) and not instance.lock.locked()
         ]
+        never_used = sum(1 for instance_id in stale if not self.instances[instance_id].used)
         for instance_id in stale:
             await self._drop(instance_id)
         self.expired += len(stale)
         if stale:
-            log.info("closed %d idle instance(s); %d live", len(stale), len(self.instances))
+            log.info(
+                "closed %d idle instance(s), %d of them never used after /create; %d live",
+                len(stale), never_used, len(self.instances),
+            )
         return len(stale)
+
+    def _held_by(self, client: str) -> int:
+        return sum(1 for instance in self.instances.values() if instance.owner == client)
 
     async def _drop(self, instance_id: int) -> None:
         instance = self.instances.pop(instance_id, None)
@@ -340,13 +419,22 @@ class EnvService:
             raise ServiceError(HTTPStatus.NOT_FOUND, f"no live instance with id {instance_id} (closed, expired or never created)")
         return instance
 
-    async def create(self, data_idx: int | None, seed: int | None) -> dict:
-        if len(self.instances) >= self.settings.max_instances:
+    async def create(self, data_idx: int | None, seed: int | None, client: str) -> dict:
+        """A new instance reset to a task; `client` is the requesting address (see max_instances_per_client)."""
+        limit = None if _is_loopback(client) else self.settings.client_instance_limit()
+        if len(self.instances) >= self.settings.max_instances or (limit is not None and self._held_by(client) >= limit):
             await self.expire_idle()
         if len(self.instances) >= self.settings.max_instances:
             raise ServiceError(
                 HTTPStatus.SERVICE_UNAVAILABLE,
                 f"the instance table is full ({self.settings.max_instances} live instances); "
+                "close instances you no longer use or retry later",
+                {"Retry-After": "1"},
+            )
+        if limit is not None and self._held_by(client) >= limit:
+            raise ServiceError(
+                HTTPStatus.TOO_MANY_REQUESTS,
+                f"client {client} already holds {limit} live instances, the most one address may hold; "
                 "close instances you no longer use or retry later",
                 {"Retry-After": "1"},
             )
@@ -359,7 +447,7 @@ class EnvService:
             raise ServiceError(HTTPStatus.INTERNAL_SERVER_ERROR, f"building the env failed: {error!r}") from None
         instance_id = self.next_id
         self.next_id += 1
-        instance = _Instance(env, self.clock())
+        instance = _Instance(env, self.clock(), client)
         self.instances[instance_id] = instance
         try:
             async with instance.lock:
@@ -372,6 +460,7 @@ class EnvService:
     async def reset(self, instance_id: int, data_idx: int, seed: int | None) -> dict:
         instance = self._instance(instance_id)
         self.table.task(data_idx)
+        instance.used = True
         async with instance.lock:
             await self._reset_locked(instance_id, instance, data_idx, seed)
         return {"id": instance_id, **self._reset_response(instance)}
@@ -405,6 +494,7 @@ class EnvService:
 
     async def step(self, instance_id: int, action: str) -> dict:
         instance = self._instance(instance_id)
+        instance.used = True
         async with instance.lock:
             if instance.done:
                 raise ServiceError(
@@ -461,12 +551,14 @@ class EnvService:
         if valid_actions is None:
             raise ServiceError(HTTPStatus.NOT_FOUND, f"env {self.settings.env_name!r} gives no action hints")
         async with instance.lock:
+            instance.used = True
             instance.last_used = self.clock()
             actions = await self._call_env(instance_id, valid_actions())
         return {"id": instance_id, "action_hint": list(actions)}
 
     async def observation(self, instance_id: int) -> str:
         instance = self._instance(instance_id)
+        instance.used = True
         instance.last_used = self.clock()
         return instance.observation
 
@@ -490,10 +582,11 @@ class EnvService:
 @dataclass(frozen=True)
 class _Route:
     method: str
-    handler: Callable[[EnvServer, dict, Mapping[str, list[str]]], tuple[int, Any]]
+    handler: Callable[[EnvServer, dict, Mapping[str, list[str]], str], tuple[int, Any]]
+    """(server, JSON body, query, client address) -> (status, JSON answer)."""
 
 
-def _create(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> tuple[int, Any]:
+def _create(server: EnvServer, payload: dict, query: Mapping[str, list[str]], client: str) -> tuple[int, Any]:
     if payload.get("commands") is not None:
         raise ServiceError(
             HTTPStatus.BAD_REQUEST, "custom crafting commands are not supported; pick a task with data_idx or goal"
@@ -503,31 +596,31 @@ def _create(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) ->
     seed = integer_field(payload, "seed", required=False)
     if goal is not None and data_idx is None:
         data_idx = server.service.data_idx_for_goal(goal)  # reads an immutable table: no hop needed
-    return HTTPStatus.OK, server.call(server.service.create, data_idx, seed)
+    return HTTPStatus.OK, server.call(server.service.create, data_idx, seed, client)
 
 
-def _reset(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> tuple[int, Any]:
+def _reset(server: EnvServer, payload: dict, query: Mapping[str, list[str]], client: str) -> tuple[int, Any]:
     instance_id = integer_field(payload, "id")
     data_idx = integer_field(payload, "data_idx")
     seed = integer_field(payload, "seed", required=False)
     return HTTPStatus.OK, server.call(server.service.reset, instance_id, data_idx, seed)
 
 
-def _step(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> tuple[int, Any]:
+def _step(server: EnvServer, payload: dict, query: Mapping[str, list[str]], client: str) -> tuple[int, Any]:
     instance_id = integer_field(payload, "id")
     action = string_field(payload, "action")
     return HTTPStatus.OK, server.call(server.service.step, instance_id, action)
 
 
-def _close(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> tuple[int, Any]:
+def _close(server: EnvServer, payload: dict, query: Mapping[str, list[str]], client: str) -> tuple[int, Any]:
     return HTTPStatus.OK, server.call(server.service.close, integer_field(payload, "id"))
 
 
-def _observation(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> tuple[int, Any]:
+def _observation(server: EnvServer, payload: dict, query: Mapping[str, list[str]], client: str) -> tuple[int, Any]:
     return HTTPStatus.OK, server.call(server.service.observation, query_integer(query, "id"))
 
 
-def _tasks(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> tuple[int, Any]:
+def _tasks(server: EnvServer, payload: dict, query: Mapping[str, list[str]], client: str) -> tuple[int, Any]:
     split = query.get("split", [None])[-1]
     offset = query_integer(query, "offset", 0)
     limit = query_integer(query, "limit", MAX_TASKS_PAGE)
@@ -537,15 +630,15 @@ def _tasks(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> 
     return HTTPStatus.OK, {"env": server.settings.env_name, **listing}
 
 
-def _info(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> tuple[int, Any]:
+def _info(server: EnvServer, payload: dict, query: Mapping[str, list[str]], client: str) -> tuple[int, Any]:
     return HTTPStatus.OK, server.info
 
 
-def _health(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> tuple[int, Any]:
+def _health(server: EnvServer, payload: dict, query: Mapping[str, list[str]], client: str) -> tuple[int, Any]:
     return HTTPStatus.OK, server.call(server.service.health)
 
 
-def _action_hint(server: EnvServer, payload: dict, query: Mapping[str, list[str]]) -> tuple[int, Any]:
+def _action_hint(server: EnvServer, payload: dict, query: Mapping[str, list[str]], client: str) -> tuple[int, Any]:
     return HTTPStatus.OK, server.call(server.service.action_hint, query_integer(query, "id"))
 
 
@@ -575,16 +668,95 @@ ROUTES: Mapping[str, _Route] = {
 }
 
 
+class _RequestTooSlow(Exception):
+    """A request's head and body did not arrive within request_timeout_s.
+
+    Deliberately not a TimeoutError: http.server treats those as an idle keep-alive connection
+    and closes it without a word, while a late request gets a 408.
+    """
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A connection's socket reads, limited per request as a whole instead of per read.
+
+    Between requests one read may wait keep_alive_timeout_s for the next request to begin. From the
+    first byte of a request (from the accept, for a connection's first request) every read shares
+    one deadline request_timeout_s away, so a client that trickles a byte every few seconds is cut
+    off like a silent one. A request whose head was already buffered with the previous one starts
+    its clock at its first read from the socket, so it may get one keep-alive wait more.
+    """
+
+    def __init__(self, connection: socket.socket, keep_alive_timeout_s: float, request_timeout_s: float):
+        super().__init__()
+        self._connection = connection
+        self._keep_alive_timeout_s = keep_alive_timeout_s
+        self._request_timeout_s = request_timeout_s
+        self.deadline: float | None = time.monotonic() + request_timeout_s
+        """When the request being read must be complete; None while waiting for the next one."""
+
+    def readable(self) -> bool:
+        return True
+
+    def await_next_request(self) -> None:
+        self.deadline = None
+
+    def request_read(self) -> None:
+        """The request is in (or refused): what follows writes the answer under the keep-alive timeout."""
+        self.deadline = None
+        self._connection.settimeout(self._keep_alive_timeout_s)
+
+    def readinto(self, buffer: Any) -> int:
+        if self.deadline is None:
+            # A TimeoutError here is an idle keep-alive connection; http.server closes it.
+            self._connection.settimeout(self._keep_alive_timeout_s)
+            count = self._connection.recv_into(buffer)
+            if count:
+                self.deadline = time.monotonic() + self._request_timeout_s
+            return count
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise _RequestTooSlow()
+        self._connection.settimeout(remaining)
+        try:
+            return self._connection.recv_into(buffer)
+        except TimeoutError:
+            raise _RequestTooSlow() from None
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: a RemoteEnv reuses one connection per instance
     server_version = "longhorizon-env"
     # Headers and body go out in two writes; with Nagle on, the second waits for a delayed ACK.
     disable_nagle_algorithm = True
     server: _HTTPServer
+    # What a refusal written before the request line was parsed (a 408) reports; parse_request
+    # replaces them for every request that gets that far.
+    requestline = ""
+    request_version = "HTTP/1.1"
+    command = ""
 
     def setup(self) -> None:
-        self.timeout = self.server.env_server.settings.keep_alive_timeout_s
+        settings = self.server.env_server.settings
+        self.timeout = settings.keep_alive_timeout_s
         super().setup()
+        # Swap the stdlib's reader for one with a per-request deadline. The stdlib's must be closed:
+        # it holds a reference that would keep the socket open after the handler ends.
+        self.rfile.close()
+        self._reader = _DeadlineReader(self.connection, settings.keep_alive_timeout_s, settings.request_timeout_s)
+        self.rfile = io.BufferedReader(self._reader)
+        self._requests_begun = 0
+
+    def handle_one_request(self) -> None:
+        if self._requests_begun:
+            self._reader.await_next_request()
+        self._requests_begun += 1
+        try:
+            super().handle_one_request()
+        except _RequestTooSlow:
+            self.send_error(HTTPStatus.REQUEST_TIMEOUT, self._too_slow_message())
+
+    def _too_slow_message(self) -> str:
+        return f"the request did not arrive within {self.server.env_server.settings.request_timeout_s} s"
 
     def do_GET(self) -> None:
         self._handle("GET")
@@ -614,11 +786,13 @@ class _Handler(BaseHTTPRequestHandler):
                     HTTPStatus.METHOD_NOT_ALLOWED, f"{parts.path} takes {route.method}, not {method}", {"Allow": route.method}
                 )
             payload = parse_json_object(body) if method == "POST" else {}
-            status, response = route.handler(env_server, payload, parse_qs(parts.query))
+            status, response = route.handler(env_server, payload, parse_qs(parts.query), self.client_address[0])
             self._send_json(status, response)
         except ServiceError as error:
             env_server.count_error(error.status)
             self._send_json(error.status, {"error": error.message}, error.headers)
+        except ConnectionError:
+            raise  # the client went away mid-request: _HTTPServer.handle_error notes it in one line
         except Exception as error:  # the service outlives any one bad request
             log.exception("request %s %s failed", method, self.path[:100])
             env_server.count_error(HTTPStatus.INTERNAL_SERVER_ERROR)
@@ -642,7 +816,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._discard(length)
             raise ServiceError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is {length} bytes; the limit is {limit}")
-        body = self.rfile.read(length)
+        try:
+            body = self.rfile.read(length)
+        except (_RequestTooSlow, TimeoutError):
+            # TimeoutError: a body whose head came buffered with the previous request, then silence.
+            self.close_connection = True
+            raise ServiceError(HTTPStatus.REQUEST_TIMEOUT, self._too_slow_message()) from None
         if len(body) != length:
             self.close_connection = True
             raise ServiceError(HTTPStatus.BAD_REQUEST, "the body ended before Content-Length bytes arrived")
@@ -658,7 +837,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if not chunk:
                     return
                 remaining -= len(chunk)
-        except OSError:
+        except (OSError, _RequestTooSlow):
             return
 
     def _send_json(self, status: int, payload: Any, headers: Mapping[str, str] | None = None) -> None:
@@ -667,6 +846,7 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError as error:
             status, data = HTTPStatus.INTERNAL_SERVER_ERROR, json.dumps({"error": f"unserialisable response: {error}"}).encode()
         try:
+            self._reader.request_read()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -691,9 +871,46 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s %s", self.address_string(), format % args)
 
 
+class _LostClientLog:
+    """One short log line for clients that vanish mid-request, at most one per interval.
+
+    A client that resets its connection is the client's affair, not a service fault: no traceback,
+    and a storm of them (a killed trainer's hundred connections) makes one line with a count.
+    """
+
+    def __init__(
+        self,
+        interval_s: float = LOST_CLIENT_LOG_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+        emit: Callable[[str], None] = log.info,
+    ):
+        self.interval_s = interval_s
+        self.clock = clock
+        self.emit = emit
+        self.total = 0
+        self._unreported = 0
+        self._last_line: float | None = None
+        self._lock = threading.Lock()
+
+    def note(self, client: str, error: BaseException) -> None:
+        with self._lock:
+            self.total += 1
+            now = self.clock()
+            if self._last_line is not None and now - self._last_line < self.interval_s:
+                self._unreported += 1
+                return
+            self._last_line = now
+            unreported, self._unreported = self._unreported, 0
+        since = f" ({unreported} more since the last such line)" if unreported else ""
+        self.emit(f"client {client} went away mid-request: {type(error).__name__}{since}")
+
+
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # Connections the kernel completes while the accept loop is busy wait here; at http.server's
+    # default of 5, a burst of connects (many actors starting at once) stalls on SYN retries.
+    request_queue_size = LISTEN_BACKLOG
 
     def __init__(self, address: tuple[str, int], env_server: EnvServer):
         self.env_server = env_server
@@ -729,6 +946,13 @@ class _HTTPServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._forget(request)
+
+    def handle_error(self, request: socket.socket, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            self.env_server.lost_clients.note(str(client_address[0]), error)
+        else:  # a fault of ours: worth its traceback (socketserver would print it to stderr)
+            log.error("connection from %s failed", client_address[0], exc_info=True)
 
     def _forget(self, request: socket.socket) -> None:
         with self._open_lock:
@@ -768,12 +992,16 @@ class EnvServer:
             "num_tasks": {split: len(self.table.data_idx_by_split[split]) for split in SPLITS},
             "data_idx_mapping": self.table.mapping,
             "max_instances": settings.max_instances,
+            "max_instances_per_client": settings.client_instance_limit(),
             "idle_timeout_s": settings.idle_timeout_s,
+            "unused_idle_timeout_s": settings.unused_idle_timeout_s,
+            "request_timeout_s": settings.request_timeout_s,
             "max_body_bytes": settings.max_body_bytes,
         }
         self.service = EnvService(settings, self.table)
         self.error_counts: dict[int, int] = {}
         self._error_lock = threading.Lock()
+        self.lost_clients = _LostClientLog()
         self._http: _HTTPServer | None = None
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._stop_event: trio.Event | None = None
@@ -854,7 +1082,8 @@ class EnvServer:
         return self
 
     async def _expire_forever(self) -> None:
-        interval = min(max(self.settings.idle_timeout_s / 4, 0.05), 10.0)
+        shortest = min(self.settings.idle_timeout_s, self.settings.unused_idle_timeout_s)
+        interval = min(max(shortest / 4, 0.05), 10.0)
         while True:
             await trio.sleep(interval)
             await self.service.expire_idle()

