@@ -8,6 +8,7 @@ trio, and the update itself runs in a worker thread, so sockets keep draining wh
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from pathlib import Path
@@ -119,8 +120,7 @@ class Learner:
         self.metrics = MetricsWriter(self.run_dir)
         self.peers: dict[str, dict] = {}
         self.latest_weights = None
-        self.last_broadcast = 0.0
-        self.last_weights_broadcast = 0.0
+        self.last_weights_broadcast = -math.inf
         self.arrived = trio.Event()
         self.last_arrival = time.monotonic()
         self.received_since_step = 0
@@ -204,16 +204,15 @@ class Learner:
                 )
         return live
 
-    def _published_version(self) -> int:
-        return self.latest_weights.version if self.latest_weights is not None else 0
-
     async def _republish_weights_if_behind(self, actor_version: int) -> None:
-        if self.latest_weights is None or actor_version == self._published_version():
+        if actor_version == (self.latest_weights.version if self.latest_weights is not None else self.version):
             return
         if time.monotonic() - self.last_weights_broadcast <= _REPUBLISH_AFTER_S:
             return
         self.counters["weights_republished"] += 1
-        await self._publish(rebuild=False)
+        # Before the first step the learner publishes no weights (the actors start from the same
+        # model); an actor holding another version (a learner restarted from the start) needs them.
+        await self._publish(rebuild=self.latest_weights is None)
 
     async def _publish_horizon(self) -> None:
         await self.endpoints.broadcast.send(horizon_update(self.horizon))
@@ -224,9 +223,8 @@ class Learner:
                 make_weights_update, self.model, self.version, self.config.learner.weights_transport,
                 self.run_dir / "weights",
             )
-        self.last_broadcast = time.monotonic()
         if self.latest_weights is not None:
-            self.last_weights_broadcast = self.last_broadcast
+            self.last_weights_broadcast = time.monotonic()
         await broadcast(self.endpoints.broadcast, self.horizon, self.latest_weights)
 
     async def _repeat_horizon(self) -> None:
@@ -403,8 +401,8 @@ class Learner:
                 await self._train()
                 await self.stop_actors("training finished")
                 nursery.cancel_scope.cancel()
-        except trio.Cancelled:
-            if self.step > self.last_checkpoint_step:
+        except BaseException as error:
+            if _only_cancellation(error) and self.step > self.last_checkpoint_step:
                 with trio.CancelScope(shield=True):
                     path = await trio.to_thread.run_sync(self._checkpoint)
                 log.info("stopped at step %d; checkpoint written to %s", self.step, path)
@@ -429,6 +427,16 @@ class Learner:
         if lost:
             log.warning("%d of %d actors seen were gone or unreachable at the end", lost, len(self.peers))
         return stopped
+
+
+def _only_cancellation(error: BaseException) -> bool:
+    """Whether `error` is a cancellation (alone or grouped by nurseries), not a failure: only a
+    stop request gets a final checkpoint; after a crash mid-step the parameters may be half
+    updated."""
+    if isinstance(error, BaseExceptionGroup):
+        rest = error.split(trio.Cancelled)[1]
+        return rest is None
+    return isinstance(error, trio.Cancelled)
 
 
 async def run_learner(config: Config, endpoints, *, model_path: str | None = None) -> Learner:

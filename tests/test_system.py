@@ -152,3 +152,51 @@ def test_sync_mode_trains_only_on_the_current_version(tmp_path, byte_model):
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert all(r["staleness_max"] == 0 for r in records)
     assert all(r["groups_dropped_stale"] == 0 for r in records)
+
+
+def test_a_killed_learner_is_restarted_and_actors_follow_it_back(tmp_path, byte_model):
+    """Killed before its first checkpoint, the learner restarts from the start (a checkpoint's
+    step would race with the kill); the actors, several versions ahead, must follow it back or
+    every trajectory they send would be refused as made by the future."""
+    run_dir = tmp_path / "learner-restart"
+    process = _start(_overrides(tmp_path, byte_model, "learner-restart", 12, ["learner.checkpoint_every=100"]))
+    try:
+        _wait_for_step(run_dir, 5, process)
+        first_pids = _all_pids(run_dir)
+        os.kill(first_pids["learner"], signal.SIGKILL)
+        output, _ = process.communicate(timeout=180)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output
+    assert "restarting it from its latest checkpoint" in output
+    records = read_metrics(run_dir)
+    # Steps after the (here: absent) checkpoint were trained again and recorded once.
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert [r["version"] for r in records] == list(range(1, 13))
+    # The actors were ahead of the restarted learner and went back to its version.
+    assert "went back" in "".join((run_dir / "logs" / f"actor-{i}.log").read_text() for i in range(2))
+    table = json.loads((run_dir / "processes.json").read_text())
+    assert table["learner"]["restarts"] == 1
+    # The run's clock continues across the restart.
+    assert all(later["time"] >= earlier["time"] for earlier, later in zip(records, records[1:]))
+    for pid in {*first_pids.values(), *_all_pids(run_dir).values()}:
+        assert not _alive(pid), f"process {pid} left behind"
+
+
+def test_sigterm_to_the_launcher_checkpoints_the_last_step_and_stops_every_process(tmp_path, byte_model):
+    run_dir = tmp_path / "terminate"
+    process = _start(_overrides(tmp_path, byte_model, "terminate", 1000, ["learner.checkpoint_every=1000"]))
+    try:
+        _wait_for_step(run_dir, 3, process)
+        pids = _all_pids(run_dir)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, output
+    last_step = read_metrics(run_dir)[-1]["step"]
+    assert (run_dir / "checkpoints" / f"step_{last_step:06d}" / "state.pt").is_file()
+    for pid in pids.values():
+        assert not _alive(pid), f"process {pid} left behind"

@@ -1,0 +1,218 @@
+"""The learner under faults: gone peers at shutdown, silent actors, a joining flood, torn weights,
+a synchronous batch that lost a group, and sampling settings it cannot correct for."""
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+from longhorizon.common.config import load_config
+from longhorizon.common.models import build_tiny_model, load_causal_lm
+from longhorizon.common.transport import (
+    InProcessNetwork,
+    UnknownPeer,
+    ZmqDealer,
+    zmq_actor_endpoints,
+    zmq_learner_endpoints,
+)
+from longhorizon.common.wire import Heartbeat, Hello, HorizonUpdate, Stop, WeightsUpdate
+from longhorizon.learner import worker as learner_worker
+from longhorizon.learner.broadcast import make_weights_update
+from longhorizon.learner.worker import Learner
+
+
+@pytest.fixture(scope="module")
+def byte_model(tmp_path_factory):
+    """A tiny model whose vocabulary covers the byte tokens the scripted engine writes."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-bytes", words=[f"w{i}" for i in range(260)])
+
+
+def _config(tmp_path, model, *overrides):
+    return load_config(None, [
+        f"run.output_dir={str(tmp_path)!r}", "run.name='faults'", f"model.path={str(model)!r}",
+        "env.name='codebook'", "actor.engine='scripted'", "actor.scripted_policy='random'",
+        "actor.num_actors=1", "actor.group_size=2", "actor.concurrent_groups=2", "actor.max_context_tokens=256",
+        "actor.sampling.max_new_tokens=8", "learner.groups_per_step=2", "learner.learning_rate=1e-3",
+        "horizon.schedule='fixed'", "horizon.stages=[2]", *overrides,
+    ])
+
+
+def _hello(actor_id: str, version: int = 0) -> Hello:
+    return Hello(actor_id=actor_id, pid=1, hostname="test", policy_version=version, engine="scripted")
+
+
+async def _make_learner(config, endpoints, model):
+    return await trio.to_thread.run_sync(Learner, config, endpoints, config.run_dir, str(model))
+
+
+async def test_stop_reaches_live_actors_when_a_peer_that_said_hello_is_gone(tmp_path, byte_model):
+    endpoints = zmq_learner_endpoints(
+        trajectory_address="tcp://127.0.0.1:*", broadcast_address="tcp://127.0.0.1:*",
+        control_address="tcp://127.0.0.1:*",
+    )
+    actor = ZmqDealer("actor-0", endpoints.control.address)
+    ghost = ZmqDealer("ghost", endpoints.control.address)
+    try:
+        learner = await _make_learner(_config(tmp_path, byte_model), endpoints, byte_model)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(learner._control)
+            await actor.send(_hello("actor-0"))
+            await ghost.send(_hello("ghost"))
+            with trio.fail_after(10):
+                while set(learner.peers) != {"actor-0", "ghost"}:
+                    await trio.sleep(0.01)
+            ghost.close()
+            # Wait until the router has seen the ghost disconnect: sending to it then fails.
+            with trio.fail_after(10):
+                while True:
+                    try:
+                        await endpoints.control.send("ghost", Stop(reason="probe"))
+                    except UnknownPeer:
+                        break
+                    await trio.sleep(0.02)
+            assert await learner.stop_actors("training finished") == 1
+            with trio.fail_after(10):
+                message = await actor.receive()
+            assert isinstance(message, Stop) and message.reason == "training finished"
+            nursery.cancel_scope.cancel()
+    finally:
+        actor.close()
+        ghost.close()
+        endpoints.close()
+
+
+async def test_silent_actors_are_counted_lost_once_and_not_sent_to(tmp_path, byte_model):
+    network = InProcessNetwork()
+    learner = await _make_learner(_config(tmp_path, byte_model), network.learner_endpoints(), byte_model)
+    live = network.actor_endpoints("actor-0")
+    now = time.monotonic()
+    learner.peers = {
+        "actor-0": {"last_seen": now},
+        "silent": {"last_seen": now - 10 * learner.config.learner.peer_timeout_s},
+    }
+    assert learner.live_peers() == ["actor-0"]
+    assert learner.live_peers() == ["actor-0"]
+    assert learner.counters["actors_lost"] == 1  # reported once, not at every look
+    assert await learner.stop_actors("done") == 1
+    assert isinstance(await live.control.receive(), Stop)
+
+
+async def test_joining_actors_get_the_horizon_each_and_the_weights_once_per_interval(tmp_path, byte_model, monkeypatch):
+    monkeypatch.setattr(learner_worker, "_REPUBLISH_AFTER_S", 1000.0)  # no second send in this test
+    network = InProcessNetwork(broadcast_keep_latest=1000)
+    learner = await _make_learner(_config(tmp_path, byte_model), network.learner_endpoints(), byte_model)
+    subscriber = network.subscriber()
+    learner.version = 1
+    learner.latest_weights = make_weights_update(learner.model, 1, "inline")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(learner._control)
+        dealers = [network.dealer(f"actor-{index}") for index in range(50)]
+        for index, dealer in enumerate(dealers):
+            # Half the newcomers already hold version 1; the others hold nothing yet.
+            await dealer.send(_hello(f"actor-{index}", version=index % 2))
+        with trio.fail_after(10):
+            while len(learner.peers) < 50:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    kinds = []
+    while subscriber._pending:
+        kinds.append(type(await subscriber.receive()).__name__)
+    assert kinds.count("HorizonUpdate") >= 50
+    assert kinds.count("WeightsUpdate") == 1
+    assert learner.counters["weights_republished"] == 1
+
+
+def test_a_weights_update_owns_its_bytes(tiny_codebook_model):
+    model = load_causal_lm(tiny_codebook_model)
+    update = make_weights_update(model, 3, "inline")
+    before = {name: array.copy() for name, array in update.tensors.items()}
+    parameters = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, array in update.tensors.items():
+            assert not np.may_share_memory(array, parameters[name].detach().numpy()), name
+            parameters[name].add_(1.0)  # the learner's next step, in place
+    for name, array in update.tensors.items():
+        np.testing.assert_array_equal(array, before[name])
+
+
+async def test_weights_sent_over_pub_sub_are_those_of_their_version(tiny_codebook_model):
+    """A broadcast, then at once an in-place step: the subscriber still gets the sent version."""
+    model = load_causal_lm(tiny_codebook_model)
+    # Make one tensor large enough to be sent without a copy (above the 512 KiB threshold).
+    model.extra = torch.nn.Parameter(torch.full((512, 512), 0.25))
+    learner_side = zmq_learner_endpoints(
+        trajectory_address="tcp://127.0.0.1:*", broadcast_address="tcp://127.0.0.1:*",
+        control_address="tcp://127.0.0.1:*",
+    )
+    actor_side = zmq_actor_endpoints(
+        "actor-0", trajectory_address=learner_side.trajectories.address,
+        broadcast_address=learner_side.broadcast.address, control_address=learner_side.control.address,
+    )
+    try:
+        # Wait for the subscription to be in place (PUB drops what no one subscribed to yet).
+        with trio.fail_after(10):
+            while True:
+                await learner_side.broadcast.send(HorizonUpdate(horizon_cap=1, stage=0, learner_step=0))
+                with trio.move_on_after(0.05):
+                    await actor_side.broadcast.receive()
+                    break
+        update = make_weights_update(model, 1, "inline")
+        await learner_side.broadcast.send(update)
+        with torch.no_grad():
+            model.extra.add_(1.0)
+        with trio.fail_after(10):
+            while True:
+                received = await actor_side.broadcast.receive()
+                if isinstance(received, WeightsUpdate):
+                    break
+        assert np.all(received.tensors["extra"] == 0.25)
+    finally:
+        actor_side.close()
+        learner_side.close()
+
+
+async def test_a_sync_batch_that_lost_a_group_goes_ahead(tmp_path, byte_model):
+    """Sync actors make exactly one batch per version; a lost trajectory used to stall the learner."""
+    from longhorizon.actor.worker import run_actor
+    from longhorizon.learner.worker import run_learner
+
+    config = _config(tmp_path, byte_model, "run.mode='sync'", "run.total_steps=3", "learner.group_timeout_s=1.0")
+    network = InProcessNetwork()
+    endpoints = network.actor_endpoints("actor-0")
+
+    class DropFirst:
+        def __init__(self, inner):
+            self.inner, self.dropped = inner, 0
+
+        async def send(self, message):
+            if self.dropped == 0:
+                self.dropped += 1
+                return
+            await self.inner.send(message)
+
+        def close(self):
+            self.inner.close()
+
+    endpoints.trajectories = DropFirst(endpoints.trajectories)
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_actor, config, 0, endpoints)
+            learner = await run_learner(config, network.learner_endpoints(), model_path=str(byte_model))
+            nursery.cancel_scope.cancel()
+    assert learner.step == 3
+    assert learner.counters["short_sync_batches"] == 1
+    assert learner.buffer.counters["dropped_partial_groups"] == 1
+
+
+def test_training_refuses_top_p_below_one(tmp_path, byte_model):
+    from longhorizon.common.config import ConfigError
+    from longhorizon.launch.local import validate_config
+
+    with pytest.raises(ConfigError, match="top_p"):
+        validate_config(_config(tmp_path, byte_model, "actor.sampling.top_p=0.8"))
+    with pytest.raises(ValueError, match="top_p"):
+        Learner(_config(tmp_path, byte_model, "actor.sampling.top_p=0.8"), None, tmp_path, str(byte_model))
+    validate_config(dataclasses.replace(_config(tmp_path, byte_model)))
