@@ -33,6 +33,7 @@ STANDALONE_BENCHMARKS = {
     "search": "longhorizon.launch.bench_search",
     "web": "longhorizon.launch.bench_web",
     "generation": "longhorizon.launch.bench_generation",
+    "learner-step": "longhorizon.launch.bench_learner",
 }
 """Benchmarks with their own module and options: `longhorizon bench NAME ...` calls the module's
 `main(argv)`, which prints a table for people and, last, one line of JSON."""

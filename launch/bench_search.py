@@ -34,7 +34,7 @@ import trio
 _MB = 2**20
 
 
-class _PeakRss:
+class PeakRss:
     """Samples this process's resident memory in a thread; the peak above the starting value."""
 
     def __init__(self, interval_s: float = 0.05):
@@ -49,7 +49,7 @@ class _PeakRss:
         while not self._stop.wait(self._interval_s):
             self.peak_bytes = max(self.peak_bytes, self._process.memory_info().rss)
 
-    def __enter__(self) -> "_PeakRss":
+    def __enter__(self) -> "PeakRss":
         self._thread.start()
         return self
 
@@ -108,7 +108,7 @@ def _serve_in_fresh_process(corpus_path: Path, index_dir: Path, queries: list[st
 def _build(corpus_path: Path, index_dir: Path) -> dict[str, Any]:
     from longhorizon.envs.search.retriever import build_bm25_index
 
-    with _PeakRss() as build_memory:
+    with PeakRss() as build_memory:
         started = time.perf_counter()
         meta = build_bm25_index(corpus_path, index_dir)
         build_seconds = time.perf_counter() - started

@@ -92,6 +92,8 @@ def _serve(args: argparse.Namespace) -> int:
         ServiceSettings(
             env_name=args.name, env_options=options, host=args.host, port=args.port,
             max_instances=args.max_instances, idle_timeout_s=args.idle_timeout, max_body_bytes=args.max_body_bytes,
+            unused_idle_timeout_s=args.unused_idle_timeout, request_timeout_s=args.request_timeout,
+            max_instances_per_client=args.max_instances_per_client,
         )
     )
     return 0
@@ -149,7 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8700)
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (no authentication: keep it loopback)")
     serve.add_argument("--max-instances", type=int, default=128, help="most live env instances")
-    serve.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an unused instance is closed")
+    serve.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle instance is closed")
+    serve.add_argument("--unused-idle-timeout", type=float, default=60.0,
+                       help="seconds before an instance never reset or stepped after /create is closed")
+    serve.add_argument("--request-timeout", type=float, default=30.0,
+                       help="seconds a client has to send a whole request (head and body)")
+    serve.add_argument("--max-instances-per-client", type=int, default=None,
+                       help="most instances one non-loopback address may hold (default: half of --max-instances)")
     serve.add_argument("--max-body-bytes", type=int, default=1024 * 1024, help="largest request body accepted")
     serve.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="env option (JSON value)")
     env.set_defaults(handler=_env)

@@ -121,6 +121,7 @@ _COUNTER_NAMES = (
     "dropped_incomplete_groups",
     "dropped_partial_groups",
     "dropped_overflow_groups",
+    "dropped_group_trajectories",
     "returned_groups",
     "returned_partial_groups",
     "returned_trajectories",
@@ -149,7 +150,10 @@ class GroupBuffer:
     dropped), dropped_overfull (more members than group_size), dropped_stale_groups,
     dropped_incomplete_groups (partial, kept policy, too few members), dropped_partial_groups
     (partial, drop policy), dropped_overflow_groups (beyond ``max_pending_groups``),
-    returned_groups, returned_partial_groups, returned_trajectories.
+    dropped_group_trajectories (accepted members of the groups dropped), returned_groups,
+    returned_partial_groups, returned_trajectories. Every trajectory received is counted once:
+    received = accepted + each refusal counter, and accepted = returned_trajectories +
+    dropped_group_trajectories + the trajectories still held.
     """
 
     def __init__(
@@ -205,6 +209,7 @@ class GroupBuffer:
         self.staleness_histogram: collections.Counter[int] = collections.Counter()
         # A sender with a bug can send thousands of bad trajectories: one log line per interval.
         self._refusals = RateLimitedLog("group buffer refused a trajectory", log=logger)
+        self._overflows = RateLimitedLog("group buffer full", log=logger)
 
     def __len__(self) -> int:
         """Trajectories held."""
@@ -296,11 +301,13 @@ class GroupBuffer:
             (group_id for group_id, group in self._pending.items() if not group.is_complete),
             next(iter(self._pending)),
         )
-        self._close(victim_id)
-        self.counters["dropped_overflow_groups"] += 1
-        logger.warning(
-            "group buffer full (%d groups): dropped group %s", self.max_pending_groups, victim_id
-        )
+        self._drop(victim_id, "dropped_overflow_groups")
+        self._overflows.record(f"{self.max_pending_groups} groups pending: dropped group {victim_id}")
+
+    def _drop(self, group_id: str, reason: str) -> None:
+        group = self._close(group_id)
+        self.counters[reason] += 1
+        self.counters["dropped_group_trajectories"] += len(group.trajectories)
 
     def _close(self, group_id: str) -> Group:
         self._closed_group_ids.add(group_id)
@@ -324,16 +331,14 @@ class GroupBuffer:
         for group_id, group in list(self._pending.items()):
             member_staleness = group.member_staleness(learner_version)
             if max(member_staleness, default=0) > self.max_staleness:
-                self._close(group_id)
-                self.counters["dropped_stale_groups"] += 1
+                self._drop(group_id, "dropped_stale_groups")
                 continue
             if not group.is_complete:
                 lost_members = group.refused_members > 0
                 timed_out = give_up_waiting or now - group.first_arrival >= self.group_timeout_s
                 if self.partial_groups == "drop":
                     if lost_members or timed_out:
-                        self._close(group_id)
-                        self.counters["dropped_partial_groups"] += 1
+                        self._drop(group_id, "dropped_partial_groups")
                     continue
                 all_accounted_for = (
                     len(group.trajectories) + group.refused_members >= group.group_size
@@ -341,8 +346,7 @@ class GroupBuffer:
                 if not (all_accounted_for or timed_out):
                     continue
                 if len(group.trajectories) < self.min_group_size_on_timeout:
-                    self._close(group_id)
-                    self.counters["dropped_incomplete_groups"] += 1
+                    self._drop(group_id, "dropped_incomplete_groups")
                     continue
             # Ready groups beyond max_groups stay, in order, for the next call.
             if len(ready) < max_groups:

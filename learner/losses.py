@@ -335,8 +335,10 @@ def kl_penalty(
 ) -> LossOutput:
     """KL(pi_theta || pi_ref) by the k3 estimator exp(ref - lp) - (ref - lp) - 1, aggregated.
 
-    k3 is unbiased for tokens sampled from pi_theta and never negative, which keeps the penalty
-    from rewarding the policy for drifting.
+    k3 is never negative, which keeps the penalty from rewarding the policy for drifting. It is
+    unbiased only for tokens sampled from pi_theta itself; the learner's tokens come from the
+    behaviour policy mu (possibly several versions old) and are not reweighted here, so off-policy
+    this estimates a KL-like penalty around mu's samples, biased by how far mu is from pi_theta.
     """
     _check_token_tensors(mask, logprobs=logprobs, reference_logprobs=reference_logprobs)
     counted = mask > 0

@@ -408,3 +408,45 @@ def test_token_ids_outside_the_vocabulary_are_refused_as_malformed():
 def test_vocab_size_must_be_positive():
     with pytest.raises(ValueError, match="vocab_size"):
         make_buffer(vocab_size=0)
+
+
+def test_every_trajectory_is_counted_once_under_random_traffic():
+    """Duplicates, stale, over-long, late and malformed arrivals, timeouts and overflow, in a
+    random order: what came in is always accepted or refused for one counted reason, and what
+    was accepted is returned, dropped with its group, or still held."""
+    refusals = (
+        "duplicates", "dropped_malformed", "dropped_too_long", "dropped_stale_trajectories",
+        "dropped_future_trajectories", "dropped_late_trajectories", "dropped_overfull",
+    )
+    rng = np.random.default_rng(0)
+    for policy in ("drop", "keep"):
+        buffer, clock = make_buffer(
+            max_staleness=2, group_timeout_s=5.0, partial_groups=policy, max_pending_groups=6, max_tokens=6,
+        )
+        version, sent_ids = 0, []
+        for _ in range(3000):
+            choice = rng.random()
+            if choice < 0.1 and sent_ids:
+                buffer.add(trajectory(sent_ids[rng.integers(len(sent_ids))], "g0", versions=[version]),
+                           learner_version=version)  # a re-sent duplicate
+            elif choice < 0.15:
+                buffer.add(StandInTrajectory("", "g", 2, 0.0, np.ones(1), np.zeros(1)), learner_version=version)
+            else:
+                group = f"g{len(sent_ids) // 3 + int(rng.integers(0, 4))}"  # a sliding window of groups
+                length = int(rng.integers(1, 9))  # some longer than max_tokens
+                born = version - int(rng.integers(0, 5)) + int(rng.random() < 0.02)  # stale, or from the future
+                identity = f"t{len(sent_ids)}"
+                sent_ids.append(identity)
+                buffer.add(trajectory(identity, group, versions=[-1] + [born] * length, group_size=3),
+                           learner_version=version)
+            if rng.random() < 0.05:
+                clock.now += float(rng.uniform(0, 4))
+            if rng.random() < 0.05:
+                buffer.pop_ready(int(rng.integers(0, 3)), learner_version=version)
+                version += int(rng.random() < 0.5)
+            counters = buffer.counters
+            assert counters["received"] == counters["accepted"] + sum(counters[name] for name in refusals)
+            assert counters["accepted"] == (
+                counters["returned_trajectories"] + counters["dropped_group_trajectories"] + len(buffer)
+            )
+        assert [name for name in (*refusals, "returned_trajectories") if buffer.counters[name] == 0] == []
