@@ -83,3 +83,34 @@ def truncate_metrics(run_dir: Path, *, last_step: int) -> int:
         partial.write_text("".join(line + "\n" for line in kept))
         partial.replace(path)
     return removed
+
+
+class MetricsFollower:
+    """Reads the records appended to a run's metrics.jsonl since the last call, without parsing
+    the whole file each time (a launcher polls it for hours). A file that shrank (a resumed
+    learner removed the records after its checkpoint) is followed from its new end."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._offset = self.path.stat().st_size if self.path.is_file() else 0
+
+    def new_records(self) -> list[dict]:
+        try:
+            with self.path.open("rb") as file:
+                size = file.seek(0, 2)
+                if size < self._offset:
+                    self._offset = size
+                file.seek(self._offset)
+                chunk = file.read(size - self._offset)
+        except FileNotFoundError:
+            return []
+        # Only whole lines: one being written right now is read next time.
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        records = []
+        for line in complete.decode("utf-8", errors="replace").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return records

@@ -34,6 +34,7 @@ STANDALONE_BENCHMARKS = {
     "web": "longhorizon.launch.bench_web",
     "generation": "longhorizon.launch.bench_generation",
     "learner-step": "longhorizon.launch.bench_learner",
+    "soak": "longhorizon.launch.bench_soak",
 }
 """Benchmarks with their own module and options: `longhorizon bench NAME ...` calls the module's
 `main(argv)`, which prints a table for people and, last, one line of JSON."""

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from longhorizon.common.config import Config, ConfigError, dump_toml
-from longhorizon.common.metrics import read_metrics
+from longhorizon.common.metrics import MetricsFollower
 
 _MAX_RESTARTS_PER_ACTOR = 20
 _MAX_LEARNER_RESTARTS = 3
@@ -216,7 +216,7 @@ def launch_local(config: Config, *, progress=print) -> int:
         f"starting 1 learner and {len(actors)} actor(s): env {config.env.name}, engine {config.actor.engine}, "
         f"model {config.model.path}, mode {config.run.mode}, {config.run.total_steps} steps"
     )
-    already_seen = len(read_metrics(run_dir))
+    metrics = MetricsFollower(run_dir)
     # Signal handlers can only be set from the main thread (a launcher run from a test's thread
     # keeps the default).
     in_main_thread = threading.current_thread() is threading.main_thread()
@@ -227,12 +227,8 @@ def launch_local(config: Config, *, progress=print) -> int:
         _write_process_table(run_dir, children)
         while True:
             time.sleep(0.5)
-            records = read_metrics(run_dir)
-            # A restarted learner removes the records after its checkpoint and writes them again.
-            already_seen = min(already_seen, len(records))
-            for record in records[already_seen:]:
+            for record in metrics.new_records():
                 progress(format_progress(record, config.run.total_steps))
-            already_seen = len(records)
             learner_code = learner.poll()
             if learner_code is not None:
                 if learner_code == 0 or learner.restarts >= _MAX_LEARNER_RESTARTS:
@@ -275,8 +271,7 @@ def launch_local(config: Config, *, progress=print) -> int:
         while actor.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
     _stop_all(children)
-    records = read_metrics(run_dir)
-    for record in records[already_seen:]:
+    for record in metrics.new_records():
         progress(format_progress(record, config.run.total_steps))
     if learner_code != 0:
         progress(f"the learner failed with exit code {learner_code}; see {run_dir / 'logs' / 'learner.log'}")

@@ -119,6 +119,7 @@ class Learner:
         self.horizon = self.schedule.at(self.step)
         self.metrics = MetricsWriter(self.run_dir)
         self.peers: dict[str, dict] = {}
+        self.episodes_reported: dict[tuple, int] = {}
         self.latest_weights = None
         self.last_weights_broadcast = -math.inf
         self.arrived = trio.Event()
@@ -175,6 +176,7 @@ class Learner:
             if isinstance(message, Hello):
                 log.info("actor %s joined (pid %s on %s, engine %s)", peer, message.pid, message.hostname, message.engine)
                 info["version"] = message.policy_version
+                info["incarnation"] = (message.hostname, message.pid)
                 info.pop("lost", None)
                 # A new or restarted actor needs the current horizon at once, and the weights if
                 # it does not hold them; whole weights go out at most once per interval however
@@ -183,6 +185,9 @@ class Learner:
                 await self._republish_weights_if_behind(message.policy_version)
             elif isinstance(message, Heartbeat):
                 info["version"] = message.policy_version
+                # Episodes each actor process says it sent, kept per process: a restarted actor
+                # counts from zero again.
+                self.episodes_reported[(peer, info.get("incarnation"))] = message.episodes_done
                 info.pop("lost", None)
                 await self._republish_weights_if_behind(message.policy_version)
             elif isinstance(message, ActorStats):
@@ -310,7 +315,16 @@ class Learner:
             "failed_episodes": scored.failed_trajectories,
             "episode_turns_mean": float(np.mean([t.num_turns for t in trajectories])) if trajectories else 0.0,
             "truncated_rate": float(np.mean([t.truncated for t in trajectories])) if trajectories else 0.0,
-            # Where data went, counted over the whole run (a resumed run continues the counts).
+            # Where data went, counted over the whole run (a resumed run continues the counts):
+            # received = accepted + the refusals below; accepted = trained + dropped with their
+            # group + held. Episodes the actors reported sending, minus those received, were in
+            # flight (or died with a killed actor).
+            "actor_episodes_reported": sum(self.episodes_reported.values()),
+            "trajectories_received": buffer_counters["received"],
+            "trajectories_accepted": buffer_counters["accepted"],
+            "trajectories_trained": buffer_counters["returned_trajectories"],
+            "trajectories_dropped_with_group": buffer_counters["dropped_group_trajectories"],
+            "trajectories_held": len(self.buffer),
             "groups_dropped_stale": buffer_counters["dropped_stale_groups"],
             "groups_dropped_partial": buffer_counters["dropped_partial_groups"] + buffer_counters["dropped_incomplete_groups"],
             "groups_dropped_overflow": buffer_counters["dropped_overflow_groups"],

@@ -153,3 +153,46 @@ def test_async_vs_sync_runs_both_modes_over_real_processes(tmp_path, capsys):
     assert result["async_staleness_mean"] >= 0.0
     assert result["speedup"] == pytest.approx(result["async_episodes_per_s"] / result["sync_episodes_per_s"])
     assert {"target_speedup", "meets_target", "concurrent_episodes", "token_latency_s"} <= set(result)
+
+
+def test_soak_memory_growth_is_measured_from_the_end_of_each_warm_up():
+    from longhorizon.launch.bench_soak import memory_growth
+
+    samples = {
+        ("learner", 10): [(0.0, 50.0), (60.0, 100.0), (120.0, 102.0), (180.0, 105.0)],
+        ("actor-0", 11): [(0.0, 80.0), (30.0, 90.0)],  # killed before its warm-up ended
+    }
+    [row] = memory_growth(samples, warmup_s=60.0)
+    assert (row["role"], row["pid"], row["from_s"], row["to_s"]) == ("learner", 10, 60.0, 180.0)
+    assert row["growth_pct"] == 5.0
+
+
+def test_soak_data_accounting_checks_both_identities():
+    from longhorizon.launch.bench_soak import data_accounting
+
+    record = {
+        "trajectories_received": 100, "trajectories_accepted": 90, "trajectories_duplicate": 4,
+        "trajectories_dropped_stale": 6, "trajectories_trained": 80, "trajectories_dropped_with_group": 7,
+        "trajectories_held": 3, "actor_episodes_reported": 104,
+    }
+    data = data_accounting(record)
+    assert data["received_adds_up"] and data["accepted_adds_up"]
+    assert data["in_flight_or_lost_at_kills"] == 4
+    assert not data_accounting({**record, "trajectories_held": 2})["accepted_adds_up"]
+
+
+@pytest.mark.slow
+def test_a_short_soak_kills_actors_accounts_for_every_trajectory_and_leaves_nothing(tmp_path):
+    from longhorizon.launch.bench_soak import build_parser, run_soak
+
+    args = build_parser().parse_args([
+        "--minutes", "0.75", "--kill-every-s", "12", "--sample-every-s", "1", "--warmup-s", "5",
+        "--output-dir", str(tmp_path),
+    ])
+    result = run_soak(args)
+    assert result["kills"] >= 2
+    assert result["steps"] > 0
+    assert result["data"]["received_adds_up"] and result["data"]["accepted_adds_up"]
+    assert result["data"]["received"] > 0
+    assert result["left_behind"] == []
+    assert any(row["role"] == "learner" for row in result["memory"])

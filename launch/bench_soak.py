@@ -1,0 +1,213 @@
+"""`longhorizon bench soak`: a long training run with actors killed now and then; memory and data.
+
+It starts `longhorizon train CONFIG` (the codebook config by default, run.total_steps set so the
+run outlasts the soak), kills a random actor with SIGKILL every `--kill-every-s` seconds (the
+launcher restarts it), and samples the resident memory of every process of the run every
+`--sample-every-s` seconds. After `--minutes` it stops the run with SIGTERM and reports:
+
+- per process (learner, and each actor process incarnation that lived long enough): resident
+  memory when its warm-up ended (`--warmup-s` after it started) and at its last sample, and the
+  growth between them;
+- where the data went, from the learner's last metrics record: trajectories received = accepted +
+  refused (each for one counted reason), accepted = trained + dropped with their group + held,
+  and the episodes the actors reported sending against those received (the difference was in
+  flight, or died with a killed actor);
+- that no process of the run is left once the launcher has exited.
+
+Run: `longhorizon bench soak --minutes 60 --kill-every-s 120` (a table for people, then one line of
+JSON). A run directory under `--output-dir` (default: a temporary folder) keeps the logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+_REFUSALS = (
+    "trajectories_duplicate", "trajectories_malformed", "trajectories_too_long", "trajectories_dropped_stale",
+    "trajectories_future", "trajectories_late", "trajectories_overfull",
+)
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="longhorizon bench soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(REPO_ROOT / "configs" / "codebook.toml"),
+                        help="training config (default: configs/codebook.toml)")
+    parser.add_argument("--minutes", type=float, default=60.0, help="length of the soak (default %(default)s)")
+    parser.add_argument("--kill-every-s", type=float, default=120.0,
+                        help="SIGKILL a random actor this often; 0 never (default %(default)s)")
+    parser.add_argument("--sample-every-s", type=float, default=10.0, help="memory sampling interval (default %(default)s)")
+    parser.add_argument("--warmup-s", type=float, default=120.0,
+                        help="a process's memory is compared from this long after it started (default %(default)s)")
+    parser.add_argument("--output-dir", default=None, help="where the run directory goes (default: a temporary folder)")
+    parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    return parser
+
+
+def _rss_mb(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).memory_info().rss / 2**20
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def _run_processes(run_dir: Path) -> dict[str, int]:
+    try:
+        table = json.loads((run_dir / "processes.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    return {name: entry["pid"] for name, entry in table.items() if entry.get("pid")}
+
+
+def memory_growth(samples: dict[tuple[str, int], list[tuple[float, float]]], warmup_s: float) -> list[dict[str, Any]]:
+    """Growth of each process's memory from the end of its warm-up to its last sample.
+
+    `samples` maps (role, pid) to (seconds since that process was first seen, RSS MB) pairs.
+    Processes that did not outlive their warm-up by at least one more sample are left out.
+    """
+    rows = []
+    for (role, pid), series in sorted(samples.items()):
+        after_warmup = [(t, rss) for t, rss in series if t >= warmup_s]
+        if len(after_warmup) < 2:
+            continue
+        (start_t, start_rss), (end_t, end_rss) = after_warmup[0], after_warmup[-1]
+        rows.append({
+            "role": role, "pid": pid, "from_s": start_t, "to_s": end_t, "rss_start_mb": start_rss,
+            "rss_end_mb": end_rss, "growth_pct": 100.0 * (end_rss - start_rss) / start_rss,
+        })
+    return rows
+
+
+def data_accounting(record: dict[str, Any]) -> dict[str, Any]:
+    """The learner's last record, checked: every trajectory received is counted once."""
+    refused = sum(int(record.get(name, 0)) for name in _REFUSALS)
+    received, accepted = int(record.get("trajectories_received", 0)), int(record.get("trajectories_accepted", 0))
+    trained = int(record.get("trajectories_trained", 0))
+    dropped = int(record.get("trajectories_dropped_with_group", 0))
+    held = int(record.get("trajectories_held", 0))
+    reported = int(record.get("actor_episodes_reported", 0))
+    return {
+        "received": received, "accepted": accepted, "refused": refused, "trained": trained,
+        "dropped_with_group": dropped, "held": held, "actor_episodes_reported": reported,
+        "in_flight_or_lost_at_kills": reported - received,
+        "received_adds_up": received == accepted + refused,
+        "accepted_adds_up": accepted == trained + dropped + held,
+    }
+
+
+def run_soak(args: argparse.Namespace) -> dict[str, Any]:
+    output = Path(args.output_dir or tempfile.mkdtemp(prefix="longhorizon-soak-"))
+    run_dir = output / "soak"
+    command = [
+        sys.executable, "-m", "longhorizon.launch.cli", "train", args.config,
+        f"run.output_dir={str(output)!r}", "run.name='soak'", "run.total_steps=100000000",
+        "learner.checkpoint_every=1000", *args.overrides, "--no-plots",
+    ]
+    output.mkdir(parents=True, exist_ok=True)
+    launcher_log = (output / "launcher.log").open("w")
+    launcher = subprocess.Popen(command, stdout=launcher_log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    launcher_log.close()
+    samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    first_seen: dict[int, float] = {}
+    every_pid: set[int] = set()
+    kills = 0
+    rng = random.Random(0)
+    started = time.monotonic()
+    next_kill = started + args.kill_every_s if args.kill_every_s > 0 else float("inf")
+    next_report = started + 60
+    try:
+        while time.monotonic() - started < args.minutes * 60:
+            if launcher.poll() is not None:
+                tail = (output / "launcher.log").read_text()[-2000:]
+                raise RuntimeError(f"the run ended early (exit {launcher.returncode}): {tail}")
+            now = time.monotonic()
+            processes = _run_processes(run_dir)
+            for name, pid in processes.items():
+                every_pid.add(pid)
+                first_seen.setdefault(pid, now)
+                rss = _rss_mb(pid)
+                if rss is not None:
+                    role = "learner" if name == "learner" else name
+                    samples.setdefault((role, pid), []).append((now - first_seen[pid], rss))
+            actors = [pid for name, pid in processes.items() if name != "learner"]
+            if now >= next_kill and actors:
+                os.kill(rng.choice(actors), signal.SIGKILL)
+                kills += 1
+                next_kill = now + args.kill_every_s
+            if now >= next_report:
+                next_report = now + 60
+                print(f"  {(now - started) / 60:5.1f} min: {kills} actors killed", flush=True)
+            time.sleep(args.sample_every_s)
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)
+        try:
+            launcher.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait()
+    from longhorizon.common.metrics import read_metrics
+
+    every_pid.update(_run_processes(run_dir).values())
+    time.sleep(2)
+    left_behind = sorted(pid for pid in every_pid if _rss_mb(pid) is not None)
+    records = read_metrics(run_dir)
+    return {
+        "minutes": args.minutes, "kills": kills, "steps": records[-1]["step"] if records else 0,
+        "memory": memory_growth(samples, args.warmup_s),
+        "data": data_accounting(records[-1]) if records else {},
+        "left_behind": left_behind, "run_dir": str(run_dir),
+    }
+
+
+def print_report(result: dict[str, Any]) -> None:
+    print(f"soak: {result['minutes']:.0f} min, {result['steps']} learner steps, {result['kills']} actors killed")
+    print(f"{'process':>10} {'pid':>8} {'from s':>7} {'to s':>7} {'RSS start MB':>13} {'RSS end MB':>11} {'growth':>8}")
+    for row in result["memory"]:
+        print(f"{row['role']:>10} {row['pid']:>8} {row['from_s']:>7.0f} {row['to_s']:>7.0f} {row['rss_start_mb']:>13.0f} "
+              f"{row['rss_end_mb']:>11.0f} {row['growth_pct']:>7.1f}%")
+    data = result["data"]
+    if data:
+        print(f"trajectories: {data['received']} received = {data['accepted']} accepted + {data['refused']} refused "
+              f"({'adds up' if data['received_adds_up'] else 'DOES NOT ADD UP'}); accepted = {data['trained']} trained + "
+              f"{data['dropped_with_group']} dropped with their group + {data['held']} held "
+              f"({'adds up' if data['accepted_adds_up'] else 'DOES NOT ADD UP'}); actors reported "
+              f"{data['actor_episodes_reported']} sent")
+    print(f"processes left behind: {len(result['left_behind'])}")
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_request:
+        return int(exit_request.code or 0)
+    if args.minutes <= 0 or args.sample_every_s <= 0 or args.warmup_s < 0 or args.kill_every_s < 0:
+        parser.print_usage(sys.stderr)
+        print("longhorizon bench soak: error: --minutes and --sample-every-s must be positive, "
+              "--warmup-s and --kill-every-s not negative", file=sys.stderr)
+        return 2
+    try:
+        result = run_soak(args)
+    except RuntimeError as error:
+        print(f"longhorizon bench soak: {error}", file=sys.stderr)
+        return 1
+    print_report(result)
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
