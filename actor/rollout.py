@@ -23,6 +23,8 @@ from longhorizon.common.wire import Trajectory, pack_arrays
 
 log = logging.getLogger(__name__)
 
+DEFAULT_ENV_CALL_TIMEOUT_S = 300.0
+
 
 @dataclass
 class EpisodeResult:
@@ -50,13 +52,22 @@ async def run_episode(
     seed: int | None = None,
     episode_id: str | None = None,
     invalid_reply_reward: float = 0.0,
+    env_call_timeout_s: float = DEFAULT_ENV_CALL_TIMEOUT_S,
 ) -> EpisodeResult:
-    """Play one episode. Env and engine failures are reported in `error`, never raised."""
+    """Play one episode. Env and engine failures are reported in `error`, never raised; an env
+    reset or step that takes longer than `env_call_timeout_s` fails the episode (a hung browser
+    or simulator must not hold an episode slot for ever)."""
     episode_id = episode_id or uuid.uuid4().hex
     result = EpisodeResult(conversation=None)
+
+    async def env_call(what: str, call, *args, **kwargs):
+        with trio.move_on_after(env_call_timeout_s):
+            return await call(*args, **kwargs)
+        raise TimeoutError(f"env {what} on task {getattr(task, 'task_id', '?')} took over {env_call_timeout_s:g}s")
+
     try:
         started = time.perf_counter()
-        observation, info = await env.reset(task, seed=seed)
+        observation, info = await env_call("reset", env.reset, task, seed=seed)
         result.env_seconds += time.perf_counter() - started
         messages = []
         instructions = env.instructions()
@@ -95,7 +106,7 @@ async def run_episode(
                 result.invalid_actions += 1
             else:
                 started = time.perf_counter()
-                observation, reward, terminated, truncated, info = await env.step(action)
+                observation, reward, terminated, truncated, info = await env_call("step", env.step, action)
                 result.env_seconds += time.perf_counter() - started
                 result.success = bool(info.get("success", False))
             result.turn_rewards.append(float(reward))
@@ -222,6 +233,7 @@ async def run_group(
     seed: int,
     on_trajectory: Callable[[Trajectory], Awaitable[None]],
     invalid_reply_reward: float = 0.0,
+    env_call_timeout_s: float = DEFAULT_ENV_CALL_TIMEOUT_S,
 ) -> list[Trajectory]:
     """Run G episodes of one task concurrently; each trajectory is handed over as soon as it ends."""
     trajectories: list[Trajectory] = []
@@ -239,6 +251,7 @@ async def run_group(
             seed=seed,
             episode_id=f"{group_id}-{member}",
             invalid_reply_reward=invalid_reply_reward,
+            env_call_timeout_s=env_call_timeout_s,
         )
         env_pool.release(env, broken=bool(result.error))
         trajectory = to_trajectory(

@@ -179,8 +179,19 @@ class Actor:
         counters.generation_seconds += trajectory.generation_seconds
         counters.env_seconds += trajectory.env_seconds
         counters.errors += bool(trajectory.error)
-        # PUSH blocks past the high-water mark: backpressure instead of dropped trajectories.
-        await self.endpoints.trajectories.send(trajectory)
+        # PUSH blocks past the high-water mark: backpressure instead of dropped trajectories. A
+        # send abandoned by the timeout left nothing half sent, so it is simply tried again.
+        report_s = self.config.actor.wait_report_s
+        waited = 0.0
+        while True:
+            with trio.move_on_after(report_s):
+                await self.endpoints.trajectories.send(trajectory)
+                return
+            waited += report_s
+            log.warning(
+                "%s: waiting %.0fs to send a trajectory: the learner is not taking them (busy, hung or gone)",
+                self.actor_id, waited,
+            )
 
     async def _play_group(self) -> None:
         horizon = self.horizon
@@ -200,14 +211,24 @@ class Actor:
             seed=self.rng.randrange(2**31),
             on_trajectory=self._send,
             invalid_reply_reward=self.config.actor.invalid_reply_reward,
+            env_call_timeout_s=self.config.actor.env_call_timeout_s,
         )
 
-    async def _wait_for(self, condition) -> None:
+    async def _wait_for(self, condition, what: str) -> None:
+        """Wait until `condition()` holds, saying what it waits for now and then (a learner that
+        never comes up, or never sends the next version, must not leave a silent actor)."""
+        started = trio.current_time()
         while not condition():
-            await self.changed.wait()
+            with trio.move_on_after(self.config.actor.wait_report_s) as scope:
+                await self.changed.wait()
+            if scope.cancelled_caught:
+                log.warning(
+                    "%s: waiting %.0fs for %s (weights v%d held)",
+                    self.actor_id, trio.current_time() - started, what, self.engine.policy_version,
+                )
 
     async def _async_group_loop(self) -> None:
-        await self._wait_for(lambda: self.horizon is not None)
+        await self._wait_for(lambda: self.horizon is not None, "the learner's first horizon broadcast")
         while True:
             await self._play_group()
 
@@ -219,7 +240,8 @@ class Actor:
             await self._wait_for(
                 lambda: self.horizon is not None
                 and self.engine.policy_version >= self.horizon.learner_step
-                and self.engine.policy_version > self.last_sync_version
+                and self.engine.policy_version > self.last_sync_version,
+                f"the learner's next version after v{self.last_sync_version}",
             )
             self.last_sync_version = self.engine.policy_version
 

@@ -102,6 +102,11 @@ class ActorConfig:
     models that rarely reach the goal. 0 keeps rewards outcome-only, as in the reference."""
     heartbeat_s: float = 2.0
     """Seconds between heartbeats to the learner."""
+    env_call_timeout_s: float = 300.0
+    """An env reset or step taking longer than this fails its episode (counted as failed)."""
+    wait_report_s: float = 30.0
+    """An actor waiting this long for the learner (its first horizon, the next version in sync
+    mode, room to send a trajectory) logs what it waits for, and again at this interval."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling settings for generation."""
 

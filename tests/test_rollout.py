@@ -101,6 +101,29 @@ async def test_broken_env_fails_the_episode_not_the_actor():
     assert result.reward == 0.0
 
 
+class _HungEnv(_BrokenEnv):
+    async def step(self, action):
+        import trio
+
+        await trio.sleep_forever()
+
+
+async def test_a_hung_env_step_fails_the_episode_after_the_timeout(autojump_clock):
+    engine = _FixedReplyEngine("a0")
+    task = list_tasks("codebook", "test")[0]
+    result = await run_episode(
+        _HungEnv(), engine, task, horizon_cap=3, max_context_tokens=1000, max_new_tokens=4, env_call_timeout_s=60,
+    )
+    assert "TimeoutError" in result.error and "env step" in result.error and "60s" in result.error
+
+
+async def test_a_first_prompt_that_leaves_no_room_fails_the_episode():
+    engine = _FixedReplyEngine("a0")
+    task = list_tasks("codebook", "test")[0]
+    result = await run_episode(make_env("codebook"), engine, task, horizon_cap=3, max_context_tokens=10, max_new_tokens=4)
+    assert "does not fit actor.max_context_tokens" in result.error and result.num_turns == 0
+
+
 async def test_context_budget_truncates():
     engine = _FixedReplyEngine("a0")
     task = list_tasks("codebook", "test")[0]
