@@ -237,7 +237,7 @@ class Learner:
         broadcast (ZeroMQ's slow-joiner gap) still learns the cap and the learner's version."""
         while True:
             await trio.sleep(_HORIZON_REPEAT_S)
-            await self.endpoints.broadcast.send(horizon_update(self.horizon))
+            await self._publish_horizon()
 
     # -- training --------------------------------------------------------------------------
 
@@ -256,7 +256,7 @@ class Learner:
                     last_report - waiting_since, len(groups), wanted, len(self.buffer), self.buffer.pending_groups,
                     ", ".join(sorted(self.live_peers())) or "none",
                 )
-            give_up = self.sync and self._sync_batch_is_over(len(groups), wanted, dropped_at_start)
+            give_up = self.sync and self._sync_batch_is_over(len(groups), wanted, dropped_at_start, waiting_since)
             groups += self.buffer.pop_ready(
                 wanted - len(groups), learner_version=self.version, give_up_waiting=give_up,
             )
@@ -280,14 +280,15 @@ class Learner:
             "dropped_stale_groups", "dropped_incomplete_groups", "dropped_partial_groups", "dropped_overflow_groups",
         ))
 
-    def _sync_batch_is_over(self, ready: int, wanted: int, dropped_at_start: int) -> bool:
+    def _sync_batch_is_over(self, ready: int, wanted: int, dropped_at_start: int, batch_started: float) -> bool:
         """Sync mode: the actors generate exactly one batch per version, so a group lost on the way
         (dropped, or its trajectories rejected on the wire) would leave the learner waiting for
         ever. The batch is over once every group it expected is ready or dropped, or when nothing
         has arrived for `learner.sync_batch_timeout_s`."""
         if ready + self._groups_dropped() - dropped_at_start >= wanted:
             return True
-        return time.monotonic() - self.last_arrival > self.config.learner.sync_batch_timeout_s
+        quiet_since = max(self.last_arrival, batch_started)  # the last step may have been long
+        return time.monotonic() - quiet_since > self.config.learner.sync_batch_timeout_s
 
     def _record(self, groups, scored, train_metrics: dict, elapsed: float, trained_version: int) -> dict:
         trajectories = [t for g in groups for t in g.trajectories]
