@@ -10,7 +10,6 @@ sockets close and their ZeroMQ context is terminated before the process exits.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import signal
 import sys
@@ -18,6 +17,7 @@ import sys
 import trio
 
 from longhorizon.common.config import Config, load_config
+from longhorizon.common.processes import die_with_parent
 
 
 def transport_addresses(config: Config) -> dict[str, str]:
@@ -27,15 +27,6 @@ def transport_addresses(config: Config) -> dict[str, str]:
         "broadcast_address": f"tcp://{transport.host}:{transport.broadcast_port}",
         "control_address": f"tcp://{transport.host}:{transport.control_port}",
     }
-
-
-def die_with_parent() -> None:
-    """Ask Linux to send SIGTERM to this process if its launcher dies, so none is left behind."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
 
 
 async def _until_signal(cancel_scope: trio.CancelScope, received: list[int]) -> None:
@@ -98,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the run's latest checkpoint (a restarted learner)")
     args = parser.parse_args(argv)
+    # SIGTERM if the launcher dies (it starts workers from its main thread, which the kernel
+    # tracks), so no worker outlives it.
     die_with_parent()
     logging.basicConfig(
         level=logging.INFO,

@@ -6,6 +6,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+import psutil
 import pytest
 
 from longhorizon.envs.base import list_tasks, make_env
@@ -231,3 +232,27 @@ def test_reset_restarts_a_server_that_died(shop):
     shop.process.wait()
     shop.reset()
     assert fetch(f"{shop.base_url}/")[0] == 200
+
+
+def processes_mentioning(text: str) -> list[str]:
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        command = " ".join(process.info["cmdline"] or [])
+        if text in command:
+            found.append(f"{process.info['pid']} {command}")
+    return found
+
+
+def test_stopping_fossil_leaves_none_of_its_processes():
+    # Fossil may fork a "backoffice" process after a request, which leaves the server's process
+    # group (setsid); the server's watchdog adopts it and ends it with the server.
+    site = FossilSite()
+    site.start()
+    try:
+        workdir = str(site.workdir)
+        for path in ("/", "/timeline", "/forum", "/wiki", "/dir"):
+            assert fetch(site.base_url + path)[0] == 200
+        assert processes_mentioning(workdir), "the server should be running"
+    finally:
+        site.stop()
+    assert processes_mentioning(workdir) == []

@@ -9,6 +9,12 @@ that changes from one load to the next (hash order inside the JVM). Observations
 made canonical here: every run of equally indented list lines is sorted, and an ambiguity question's
 candidates are sorted and renumbered, the reply's number being translated back for the simulator.
 Then the same (task, variation) and the same commands always give the same text.
+
+JVM lifetime: the scienceworld package starts the JVM through py4j's launch_gateway with
+die_on_exit=True, i.e. `--die-on-broken-pipe`: the JVM reads its stdin, a pipe from this process,
+and exits when the pipe closes. The kernel closes it however this process ends (SIGKILL
+included, and whichever thread started the JVM), so no JVM outlives its owner; launch_gateway
+takes no preexec_fn, and none is needed (tests/test_orphans.py checks it).
 """
 
 from __future__ import annotations

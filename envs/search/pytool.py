@@ -13,6 +13,9 @@ Limits: CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), output size (stdout
 file capped by RLIMIT_FSIZE, then truncated to a number of characters), and a wall-clock timeout
 after which the whole process group is killed. The limits are set by the trusted launcher inside
 the child before the snippet starts, so no preexec_fn runs in a threaded parent.
+
+The child is a common.processes.TiedProcess: if the process running the tool dies (even by
+SIGKILL) while a snippet runs, a watchdog ends the snippet, and anything it started, within seconds.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import sys
 import tempfile
 import threading
 from dataclasses import dataclass
+
+from longhorizon.common.processes import TiedProcess
 
 # Runs in the child before the snippet: limits, then the guard, then the snippet itself.
 _LAUNCHER = r'''
@@ -182,9 +187,10 @@ def run_python(code: str, limits: PythonLimits = PythonLimits(), *, use_namespac
         environment = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": scratch, "LANG": "C.UTF-8",
                        "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
         with open(output_path, "wb") as output_file:
-            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=output_file,
-                                       stderr=subprocess.STDOUT, cwd=scratch, env=environment,
-                                       start_new_session=True)
+            # Its own session (the group id is process.pid), under a watchdog that ends the snippet
+            # if this process dies mid-run, SIGKILL included.
+            process = TiedProcess(command, stdin=subprocess.DEVNULL, stdout=output_file,
+                                  stderr=subprocess.STDOUT, cwd=scratch, env=environment)
             timed_out = False
             try:
                 process.wait(timeout=limits.wall_seconds)

@@ -15,6 +15,13 @@ origin is not in the episode's allow-list is aborted, service workers are blocke
 other origins are closed, so agents cannot reach the internet. A browser that disconnects (crash,
 kill) or stops answering (a call outlives its hang guard) is killed and relaunched on next use;
 the episode that was using it gets BrowserFailure, which the rollout records as a failed episode.
+
+Process lifetime: nothing here ties Chromium to this process because Playwright already does.
+Its node driver reads commands from a pipe of this process and exits when that pipe closes, and
+Chromium, started with --remote-debugging-pipe, exits when its pipe from the driver closes (even
+when the driver was SIGKILLed too). The kernel closes the pipes however a process ends, so after
+a SIGKILL of this process the driver and every Chromium process are gone within seconds
+(tests/test_orphans.py checks it).
 """
 
 from __future__ import annotations

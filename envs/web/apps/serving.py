@@ -17,10 +17,13 @@ import weakref
 from pathlib import Path
 from typing import Sequence
 
+from longhorizon.common.processes import TiedProcess
+
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
 # Sites still running when the interpreter exits normally are stopped then, so an env that was
-# never closed leaves no server behind.
+# never closed leaves no server behind (and no working folder). Other exits are covered by the
+# watchdog of start_process.
 _running_sites: "weakref.WeakSet[LocalSite]" = weakref.WeakSet()
 
 
@@ -89,13 +92,16 @@ def read_tail(path: Path, limit: int = 2000) -> str:
 
 def start_process(command: Sequence[str], log_path: Path, *, cwd: Path | None = None,
                   env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start a server in its own session so stopping it never touches anything else."""
+    """Start a server in its own session, tied to this process (common.processes.TiedProcess).
+
+    The session means stopping it never touches anything else. The tie means the server and all
+    it started end within seconds when this process dies, even by SIGKILL, when the atexit hook
+    above never runs; and a process the server leaves behind (Fossil's backoffice) ends with it.
+    """
     log_file = open(log_path, "ab")
     try:
-        return subprocess.Popen(
-            list(command), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        return TiedProcess(list(command), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
+                           stderr=subprocess.STDOUT)
     finally:
         log_file.close()
 
