@@ -124,9 +124,10 @@ class LearnerConfig:
     """What to do with a group that lost members (refused as stale, timed out, never sent):
     `drop` it (unbiased: the missing members are usually the long, failing episodes, so a partial
     group's baseline leans towards short successes) or `keep` it when it has at least two members."""
-    max_tokens_per_micro_batch: int = 16384
+    max_tokens_per_micro_batch: int = 4096
     """Most tokens in one forward/backward pass (sequences times the length they are padded to):
-    bounds the memory of a step. A sequence longer than this gets a micro-batch of its own."""
+    bounds the memory of a step (SmolLM2-135M in fp32 on CPU: about 2.4 GB per 1,000 tokens, see
+    docs/benchmarks.md). A sequence longer than this gets a micro-batch of its own."""
     peer_timeout_s: float = 30.0
     """An actor silent (no heartbeat) for this long is reported lost and no longer sent to."""
     sync_batch_timeout_s: float = 600.0
