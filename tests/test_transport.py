@@ -494,3 +494,25 @@ async def test_subscriber_rejects_bad_broadcasts(context) -> None:
     assert subscriber.rejected == 2
     subscriber.close()
     raw.close(linger=0)
+
+
+def test_endpoints_close_their_sockets_then_terminate_their_own_context():
+    """Terminating waits for ZeroMQ's I/O threads to let go of every lent buffer, so a process
+    that exits right after close() cannot have them read freed memory."""
+    from longhorizon.common.transport import zmq_actor_endpoints, zmq_learner_endpoints
+
+    learner = zmq_learner_endpoints(
+        trajectory_address="tcp://127.0.0.1:*", broadcast_address="tcp://127.0.0.1:*",
+        control_address="tcp://127.0.0.1:*",
+    )
+    actor = zmq_actor_endpoints(
+        "actor-0", trajectory_address=learner.trajectories.address,
+        broadcast_address=learner.broadcast.address, control_address=learner.control.address,
+    )
+    contexts = [learner.owned_context, actor.owned_context]
+    assert all(context is not None and not context.closed for context in contexts)
+    assert learner.owned_context is not actor.owned_context
+    actor.close()
+    learner.close()
+    assert all(context.closed for context in contexts)
+    learner.close()  # closing twice is harmless
