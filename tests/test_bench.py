@@ -106,22 +106,24 @@ def test_transport_prints_a_table_then_json(capsys):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread CPU times are read from Linux's /proc")
 def test_thread_cpu_counts_each_thread_in_its_group():
-    def spin(seconds: float) -> None:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
+    def spin(cpu_seconds: float) -> None:
+        # Until this thread has used that much CPU: on a busy machine wall time says nothing.
+        end = time.thread_time() + cpu_seconds
+        while time.thread_time() < end:
             pass
 
-    measured = threading.Event()
+    spun, measured = threading.Event(), threading.Event()
 
     def work_then_wait() -> None:
         spin(0.2)
-        measured.wait(10)  # an ended thread drops out of the figures: stay until measured
+        spun.set()
+        measured.wait(60)  # an ended thread drops out of the figures: stay until measured
 
     before = thread_cpu_seconds()
     spin(0.2)
     worker = threading.Thread(target=work_then_wait)
     worker.start()
-    time.sleep(0.3)
+    assert spun.wait(60)
     after = thread_cpu_seconds()
     measured.set()
     worker.join()
