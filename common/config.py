@@ -128,6 +128,10 @@ class LearnerConfig:
     """Most tokens in one forward/backward pass (sequences times the length they are padded to):
     bounds the memory of a step (SmolLM2-135M in fp32 on CPU: about 2.4 GB per 1,000 tokens, see
     docs/benchmarks.md). A sequence longer than this gets a micro-batch of its own."""
+    logprob_chunk_tokens: int = 1024
+    """Log-probs are computed over about this many positions at a time, the output layer's logits
+    recomputed in the backward pass, so the whole micro-batch's logits never exist at once; 0
+    computes them in one piece (faster by one extra output-layer pass, much more memory)."""
     peer_timeout_s: float = 30.0
     """An actor silent (no heartbeat) for this long is reported lost and no longer sent to."""
     sync_batch_timeout_s: float = 600.0

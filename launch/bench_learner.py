@@ -9,6 +9,7 @@ micro-batch are [sequences, length, vocabulary] floats, several copies of them l
 backward pass, and a budget caps sequences x length.
 
 Run: `longhorizon bench learner-step --tokens 4096 --sequences 2 --max-tokens-per-micro-batch 4096`
+(`--logprob-chunk-tokens 0` computes the whole micro-batch's logits at once, for comparison)
 (the default model is SmolLM2-135M-Instruct; `--model` takes any local Hugging Face folder).
 A table for people, then one line of JSON.
 """
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens-per-micro-batch", type=_parse_budgets,
                         default=[defaults.max_tokens_per_micro_batch],
                         help="comma-separated token budgets, one run each (default %(default)s)")
+    parser.add_argument("--logprob-chunk-tokens", type=int, default=defaults.logprob_chunk_tokens,
+                        help="positions per log-prob chunk, 0 for whole logits (default %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default %(default)s)")
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child run's budget
     return parser
@@ -74,7 +77,10 @@ def measure_step(args: argparse.Namespace, budget: int) -> dict[str, Any]:
             behaviour_logprobs=(-rng.random(args.tokens) * 5 * mask).astype(np.float32),
             advantage=1.0 if row % 2 else -1.0,
         ))
-    config = LearnerConfig(micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=budget)
+    config = LearnerConfig(
+        micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=budget,
+        logprob_chunk_tokens=args.logprob_chunk_tokens,
+    )
     trainer = Trainer(model, config)
     plan = plan_micro_batches(examples, config.micro_batch_size, config.max_tokens_per_micro_batch)
     with PeakRss() as memory:
@@ -109,7 +115,7 @@ def main(argv: list[str]) -> int:
         child = [
             "--model", args.model, "--model-cache", args.model_cache, "--sequences", str(args.sequences),
             "--tokens", str(args.tokens), "--micro-batch-size", str(args.micro_batch_size),
-            "--threads", str(args.threads),
+            "--threads", str(args.threads), "--logprob-chunk-tokens", str(args.logprob_chunk_tokens),
         ]
         completed = subprocess.run(
             [sys.executable, "-m", "longhorizon.launch.bench_learner", *child, "--one", str(budget)],
@@ -121,12 +127,14 @@ def main(argv: list[str]) -> int:
                   f"(exit {completed.returncode}; -9 is the kernel's out-of-memory killer)", file=sys.stderr)
             return 1
         runs.append(json.loads(completed.stdout.strip().splitlines()[-1]))
-    print(f"model {args.model}: {args.sequences} sequences x {args.tokens} tokens, micro_batch_size {args.micro_batch_size}")
+    print(f"model {args.model}: {args.sequences} sequences x {args.tokens} tokens, micro_batch_size "
+          f"{args.micro_batch_size}, log-prob chunks of {args.logprob_chunk_tokens or 'all'} tokens")
     print(f"{'budget (tokens)':>16} {'micro-batches':>14} {'step s':>8} {'tokens/s':>9} {'peak RSS MB':>12} {'added MB':>9}")
     for run in runs:
         print(f"{run['max_tokens_per_micro_batch']:>16} {run['micro_batches']:>14} {run['step_s']:>8.1f} "
               f"{run['tokens_per_s']:>9.1f} {run['peak_rss_mb']:>12.0f} {run['peak_added_mb']:>9.0f}")
-    print(json.dumps({"model": args.model, "sequences": args.sequences, "tokens": args.tokens, "runs": runs}, sort_keys=True))
+    print(json.dumps({"model": args.model, "sequences": args.sequences, "tokens": args.tokens,
+                      "logprob_chunk_tokens": args.logprob_chunk_tokens, "runs": runs}, sort_keys=True))
     return 0
 
 

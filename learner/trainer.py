@@ -7,12 +7,14 @@ off-policy-corrected policy loss (plus an optional KL term) and step.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 
 from longhorizon.common.config import LearnerConfig
 from longhorizon.learner.advantages import grpo_advantages, group_has_signal, rloo_advantages
@@ -106,15 +108,81 @@ def pad_examples(examples: list[Example], pad_token_id: int) -> PaddedBatch:
     return PaddedBatch(input_ids, attention_mask, loss_mask[:, 1:], behaviour[:, 1:], advantages)
 
 
-def token_logprobs(model, batch: PaddedBatch, temperature: float = 1.0) -> torch.Tensor:
-    """Log-prob of each next token under `model` at the sampling temperature: [B, L-1]."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+def token_logprobs(
+    model, batch: PaddedBatch, temperature: float = 1.0, chunk_tokens: int = 0
+) -> torch.Tensor:
+    """Log-prob of each next token under `model` at the sampling temperature: [B, L-1].
+
+    With `chunk_tokens` > 0 the output layer runs over about that many positions of the batch at
+    a time, and in training its logits are recomputed in the backward pass: only one chunk's
+    `[B, chunk, vocabulary]` logits exist at once, never the whole micro-batch's (for a
+    vocabulary of 49k, 4,096 positions of fp32 logits are 0.8 GB, and the backward pass keeps
+    several copies). The model must split into a decoder and an output layer (`split_output_layer`).
+    """
+    targets = batch.input_ids[:, 1:]
+    parts = split_output_layer(model) if chunk_tokens > 0 else None
+    if parts is None:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        return _logprobs_from_logits(logits, targets, temperature)
+    decoder, output_layer = parts
+    hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state[:, :-1]
+    positions = max(1, chunk_tokens // max(1, hidden.shape[0]))
+    pieces = []
+    for start in range(0, hidden.shape[1], positions):
+        chunk, chunk_targets = hidden[:, start:start + positions], targets[:, start:start + positions]
+        if torch.is_grad_enabled() and chunk.requires_grad:
+            pieces.append(torch.utils.checkpoint.checkpoint(
+                _output_logprobs, output_layer, chunk, chunk_targets, temperature, use_reentrant=False,
+            ))
+        else:
+            pieces.append(_output_logprobs(output_layer, chunk, chunk_targets, temperature))
+    return torch.cat(pieces, dim=1)
+
+
+def _output_logprobs(output_layer, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    return _logprobs_from_logits(output_layer(hidden), targets, temperature)
+
+
+def _logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    targets = batch.input_ids[:, 1:]
     chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return chosen - torch.logsumexp(logits, dim=-1)
+
+
+def split_output_layer(model):
+    """(decoder, output layer) of a Hugging Face causal LM whose logits are exactly
+    output_layer(decoder(...).last_hidden_state), or None for a model that does more (logit
+    soft-capping or scaling, say): `chunked_logprobs_match` checks it on a real forward pass."""
+    get_decoder = getattr(model, "get_decoder", None)
+    get_output = getattr(model, "get_output_embeddings", None)
+    if get_decoder is None or get_output is None:
+        return None
+    decoder, output_layer = get_decoder(), get_output()
+    if decoder is None or output_layer is None or decoder is model:
+        return None
+    return decoder, output_layer
+
+
+def chunked_logprobs_match(model, tolerance: float = 1e-4) -> bool:
+    """Whether chunked log-probs equal the model's own logits' on a short input."""
+    if split_output_layer(model) is None:
+        return False
+    vocabulary = model.get_input_embeddings().num_embeddings
+    ids = torch.arange(9, dtype=torch.long).remainder(vocabulary).unsqueeze(0)
+    probe = PaddedBatch(ids, torch.ones_like(ids), torch.ones(1, 8), torch.zeros(1, 8), torch.zeros(1))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            whole = token_logprobs(model, probe)
+            chunked = token_logprobs(model, probe, chunk_tokens=3)
+    except Exception:  # a decoder with another calling convention: use the whole logits
+        return False
+    finally:
+        model.train(was_training)
+    return bool(torch.allclose(whole, chunked, atol=tolerance, rtol=0))
 
 
 def plan_micro_batches(examples: list[Example], max_sequences: int, max_tokens: int) -> list[list[Example]]:
@@ -164,6 +232,14 @@ class Trainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_token_id = pad_token_id
         self.reference_model = reference_model
+        # Chunked log-probs only where they reproduce the model's own logits.
+        self.chunk_tokens = config.logprob_chunk_tokens
+        if self.chunk_tokens > 0 and not chunked_logprobs_match(model):
+            logging.getLogger(__name__).warning(
+                "%s does not split into a decoder and an output layer; log-probs use whole logits",
+                type(model).__name__,
+            )
+            self.chunk_tokens = 0
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
         )
@@ -212,9 +288,9 @@ class Trainer:
             with torch.no_grad():
                 for index, micro in enumerate(micro_batches):
                     if separate_proximal:
-                        proximal[index] = token_logprobs(self.model, micro, self.temperature)
+                        proximal[index] = token_logprobs(self.model, micro, self.temperature, self.chunk_tokens)
                     if self.reference_model is not None and config.kl_coef > 0:
-                        reference[index] = token_logprobs(self.reference_model, micro, self.temperature)
+                        reference[index] = token_logprobs(self.reference_model, micro, self.temperature, self.chunk_tokens)
         self.model.train()
         totals: dict[str, float] = {}
         grad_norm = 0.0
@@ -223,7 +299,7 @@ class Trainer:
             for index, micro in enumerate(micro_batches):
                 if float(micro.loss_mask.sum()) == 0:
                     continue
-                logprobs = token_logprobs(self.model, micro, self.temperature)
+                logprobs = token_logprobs(self.model, micro, self.temperature, self.chunk_tokens)
                 prox = proximal[index] if proximal[index] is not None else logprobs.detach()
                 output = policy_loss(
                     config.loss,

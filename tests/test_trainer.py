@@ -152,3 +152,39 @@ def test_sync_mode_and_async_at_zero_staleness_build_the_same_update(tiny_codebo
     for a, b, c in zip(results["sync"], results["async"], results["on-policy ppo"]):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, c, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_equal_whole_ones_in_value_and_gradient(tiny_codebook_model, temperature):
+    from longhorizon.learner.trainer import chunked_logprobs_match
+
+    model = load_causal_lm(tiny_codebook_model)
+    assert chunked_logprobs_match(model)
+    batch = pad_examples(_on_policy_examples(model), pad_token_id=0)
+    results = []
+    for chunk_tokens in (0, 5, 1024):
+        model.zero_grad(set_to_none=True)
+        logprobs = token_logprobs(model, batch, temperature, chunk_tokens=chunk_tokens)
+        (logprobs * batch.loss_mask).sum().backward()
+        results.append((logprobs.detach(), [p.grad.clone() for p in model.parameters()]))
+    (whole, whole_grads), *chunked = results
+    for values, grads in chunked:
+        torch.testing.assert_close(values, whole, atol=1e-5, rtol=0)
+        for grad, reference in zip(grads, whole_grads):
+            torch.testing.assert_close(grad, reference, atol=1e-5, rtol=1e-4)
+
+
+def test_a_model_that_does_not_split_falls_back_to_whole_logits(tiny_codebook_model):
+    from longhorizon.learner.trainer import chunked_logprobs_match
+
+    model = load_causal_lm(tiny_codebook_model)
+    real_forward = model.forward
+
+    def scaled_forward(*args, **kwargs):  # logits the decoder + output layer alone do not give
+        output = real_forward(*args, **kwargs)
+        output.logits = output.logits * 0.5
+        return output
+
+    model.forward = scaled_forward
+    assert not chunked_logprobs_match(model)
+    assert Trainer(model, LearnerConfig(logprob_chunk_tokens=512)).chunk_tokens == 0
