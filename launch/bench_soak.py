@@ -1,9 +1,10 @@
 """`longhorizon bench soak`: a long training run with actors killed now and then; memory and data.
 
 It starts `longhorizon train CONFIG` (the codebook config by default, run.total_steps set so the
-run outlasts the soak), kills a random actor with SIGKILL every `--kill-every-s` seconds (the
-launcher restarts it), and samples the resident memory of every process of the run every
-`--sample-every-s` seconds. After `--minutes` it stops the run with SIGTERM and reports:
+run outlasts the soak). From the learner's first step on (start-up is not part of the soak), it
+kills a random actor with SIGKILL every `--kill-every-s` seconds (the launcher restarts it) and
+samples the resident memory of every process of the run every `--sample-every-s` seconds. After
+`--minutes` it stops the run with SIGTERM and reports:
 
 - per process (learner, and each actor process incarnation that lived long enough): resident
   memory when its warm-up ended (`--warmup-s` after it started) and at its last sample, and the
@@ -37,6 +38,7 @@ _REFUSALS = (
     "trajectories_future", "trajectories_late", "trajectories_overfull",
 )
 REPO_ROOT = Path(__file__).resolve().parent.parent
+_STARTUP_TIMEOUT_S = 600.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,6 +126,17 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     every_pid: set[int] = set()
     kills = 0
     rng = random.Random(0)
+    # The soak's clock starts at the learner's first step: start-up (model build, imports) is
+    # not part of it and takes very different times on a loaded machine.
+    startup_deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+    while not (run_dir / "metrics.jsonl").is_file() or (run_dir / "metrics.jsonl").stat().st_size == 0:
+        if launcher.poll() is not None or time.monotonic() > startup_deadline:
+            if launcher.poll() is None:
+                launcher.send_signal(signal.SIGTERM)
+                launcher.wait(timeout=180)
+            tail = (output / "launcher.log").read_text()[-2000:]
+            raise RuntimeError(f"the run did not reach its first step (exit {launcher.returncode}): {tail}")
+        time.sleep(0.5)
     started = time.monotonic()
     next_kill = started + args.kill_every_s if args.kill_every_s > 0 else float("inf")
     next_report = started + 60
