@@ -128,6 +128,14 @@ class LearnerConfig:
     """Most tokens in one forward/backward pass (sequences times the length they are padded to):
     bounds the memory of a step (SmolLM2-135M in fp32 on CPU: about 2.4 GB per 1,000 tokens, see
     docs/benchmarks.md). A sequence longer than this gets a micro-batch of its own."""
+    device: str = "auto"
+    """Where the learner trains: auto (a CUDA GPU when present, else the CPU), cpu, cuda or cuda:N."""
+    precision: str = "fp32"
+    """fp32, or bf16-mixed: bfloat16 compute (autocast) with fp32 master weights, gradients and
+    optimiser state, as on GPUs; log-probs and losses are taken in fp32 either way."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them: less
+    memory for long sequences, about a third more compute."""
     logprob_chunk_tokens: int = 1024
     """Log-probs are computed over about this many positions at a time, the output layer's logits
     recomputed in the backward pass, so the whole micro-batch's logits never exist at once; 0

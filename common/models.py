@@ -185,3 +185,29 @@ def load_causal_lm(folder: str | Path, dtype: str = "float32"):
         if torch_dtype is None:
             raise ModelError(f"model.dtype must be float32, bfloat16 or float16, got {dtype!r}")
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+
+
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+
+
+def resolve_device(name: str):
+    """The torch device a setting names: `auto` is the first CUDA GPU when one is visible, else
+    the CPU; asking for CUDA where there is none is an error that says so."""
+    import torch
+
+    if not isinstance(name, str) or not name:
+        raise ModelError(f"device must be {DEVICE_CHOICES}, got {name!r}")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ModelError(f"device must be {DEVICE_CHOICES}, got {name!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ModelError(f"device must be {DEVICE_CHOICES}, got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelError(f"device {name!r} asked for, but torch sees no CUDA GPU here (use auto or cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ModelError(f"device {name!r}: only {torch.cuda.device_count()} CUDA GPU(s) visible")
+    return device

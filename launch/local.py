@@ -63,7 +63,9 @@ def validate_config(config: Config) -> None:
     from longhorizon.learner.broadcast import WEIGHTS_TRANSPORTS
     from longhorizon.learner.buffer import PARTIAL_GROUP_POLICIES
     from longhorizon.learner.curriculum import make_horizon_schedule
+    from longhorizon.common.models import ModelError, resolve_device
     from longhorizon.learner.losses import POLICY_LOSS_NAMES
+    from longhorizon.learner.trainer import PRECISIONS
     from longhorizon.learner.worker import check_sampling_for_training
 
     def require(condition: bool, message: str) -> None:
@@ -82,6 +84,12 @@ def validate_config(config: Config) -> None:
     require(config.learner.partial_groups in PARTIAL_GROUP_POLICIES,
             f"learner.partial_groups must be one of {', '.join(PARTIAL_GROUP_POLICIES)}")
     require(config.learner.max_tokens_per_micro_batch > 0, "learner.max_tokens_per_micro_batch must be positive")
+    require(config.learner.precision in PRECISIONS, f"learner.precision must be one of {', '.join(PRECISIONS)}")
+    require(config.learner.logprob_chunk_tokens >= 0, "learner.logprob_chunk_tokens must be >= 0 (0: whole logits)")
+    try:
+        resolve_device(config.learner.device)
+    except ModelError as error:
+        raise ConfigError(f"learner.device: {error}") from None
     require(config.actor.max_context_tokens > config.actor.sampling.max_new_tokens,
             "actor.max_context_tokens must be larger than actor.sampling.max_new_tokens")
     try:

@@ -59,7 +59,7 @@ def make_weights_update(model, version: int, transport: str, weights_dir: Path |
         folder = weights_dir / f"v{version:06d}"
         partial = folder.with_name(folder.name + ".partial")
         partial.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in unique_state_dict(model).items()}, partial / "model.safetensors")
+        save_file({k: v.to("cpu").contiguous() for k, v in unique_state_dict(model).items()}, partial / "model.safetensors")
         if folder.exists():
             shutil.rmtree(folder)
         partial.rename(folder)

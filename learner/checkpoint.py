@@ -51,7 +51,7 @@ def save_checkpoint(
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in unique_state_dict(model).items()}, partial / "model.safetensors")
+    save_file({k: v.to("cpu").contiguous() for k, v in unique_state_dict(model).items()}, partial / "model.safetensors")
     model.config.save_pretrained(partial)
     if model_folder is not None:
         # Tokenizer files make the checkpoint a self-contained model folder (eval, new runs).

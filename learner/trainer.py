@@ -88,6 +88,11 @@ class PaddedBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def to(self, device) -> "PaddedBatch":
+        return PaddedBatch(*(tensor.to(device) for tensor in (
+            self.input_ids, self.attention_mask, self.loss_mask, self.behaviour_logprobs, self.advantages,
+        )))
+
 
 def pad_examples(examples: list[Example], pad_token_id: int) -> PaddedBatch:
     longest = max(len(e.token_ids) for e in examples)
@@ -172,6 +177,7 @@ def chunked_logprobs_match(model, tolerance: float = 1e-4) -> bool:
     vocabulary = model.get_input_embeddings().num_embeddings
     ids = torch.arange(9, dtype=torch.long).remainder(vocabulary).unsqueeze(0)
     probe = PaddedBatch(ids, torch.ones_like(ids), torch.ones(1, 8), torch.zeros(1, 8), torch.zeros(1))
+    probe = probe.to(next(model.parameters()).device)
     was_training = model.training
     model.eval()
     try:
@@ -215,6 +221,9 @@ def has_dropout(model) -> bool:
     return float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
 
 
+PRECISIONS = ("fp32", "bf16-mixed")
+
+
 class Trainer:
     """Owns the optimiser and applies policy updates to `model`."""
 
@@ -232,6 +241,12 @@ class Trainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_token_id = pad_token_id
         self.reference_model = reference_model
+        self.device = next(model.parameters()).device
+        if config.precision not in PRECISIONS:
+            raise ValueError(f"learner.precision must be one of {', '.join(PRECISIONS)}, got {config.precision!r}")
+        if config.gradient_checkpointing:
+            # transformers' own switch: each decoder layer's activations are recomputed in backward.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # Chunked log-probs only where they reproduce the model's own logits.
         self.chunk_tokens = config.logprob_chunk_tokens
         if self.chunk_tokens > 0 and not chunked_logprobs_match(model):
@@ -258,9 +273,17 @@ class Trainer:
         return dict(clip_eps=config.clip_eps, aggregation=config.aggregation)
 
     def _micro_batches(self, examples: list[Example]) -> list[PaddedBatch]:
-        return [pad_examples(chunk, self.pad_token_id) for chunk in plan_micro_batches(
+        return [pad_examples(chunk, self.pad_token_id).to(self.device) for chunk in plan_micro_batches(
             examples, self.config.micro_batch_size, self.config.max_tokens_per_micro_batch,
         )]
+
+    def _logprobs(self, model, micro: PaddedBatch) -> torch.Tensor:
+        """Log-probs of a micro-batch; under bf16-mixed the model computes in bfloat16 while its
+        weights stay fp32, and the log-probs come out in fp32."""
+        with torch.autocast(
+            device_type=self.device.type, dtype=torch.bfloat16, enabled=self.config.precision == "bf16-mixed",
+        ):
+            return token_logprobs(model, micro, self.temperature, self.chunk_tokens)
 
     def _shares(self, micro_batches: list[PaddedBatch]) -> list[float]:
         """Weight of each micro-batch's mean loss so that accumulated gradients equal the full batch's."""
@@ -288,9 +311,9 @@ class Trainer:
             with torch.no_grad():
                 for index, micro in enumerate(micro_batches):
                     if separate_proximal:
-                        proximal[index] = token_logprobs(self.model, micro, self.temperature, self.chunk_tokens)
+                        proximal[index] = self._logprobs(self.model, micro)
                     if self.reference_model is not None and config.kl_coef > 0:
-                        reference[index] = token_logprobs(self.reference_model, micro, self.temperature, self.chunk_tokens)
+                        reference[index] = self._logprobs(self.reference_model, micro)
         self.model.train()
         totals: dict[str, float] = {}
         grad_norm = 0.0
@@ -299,7 +322,7 @@ class Trainer:
             for index, micro in enumerate(micro_batches):
                 if float(micro.loss_mask.sum()) == 0:
                     continue
-                logprobs = token_logprobs(self.model, micro, self.temperature, self.chunk_tokens)
+                logprobs = self._logprobs(self.model, micro)
                 prox = proximal[index] if proximal[index] is not None else logprobs.detach()
                 output = policy_loss(
                     config.loss,

@@ -77,7 +77,7 @@ class Learner:
     def __init__(self, config: Config, endpoints, run_dir: Path, model_path: str) -> None:
         import torch
 
-        from longhorizon.common.models import load_causal_lm, load_tokenizer
+        from longhorizon.common.models import load_causal_lm, load_tokenizer, resolve_device
 
         check_sampling_for_training(config)
         torch.set_num_threads(max(1, config.learner.torch_threads))
@@ -86,14 +86,20 @@ class Learner:
         self.endpoints = endpoints
         self.run_dir = Path(run_dir)
         self.model_path = Path(model_path)
-        self.model = load_causal_lm(model_path, config.model.dtype).eval()
+        self.device = resolve_device(config.learner.device)
+        self.model = load_causal_lm(model_path, config.model.dtype).to(self.device).eval()
         tokenizer = load_tokenizer(model_path)
         pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         reference = None
         if config.learner.kl_coef > 0:
-            reference = load_causal_lm(model_path, config.model.dtype).eval()
+            reference = load_causal_lm(model_path, config.model.dtype).to(self.device).eval()
             reference.requires_grad_(False)
         self.trainer = build_trainer(config, self.model, pad_token_id=pad_token_id, reference_model=reference)
+        log.info(
+            "learner on %s, %s, gradient checkpointing %s, log-prob chunks of %s tokens",
+            self.device, config.learner.precision, "on" if config.learner.gradient_checkpointing else "off",
+            self.trainer.chunk_tokens or "all",
+        )
         self.sync = config.run.mode == "sync"
         self.buffer = build_buffer(config, vocab_size=self.model.get_input_embeddings().num_embeddings)
         horizon = config.horizon

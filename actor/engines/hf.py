@@ -21,7 +21,6 @@ from longhorizon.actor.engines.base import (
     EngineSettings,
     GenerationRequest,
     GenerationResult,
-    reject_engine_options,
     tokens_through_stop_string,
 )
 from longhorizon.common.chat import HFChatTokenizer
@@ -67,21 +66,31 @@ def load_state_into(model, state: dict) -> None:
         )
 
 
+HF_ENGINE_OPTIONS = {
+    "device": "where the model runs: auto (a CUDA GPU when present, else the CPU), cpu, cuda or cuda:N",
+}
+
+
 class HFEngine:
     """Token-in / token-out generation with per-token log-probs using transformers."""
 
     def __init__(self, settings: EngineSettings) -> None:
         import torch
 
-        from longhorizon.common.models import load_causal_lm, load_tokenizer
+        from longhorizon.common.models import load_causal_lm, load_tokenizer, resolve_device
 
-        reject_engine_options("hf", settings)
+        unknown = sorted(set(settings.engine_options) - set(HF_ENGINE_OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"unknown hf engine option {unknown[0]!r}; valid: {', '.join(sorted(HF_ENGINE_OPTIONS))}"
+            )
+        self.device = resolve_device(str(settings.engine_options.get("device", "auto")))
         torch.set_num_threads(max(1, settings.torch_threads))
         # transformers samples from torch's global generator.
         torch.manual_seed(settings.seed)
         self.settings = settings
         self.sampling = settings.sampling
-        self.model = load_causal_lm(settings.model_path, settings.dtype).eval()
+        self.model = load_causal_lm(settings.model_path, settings.dtype).to(self.device).eval()
         self.tokenizer = HFChatTokenizer(load_tokenizer(settings.model_path))
         self.pad_token_id = self.tokenizer.tokenizer.pad_token_id
         if self.pad_token_id is None:
@@ -163,8 +172,8 @@ class HFEngine:
         with self._model_lock, torch.inference_mode():
             version = self.policy_version
             output = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
                 generation_config=generation_config,
                 **stop_arguments,
             )
@@ -174,7 +183,8 @@ class HFEngine:
         step_logprobs = torch.stack(
             [torch.log_softmax(scores.float(), dim=-1) for scores in output.scores], dim=1
         )
-        token_logprobs = step_logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        token_logprobs = step_logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1).cpu()
+        new_tokens = new_tokens.cpu()
         results = []
         eos = self.tokenizer.eos_token_id
         for row, request in enumerate(requests):

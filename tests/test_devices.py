@@ -1,0 +1,108 @@
+"""Devices and precision: the learner's and the hf engine's device setting, bf16-mixed updates,
+gradient checkpointing. The CPU tests run everywhere; the `gpu` ones where a CUDA GPU is lent."""
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+from longhorizon.actor.engines.base import EngineSettings, GenerationRequest, make_engine
+from longhorizon.common.config import LearnerConfig, SamplingConfig
+from longhorizon.common.models import ModelError, load_causal_lm, resolve_device
+from longhorizon.learner.trainer import Example, Trainer, pad_examples, token_logprobs
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_device_names_resolve_or_fail_clearly():
+    assert resolve_device("cpu") == torch.device("cpu")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+    for wrong in ("tpu", "", "cuda:x"):
+        with pytest.raises(ModelError, match="device"):
+            resolve_device(wrong)
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelError, match="no CUDA GPU"):
+            resolve_device("cuda")
+
+
+def _examples(vocabulary: int, rows: int = 4, seed: int = 0) -> list[Example]:
+    rng = np.random.default_rng(seed)
+    examples = []
+    for row in range(rows):
+        length = int(rng.integers(8, 14))
+        mask = np.zeros(length, np.float32)
+        mask[length // 2:] = 1.0
+        examples.append(Example(
+            token_ids=rng.integers(0, vocabulary, size=length).astype(np.int64), loss_mask=mask,
+            behaviour_logprobs=(-rng.random(length) * mask).astype(np.float32), advantage=1.0 if row % 2 else -1.0,
+        ))
+    return examples
+
+
+def _gradients(model, config: LearnerConfig, examples) -> list[torch.Tensor]:
+    Trainer(model, config).step(examples)
+    return [parameter.grad.detach().float().cpu().clone() for parameter in model.parameters()]
+
+
+def test_bf16_mixed_keeps_fp32_weights_and_stays_close_to_fp32(tiny_codebook_model):
+    reference_model = load_causal_lm(tiny_codebook_model)
+    examples = _examples(reference_model.get_input_embeddings().num_embeddings)
+    fp32 = _gradients(reference_model, LearnerConfig(), examples)
+    model = load_causal_lm(tiny_codebook_model)
+    mixed = _gradients(model, LearnerConfig(precision="bf16-mixed"), examples)
+    assert all(parameter.dtype == torch.float32 for parameter in model.parameters())
+    assert all(torch.isfinite(grad).all() for grad in mixed)
+    flat_fp32, flat_mixed = torch.cat([g.flatten() for g in fp32]), torch.cat([g.flatten() for g in mixed])
+    cosine = torch.nn.functional.cosine_similarity(flat_fp32, flat_mixed, dim=0)
+    assert cosine > 0.95, f"bf16-mixed gradient points elsewhere (cosine {cosine:.3f})"
+    with pytest.raises(ValueError, match="precision"):
+        Trainer(load_causal_lm(tiny_codebook_model), LearnerConfig(precision="fp8"))
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(tiny_codebook_model):
+    examples = _examples(load_causal_lm(tiny_codebook_model).get_input_embeddings().num_embeddings)
+    plain = _gradients(load_causal_lm(tiny_codebook_model), LearnerConfig(), examples)
+    model = load_causal_lm(tiny_codebook_model)
+    checkpointed = _gradients(model, LearnerConfig(gradient_checkpointing=True), examples)
+    assert model.is_gradient_checkpointing
+    for grad, reference in zip(checkpointed, plain):
+        torch.testing.assert_close(grad, reference, atol=1e-6, rtol=1e-4)
+
+
+def test_the_hf_engine_takes_a_device_and_refuses_unknown_options(tiny_codebook_model):
+    settings = EngineSettings(model_path=str(tiny_codebook_model), engine_options={"device": "cpu"})
+    assert make_engine("hf", settings).device == torch.device("cpu")
+    with pytest.raises(ValueError, match="unknown hf engine option 'gpu_memory_utilization'"):
+        make_engine("hf", EngineSettings(model_path=str(tiny_codebook_model),
+                                         engine_options={"gpu_memory_utilization": 0.5}))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_learner_step_on_the_gpu_matches_the_cpu(tiny_codebook_model):
+    examples = _examples(load_causal_lm(tiny_codebook_model).get_input_embeddings().num_embeddings)
+    cpu = _gradients(load_causal_lm(tiny_codebook_model), LearnerConfig(), examples)
+    gpu_model = load_causal_lm(tiny_codebook_model).to("cuda")
+    gpu = _gradients(gpu_model, LearnerConfig(), examples)
+    for grad, reference in zip(gpu, cpu):
+        torch.testing.assert_close(grad, reference, atol=1e-4, rtol=1e-3)
+    mixed = _gradients(load_causal_lm(tiny_codebook_model).to("cuda"), LearnerConfig(precision="bf16-mixed"), examples)
+    assert all(torch.isfinite(grad).all() for grad in mixed)
+
+
+@pytest.mark.gpu
+@needs_gpu
+async def test_the_hf_engine_generates_on_the_gpu_with_the_learners_logprobs(tiny_codebook_model):
+    engine = make_engine("hf", EngineSettings(
+        model_path=str(tiny_codebook_model), sampling=SamplingConfig(max_new_tokens=4), engine_options={"device": "cuda"},
+    ))
+    prompt = engine.tokenizer.prompt_tokens([{"role": "user", "content": "s0 s1"}])
+    result = await engine.generate(GenerationRequest(token_ids=prompt, episode_id="0"))
+    tokens = np.array(prompt + result.token_ids, np.int64)
+    mask = np.array([0] * len(prompt) + [1] * len(result.token_ids), np.float32)
+    batch = pad_examples([Example(tokens, mask, np.zeros(len(tokens), np.float32), 0.0)], pad_token_id=0)
+    with torch.no_grad():
+        learner = token_logprobs(load_causal_lm(tiny_codebook_model), batch)[0, len(prompt) - 1:]
+    np.testing.assert_allclose(result.logprobs, learner.numpy(), atol=1e-3)
+    await trio.lowlevel.checkpoint()
