@@ -33,7 +33,7 @@ STANDALONE_BENCHMARKS = {
     "search": "longhorizon.launch.bench_search",
     "web": "longhorizon.launch.bench_web",
     "generation": "longhorizon.launch.bench_generation",
-    "learner-step": "longhorizon.launch.bench_learner",
+    "learner": "longhorizon.launch.bench_learner",
     "soak": "longhorizon.launch.bench_soak",
 }
 """Benchmarks with their own module and options: `longhorizon bench NAME ...` calls the module's

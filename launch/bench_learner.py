@@ -1,15 +1,21 @@
-"""`longhorizon bench learner-step`: time and peak memory of one learner update on long sequences.
+"""`longhorizon bench learner`: the learner's update step against a bare torch loop, time and memory.
 
 It builds `--sequences` trajectories of `--tokens` tokens each (random token ids of the model's
 vocabulary; the second half of each counts as generated, with made-up behaviour log-probs and
-advantages of both signs) and runs one `Trainer.step` on them, as the learner would, for each
-`--max-tokens-per-micro-batch` value given. Each value runs in a fresh process, so its peak
-resident memory is its own. The step's peak memory follows the micro-batch budget: the logits of a
-micro-batch are [sequences, length, vocabulary] floats, several copies of them live through the
-backward pass, and a budget caps sequences x length.
+advantages of both signs), then times `--steps` update steps (after one untimed warm-up step) of:
 
-Run: `longhorizon bench learner-step --tokens 4096 --sequences 2 --max-tokens-per-micro-batch 4096`
-(`--logprob-chunk-tokens 0` computes the whole micro-batch's logits at once, for comparison)
+- `longhorizon`: `Trainer.step` as the learner runs it (micro-batches by `--micro-batch-size` and
+  `--max-tokens-per-micro-batch`, decoupled PPO, log-probs in chunks of each
+  `--logprob-chunk-tokens` value given, 0 meaning whole logits);
+- `bare torch`: the same micro-batches through a plain loop (forward, whole logits, log-softmax,
+  a policy-gradient loss, backward, gradient clip, AdamW step), which is what the framework's
+  overhead is measured against.
+
+Each run is a fresh process, so its peak memory is its own (resident memory on CPU, the CUDA
+allocator's peak on a GPU). The step's peak memory follows the micro-batch budget and, with
+whole logits, the `[sequences, length, vocabulary]` floats that live through the backward pass.
+
+Run: `longhorizon bench learner --tokens 2048 --sequences 4 --logprob-chunk-tokens 0,1024`
 (the default model is SmolLM2-135M-Instruct; `--model` takes any local Hugging Face folder).
 A table for people, then one line of JSON.
 """
@@ -18,16 +24,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
 
-def _parse_budgets(text: str) -> list[int]:
-    values = [int(item) for item in text.split(",") if item.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"budgets must be positive integers, got {text!r}")
+def _non_negative_list(text: str) -> list[int]:
+    try:
+        values = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
     return values
 
 
@@ -35,37 +45,31 @@ def build_parser() -> argparse.ArgumentParser:
     from longhorizon.common.config import LearnerConfig
 
     defaults = LearnerConfig()
-    parser = argparse.ArgumentParser(prog="longhorizon bench learner-step", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="longhorizon bench learner", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model folder or name (default %(default)s)")
     parser.add_argument("--model-cache", default=".cache/models", help="where converted models live")
-    parser.add_argument("--sequences", type=int, default=2, help="trajectories in the step (default %(default)s)")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per trajectory (default %(default)s)")
+    parser.add_argument("--sequences", type=int, default=4, help="trajectories per step (default %(default)s)")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens per trajectory (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up (default %(default)s)")
     parser.add_argument("--micro-batch-size", type=int, default=defaults.micro_batch_size,
                         help="most sequences per micro-batch (default %(default)s)")
-    parser.add_argument("--max-tokens-per-micro-batch", type=_parse_budgets,
-                        default=[defaults.max_tokens_per_micro_batch],
-                        help="comma-separated token budgets, one run each (default %(default)s)")
-    parser.add_argument("--logprob-chunk-tokens", type=int, default=defaults.logprob_chunk_tokens,
-                        help="positions per log-prob chunk, 0 for whole logits (default %(default)s)")
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=defaults.max_tokens_per_micro_batch,
+                        help="most padded tokens per micro-batch (default %(default)s)")
+    parser.add_argument("--logprob-chunk-tokens", type=_non_negative_list, default=[defaults.logprob_chunk_tokens],
+                        help="comma-separated chunk sizes, one run each; 0 is whole logits (default %(default)s)")
+    parser.add_argument("--no-bare", action="store_true", help="skip the bare torch loop")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default %(default)s)")
+    parser.add_argument("--precision", default="fp32", help="fp32 or bf16-mixed (default %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default %(default)s)")
-    parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child run's budget
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child run: "bare" or a chunk size
     return parser
 
 
-def measure_step(args: argparse.Namespace, budget: int) -> dict[str, Any]:
-    """One learner step in this process; its wall time and peak resident memory."""
+def _examples(args: argparse.Namespace, vocab_size: int) -> list:
     import numpy as np
-    import torch
 
-    from longhorizon.common.config import LearnerConfig
-    from longhorizon.common.models import load_causal_lm, resolve_model_path
-    from longhorizon.launch.bench_search import PeakRss
-    from longhorizon.learner.trainer import Example, Trainer, plan_micro_batches
+    from longhorizon.learner.trainer import Example
 
-    torch.set_num_threads(args.threads)
-    model_path = resolve_model_path(args.model, args.model_cache)
-    model = load_causal_lm(str(model_path)).eval()
-    vocab_size = model.get_input_embeddings().num_embeddings
     rng = np.random.default_rng(0)
     examples = []
     for row in range(args.sequences):
@@ -77,23 +81,81 @@ def measure_step(args: argparse.Namespace, budget: int) -> dict[str, Any]:
             behaviour_logprobs=(-rng.random(args.tokens) * 5 * mask).astype(np.float32),
             advantage=1.0 if row % 2 else -1.0,
         ))
-    config = LearnerConfig(
-        micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=budget,
-        logprob_chunk_tokens=args.logprob_chunk_tokens,
-    )
-    trainer = Trainer(model, config)
-    plan = plan_micro_batches(examples, config.micro_batch_size, config.max_tokens_per_micro_batch)
+    return examples
+
+
+def _bare_step(model, optimizer, micro_batches, precision: str) -> None:
+    """Forward, whole logits, a policy-gradient loss, backward, clip, AdamW: nothing else."""
+    import torch
+
+    total = sum(float(micro.loss_mask.sum()) for micro in micro_batches)
+    for micro in micro_batches:
+        with torch.autocast(device_type=micro.input_ids.device.type, dtype=torch.bfloat16,
+                            enabled=precision == "bf16-mixed"):
+            logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits[:, :-1]
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, micro.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        loss = -(micro.advantages.unsqueeze(-1) * logprobs * micro.loss_mask).sum() / total
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def measure(args: argparse.Namespace, kind: str) -> dict[str, Any]:
+    """Timed steps of one kind ("bare" or a log-prob chunk size) in this process."""
+    import torch
+
+    from longhorizon.common.config import LearnerConfig
+    from longhorizon.common.models import load_causal_lm, resolve_device, resolve_model_path
+    from longhorizon.launch.bench_search import PeakRss
+    from longhorizon.learner.trainer import Trainer, pad_examples, plan_micro_batches
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    device = resolve_device(args.device)
+    model = load_causal_lm(str(resolve_model_path(args.model, args.model_cache))).to(device).eval()
+    examples = _examples(args, model.get_input_embeddings().num_embeddings)
+    plan = plan_micro_batches(examples, args.micro_batch_size, args.max_tokens_per_micro_batch)
+    if kind == "bare":
+        micro_batches = [pad_examples(chunk, 0).to(device) for chunk in plan]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        model.train()
+
+        def step() -> None:
+            _bare_step(model, optimizer, micro_batches, args.precision)
+    else:
+        trainer = Trainer(model, LearnerConfig(
+            micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+            logprob_chunk_tokens=int(kind), precision=args.precision,
+        ))
+
+        def step() -> None:
+            trainer.step(examples)
+
+    def synchronise() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    step()  # warm-up: allocator, optimiser state, kernels
+    synchronise()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
     with PeakRss() as memory:
-        started = time.perf_counter()
-        trainer.step(examples)
-        seconds = time.perf_counter() - started
+        for _ in range(args.steps):
+            started = time.perf_counter()
+            step()
+            synchronise()
+            times.append(time.perf_counter() - started)
+    seconds = statistics.median(times)
     return {
-        "max_tokens_per_micro_batch": budget,
+        "kind": "bare torch" if kind == "bare" else "longhorizon",
+        "logprob_chunk_tokens": None if kind == "bare" else int(kind),
         "micro_batches": len(plan),
         "step_s": seconds,
         "tokens_per_s": args.sequences * args.tokens / seconds,
         "peak_rss_mb": memory.peak_bytes / 2**20,
-        "peak_added_mb": memory.added_mb,
+        "peak_cuda_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
     }
 
 
@@ -103,38 +165,49 @@ def main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_request:
         return int(exit_request.code or 0)
-    if args.sequences < 1 or args.tokens < 2:
+    if args.sequences < 1 or args.tokens < 2 or args.steps < 1 or args.max_tokens_per_micro_batch < 1:
         parser.print_usage(sys.stderr)
-        print("longhorizon bench learner-step: error: --sequences must be >= 1 and --tokens >= 2", file=sys.stderr)
+        print("longhorizon bench learner: error: --sequences, --steps and --max-tokens-per-micro-batch must be "
+              ">= 1 and --tokens >= 2", file=sys.stderr)
         return 2
     if args.one is not None:
-        print(json.dumps(measure_step(args, args.one)))
+        print(json.dumps(measure(args, args.one)))
         return 0
+    kinds = [str(chunk) for chunk in args.logprob_chunk_tokens] + ([] if args.no_bare else ["bare"])
+    shared = [
+        "--model", args.model, "--model-cache", args.model_cache, "--sequences", str(args.sequences),
+        "--tokens", str(args.tokens), "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size),
+        "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch), "--device", args.device,
+        "--precision", args.precision, "--threads", str(args.threads),
+    ]
     runs = []
-    for budget in args.max_tokens_per_micro_batch:
-        child = [
-            "--model", args.model, "--model-cache", args.model_cache, "--sequences", str(args.sequences),
-            "--tokens", str(args.tokens), "--micro-batch-size", str(args.micro_batch_size),
-            "--threads", str(args.threads), "--logprob-chunk-tokens", str(args.logprob_chunk_tokens),
-        ]
+    for kind in kinds:
         completed = subprocess.run(
-            [sys.executable, "-m", "longhorizon.launch.bench_learner", *child, "--one", str(budget)],
+            [sys.executable, "-m", "longhorizon.launch.bench_learner", *shared, "--one", kind],
             capture_output=True, text=True,
         )
         if completed.returncode != 0:
             print(completed.stderr[-2000:], file=sys.stderr)
-            print(f"longhorizon bench learner-step: the run with budget {budget} failed "
-                  f"(exit {completed.returncode}; -9 is the kernel's out-of-memory killer)", file=sys.stderr)
+            print(f"longhorizon bench learner: the {kind} run failed (exit {completed.returncode}; "
+                  "-9 is the kernel's out-of-memory killer)", file=sys.stderr)
             return 1
         runs.append(json.loads(completed.stdout.strip().splitlines()[-1]))
-    print(f"model {args.model}: {args.sequences} sequences x {args.tokens} tokens, micro_batch_size "
-          f"{args.micro_batch_size}, log-prob chunks of {args.logprob_chunk_tokens or 'all'} tokens")
-    print(f"{'budget (tokens)':>16} {'micro-batches':>14} {'step s':>8} {'tokens/s':>9} {'peak RSS MB':>12} {'added MB':>9}")
+    bare = next((run for run in runs if run["kind"] == "bare torch"), None)
     for run in runs:
-        print(f"{run['max_tokens_per_micro_batch']:>16} {run['micro_batches']:>14} {run['step_s']:>8.1f} "
-              f"{run['tokens_per_s']:>9.1f} {run['peak_rss_mb']:>12.0f} {run['peak_added_mb']:>9.0f}")
+        run["overhead_vs_bare"] = run["step_s"] / bare["step_s"] - 1 if bare else None
+    print(f"model {args.model}: {args.sequences} sequences x {args.tokens} tokens, {args.precision}, "
+          f"micro-batches of <= {args.micro_batch_size} sequences and {args.max_tokens_per_micro_batch} tokens, "
+          f"median of {args.steps} steps")
+    print(f"{'run':>12} {'log-prob chunk':>15} {'step s':>8} {'tokens/s':>9} {'peak RSS MB':>12} "
+          f"{'peak GPU MB':>12} {'vs bare':>8}")
+    for run in runs:
+        chunk = "-" if run["logprob_chunk_tokens"] is None else (run["logprob_chunk_tokens"] or "whole")
+        gpu = "-" if run["peak_cuda_mb"] is None else f"{run['peak_cuda_mb']:.0f}"
+        overhead = "-" if run["overhead_vs_bare"] is None else f"{run['overhead_vs_bare']:+.1%}"
+        print(f"{run['kind']:>12} {chunk:>15} {run['step_s']:>8.2f} {run['tokens_per_s']:>9.1f} "
+              f"{run['peak_rss_mb']:>12.0f} {gpu:>12} {overhead:>8}")
     print(json.dumps({"model": args.model, "sequences": args.sequences, "tokens": args.tokens,
-                      "logprob_chunk_tokens": args.logprob_chunk_tokens, "runs": runs}, sort_keys=True))
+                      "precision": args.precision, "runs": runs}, sort_keys=True))
     return 0
 
 

@@ -198,3 +198,20 @@ def test_a_short_soak_kills_actors_accounts_for_every_trajectory_and_leaves_noth
     assert result["data"]["received"] > 0
     assert result["left_behind"] == []
     assert any(row["role"] == "learner" for row in result["memory"])
+
+
+@pytest.mark.slow
+def test_learner_bench_times_our_step_and_a_bare_loop(tiny_codebook_model, capsys):
+    from longhorizon.launch.bench_learner import main as bench_learner
+
+    code = bench_learner([
+        "--model", str(tiny_codebook_model), "--tokens", "64", "--sequences", "2", "--steps", "1",
+        "--logprob-chunk-tokens", "0,32", "--device", "cpu",
+    ])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    kinds = [(run["kind"], run["logprob_chunk_tokens"]) for run in result["runs"]]
+    assert kinds == [("longhorizon", 0), ("longhorizon", 32), ("bare torch", None)]
+    for run in result["runs"]:
+        assert run["step_s"] > 0 and run["peak_rss_mb"] > 0 and run["overhead_vs_bare"] is not None
+    assert bench_learner(["--steps", "0"]) == 2
