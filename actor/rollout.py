@@ -184,28 +184,55 @@ def to_trajectory(
 class EnvPool:
     """Reusable env instances: one per concurrent episode, created on first need.
 
-    Every env it made is closed at the end, including broken ones and ones still mid-episode
-    (remote envs hold server-side instances until closed)."""
+    An env whose episode failed is released as broken: it is never handed out again and is
+    closed at once, in the background, because it may still hold a JVM, web app servers or a
+    service instance, and a long run with many failures must not collect them until it ends.
+    Every other env it made is closed at the end, including ones still mid-episode (remote envs
+    hold server-side instances until closed)."""
+
+    BROKEN_CLOSE_TIMEOUT_S = 60.0
 
     def __init__(self, make_env: Callable[[], object]) -> None:
         self._make_env = make_env
         self._free: list = []
         self._all: list = []
+        self._created = 0
+        self._closing: dict[int, trio.Event] = {}  # id(env) -> set once its background close ends
 
     @property
     def created(self) -> int:
-        return len(self._all)
+        return self._created
 
     def acquire(self):
         if self._free:
             return self._free.pop()
         env = self._make_env()
         self._all.append(env)
+        self._created += 1
         return env
 
     def release(self, env, *, broken: bool = False) -> None:
         if not broken:
             self._free.append(env)
+            return
+        try:
+            # A system task, because release is synchronous and has no nursery to start one in.
+            trio.lowlevel.spawn_system_task(self._close_broken, env, name="EnvPool close broken env")
+        except RuntimeError:
+            return  # not inside trio.run: it stays in _all and is closed with the pool
+        self._all = [other for other in self._all if other is not env]
+        self._closing[id(env)] = trio.Event()
+
+    async def _close_broken(self, env) -> None:
+        try:
+            with trio.move_on_after(self.BROKEN_CLOSE_TIMEOUT_S):
+                await env.close()
+        except Exception as exc:  # a system task must not raise: trio would end the whole run
+            log.warning("closing a broken env failed: %r", exc)
+        finally:
+            done = self._closing.pop(id(env), None)
+            if done is not None:
+                done.set()
 
     async def close(self) -> None:
         with trio.CancelScope(shield=True):  # runs while the actor is being cancelled
@@ -215,6 +242,9 @@ class EnvPool:
                         await env.close()
                 except Exception as exc:
                     log.warning("closing env failed: %r", exc)
+            for done in list(self._closing.values()):
+                with trio.move_on_after(5):
+                    await done.wait()
         self._free.clear()
         self._all.clear()
 

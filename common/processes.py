@@ -37,6 +37,17 @@ runs keeps the helper until the owner exits (subprocess keeps running children's
 so stop helpers explicitly; `kill()` (SIGKILL to the group) gives the watchdog no chance to end
 descendants that left the group.
 
+Working folders need the same care: a web app server works in a folder under /tmp that its owner
+deletes when it stops the server, and a SIGKILLed owner deletes nothing. `tied_folder(prefix)`
+makes such a folder and hands its path to the owner's janitor: one more process of this script
+(`--janitor`), started on first use, one per owner process, in a session of its own so signals
+meant for the owner's process group do not reach it. The owner tells it over another lifeline
+pipe which folders to delete ("+path") and which it has deleted itself ("-path"); at end of file
+the janitor deletes what is left, retrying for a while because a helper that is still being
+stopped may be writing in its folder. A folder is therefore covered from its creation on, also
+while no helper runs in it. `remove_tied_folder(path)` deletes one now. If the janitor itself is
+killed, the next call starts a new one and hands it every folder still registered.
+
 Helpers we do not start ourselves already hang on such a pipe: Playwright's node driver exits when
 its stdin pipe from Python closes and Chromium exits when its DevTools pipe from the driver closes;
 py4j starts ScienceWorld's JVM with --die-on-broken-pipe, so it exits when its stdin closes.
@@ -159,6 +170,132 @@ class TiedProcess(subprocess.Popen):
             descriptor, self._lifeline = self._lifeline, None
         if descriptor is not None:
             os.close(descriptor)
+
+
+# -- working folders deleted when their owner dies ---------------------------------------------------
+
+JANITOR_RETRY_S = 30.0
+"""How long the janitor keeps trying to delete a folder after its owner died."""
+
+
+class _FolderJanitor:
+    """The owner's side: the janitor process, the write end of its pipe, the folders registered."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen | None = None
+        self._pipe: int | None = None
+        self.folders: set[str] = set()
+
+    def register(self, path: str) -> None:
+        with self._lock:
+            self.folders.add(path)
+            self._send(b"+", path)
+
+    def unregister(self, path: str) -> None:
+        with self._lock:
+            self.folders.discard(path)
+            self._send(b"-", path)
+
+    @property
+    def pid(self) -> int | None:
+        """The janitor's process id, None before the first folder (for tests)."""
+        return None if self._process is None else self._process.pid
+
+    def _send(self, kind: bytes, path: str) -> None:
+        record = kind + os.fsencode(path) + b"\0"  # NUL ends a record: it cannot occur in a path
+        if self._pipe is not None:
+            try:
+                os.write(self._pipe, record)  # under PIPE_BUF bytes: written whole or not at all
+                return
+            except OSError:
+                pass  # the janitor died: a new one gets the whole list below
+        self._start()
+
+    def _start(self) -> None:
+        if self._pipe is not None:
+            os.close(self._pipe)
+            self._pipe = None
+        if self._process is not None:
+            self._process.poll()  # collects a dead janitor's exit status
+        read_end, write_end = os.pipe()  # close-on-exec: no helper we start inherits the write end
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-I", "-S", os.path.abspath(__file__), "--janitor", str(read_end)],
+                pass_fds=(read_end,), start_new_session=True, cwd="/",
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        self._pipe = write_end
+        for folder in sorted(self.folders):
+            os.write(self._pipe, b"+" + os.fsencode(folder) + b"\0")
+
+
+_janitor = _FolderJanitor()
+
+
+def tied_folder(prefix: str, parent: str | os.PathLike | None = None) -> str:
+    """A new empty folder (tempfile.mkdtemp) that is deleted when this process dies, however it dies.
+
+    Delete it with remove_tied_folder when done; until then it outlives nothing but this process.
+    """
+    import tempfile  # here, not at the top: the watchdog and the janitor run this module bare
+
+    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    try:
+        _janitor.register(path)
+    except BaseException:
+        os.rmdir(path)
+        raise
+    return path
+
+
+def remove_tied_folder(path: str | os.PathLike) -> None:
+    """Delete a folder made by tied_folder, with its contents, now; a missing folder is fine."""
+    import shutil
+
+    path = os.fspath(path)
+    shutil.rmtree(path, ignore_errors=True)
+    _janitor.unregister(path)
+
+
+def janitor_pid() -> int | None:
+    """The process id of this process's janitor, None if no folder was ever tied (for tests)."""
+    return _janitor.pid
+
+
+def _run_janitor(lifeline: int) -> None:
+    """Track the owner's folders until the pipe ends, then delete those it has not deleted itself."""
+    import shutil
+
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)  # not ours to obey: only the pipe's end matters
+    folders: set[str] = set()
+    pending = b""
+    while True:
+        chunk = os.read(lifeline, 65536)
+        if not chunk:
+            break
+        *records, pending = (pending + chunk).split(b"\0")
+        for record in records:
+            path = os.fsdecode(record[1:])
+            if record[:1] == b"+":
+                folders.add(path)
+            elif record[:1] == b"-":
+                folders.discard(path)
+    deadline = time.monotonic() + JANITOR_RETRY_S
+    while folders and time.monotonic() < deadline:
+        for path in sorted(folders):
+            if not os.path.islink(path):  # never follow a link out of the folder we were given
+                shutil.rmtree(path, ignore_errors=True)
+            if not os.path.lexists(path) or os.path.islink(path):
+                folders.discard(path)
+        if folders:
+            time.sleep(0.2)  # a server still being stopped may be writing in its folder
 
 
 # -- the watchdog: runs as `python -I -S processes.py LIFELINE_FD GRACE_S -- COMMAND...` ---------------
@@ -309,6 +446,9 @@ def _exit_like(status: int) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--janitor":
+        _run_janitor(int(sys.argv[2]))
+        sys.exit(0)
     if len(sys.argv) < 5 or sys.argv[3] != "--":
         sys.exit("usage: processes.py LIFELINE_FD GRACE_S -- COMMAND...")
     _exit_like(_Watchdog(int(sys.argv[1]), float(sys.argv[2])).run(sys.argv[4:]))

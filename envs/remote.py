@@ -19,6 +19,12 @@ its own choosing for that number, and the goal to go by is the one its first obs
 not the task's. Requests use the standard library's http.client on trio worker
 threads (no extra dependency); each RemoteEnv keeps one keep-alive connection and one service
 instance, created on the first reset and reused across episodes.
+
+A service that dies (killed, crashed, restarted) fails the call in flight with RemoteEnvError at
+once (a refused or dropped connection; a service that hangs fails after `timeout_s`), so the
+episode is recorded as failed. The env then forgets its instance: the next reset connects afresh
+and creates a new one, so play resumes as soon as the service is back, without restarting the
+client. Forgetting matters because a restarted service may give the old id to another client.
 """
 
 from __future__ import annotations
@@ -51,9 +57,11 @@ _STALE_CONNECTION_ERRORS = (http.client.RemoteDisconnected, ConnectionResetError
 class RemoteEnvError(RuntimeError):
     """The env service could not be reached or refused a request; the message says which and why."""
 
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None, *, lost_connection: bool = False):
         super().__init__(message)
         self.status = status
+        self.lost_connection = lost_connection
+        """True when the service refused or dropped the connection: it is down or was restarted."""
 
 
 class ServiceClient:
@@ -112,12 +120,16 @@ class ServiceClient:
                 # reaches it; one retry on a fresh connection is safe. A fresh one failing is real.
                 if reused and attempt == 0:
                     continue
-                raise RemoteEnvError(f"env service {self.url}: {method} {path} failed: {error!r}") from None
+                raise RemoteEnvError(
+                    f"env service {self.url}: {method} {path} failed: {error!r}", lost_connection=True
+                ) from None
             except (OSError, http.client.HTTPException) as error:
                 self.close()
-                kind = "timed out" if isinstance(error, (socket.timeout, TimeoutError)) else "failed"
+                timed_out = isinstance(error, (socket.timeout, TimeoutError))
                 raise RemoteEnvError(
-                    f"env service {self.url}: {method} {path} {kind} ({error!r}; timeout {self.timeout_s} s)"
+                    f"env service {self.url}: {method} {path} {'timed out' if timed_out else 'failed'} "
+                    f"({error!r}; timeout {self.timeout_s} s)",
+                    lost_connection=not timed_out,
                 ) from None
         if len(raw) > MAX_RESPONSE_BYTES:
             self.close()
@@ -283,7 +295,15 @@ class RemoteEnv:
         return {"prompt_format": local.prompt_format, "instructions": local.instructions()}
 
     async def _call(self, method: str, path: str, payload: Mapping[str, Any] | None = None) -> Any:
-        return await trio.to_thread.run_sync(self._client.request, method, path, payload)
+        try:
+            return await trio.to_thread.run_sync(self._client.request, method, path, payload)
+        except RemoteEnvError as error:
+            if error.lost_connection:
+                # The service is down or was restarted: our instance is gone with it (see the
+                # module docstring), so the next reset creates a new one.
+                self._instance_id = None
+                self._episode_active = False
+            raise
 
     async def _load_metadata(self) -> None:
         info = await trio.to_thread.run_sync(_service_info, self._client)

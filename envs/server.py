@@ -39,6 +39,10 @@ list_tasks order. GET /tasks lists the mapping. How it compares with the referen
 `seed` is our extension: reset without one uses seed 0, so a data_idx always gives the same first
 observation to clients that do not send seeds.
 
+Instance ids start at the service's start time in milliseconds and count up, so a restarted service
+never hands out the ids of its previous run: a client still holding one (it did not notice the
+restart) gets 404 and creates a new instance, instead of driving another client's new instance.
+
 Limits against clients that hog the service: max_connections threads, each connection closed after
 keep_alive_timeout_s idle between requests and after request_timeout_s for a whole request (head
 and body, however slowly it trickles in), so a slow client holds a slot for a bounded time; a
@@ -354,7 +358,7 @@ class EnvService:
         self.table = table
         self.clock = clock
         self.instances: dict[int, _Instance] = {}
-        self.next_id = 0
+        self.next_id = int(time.time() * 1000)  # see the module docstring: ids differ across restarts
         self.expired = 0
         self._spec = get_env_spec(settings.env_name)
         self._goal_to_data_idx = self._goal_lookup()

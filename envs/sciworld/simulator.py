@@ -101,7 +101,21 @@ class SimulatorProcess:
         from scienceworld import ScienceWorldEnv
 
         # The wrapper's own step limit is never consulted: steps bypass it, the horizon cap rules.
-        self._wrapper = ScienceWorldEnv("", envStepLimit=1_000_000)
+        wrapper = ScienceWorldEnv.__new__(ScienceWorldEnv)
+        try:
+            wrapper.__init__("", envStepLimit=1_000_000)
+        except BaseException:
+            # The JVM died (or was killed) while starting. End what did start, and leave the
+            # half-built wrapper nothing to close: its __del__ would fail without a gateway.
+            gateway = getattr(wrapper, "_gateway", None)
+            if gateway is not None:
+                with contextlib.suppress(Exception):
+                    gateway.shutdown()
+                with contextlib.suppress(Exception):
+                    gateway.java_process.kill()
+            wrapper.close = lambda: None
+            raise
+        self._wrapper = wrapper
         self._java_process: subprocess.Popen = self._wrapper._gateway.java_process
         self._choice_translation: dict[str, str] = {}
         self.closed = False

@@ -15,6 +15,9 @@ origin is not in the episode's allow-list is aborted, service workers are blocke
 other origins are closed, so agents cannot reach the internet. A browser that disconnects (crash,
 kill) or stops answering (a call outlives its hang guard) is killed and relaunched on next use;
 the episode that was using it gets BrowserFailure, which the rollout records as a failed episode.
+Every call races the browser's "disconnected" event: Playwright does not always fail a pending
+call when the browser dies (a `new_page` in flight when Chromium is SIGKILLed can wait for ever),
+so the event, not the call, tells us the browser is gone, within a fraction of a second.
 
 Process lifetime: nothing here ties Chromium to this process because Playwright already does.
 Its node driver reads commands from a pipe of this process and exits when that pipe closes, and
@@ -207,6 +210,8 @@ class _BrowserSlot:
     """Counts launches: a session remembers the generation it was opened in."""
     live_sessions: int = 0
     connected: bool = False
+    disconnected: asyncio.Event | None = None
+    """Set when this generation's browser disconnects or is discarded; calls race it."""
 
     def usable(self) -> bool:
         return self.browser is not None and self.connected and self.browser.is_connected()
@@ -296,9 +301,11 @@ class BrowserPool:
             slot.pid = roots[0] if len(roots) == 1 else None
             slot.generation += 1
             slot.connected = True
-            generation = slot.generation
+            slot.disconnected = asyncio.Event()
+            generation, disconnected = slot.generation, slot.disconnected
 
             def on_disconnected(_browser: Any, slot: _BrowserSlot = slot, generation: int = generation) -> None:
+                disconnected.set()
                 if slot.generation == generation:
                     slot.connected = False
                     self.stats.failures.append(f"browser {slot.index} disconnected")
@@ -310,6 +317,8 @@ class BrowserPool:
         """Kill a slot's browser process (it may already be dead) and forget it."""
         browser, pid = slot.browser, slot.pid
         slot.browser, slot.pid, slot.connected = None, None, False
+        if slot.disconnected is not None:
+            slot.disconnected.set()  # calls still waiting on this browser give up now
         if pid is not None:
             _kill_process_tree(pid)
         if browser is not None:
@@ -326,16 +335,23 @@ class BrowserPool:
         try:
             if not slot.usable():
                 await self._launch(slot)
-            generation = slot.generation
+            generation, disconnected = slot.generation, slot.disconnected
+            assert disconnected is not None
             try:
-                session = await asyncio.wait_for(BrowserSession.open(self, slot, allowed_origins, options), 30)
+                session = await _unless_set(disconnected, BrowserSession.open(self, slot, allowed_origins, options), 30)
             except asyncio.TimeoutError:
                 await self._recover(slot, generation, "opening a browser context took over 30 s")
                 raise BrowserFailure(f"browser {slot.index} did not open a context within 30 s and was relaunched") from None
+            except _EventSet:
+                raise BrowserFailure(f"browser {slot.index} died while opening a context") from None
             except Exception as error:
-                if slot.usable():
-                    raise
-                raise BrowserFailure(f"browser {slot.index} died while opening a context: {error}") from error
+                # Opening a context on a live browser does not fail; an error is the browser
+                # dying, even when Playwright reports it before its "disconnected" event.
+                if await _set_within(disconnected, DEATH_NOTICE_S):
+                    raise BrowserFailure(
+                        f"browser {slot.index} died while opening a context ({type(error).__name__}: {_first_line(error)})"
+                    ) from error
+                raise BrowserFailure(f"browser {slot.index} could not open a context: {_first_line(error)}") from error
         except BaseException:
             slot.live_sessions = max(0, slot.live_sessions - 1)
             raise
@@ -414,6 +430,46 @@ class BrowserPool:
         await trio.to_thread.run_sync(self.close)
 
 
+DEATH_NOTICE_S = 2.0
+"""After a failed call, how long to wait for the "disconnected" event that tells a dead browser
+from a page-level error (it comes within about 100 ms of the browser's death)."""
+
+
+class _EventSet(Exception):
+    """Raised by _unless_set when the event it watched was set first."""
+
+
+async def _unless_set(event: asyncio.Event, coroutine: Awaitable[T], timeout: float) -> T:
+    """Await `coroutine`, but raise _EventSet as soon as `event` is set and asyncio.TimeoutError
+    after `timeout` seconds; the coroutine is cancelled in both cases."""
+    work = asyncio.ensure_future(coroutine)
+    watcher = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({work, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            # Retrieved so that a call that fails while being cancelled is not logged as unhandled.
+            work.add_done_callback(lambda task: task.cancelled() or task.exception())
+    if work.done():
+        return work.result()  # a result (or error) that came together with the event still counts
+    if event.is_set():
+        raise _EventSet()
+    raise asyncio.TimeoutError()
+
+
+async def _set_within(event: asyncio.Event, timeout: float) -> bool:
+    """Whether `event` is set now or becomes set within `timeout` seconds."""
+    if event.is_set():
+        return True
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
 def _kill_process_tree(pid: int) -> None:
     import psutil
 
@@ -451,6 +507,9 @@ class BrowserSession:
         self.pool = pool
         self.slot = slot
         self.generation = slot.generation
+        assert slot.disconnected is not None
+        self.disconnected = slot.disconnected
+        """The event of the browser this session lives on (not of a later relaunch)."""
         self.context = context
         self.allowed_origins = allowed_origins
         self.options = options
@@ -568,12 +627,16 @@ class BrowserSession:
 
         async def guarded() -> T:
             try:
-                return await asyncio.wait_for(function(self, *args), guard)
+                return await _unless_set(self.disconnected, function(self, *args), guard)
             except asyncio.TimeoutError:
                 await self._recover_from_hang(guard)
                 raise BrowserFailure(f"the page did not answer within {guard:.0f} s; the episode's context was closed") from None
+            except _EventSet:
+                raise BrowserFailure(self._death_reason()) from None
             except Exception as error:
-                if not self.alive:
+                # Playwright may report the browser's death (as an error of the page or context)
+                # before its "disconnected" event arrives: give the event a moment to decide.
+                if not self.alive or await _set_within(self.disconnected, DEATH_NOTICE_S):
                     raise BrowserFailure(f"{self._death_reason()} ({type(error).__name__}: {_first_line(error)})") from error
                 raise
 

@@ -202,8 +202,15 @@ class BrowserEnv:
         goal = str(config.get("intent") or "")
         start_url = replace_placeholders(str(config["start_url"]), base_urls)
         options = self._session_options(task, config)
-        for attempt in range(2):  # a browser that died between episodes is relaunched by the pool
-            session = await self.pool.open_session(origins, options)
+        # A browser that dies before the episode's first observation (between episodes, or while
+        # this reset opens its context) costs nothing yet: the pool relaunches it and we try again.
+        for attempt in range(2):
+            try:
+                session = await self.pool.open_session(origins, options)
+            except BrowserFailure:
+                if attempt == 1:
+                    raise
+                continue
             episode = Episode(task=task, config=config, session=session, goal=goal, base_urls=base_urls)
             self._episode = episode
             try:

@@ -17,7 +17,7 @@ import weakref
 from pathlib import Path
 from typing import Sequence
 
-from longhorizon.common.processes import TiedProcess
+from longhorizon.common.processes import TiedProcess, remove_tied_folder, tied_folder
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
@@ -144,7 +144,8 @@ class LocalSite:
     Subclasses fill the folder (`prepare`), name the server command (`server_command`), restore
     the snapshot (`restore`) and score checks (`check_state`). start() prepares once and starts
     the server; reset() restores the snapshot without restarting it; stop() ends the process and
-    deletes the folder.
+    deletes the folder. The folder is a common.processes.tied_folder: if this process dies without
+    stopping the site (SIGKILL), its janitor deletes the folder.
     """
 
     name = "site"
@@ -185,7 +186,7 @@ class LocalSite:
         if self.process is not None and self.process.poll() is None:
             return
         if self.workdir is None:
-            self.workdir = Path(tempfile.mkdtemp(prefix=f"longhorizon-{self.name}-"))
+            self.workdir = Path(tied_folder(f"longhorizon-{self.name}-"))
             try:
                 self.prepare(self.workdir)
             except BaseException:
@@ -221,7 +222,7 @@ class LocalSite:
         self.process = None
         self.port = None
         if self.workdir is not None:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            remove_tied_folder(self.workdir)
             self.workdir = None
 
     def __enter__(self) -> "LocalSite":
