@@ -25,11 +25,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass
 
-from longhorizon.common.processes import TiedProcess
+from longhorizon.common.processes import TiedProcess, remove_tied_folder, tied_folder
 
 # Runs in the child before the snippet: limits, then the guard, then the snippet itself.
 _LAUNCHER = r'''
@@ -175,7 +174,8 @@ def run_python(code: str, limits: PythonLimits = PythonLimits(), *, use_namespac
     use_namespace / use_guard switch one barrier off so tests can show that each holds on its own.
     """
     prefix = namespace_prefix() if use_namespace else []
-    scratch = tempfile.mkdtemp(prefix="longhorizon-python-")
+    # Deleted below, or by the folder janitor if this process dies first.
+    scratch = tied_folder("longhorizon-python-")
     try:
         program = os.path.join(scratch, "snippet.py")
         with open(program, "w", encoding="utf-8") as file:
@@ -214,7 +214,7 @@ def run_python(code: str, limits: PythonLimits = PythonLimits(), *, use_namespac
             stopped_by = "output size"
         return PythonResult(text, process.returncode, stopped_by, truncated, bool(prefix))
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_tied_folder(scratch)
 
 
 def _stop_reason(exit_code: int | None, timed_out: bool) -> str | None:
