@@ -242,8 +242,8 @@ class EnvPool:
                         await env.close()
                 except Exception as exc:
                     log.warning("closing env failed: %r", exc)
-            for done in list(self._closing.values()):
-                with trio.move_on_after(5):
+            with trio.move_on_after(5):  # one deadline for all the broken envs still closing
+                for done in list(self._closing.values()):
                     await done.wait()
         self._free.clear()
         self._all.clear()

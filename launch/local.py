@@ -266,6 +266,8 @@ def launch_local(config: Config, *, progress=print) -> int:
                 actor.start()
                 _write_process_table(run_dir, children)
     except (KeyboardInterrupt, StopRequested) as stop:
+        if in_main_thread:  # a repeated SIGTERM must not cut the orderly stop short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         progress(f"{'interrupted' if isinstance(stop, KeyboardInterrupt) else 'stop requested'}: "
                  "stopping all processes (the learner writes a checkpoint first)")
         _stop_all(children)

@@ -30,16 +30,36 @@ def transport_addresses(config: Config) -> dict[str, str]:
 
 
 async def _until_signal(cancel_scope: trio.CancelScope, received: list[int]) -> None:
+    """Cancel the role on the first SIGTERM or SIGINT. Later ones are logged and ignored: the
+    receiver stays open so they cannot take the default action (ending the process) while a
+    learner writes its final checkpoint."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
+            if received:
+                logging.getLogger(__name__).info("received signal %d again, still stopping", signum)
+                continue
             logging.getLogger(__name__).info("received signal %d, stopping", signum)
             received.append(signum)
             cancel_scope.cancel()
-            return
 
 
 async def _main(role: str, config: Config, index: int) -> int:
     """Run one role; 0 when it finished normally, 128 + signal number when a signal stopped it."""
+    received: list[int] = []
+    async with trio.open_nursery() as nursery:
+        # The signal receiver lives outside the role's cancel scope, so it stays open (and
+        # ignores repeats) while the role shuts down.
+        role_scope = trio.CancelScope()
+        nursery.start_soon(_until_signal, role_scope, received)
+        with role_scope:
+            await _run_role(role, config, index)
+        nursery.cancel_scope.cancel()
+    # An actor stopped by a signal rather than by the learner exits non-zero so the launcher
+    # restarts it.
+    return 128 + received[0] if received else 0
+
+
+async def _run_role(role: str, config: Config, index: int) -> None:
     import dataclasses
 
     from longhorizon.common.transport import zmq_actor_endpoints, zmq_learner_endpoints
@@ -47,38 +67,31 @@ async def _main(role: str, config: Config, index: int) -> int:
 
     addresses = transport_addresses(config)
     transport = config.transport
-    received: list[int] = []
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_until_signal, nursery.cancel_scope, received)
-        if role == "learner":
-            from longhorizon.learner.worker import run_learner
+    if role == "learner":
+        from longhorizon.learner.worker import run_learner
 
-            endpoints = zmq_learner_endpoints(
-                **addresses,
-                trajectory_hwm=transport.trajectory_hwm,
-                trajectory_limits=dataclasses.replace(DEFAULT_LIMITS, max_message_bytes=transport.max_trajectory_bytes),
-            )
-            try:
-                await run_learner(config, endpoints)
-            finally:
-                endpoints.close()
-        else:
-            from longhorizon.actor.worker import run_actor
+        endpoints = zmq_learner_endpoints(
+            **addresses,
+            trajectory_hwm=transport.trajectory_hwm,
+            trajectory_limits=dataclasses.replace(DEFAULT_LIMITS, max_message_bytes=transport.max_trajectory_bytes),
+        )
+        try:
+            await run_learner(config, endpoints)
+        finally:
+            endpoints.close()
+    else:
+        from longhorizon.actor.worker import run_actor
 
-            endpoints = zmq_actor_endpoints(
-                f"actor-{index}",
-                **addresses,
-                trajectory_hwm=transport.trajectory_hwm,
-                broadcast_limits=dataclasses.replace(WEIGHTS_LIMITS, max_message_bytes=transport.max_weights_bytes),
-            )
-            try:
-                await run_actor(config, index, endpoints)
-            finally:
-                endpoints.close()
-        nursery.cancel_scope.cancel()
-    # An actor stopped by a signal rather than by the learner exits non-zero so the launcher
-    # restarts it.
-    return 128 + received[0] if received else 0
+        endpoints = zmq_actor_endpoints(
+            f"actor-{index}",
+            **addresses,
+            trajectory_hwm=transport.trajectory_hwm,
+            broadcast_limits=dataclasses.replace(WEIGHTS_LIMITS, max_message_bytes=transport.max_weights_bytes),
+        )
+        try:
+            await run_actor(config, index, endpoints)
+        finally:
+            endpoints.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ from longhorizon.common.transport import RateLimitedLog
 __all__ = ["Group", "GroupBuffer", "PARTIAL_GROUP_POLICIES", "staleness"]
 
 PARTIAL_GROUP_POLICIES = ("drop", "keep")
+_VERSIONS_REMEMBERED = 1024
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,10 @@ class Group:
     first_arrival: float = 0.0
     """Clock time when the first member (or the first news of one) reached the buffer."""
     refused_members: int = 0
-    """Members that arrived but were refused (too stale): they will not come again."""
+    """Members that arrived but were refused (too stale or too long): they will not come again."""
+    policy_version: int = 0
+    """The oldest policy version in the member that opened the group (in sync mode, the version
+    that generated the whole group)."""
 
     @property
     def rewards(self) -> np.ndarray:
@@ -207,6 +211,9 @@ class GroupBuffer:
         self._closed_group_ids = _RecentKeys(remembered_ids)
         self.counters: dict[str, int] = dict.fromkeys(_COUNTER_NAMES, 0)
         self.staleness_histogram: collections.Counter[int] = collections.Counter()
+        # Groups dropped, by the version that made them (see Group.policy_version): a synchronous
+        # learner counts the losses of its own version's batch only.
+        self.dropped_groups_by_version: collections.Counter[int] = collections.Counter()
         # A sender with a bug can send thousands of bad trajectories: one log line per interval.
         self._refusals = RateLimitedLog("group buffer refused a trajectory", log=logger)
         self._overflows = RateLimitedLog("group buffer full", log=logger)
@@ -265,7 +272,7 @@ class GroupBuffer:
             self.counters["dropped_future_trajectories"] += 1
             return
         if group is None:
-            group = self._open_group(group_id, trajectory.group_size)
+            group = self._open_group(group_id, trajectory.group_size, learner_version - trajectory_staleness)
         length = len(trajectory.loss_mask)
         if self.max_tokens is not None and length > self.max_tokens:
             self.counters["dropped_too_long"] += 1
@@ -285,11 +292,12 @@ class GroupBuffer:
         group.trajectories.append(trajectory)
         self.counters["accepted"] += 1
 
-    def _open_group(self, group_id: str, group_size: int) -> Group:
+    def _open_group(self, group_id: str, group_size: int, policy_version: int) -> Group:
         if len(self._pending) >= self.max_pending_groups:
             self._drop_for_room()
         group = Group(
-            group_id=group_id, trajectories=[], group_size=group_size, first_arrival=self._clock()
+            group_id=group_id, trajectories=[], group_size=group_size, first_arrival=self._clock(),
+            policy_version=policy_version,
         )
         self._pending[group_id] = group
         return group
@@ -308,6 +316,9 @@ class GroupBuffer:
         group = self._close(group_id)
         self.counters[reason] += 1
         self.counters["dropped_group_trajectories"] += len(group.trajectories)
+        self.dropped_groups_by_version[group.policy_version] += 1
+        if len(self.dropped_groups_by_version) > _VERSIONS_REMEMBERED:
+            del self.dropped_groups_by_version[min(self.dropped_groups_by_version)]
 
     def _close(self, group_id: str) -> Group:
         self._closed_group_ids.add(group_id)

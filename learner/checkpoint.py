@@ -94,7 +94,9 @@ def load_checkpoint(path: Path, *, model, optimizer) -> dict:
 
     path = Path(path)
     load_state_into(model, load_file(path / "model.safetensors"))
-    state = torch.load(path / "state.pt", weights_only=False)
+    # On the CPU first: the optimiser moves its state to its parameters' device as it loads, so a
+    # checkpoint written on one device resumes on another.
+    state = torch.load(path / "state.pt", weights_only=False, map_location="cpu")
     optimizer.load_state_dict(state["optimizer"])
     rng = state["rng"]
     random.setstate(rng["python"])

@@ -128,6 +128,7 @@ class Learner:
         self.episodes_reported: dict[tuple, int] = {}
         self.latest_weights = None
         self.last_weights_broadcast = -math.inf
+        self._publish_lock = trio.Lock()
         self.arrived = trio.Event()
         self.last_arrival = time.monotonic()
         self.received_since_step = 0
@@ -216,27 +217,33 @@ class Learner:
         return live
 
     async def _republish_weights_if_behind(self, actor_version: int) -> None:
-        if actor_version == (self.latest_weights.version if self.latest_weights is not None else self.version):
+        if self.latest_weights is None or actor_version == self.latest_weights.version:
             return
         if time.monotonic() - self.last_weights_broadcast <= _REPUBLISH_AFTER_S:
             return
         self.counters["weights_republished"] += 1
-        # Before the first step the learner publishes no weights (the actors start from the same
-        # model); an actor holding another version (a learner restarted from the start) needs them.
-        await self._publish(rebuild=self.latest_weights is None)
+        await self._publish()
 
     async def _publish_horizon(self) -> None:
         await self.endpoints.broadcast.send(horizon_update(self.horizon))
 
-    async def _publish(self, *, rebuild: bool) -> None:
-        if rebuild:
-            self.latest_weights = await trio.to_thread.run_sync(
-                make_weights_update, self.model, self.version, self.config.learner.weights_transport,
-                self.run_dir / "weights",
-            )
-        if self.latest_weights is not None:
-            self.last_weights_broadcast = time.monotonic()
-        await broadcast(self.endpoints.broadcast, self.horizon, self.latest_weights)
+    async def _rebuild_weights(self) -> None:
+        """The weights message of the current version. Called by the training loop only, between
+        updates: the copy must never overlap an optimiser step changing the parameters."""
+        self.latest_weights = await trio.to_thread.run_sync(
+            make_weights_update, self.model, self.version, self.config.learner.weights_transport,
+            self.run_dir / "weights",
+        )
+
+    async def _publish(self, *, weights: bool = True) -> None:
+        # One broadcast at a time: a re-send for a latecomer must not interleave its horizon and
+        # weights with the training loop's newer ones.
+        async with self._publish_lock:
+            if weights and self.latest_weights is not None:
+                self.last_weights_broadcast = time.monotonic()
+                await broadcast(self.endpoints.broadcast, self.horizon, self.latest_weights)
+            else:
+                await broadcast(self.endpoints.broadcast, self.horizon, None)
 
     async def _repeat_horizon(self) -> None:
         """Publish the horizon every few seconds: a subscriber that joined after the last
@@ -251,7 +258,6 @@ class Learner:
         wanted = self.config.learner.groups_per_step
         groups: list = []
         waiting_since = last_report = time.monotonic()
-        dropped_at_start = self._groups_dropped()
         while len(groups) < wanted:
             if time.monotonic() - last_report > _WAITING_REPORT_S:
                 # Say what the learner waits for rather than hanging silently.
@@ -262,7 +268,7 @@ class Learner:
                     last_report - waiting_since, len(groups), wanted, len(self.buffer), self.buffer.pending_groups,
                     ", ".join(sorted(self.live_peers())) or "none",
                 )
-            give_up = self.sync and self._sync_batch_is_over(len(groups), wanted, dropped_at_start, waiting_since)
+            give_up = self.sync and self._sync_batch_is_over(len(groups), wanted, waiting_since)
             groups += self.buffer.pop_ready(
                 wanted - len(groups), learner_version=self.version, give_up_waiting=give_up,
             )
@@ -272,7 +278,7 @@ class Learner:
                     log.warning(
                         "sync batch of version %d ends with %d of %d groups (%d dropped, see the "
                         "buffer counters in metrics)", self.version, len(groups), wanted,
-                        self._groups_dropped() - dropped_at_start,
+                        self.buffer.dropped_groups_by_version[self.version],
                     )
                 break
             self.arrived = trio.Event()
@@ -280,18 +286,13 @@ class Learner:
                 await self.arrived.wait()
         return groups
 
-    def _groups_dropped(self) -> int:
-        counters = self.buffer.counters
-        return sum(counters[name] for name in (
-            "dropped_stale_groups", "dropped_incomplete_groups", "dropped_partial_groups", "dropped_overflow_groups",
-        ))
-
-    def _sync_batch_is_over(self, ready: int, wanted: int, dropped_at_start: int, batch_started: float) -> bool:
+    def _sync_batch_is_over(self, ready: int, wanted: int, batch_started: float) -> bool:
         """Sync mode: the actors generate exactly one batch per version, so a group lost on the way
         (dropped, or its trajectories rejected on the wire) would leave the learner waiting for
-        ever. The batch is over once every group it expected is ready or dropped, or when nothing
-        has arrived for `learner.sync_batch_timeout_s`."""
-        if ready + self._groups_dropped() - dropped_at_start >= wanted:
+        ever. The batch is over once every group it expected is ready or dropped (groups of this
+        version only: late members of older groups do not count), or when nothing has arrived
+        for `learner.sync_batch_timeout_s`."""
+        if ready + self.buffer.dropped_groups_by_version[self.version] >= wanted:
             return True
         quiet_since = max(self.last_arrival, batch_started)  # the last step may have been long
         return time.monotonic() - quiet_since > self.config.learner.sync_batch_timeout_s
@@ -376,7 +377,11 @@ class Learner:
 
     async def _train(self) -> None:
         learner = self.config.learner
-        await self._publish(rebuild=self.version > 0)
+        # Weights of the starting version are built at once, so an actor holding another version
+        # (ahead of a learner restarted from an older checkpoint) can be sent them; they are
+        # broadcast now only when the actors cannot have them yet (a resumed run).
+        await self._rebuild_weights()
+        await self._publish(weights=self.version > 0)
         last_step_time = time.monotonic()
         while self.step < self.config.run.total_steps:
             groups = await self._collect_batch()
@@ -399,7 +404,8 @@ class Learner:
                 if self.step % learner.sample_episodes_every == 0:
                     self._write_sample(groups)
                 if self.sync or self.step % learner.broadcast_every == 0 or self.step == self.config.run.total_steps:
-                    await self._publish(rebuild=True)
+                    await self._rebuild_weights()
+                    await self._publish()
                 if self.step % learner.checkpoint_every == 0 or self.step == self.config.run.total_steps:
                     record["checkpoint"] = str(await trio.to_thread.run_sync(self._checkpoint))
                 self.metrics.write(record)

@@ -450,3 +450,13 @@ def test_every_trajectory_is_counted_once_under_random_traffic():
                 counters["returned_trajectories"] + counters["dropped_group_trajectories"] + len(buffer)
             )
         assert [name for name in (*refusals, "returned_trajectories") if buffer.counters[name] == 0] == []
+
+
+def test_dropped_groups_are_counted_by_the_version_that_made_them():
+    buffer, clock = make_buffer(max_staleness=1, group_timeout_s=5.0)
+    buffer.add(trajectory("a", "g2", versions=[-1, 2, 2], group_size=2), learner_version=3)
+    buffer.add(trajectory("b", "g3", versions=[-1, 3], group_size=2), learner_version=3)
+    buffer.add(trajectory("c", "g1", versions=[-1, 1], group_size=2), learner_version=3)  # stale: opens, refused
+    clock.now += 5.0
+    assert buffer.pop_ready(8, learner_version=3) == []
+    assert dict(buffer.dropped_groups_by_version) == {1: 1, 2: 1, 3: 1}

@@ -138,42 +138,6 @@ def test_a_weights_update_owns_its_bytes(tiny_codebook_model):
         np.testing.assert_array_equal(array, before[name])
 
 
-async def test_weights_sent_over_pub_sub_are_those_of_their_version(tiny_codebook_model):
-    """A broadcast, then at once an in-place step: the subscriber still gets the sent version."""
-    model = load_causal_lm(tiny_codebook_model)
-    # Make one tensor large enough to be sent without a copy (above the 512 KiB threshold).
-    model.extra = torch.nn.Parameter(torch.full((512, 512), 0.25))
-    learner_side = zmq_learner_endpoints(
-        trajectory_address="tcp://127.0.0.1:*", broadcast_address="tcp://127.0.0.1:*",
-        control_address="tcp://127.0.0.1:*",
-    )
-    actor_side = zmq_actor_endpoints(
-        "actor-0", trajectory_address=learner_side.trajectories.address,
-        broadcast_address=learner_side.broadcast.address, control_address=learner_side.control.address,
-    )
-    try:
-        # Wait for the subscription to be in place (PUB drops what no one subscribed to yet).
-        with trio.fail_after(10):
-            while True:
-                await learner_side.broadcast.send(HorizonUpdate(horizon_cap=1, stage=0, learner_step=0))
-                with trio.move_on_after(0.05):
-                    await actor_side.broadcast.receive()
-                    break
-        update = make_weights_update(model, 1, "inline")
-        await learner_side.broadcast.send(update)
-        with torch.no_grad():
-            model.extra.add_(1.0)
-        with trio.fail_after(10):
-            while True:
-                received = await actor_side.broadcast.receive()
-                if isinstance(received, WeightsUpdate):
-                    break
-        assert np.all(received.tensors["extra"] == 0.25)
-    finally:
-        actor_side.close()
-        learner_side.close()
-
-
 async def test_a_sync_batch_that_lost_a_group_goes_ahead(tmp_path, byte_model):
     """Sync actors make exactly one batch per version; a lost trajectory used to stall the learner."""
     from longhorizon.actor.worker import run_actor
@@ -216,3 +180,55 @@ def test_training_refuses_top_p_below_one(tmp_path, byte_model):
     with pytest.raises(ValueError, match="top_p"):
         Learner(_config(tmp_path, byte_model, "actor.sampling.top_p=0.8"), None, tmp_path, str(byte_model))
     validate_config(dataclasses.replace(_config(tmp_path, byte_model)))
+
+
+async def test_a_sync_batch_counts_only_its_own_versions_lost_groups(tmp_path, byte_model):
+    from tests.test_buffer import trajectory as stand_in
+
+    def trajectory(*args, **kwargs):
+        made = stand_in(*args, **kwargs)
+        made.token_ids = np.zeros(len(made.loss_mask), np.int64)  # the learner checks the vocabulary
+        return made
+
+    config = _config(tmp_path, byte_model, "run.mode='sync'", "learner.groups_per_step=2")
+    learner = await _make_learner(config, InProcessNetwork().learner_endpoints(), byte_model)
+    learner.version = 3
+    now = time.monotonic()
+    # A late member of a version-2 group: refused as stale, its group dropped as partial.
+    learner.buffer.add(trajectory("late", "old", versions=[-1, 2], group_size=2), learner_version=3)
+    learner.buffer.pop_ready(2, learner_version=3)
+    assert learner.buffer.counters["dropped_partial_groups"] == 1
+    assert not learner._sync_batch_is_over(ready=1, wanted=2, batch_started=now)
+    # A group of this version lost a member: now the batch has all it will get.
+    learner.buffer.add(trajectory("a", "mine", versions=[-1, 3], group_size=2), learner_version=3)
+    learner.buffer.pop_ready(2, learner_version=3, give_up_waiting=True)
+    assert learner._sync_batch_is_over(ready=1, wanted=2, batch_started=now)
+    # Nothing arriving for the timeout ends a batch too.
+    assert not learner._sync_batch_is_over(ready=0, wanted=2, batch_started=now)
+    learner.last_arrival = now - 10 * config.learner.sync_batch_timeout_s
+    assert learner._sync_batch_is_over(ready=0, wanted=2, batch_started=now - 10 * config.learner.sync_batch_timeout_s)
+
+
+async def test_resume_restores_counters_and_clock_and_cuts_later_records(tmp_path, byte_model):
+    from longhorizon.common.metrics import read_metrics
+
+    config = _config(tmp_path, byte_model)
+    first = await _make_learner(config, InProcessNetwork().learner_endpoints(), byte_model)
+    first.step, first.version = 3, 3
+    first.buffer.counters["duplicates"] = 7
+    first.counters["actors_lost"] = 2
+    first.elapsed_before = 100.0
+    await trio.to_thread.run_sync(first._checkpoint)
+    for step in range(1, 6):
+        first.metrics.write({"step": step})
+    first.metrics.close()
+
+    resumed_config = _config(tmp_path, byte_model, "run.resume=true")
+    second = await _make_learner(resumed_config, InProcessNetwork().learner_endpoints(), byte_model)
+    assert (second.step, second.version) == (3, 3)
+    assert second.buffer.counters["duplicates"] == 7
+    assert second.counters["actors_lost"] == 2
+    assert second.elapsed_before >= 100.0
+    assert second._elapsed() >= 100.0
+    assert [record["step"] for record in read_metrics(config.run_dir)] == [1, 2, 3]
+    second.metrics.close()

@@ -178,8 +178,6 @@ def test_a_killed_learner_is_restarted_and_actors_follow_it_back(tmp_path, byte_
     assert "went back" in "".join((run_dir / "logs" / f"actor-{i}.log").read_text() for i in range(2))
     table = json.loads((run_dir / "processes.json").read_text())
     assert table["learner"]["restarts"] == 1
-    # The run's clock continues across the restart.
-    assert all(later["time"] >= earlier["time"] for earlier, later in zip(records, records[1:]))
     for pid in {*first_pids.values(), *_all_pids(run_dir).values()}:
         assert not _alive(pid), f"process {pid} left behind"
 

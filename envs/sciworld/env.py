@@ -119,7 +119,9 @@ class SciWorldEnv:
                                        replay=False)
 
         self._task = None  # a reset that fails leaves no episode to step
-        description, first = await trio.to_thread.run_sync(start)
+        # Abandoned (not waited for) if the rollout's env-call timeout fires: a hung JVM must not
+        # hold the episode; the env is then closed as broken, which ends that JVM.
+        description, first = await trio.to_thread.run_sync(start, abandon_on_cancel=True)
         self._task = (name, variation)
         self._actions = []
         # Some tasks score a little for the starting state; the first step pays it, so the
@@ -141,7 +143,8 @@ class SciWorldEnv:
             return ("An empty action does nothing. Reply with one action, such as: look around", 0.0, False, False,
                     {"success": False, "invalid_action": True, "score": self._score})
         result = await trio.to_thread.run_sync(
-            lambda: self._with_recovery(lambda simulator: simulator.step(command), replay=True)
+            lambda: self._with_recovery(lambda simulator: simulator.step(command), replay=True),
+            abandon_on_cancel=True,  # as in reset
         )
         # Replays must include every command the simulator saw: one may answer a numbered question.
         self._actions.append(command)

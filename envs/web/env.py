@@ -138,12 +138,14 @@ class BrowserEnv:
         base_urls: dict[str, str] = {}
         for site_name in names:
             site = self.sites[site_name]
+            # Abandoned (not waited for) if the rollout's env-call timeout fires; the env is then
+            # closed as broken, and a server its thread still starts dies with this process.
             if site_name not in self._started_sites:
-                await trio.to_thread.run_sync(site.start)
+                await trio.to_thread.run_sync(site.start, abandon_on_cancel=True)
                 self._started_sites.add(site_name)
                 self._pristine_sites.add(site_name)
             elif site_name not in self._pristine_sites:
-                await trio.to_thread.run_sync(site.reset)
+                await trio.to_thread.run_sync(site.reset, abandon_on_cancel=True)
             self._pristine_sites.discard(site_name)
             origins.extend(site.allowed_origins)
             base_urls[placeholder(site_name)] = site.base_url
@@ -170,7 +172,7 @@ class BrowserEnv:
         for check in eval_config.get("state_check") or ():
             try:
                 site = self._site_for_check(episode, check)
-                state_results.append(await trio.to_thread.run_sync(site.check_state, check))
+                state_results.append(await trio.to_thread.run_sync(site.check_state, check, abandon_on_cancel=True))
             except ValueError as error:  # a check the site does not understand fails; it does not crash
                 state_results.append((False, f"bad check: {error}"))
         reference_url = replace_placeholders(str(eval_config.get("reference_url") or ""), episode.base_urls)
