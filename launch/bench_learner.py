@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--logprob-chunk-tokens", type=_non_negative_list, default=[defaults.logprob_chunk_tokens],
                         help="comma-separated chunk sizes, one run each; 0 is whole logits (default %(default)s)")
     parser.add_argument("--no-bare", action="store_true", help="skip the bare torch loop")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="our step recomputes layer activations in the backward pass")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default %(default)s)")
     parser.add_argument("--precision", default="fp32", help="fp32 or bf16-mixed (default %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default %(default)s)")
@@ -127,6 +129,7 @@ def measure(args: argparse.Namespace, kind: str) -> dict[str, Any]:
         trainer = Trainer(model, LearnerConfig(
             micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
             logprob_chunk_tokens=int(kind), precision=args.precision,
+            gradient_checkpointing=args.gradient_checkpointing,
         ))
 
         def step() -> None:
@@ -179,6 +182,7 @@ def main(argv: list[str]) -> int:
         "--tokens", str(args.tokens), "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size),
         "--max-tokens-per-micro-batch", str(args.max_tokens_per_micro_batch), "--device", args.device,
         "--precision", args.precision, "--threads", str(args.threads),
+        *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
     ]
     runs = []
     for kind in kinds:
@@ -196,6 +200,7 @@ def main(argv: list[str]) -> int:
     for run in runs:
         run["overhead_vs_bare"] = run["step_s"] / bare["step_s"] - 1 if bare else None
     print(f"model {args.model}: {args.sequences} sequences x {args.tokens} tokens, {args.precision}, "
+          f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, "
           f"micro-batches of <= {args.micro_batch_size} sequences and {args.max_tokens_per_micro_batch} tokens, "
           f"median of {args.steps} steps")
     print(f"{'run':>12} {'log-prob chunk':>15} {'step s':>8} {'tokens/s':>9} {'peak RSS MB':>12} "
