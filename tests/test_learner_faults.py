@@ -15,10 +15,9 @@ from longhorizon.common.transport import (
     InProcessNetwork,
     UnknownPeer,
     ZmqDealer,
-    zmq_actor_endpoints,
     zmq_learner_endpoints,
 )
-from longhorizon.common.wire import Heartbeat, Hello, HorizonUpdate, Stop, WeightsUpdate
+from longhorizon.common.wire import Hello, Stop
 from longhorizon.learner import worker as learner_worker
 from longhorizon.learner.broadcast import make_weights_update
 from longhorizon.learner.worker import Learner
