@@ -27,6 +27,7 @@ from longhorizon.actor.engines.scripted import ScriptedEngine
 from longhorizon.actor.rollout import EnvPool, run_episode
 from longhorizon.common.chat import ByteChatTokenizer
 from longhorizon.envs.base import Task, list_tasks, make_env, react_reply
+from tests.fakes import InterruptedEngine
 
 DEADLINE_S = 20.0
 ROLLOUT = {"horizon_cap": 8, "max_context_tokens": 100_000, "max_new_tokens": 64}
@@ -361,26 +362,14 @@ async def test_a_killed_env_service_fails_its_episode_and_play_resumes_once_it_i
         # A second client holds an instance across the restart and will not notice it.
         await idle.reset(task)
 
-        class KillingEngine:
-            """The oracle, except that the service is SIGKILLed before the second turn."""
-
-            tokenizer = engine.tokenizer
-            policy_version = 0
-            turns = 0
-
-            async def generate(self, request):
-                self.turns += 1
-                if self.turns == 2:
-                    service.kill()
-                    service.wait()
-                return await engine.generate(request)
-
-            def end_episode(self, episode_id: str) -> None:
-                engine.end_episode(episode_id)
+        def kill_service():
+            service.kill()
+            service.wait()
 
         env = envs.acquire()
         started = time.monotonic()
-        result = await run_episode(env, KillingEngine(), task, episode_id="killed", **ROLLOUT)
+        result = await run_episode(env, InterruptedEngine(engine, turn=2, interrupt=kill_service), task,
+                                   episode_id="killed", **ROLLOUT)
         assert result.error.startswith(f"RemoteEnvError: env service {options['url']}: POST /step failed"), result.error
         assert "ConnectionRefusedError" in result.error and result.num_turns == 2
         assert time.monotonic() - started < 5

@@ -12,6 +12,7 @@ from longhorizon.envs.checker import check_env
 from longhorizon.envs.web.browser import BrowserPool
 from longhorizon.envs.web.miniwob import ORACLE_TASKS, TASK_NAMES, TEST_SEED_BASE
 from longhorizon.envs.web.policies import parse_nodes
+from tests.fakes import InterruptedEngine
 
 
 def test_tasks_cover_at_least_40_types_in_both_splits():
@@ -153,25 +154,13 @@ async def test_rollout_reports_a_killed_browser_as_a_failed_episode_and_goes_on(
                                 on_trajectory=on_trajectory, **rollout)
         assert [(t.success, t.reward, t.error) for t in group] == [(True, 1.0, "")] * 2 and len(received) == 2
 
-        class KillingEngine:
-            """The oracle, except that the browser is killed before the second turn."""
-
-            tokenizer = engine.tokenizer
-            policy_version = 0
-            turns = 0
-
-            async def generate(self, request):
-                self.turns += 1
-                if self.turns == 2:
-                    for pid in pool.browser_pids():
-                        psutil.Process(pid).kill()
-                return await engine.generate(request)
-
-            def end_episode(self, episode_id):
-                engine.end_episode(episode_id)
+        def kill_browsers():
+            for pid in pool.browser_pids():
+                psutil.Process(pid).kill()
 
         env = envs.acquire()
-        failed = await run_episode(env, KillingEngine(), task, episode_id="killed", **rollout)
+        failed = await run_episode(env, InterruptedEngine(engine, turn=2, interrupt=kill_browsers), task,
+                                   episode_id="killed", **rollout)
         assert "BrowserFailure" in failed.error and not failed.success and failed.num_turns == 2
         again = await run_episode(env, engine, task, episode_id="after", **rollout)  # the same env instance
         assert (again.error, again.success, again.reward) == ("", True, 1.0)
