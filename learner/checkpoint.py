@@ -1,9 +1,15 @@
 """Checkpoints: parameters, optimiser, step, version, horizon state and RNG, so a run resumes exactly.
 
-Layout: `<run_dir>/checkpoints/step_000010/` holding `model.safetensors` (loadable on its own,
-with the tokenizer and config files beside it, as a Hugging Face folder) and `state.pt` (the
-rest). A checkpoint is written to a `.partial` folder and renamed, so a crash mid-write never
-leaves a half checkpoint that resume would pick up.
+Layout: `<run_dir>/checkpoints/step_000010/` holding
+- `model.safetensors` with the config and tokenizer files beside it: a Hugging Face folder that
+  actors, eval and users load as it is (the whole model, gathered from the ranks);
+- `sharded/`: parameters and optimiser state written by every rank with
+  torch.distributed.checkpoint, which re-shards them on load, so a run saved at N ranks resumes
+  at any other number (one included);
+- `state.pt`: step, version, horizon, counters and RNG, written by rank 0.
+A checkpoint is written to a `.partial` folder and renamed, so a crash mid-write never leaves a
+half checkpoint that resume would pick up. (Checkpoints from before the sharded layout, with the
+optimiser inside `state.pt`, still resume at one rank.)
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from longhorizon.learner.broadcast import unique_state_dict
 from longhorizon.learner.curriculum import HorizonState
 
 
@@ -35,8 +40,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def save_checkpoint(
     run_dir: Path,
     *,
-    model,
-    optimizer,
+    trainer,
     step: int,
     version: int,
     horizon: HorizonState,
@@ -44,40 +48,82 @@ def save_checkpoint(
     model_folder: Path | None = None,
     keep: int = 3,
 ) -> Path:
+    """Write a checkpoint of `trainer`'s model and optimiser. With several ranks every rank calls
+    this at the same point (it gathers and writes collectively); rank 0 writes the rest."""
     from safetensors.torch import save_file
 
+    ranks = trainer.ranks
     target = checkpoint_dir(run_dir, step)
     partial = target.with_name(target.name + ".partial")
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True)
-    save_file({k: v.to("cpu").contiguous() for k, v in unique_state_dict(model).items()}, partial / "model.safetensors")
-    model.config.save_pretrained(partial)
-    if model_folder is not None:
-        # Tokenizer files make the checkpoint a self-contained model folder (eval, new runs).
-        for pattern in ("tokenizer*", "special_tokens_map.json", "chat_template.jinja", "longhorizon_tiny.json"):
-            for file in Path(model_folder).glob(pattern):
-                shutil.copy2(file, partial / file.name)
-    torch.save(
-        {
-            "optimizer": optimizer.state_dict(),
-            "step": step,
-            "version": version,
-            "horizon": asdict(horizon),
-            "counters": dict(counters),
-            "rng": {
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state(),
+    if ranks.is_main:
+        if partial.exists():
+            shutil.rmtree(partial)
+        partial.mkdir(parents=True)
+    _barrier(ranks)
+    full = trainer.full_state_dict()
+    if ranks.is_main:
+        save_file({k: v.to("cpu").contiguous() for k, v in full.items()}, partial / "model.safetensors")
+        trainer.model.config.save_pretrained(partial)
+        if model_folder is not None:
+            # Tokenizer files make the checkpoint a self-contained model folder (eval, new runs).
+            for pattern in ("tokenizer*", "special_tokens_map.json", "chat_template.jinja", "longhorizon_tiny.json"):
+                for file in Path(model_folder).glob(pattern):
+                    shutil.copy2(file, partial / file.name)
+    del full
+    _save_sharded(trainer, partial / "sharded")
+    if ranks.is_main:
+        torch.save(
+            {
+                "step": step,
+                "version": version,
+                "horizon": asdict(horizon),
+                "counters": dict(counters),
+                "num_ranks": ranks.world_size,
+                "rng": {
+                    "python": random.getstate(),
+                    "numpy": np.random.get_state(),
+                    "torch": torch.get_rng_state(),
+                },
             },
-        },
-        partial / "state.pt",
-    )
-    if target.exists():
-        shutil.rmtree(target)
-    partial.rename(target)
-    _prune(Path(run_dir) / "checkpoints", keep)
+            partial / "state.pt",
+        )
+        if target.exists():
+            shutil.rmtree(target)
+        partial.rename(target)
+        _prune(Path(run_dir) / "checkpoints", keep)
+    _barrier(ranks)
     return target
+
+
+def _barrier(ranks) -> None:
+    if ranks.distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _save_sharded(trainer, folder: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(trainer.policy, trainer.optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder),
+             no_dist=not trainer.ranks.distributed)
+
+
+def _load_sharded(trainer, folder: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    # The current layout's state dicts (this rank's shards) are filled in place from the files,
+    # whatever number of ranks wrote them.
+    model_state, optimizer_state = get_state_dict(trainer.policy, trainer.optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(folder), no_dist=not trainer.ranks.distributed)
+    set_state_dict(
+        trainer.policy, trainer.optimizer,
+        model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+    )
 
 
 def _prune(folder: Path, keep: int) -> None:
@@ -86,18 +132,26 @@ def _prune(folder: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, *, model, optimizer) -> dict:
-    """Restore model, optimiser and RNG in place; returns step, version, horizon and counters."""
-    from safetensors.torch import load_file
-
-    from longhorizon.actor.engines.hf import load_state_into
-
+def load_checkpoint(path: Path, *, trainer) -> dict:
+    """Restore model, optimiser and RNG in place (every rank calls it); returns step, version,
+    horizon and counters."""
     path = Path(path)
-    load_state_into(model, load_file(path / "model.safetensors"))
     # On the CPU first: the optimiser moves its state to its parameters' device as it loads, so a
     # checkpoint written on one device resumes on another.
     state = torch.load(path / "state.pt", weights_only=False, map_location="cpu")
-    optimizer.load_state_dict(state["optimizer"])
+    if (path / "sharded").is_dir():
+        _load_sharded(trainer, path / "sharded")
+    elif trainer.ranks.distributed:
+        raise ValueError(
+            f"{path} was written before sharded checkpoints: resume it with learner.num_ranks=1"
+        )
+    else:
+        from safetensors.torch import load_file
+
+        from longhorizon.actor.engines.hf import load_state_into
+
+        load_state_into(trainer.model, load_file(path / "model.safetensors"))
+        trainer.optimizer.load_state_dict(state["optimizer"])
     rng = state["rng"]
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])

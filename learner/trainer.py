@@ -17,7 +17,9 @@ import torch
 import torch.utils.checkpoint
 
 from longhorizon.common.config import LearnerConfig
+from longhorizon.learner import distributed
 from longhorizon.learner.advantages import grpo_advantages, group_has_signal, rloo_advantages
+from longhorizon.learner.distributed import Ranks
 from longhorizon.learner.losses import kl_penalty, policy_loss, sampled_entropy
 
 
@@ -224,6 +226,33 @@ def has_dropout(model) -> bool:
 PRECISIONS = ("fp32", "bf16-mixed")
 
 
+class PolicyLogprobs(torch.nn.Module):
+    """The policy as the update step uses it: a padded batch in, each next token's log-prob out.
+
+    Wrapping the causal LM makes this the module whose forward pass the step calls, so that with
+    several ranks it is the root of the FSDP2 sharding: its pre-forward hook gathers the
+    embeddings and output layer, which the chunked log-prob path uses outside the LM's own
+    forward method.
+    """
+
+    def __init__(self, model, temperature: float, chunk_tokens: int) -> None:
+        super().__init__()
+        self.model = model
+        self.temperature = temperature
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, batch: PaddedBatch) -> torch.Tensor:
+        return token_logprobs(self.model, batch, self.temperature, self.chunk_tokens)
+
+
+def idle_micro_batch(pad_token_id: int, device) -> PaddedBatch:
+    """Two pad tokens and no loss: a rank with fewer micro-batches than the others runs these, so
+    that every rank enters the same number of forward and backward passes (FSDP2 gathers and
+    reduces in each)."""
+    ids = torch.full((1, 2), pad_token_id, dtype=torch.long)
+    return PaddedBatch(ids, torch.ones_like(ids), torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1)).to(device)
+
+
 class Trainer:
     """Owns the optimiser and applies policy updates to `model`."""
 
@@ -235,9 +264,11 @@ class Trainer:
         temperature: float = 1.0,
         pad_token_id: int = 0,
         reference_model=None,
+        ranks: Ranks | None = None,
     ) -> None:
         self.model = model
         self.config = config
+        self.ranks = ranks or Ranks.single()
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_token_id = pad_token_id
         self.reference_model = reference_model
@@ -255,8 +286,20 @@ class Trainer:
                 type(model).__name__,
             )
             self.chunk_tokens = 0
+        # Names of the parameters a model folder holds: a tied output layer is stored once.
+        from longhorizon.learner.broadcast import unique_state_dict
+
+        self.exported_names = list(unique_state_dict(model))
+        self.policy = PolicyLogprobs(model, self.temperature, self.chunk_tokens)
+        self.reference = (
+            PolicyLogprobs(reference_model, self.temperature, self.chunk_tokens) if reference_model is not None else None
+        )
+        if self.ranks.distributed:
+            # Each rank keeps a shard of the parameters, gradients and optimiser state; the
+            # reference model (no gradients, no optimiser) is kept whole on every rank.
+            distributed.shard_model(self.policy, distributed.decoder_layers(model))
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
+            self.policy.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
         )
 
     def _loss_options(self) -> dict:
@@ -273,26 +316,53 @@ class Trainer:
         return dict(clip_eps=config.clip_eps, aggregation=config.aggregation)
 
     def _micro_batches(self, examples: list[Example]) -> list[PaddedBatch]:
-        return [pad_examples(chunk, self.pad_token_id).to(self.device) for chunk in plan_micro_batches(
+        micro_batches = [pad_examples(chunk, self.pad_token_id).to(self.device) for chunk in plan_micro_batches(
             examples, self.config.micro_batch_size, self.config.max_tokens_per_micro_batch,
-        )]
+        )] if examples else []
+        if self.ranks.distributed:
+            most = distributed.all_reduce_max(len(micro_batches))
+            micro_batches += [idle_micro_batch(self.pad_token_id, self.device)] * (most - len(micro_batches))
+        return micro_batches
 
-    def _logprobs(self, model, micro: PaddedBatch) -> torch.Tensor:
+    def _logprobs(self, policy: PolicyLogprobs, micro: PaddedBatch) -> torch.Tensor:
         """Log-probs of a micro-batch; under bf16-mixed the model computes in bfloat16 while its
         weights stay fp32, and the log-probs come out in fp32."""
         with torch.autocast(
             device_type=self.device.type, dtype=torch.bfloat16, enabled=self.config.precision == "bf16-mixed",
         ):
-            return token_logprobs(model, micro, self.temperature, self.chunk_tokens)
+            return policy(micro)
 
     def _shares(self, micro_batches: list[PaddedBatch]) -> list[float]:
-        """Weight of each micro-batch's mean loss so that accumulated gradients equal the full batch's."""
+        """Weight of each micro-batch's mean loss so that accumulated gradients equal the full
+        batch's; with several ranks, the full batch is every rank's examples together."""
         if self.config.aggregation == "token":
             counts = [float(micro.loss_mask.sum()) for micro in micro_batches]
         else:
             counts = [float((micro.loss_mask.sum(-1) > 0).sum()) for micro in micro_batches]
-        total = sum(counts) or 1.0
-        return [count / total for count in counts]
+        total = sum(counts)
+        if self.ranks.distributed:
+            total = distributed.all_reduce_sum([total])[0]
+        return [count / (total or 1.0) for count in counts]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters as a model folder stores them (a tied output layer once).
+
+        With several ranks this gathers the shards, a collective every rank must enter; rank 0
+        gets the tensors (on the CPU) and the other ranks an empty dict.
+        """
+        from longhorizon.learner.broadcast import unique_state_dict
+
+        if not self.ranks.distributed:
+            return unique_state_dict(self.model)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(
+            self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+        )
+        if not self.ranks.is_main:
+            return {}
+        prefix = "model."
+        return {name: state[prefix + name] for name in self.exported_names}
 
     def step(self, examples: list[Example]) -> dict[str, float]:
         """Apply `optimizer_steps_per_batch` updates on one batch; returns metrics."""
@@ -306,23 +376,28 @@ class Trainer:
         separate_proximal = config.optimizer_steps_per_batch > 1 or has_dropout(self.model)
         proximal: list[torch.Tensor | None] = [None] * len(micro_batches)
         reference: list[torch.Tensor | None] = [None] * len(micro_batches)
-        if separate_proximal or self.reference_model is not None:
-            self.model.eval()
+        if separate_proximal or self.reference is not None:
+            self.policy.eval()
             with torch.no_grad():
                 for index, micro in enumerate(micro_batches):
                     if separate_proximal:
-                        proximal[index] = self._logprobs(self.model, micro)
-                    if self.reference_model is not None and config.kl_coef > 0:
-                        reference[index] = self._logprobs(self.reference_model, micro)
-        self.model.train()
+                        proximal[index] = self._logprobs(self.policy, micro)
+                    if self.reference is not None and config.kl_coef > 0:
+                        reference[index] = self._logprobs(self.reference, micro)
+        self.policy.train()
         totals: dict[str, float] = {}
+        maxima: dict[str, float] = {}
         grad_norm = 0.0
         for _ in range(max(1, config.optimizer_steps_per_batch)):
             self.optimizer.zero_grad(set_to_none=True)
             for index, micro in enumerate(micro_batches):
                 if float(micro.loss_mask.sum()) == 0:
+                    if self.ranks.distributed:
+                        # No loss here, but the pass must happen: the other ranks' forward and
+                        # backward wait for this rank's part of each gather and reduction.
+                        (self._logprobs(self.policy, micro).sum() * 0.0).backward()
                     continue
-                logprobs = self._logprobs(self.model, micro)
+                logprobs = self._logprobs(self.policy, micro)
                 prox = proximal[index] if proximal[index] is not None else logprobs.detach()
                 output = policy_loss(
                     config.loss,
@@ -344,15 +419,40 @@ class Trainer:
                 entropy = sampled_entropy(logprobs, micro.loss_mask, aggregation=config.aggregation)
                 totals["entropy_estimate"] = totals.get("entropy_estimate", 0.0) + float(entropy) * share
                 for key, value in output.metrics.items():
-                    if key != "tokens" and math.isfinite(value):
+                    if key == "tokens" or not math.isfinite(value):
+                        continue
+                    if key.endswith("_max"):  # the largest over the step, not an average
+                        maxima[key] = max(maxima.get(key, -math.inf), value)
+                    else:
                         totals[key] = totals.get(key, 0.0) + value * share
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip))
+            norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), config.grad_clip)
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
             self.optimizer.step()
-        self.model.eval()
+        self.policy.eval()
         steps = max(1, config.optimizer_steps_per_batch)
+        totals["train_tokens"] = float(sum(micro.loss_mask.sum() for micro in micro_batches)) * steps
+        totals["train_sequences"] = float(len(examples)) * steps
+        if self.ranks.distributed:
+            totals, maxima = self._combine_over_ranks(totals, maxima)
         metrics = {key: value / steps for key, value in totals.items()}
+        metrics.update(maxima)
         metrics["grad_norm"] = grad_norm
-        metrics["train_tokens"] = float(sum(micro.loss_mask.sum() for micro in micro_batches))
-        metrics["train_sequences"] = float(len(examples))
         metrics["learner_step_seconds"] = time.perf_counter() - started
         return metrics
+
+    @staticmethod
+    def _combine_over_ranks(totals: dict[str, float], maxima: dict[str, float]) -> tuple[dict, dict]:
+        """The step's metrics over every rank's examples: share-weighted sums are added, maxima
+        take the largest. A rank that ran only idle micro-batches has fewer keys."""
+        import torch.distributed as dist
+
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (totals, maxima))
+        summed: dict[str, float] = {}
+        largest: dict[str, float] = {}
+        for rank_totals, rank_maxima in every:
+            for name, value in rank_totals.items():
+                summed[name] = summed.get(name, 0.0) + value
+            for name, value in rank_maxima.items():
+                largest[name] = max(largest.get(name, -math.inf), value)
+        return summed, largest

@@ -33,10 +33,14 @@ def _evaluate(config, model_folder, episodes=200):
 
 
 @pytest.mark.slow
-def test_tiny_model_learns_codebook_through_real_processes(tmp_path, tiny_codebook_model):
+@pytest.mark.parametrize("num_ranks", [1, 2], ids=["one-rank", "two-ranks"])
+def test_tiny_model_learns_codebook_through_real_processes(tmp_path, tiny_codebook_model, num_ranks):
+    """With two ranks the learner is two processes under torch.distributed (gloo), the model
+    sharded with FSDP2: the same run must reach the same held-out success."""
     config = load_config(
         REPO_ROOT / "configs" / "codebook.toml",
-        [f"run.output_dir={str(tmp_path)!r}", f"model.path={str(tiny_codebook_model)!r}"],
+        [f"run.output_dir={str(tmp_path)!r}", f"model.path={str(tiny_codebook_model)!r}",
+         f"learner.num_ranks={num_ranks}"],
     )
     untrained = _evaluate(config, tiny_codebook_model)
     assert untrained.success_rate < 0.2
@@ -51,6 +55,9 @@ def test_tiny_model_learns_codebook_through_real_processes(tmp_path, tiny_codebo
     assert records[-1]["actors_seen"] == config.actor.num_actors
     checkpoint = latest_checkpoint(config.run_dir)
     assert checkpoint is not None and checkpoint.name == f"step_{config.run.total_steps:06d}"
+    if num_ranks == 2:
+        assert (config.run_dir / "logs" / "learner-rank1.log").is_file()
+        assert records[-1]["train_sequences"] > 0
 
     trained = _evaluate(config, checkpoint)
     print(f"held-out greedy success: untrained {untrained.success_rate:.1%}, trained {trained.success_rate:.1%}")

@@ -1,0 +1,193 @@
+"""The multi-rank learner on CPU: gloo ranks in real processes, FSDP2 sharding, sharded checkpoints.
+
+Two ranks must train exactly as one (the same parameters after two optimiser steps with a
+proximal pass), a rank with nothing to do must still keep step with the others, and a checkpoint
+written by two ranks must resume at one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from longhorizon.common.config import ConfigError, LearnerConfig, load_config
+from longhorizon.learner.distributed import Ranks, RanksError, ranks_from_environment, split_by_tokens
+
+CONFIG = dict(optimizer_steps_per_batch=2, learning_rate=1e-3, micro_batch_size=2, clip_eps=0.2)
+
+
+# -- pure parts ---------------------------------------------------------------------------------
+
+def test_split_by_tokens_balances_longest_first():
+    # Lengths 9, 7, 6, 5, 3: 9 -> rank 0; 7 -> rank 1; 6 -> rank 1 (7 < 9); 5 -> rank 0 (9 < 13);
+    # 3 -> rank 0 (14 > 13? no: rank 1 has 13, rank 0 has 14) -> rank 1.
+    assert split_by_tokens([5, 9, 3, 7, 6], 2) == [[0, 1], [2, 3, 4]]
+    assert split_by_tokens([4, 4, 4, 4], 2) == [[0, 2], [1, 3]]
+    assert split_by_tokens([10], 3) == [[0], [], []]
+    assert split_by_tokens([], 2) == [[], []]
+    with pytest.raises(ValueError):
+        split_by_tokens([1], 0)
+
+
+def test_split_by_tokens_is_within_one_sequence_of_even():
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        lengths = [int(x) for x in rng.integers(1, 400, size=int(rng.integers(1, 40)))]
+        parts = int(rng.integers(1, 6))
+        shares = split_by_tokens(lengths, parts)
+        assert sorted(i for share in shares for i in share) == list(range(len(lengths)))
+        loads = [sum(lengths[i] for i in share) for share in shares]
+        assert max(loads) <= sum(lengths) / parts + max(lengths)
+
+
+def test_ranks_come_from_the_environment_and_must_match_the_config():
+    assert ranks_from_environment(1, {}) == Ranks.single()
+    assert ranks_from_environment(2, {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}) == Ranks(1, 2, 1)
+    with pytest.raises(RanksError, match="torchrun --nproc-per-node 2"):
+        ranks_from_environment(2, {})
+    with pytest.raises(RanksError, match="learner.num_ranks=4"):
+        ranks_from_environment(2, {"WORLD_SIZE": "4", "RANK": "0"})
+    with pytest.raises(RanksError, match="outside"):
+        ranks_from_environment(2, {"WORLD_SIZE": "2", "RANK": "2"})
+
+
+def test_wrong_rank_settings_fail_before_any_process_starts():
+    from longhorizon.launch.local import _check_learner_ranks, validate_config
+
+    with pytest.raises(ConfigError, match="at least 1"):
+        validate_config(load_config(None, ["learner.num_ranks=0", "env.name='codebook'", "actor.engine='scripted'"]))
+    config = load_config(None, ["learner.num_ranks=2"])
+    visible = torch.cuda.device_count()
+    with pytest.raises(ConfigError, match=f"only {visible} CUDA GPU"):
+        _check_learner_ranks(load_config(None, [f"learner.num_ranks={max(2, visible + 1)}"]), torch.device("cuda"))
+    with pytest.raises(ConfigError, match="names one GPU"):
+        _check_learner_ranks(load_config(None, ["learner.num_ranks=2", "learner.device='cuda:0'"]), torch.device("cuda", 0))
+    _check_learner_ranks(config, torch.device("cpu"))  # gloo ranks share the CPU
+
+
+# -- ranks in processes -------------------------------------------------------------------------
+
+def _examples(lengths=(9, 14, 6, 11, 7), vocabulary=15, seed=0):
+    from longhorizon.learner.trainer import Example
+
+    rng = np.random.default_rng(seed)
+    examples = []
+    for length in lengths:
+        mask = np.zeros(length, np.float32)
+        mask[3:] = 1
+        examples.append(Example(
+            token_ids=rng.integers(2, vocabulary, size=length),
+            loss_mask=mask,
+            behaviour_logprobs=(rng.normal(-2.5, 0.3, length) * mask).astype(np.float32),
+            advantage=float(rng.normal()),
+        ))
+    return examples
+
+
+def _trainer(model_folder, ranks):
+    from longhorizon.common.models import load_causal_lm
+    from longhorizon.learner.trainer import Trainer
+
+    torch.manual_seed(0)
+    return Trainer(load_causal_lm(model_folder), LearnerConfig(**CONFIG), ranks=ranks)
+
+
+def _rank_main(rank, world_size, port, model_folder, out_dir, lengths, checkpoint):
+    """One rank: a step on its share of the examples, then the gathered weights (and optionally a
+    sharded checkpoint), saved by rank 0 for the test to compare."""
+    from longhorizon.learner.checkpoint import save_checkpoint
+    from longhorizon.learner.curriculum import HorizonState
+    from longhorizon.learner.distributed import destroy_process_group, init_process_group
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ranks = Ranks(rank, world_size, rank)
+    init_process_group(ranks, torch.device("cpu"), timeout_s=120)
+    try:
+        torch.set_num_threads(1)
+        trainer = _trainer(model_folder, ranks)
+        examples = _examples(lengths)
+        share = split_by_tokens([len(e.token_ids) for e in examples], world_size)[rank]
+        metrics = trainer.step([examples[i] for i in share])
+        state = trainer.full_state_dict()
+        if checkpoint:
+            save_checkpoint(out_dir, trainer=trainer, step=1, version=1, horizon=HorizonState(cap=3, stage=0, step=1),
+                            counters={}, model_folder=model_folder)
+        if rank == 0:
+            torch.save({"state": state, "metrics": metrics}, os.path.join(out_dir, "ranks.pt"))
+        else:
+            assert state == {}  # only rank 0 receives the gathered weights
+    finally:
+        destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _run_ranks(world_size, model_folder, out_dir, lengths=(9, 14, 6, 11, 7), checkpoint=False):
+    mp.spawn(_rank_main, args=(world_size, _free_port(), str(model_folder), str(out_dir), lengths, checkpoint),
+             nprocs=world_size, join=True)
+    return torch.load(os.path.join(out_dir, "ranks.pt"))
+
+
+def _relative_error(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    difference = sum(float((a[k].float() - b[k].float()).norm() ** 2) for k in a) ** 0.5
+    return difference / sum(float(a[k].float().norm() ** 2) for k in a) ** 0.5
+
+
+def test_two_ranks_train_exactly_as_one(tmp_path, tiny_codebook_model):
+    """fp32, decoupled PPO with a separate proximal pass (two optimiser steps on one batch)."""
+    one = _trainer(tiny_codebook_model, Ranks.single())
+    before = {k: v.clone() for k, v in one.full_state_dict().items()}
+    one_metrics = one.step(_examples())
+    after_one = one.full_state_dict()
+    two = _run_ranks(2, tiny_codebook_model, tmp_path)
+
+    assert _relative_error(after_one, before) > 1e-3  # the step moved the weights
+    assert _relative_error(after_one, two["state"]) <= 1e-5
+    for name in ("loss", "train_tokens", "train_sequences", "grad_norm", "ratio_max", "clip_fraction"):
+        assert two["metrics"][name] == pytest.approx(one_metrics[name], rel=1e-4, abs=1e-6), name
+
+
+def test_a_rank_without_examples_keeps_step_with_the_others(tmp_path, tiny_codebook_model):
+    """One example for two ranks: rank 1 runs idle passes so rank 0's gathers complete, and the
+    result is the one-rank step's."""
+    one = _trainer(tiny_codebook_model, Ranks.single())
+    one.step(_examples(lengths=(12,)))
+    two = _run_ranks(2, tiny_codebook_model, tmp_path, lengths=(12,))
+    assert _relative_error(one.full_state_dict(), two["state"]) <= 1e-5
+    assert two["metrics"]["train_sequences"] == 1
+
+
+def test_a_checkpoint_written_by_two_ranks_resumes_at_one(tmp_path, tiny_codebook_model):
+    from safetensors.torch import load_file
+
+    from longhorizon.learner.checkpoint import latest_checkpoint, load_checkpoint
+
+    two = _run_ranks(2, tiny_codebook_model, tmp_path, checkpoint=True)
+    checkpoint = latest_checkpoint(tmp_path)
+    assert checkpoint is not None and (checkpoint / "sharded").is_dir()
+    # The exported folder is the whole model, loadable by actors and eval as it is.
+    exported = load_file(checkpoint / "model.safetensors")
+    assert _relative_error(exported, two["state"]) == 0.0
+
+    resumed = _trainer(tiny_codebook_model, Ranks.single())
+    restored = load_checkpoint(checkpoint, trainer=resumed)
+    assert restored["step"] == 1 and restored["version"] == 1
+    assert _relative_error(resumed.full_state_dict(), two["state"]) == 0.0
+    # The optimiser state came back too: a further step at one rank matches one rank trained
+    # throughout.
+    reference = _trainer(tiny_codebook_model, Ranks.single())
+    reference.step(_examples())
+    more = _examples(seed=1)
+    reference.step(more)
+    resumed.step(more)
+    assert _relative_error(resumed.full_state_dict(), reference.full_state_dict()) <= 1e-5
