@@ -11,8 +11,13 @@ advantages of both signs), then times `--steps` update steps (after one untimed 
   a policy-gradient loss, backward, gradient clip, AdamW step), which is what the framework's
   overhead is measured against.
 
-Each run is a fresh process, so its peak memory is its own (resident memory on CPU, the CUDA
-allocator's peak on a GPU). The step's peak memory follows the micro-batch budget and, with
+With `--ranks 1,2` each is run again with the learner split over that many ranks (processes
+under torch.distributed, gloo on CPU, NCCL on GPUs): ours is `Trainer.step` with the model
+sharded by FSDP2 and each rank given its share of the sequences by tokens; the bare loop shards
+the model the same way and runs the same share. On CPU the ranks split `--threads` between them.
+
+Each run is a fresh process (or set of processes), so its peak memory is its own (resident
+memory on CPU, the CUDA allocator's peak on a GPU; the largest over the ranks). The step's peak memory follows the micro-batch budget and, with
 whole logits, the `[sequences, length, vocabulary]` floats that live through the backward pass.
 
 Run: `longhorizon bench learner --tokens 2048 --sequences 4 --logprob-chunk-tokens 0,1024`
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -62,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="our step recomputes layer activations in the backward pass")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default %(default)s)")
     parser.add_argument("--precision", default="fp32", help="fp32 or bf16-mixed (default %(default)s)")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default %(default)s)")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads in all (default %(default)s)")
+    parser.add_argument("--ranks", type=_non_negative_list, default=[1],
+                        help="comma-separated learner rank counts, one run each (default 1)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child run: "bare" or a chunk size
     return parser
 
@@ -104,22 +112,29 @@ def _bare_step(model, optimizer, micro_batches, precision: str) -> None:
 
 
 def measure(args: argparse.Namespace, kind: str) -> dict[str, Any]:
-    """Timed steps of one kind ("bare" or a log-prob chunk size) in this process."""
+    """Timed steps of one kind ("bare" or a log-prob chunk size) in this process (one rank)."""
     import torch
 
     from longhorizon.common.config import LearnerConfig
     from longhorizon.common.models import load_causal_lm, resolve_device, resolve_model_path
     from longhorizon.launch.bench_search import PeakRss
+    from longhorizon.learner import distributed
     from longhorizon.learner.trainer import Trainer, pad_examples, plan_micro_batches
 
-    torch.set_num_threads(args.threads)
+    ranks = distributed.ranks_from_environment(int(os.environ.get("WORLD_SIZE", "1")))
+    torch.set_num_threads(max(1, args.threads // ranks.world_size))
     torch.manual_seed(0)
-    device = resolve_device(args.device)
+    device = distributed.rank_device(resolve_device(args.device), ranks)
+    distributed.init_process_group(ranks, device, timeout_s=600)
     model = load_causal_lm(str(resolve_model_path(args.model, args.model_cache))).to(device).eval()
     examples = _examples(args, model.get_input_embeddings().num_embeddings)
+    share = distributed.split_by_tokens([len(e.token_ids) for e in examples], ranks.world_size)[ranks.rank]
+    examples = [examples[i] for i in share]
     plan = plan_micro_batches(examples, args.micro_batch_size, args.max_tokens_per_micro_batch)
     if kind == "bare":
         micro_batches = [pad_examples(chunk, 0).to(device) for chunk in plan]
+        if ranks.distributed:
+            distributed.shard_model(model, distributed.decoder_layers(model))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
         model.train()
 
@@ -129,8 +144,8 @@ def measure(args: argparse.Namespace, kind: str) -> dict[str, Any]:
         trainer = Trainer(model, LearnerConfig(
             micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
             logprob_chunk_tokens=int(kind), precision=args.precision,
-            gradient_checkpointing=args.gradient_checkpointing,
-        ))
+            gradient_checkpointing=args.gradient_checkpointing, num_ranks=ranks.world_size,
+        ), ranks=ranks)
 
         def step() -> None:
             trainer.step(examples)
@@ -138,6 +153,8 @@ def measure(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     def synchronise() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        if ranks.distributed:
+            torch.distributed.barrier()
 
     step()  # warm-up: allocator, optimiser state, kernels
     synchronise()
@@ -151,8 +168,10 @@ def measure(args: argparse.Namespace, kind: str) -> dict[str, Any]:
             synchronise()
             times.append(time.perf_counter() - started)
     seconds = statistics.median(times)
+    distributed.destroy_process_group()
     return {
         "kind": "bare torch" if kind == "bare" else "longhorizon",
+        "ranks": ranks.world_size,
         "logprob_chunk_tokens": None if kind == "bare" else int(kind),
         "micro_batches": len(plan),
         "step_s": seconds,
@@ -176,6 +195,9 @@ def main(argv: list[str]) -> int:
     if args.one is not None:
         print(json.dumps(measure(args, args.one)))
         return 0
+    if min(args.ranks) < 1:
+        print("longhorizon bench learner: error: --ranks must be >= 1", file=sys.stderr)
+        return 2
     kinds = [str(chunk) for chunk in args.logprob_chunk_tokens] + ([] if args.no_bare else ["bare"])
     shared = [
         "--model", args.model, "--model-cache", args.model_cache, "--sequences", str(args.sequences),
@@ -185,35 +207,65 @@ def main(argv: list[str]) -> int:
         *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
     ]
     runs = []
-    for kind in kinds:
-        completed = subprocess.run(
-            [sys.executable, "-m", "longhorizon.launch.bench_learner", *shared, "--one", kind],
-            capture_output=True, text=True,
-        )
-        if completed.returncode != 0:
-            print(completed.stderr[-2000:], file=sys.stderr)
-            print(f"longhorizon bench learner: the {kind} run failed (exit {completed.returncode}; "
-                  "-9 is the kernel's out-of-memory killer)", file=sys.stderr)
-            return 1
-        runs.append(json.loads(completed.stdout.strip().splitlines()[-1]))
-    bare = next((run for run in runs if run["kind"] == "bare torch"), None)
+    for rank_count in args.ranks:
+        for kind in kinds:
+            try:
+                runs.append(_run_ranks(shared, kind, rank_count))
+            except RuntimeError as error:
+                print(f"longhorizon bench learner: {error}", file=sys.stderr)
+                return 1
     for run in runs:
+        bare = next((other for other in runs if other["kind"] == "bare torch" and other["ranks"] == run["ranks"]), None)
         run["overhead_vs_bare"] = run["step_s"] / bare["step_s"] - 1 if bare else None
     print(f"model {args.model}: {args.sequences} sequences x {args.tokens} tokens, {args.precision}, "
           f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, "
           f"micro-batches of <= {args.micro_batch_size} sequences and {args.max_tokens_per_micro_batch} tokens, "
           f"median of {args.steps} steps")
-    print(f"{'run':>12} {'log-prob chunk':>15} {'step s':>8} {'tokens/s':>9} {'peak RSS MB':>12} "
+    print(f"{'run':>12} {'ranks':>5} {'log-prob chunk':>15} {'step s':>8} {'tokens/s':>9} {'peak RSS MB':>12} "
           f"{'peak GPU MB':>12} {'vs bare':>8}")
     for run in runs:
         chunk = "-" if run["logprob_chunk_tokens"] is None else (run["logprob_chunk_tokens"] or "whole")
         gpu = "-" if run["peak_cuda_mb"] is None else f"{run['peak_cuda_mb']:.0f}"
         overhead = "-" if run["overhead_vs_bare"] is None else f"{run['overhead_vs_bare']:+.1%}"
-        print(f"{run['kind']:>12} {chunk:>15} {run['step_s']:>8.2f} {run['tokens_per_s']:>9.1f} "
+        print(f"{run['kind']:>12} {run['ranks']:>5} {chunk:>15} {run['step_s']:>8.2f} {run['tokens_per_s']:>9.1f} "
               f"{run['peak_rss_mb']:>12.0f} {gpu:>12} {overhead:>8}")
     print(json.dumps({"model": args.model, "sequences": args.sequences, "tokens": args.tokens,
                       "precision": args.precision, "runs": runs}, sort_keys=True))
     return 0
+
+
+def _run_ranks(shared: list[str], kind: str, rank_count: int) -> dict[str, Any]:
+    """One measurement in fresh processes, one per rank (meeting through a file store, gloo on
+    the loopback interface); rank 0's timings, the largest peak memory of any rank."""
+    import tempfile
+
+    from longhorizon.learner.distributed import STORE_FILE_VARIABLE
+
+    command = [sys.executable, "-m", "longhorizon.launch.bench_learner", *shared, "--one", kind]
+    with tempfile.TemporaryDirectory(prefix="bench-learner-") as scratch:
+        processes = []
+        for rank in range(rank_count):
+            environment = dict(os.environ)
+            if rank_count > 1:
+                environment.update({
+                    STORE_FILE_VARIABLE: os.path.join(scratch, "store"), "GLOO_SOCKET_IFNAME": "lo",
+                    "WORLD_SIZE": str(rank_count), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                })
+            processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                              text=True, env=environment))
+        outputs = [process.communicate() for process in processes]
+    results = []
+    for rank, (process, (stdout, stderr)) in enumerate(zip(processes, outputs)):
+        if process.returncode != 0:
+            print(stderr[-2000:], file=sys.stderr)
+            raise RuntimeError(f"the {kind} run failed on rank {rank} of {rank_count} (exit {process.returncode}; "
+                               "-9 is the kernel's out-of-memory killer)")
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    run = results[0]
+    run["peak_rss_mb"] = max(result["peak_rss_mb"] for result in results)
+    if run["peak_cuda_mb"] is not None:
+        run["peak_cuda_mb"] = max(result["peak_cuda_mb"] for result in results)
+    return run
 
 
 if __name__ == "__main__":

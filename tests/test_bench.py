@@ -215,3 +215,19 @@ def test_learner_bench_times_our_step_and_a_bare_loop(tiny_codebook_model, capsy
     for run in result["runs"]:
         assert run["step_s"] > 0 and run["peak_rss_mb"] > 0 and run["overhead_vs_bare"] is not None
     assert bench_learner(["--steps", "0"]) == 2
+
+
+@pytest.mark.slow
+def test_learner_bench_runs_ranks_in_processes(tiny_codebook_model, capsys):
+    from longhorizon.launch.bench_learner import main as bench_learner
+
+    code = bench_learner([
+        "--model", str(tiny_codebook_model), "--tokens", "32", "--sequences", "3", "--steps", "1",
+        "--device", "cpu", "--ranks", "2",
+    ])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(run["kind"], run["ranks"]) for run in result["runs"]] == [("longhorizon", 2), ("bare torch", 2)]
+    # Rank 0 holds two of the three sequences (split by tokens): one micro-batch.
+    assert all(run["micro_batches"] == 1 and run["step_s"] > 0 for run in result["runs"])
+    assert bench_learner(["--ranks", "0"]) == 2
