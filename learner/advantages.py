@@ -1,4 +1,4 @@
-"""Outcome-reward advantage estimators (GRPO, RLOO, REINFORCE++) as pure numpy functions."""
+"""Outcome-reward advantage estimators (GRPO, RLOO, REINFORCE++) and reward shaping, as pure numpy functions."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "group_has_signal",
     "grpo_advantages",
+    "overlong_penalty",
     "reinforce_pp_advantages",
     "rloo_advantages",
 ]
@@ -69,6 +70,25 @@ def reinforce_pp_advantages(
         raise ValueError(f"eps must be >= 0, got {eps}")
     reward_vector = _as_reward_vector(rewards_of_batch)
     return (reward_vector - reward_vector.mean()) / (reward_vector.std(ddof=0) + eps)
+
+
+def overlong_penalty(generated_tokens: int, max_tokens: int, buffer_tokens: int) -> float:
+    """DAPO's soft overlong punishment, added to an episode's reward.
+
+    0 up to ``max_tokens - buffer_tokens`` generated tokens, then falling linearly to -1 at
+    ``max_tokens``, and -1 beyond: episodes that run into the length limit learn to be shorter
+    without the cliff of a truncated episode simply failing.
+    """
+    if buffer_tokens <= 0 or max_tokens <= buffer_tokens:
+        raise ValueError(
+            f"need 0 < buffer_tokens < max_tokens, got buffer {buffer_tokens} and max {max_tokens}"
+        )
+    free = max_tokens - buffer_tokens
+    if generated_tokens <= free:
+        return 0.0
+    if generated_tokens <= max_tokens:
+        return (free - generated_tokens) / buffer_tokens
+    return -1.0
 
 
 def group_has_signal(rewards: np.ndarray | list[float], *, tol: float = 1e-8) -> bool:

@@ -23,7 +23,9 @@ __all__ = [
     "WEIGHT_LEVELS",
     "LossOutput",
     "aggregate",
+    "cispo_loss",
     "decoupled_ppo_loss",
+    "gspo_loss",
     "kl_penalty",
     "policy_loss",
     "ppo_clip_loss",
@@ -31,7 +33,7 @@ __all__ = [
     "truncated_is_loss",
 ]
 
-AGGREGATION_LEVELS = ("token", "sequence")
+AGGREGATION_LEVELS = ("token", "sequence", "sum")
 WEIGHT_LEVELS = ("token", "sequence", "geometric")
 POLICY_LOSS_NAMES = ("decoupled_ppo", "truncated_is", "none")
 
@@ -95,13 +97,18 @@ def _masked_max(values: torch.Tensor, counted: torch.Tensor) -> float:
     return float(values.detach()[counted].float().max())
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, level: str, *, normaliser_tokens: float = 1.0
+) -> torch.Tensor:
     """Reduce a [B, T] per-token loss to a scalar over the masked tokens.
 
     - ``"token"``: sum over every masked token in the batch / number of masked tokens, so long
       sequences weigh in proportion to their length;
     - ``"sequence"``: mean over each sequence's masked tokens, then the mean over the sequences
-      that have at least one masked token, so every sequence weighs the same.
+      that have at least one masked token, so every sequence weighs the same;
+    - ``"sum"``: each sequence's summed loss divided by the constant ``normaliser_tokens``, then
+      the mean over the sequences with masked tokens (Dr. GRPO): no per-sequence length
+      normalisation, so a long answer's tokens weigh as much as a short one's.
 
     A batch with no masked token gives a zero loss that still belongs to the autograd graph.
     """
@@ -117,6 +124,11 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, level: str) -> torch.
         token_count = counted.sum().clamp(min=1)
         return masked_values.sum() / token_count
     tokens_per_sequence = counted.sum(dim=-1)
+    if level == "sum":
+        if not normaliser_tokens > 0:
+            raise ValueError(f"normaliser_tokens must be positive, got {normaliser_tokens}")
+        sequence_count = (tokens_per_sequence > 0).sum().clamp(min=1)
+        return masked_values.sum() / (sequence_count * normaliser_tokens)
     sequence_means = masked_values.sum(dim=-1) / tokens_per_sequence.clamp(min=1)
     # Sequences without counted tokens have a mean of exactly 0 here; they only must not count.
     sequence_count = (tokens_per_sequence > 0).sum().clamp(min=1)
@@ -124,17 +136,21 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, level: str) -> torch.
 
 
 def _clipped_surrogate(
-    ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float, clip_eps_high: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's pessimistic surrogate min(r*A, clip(r)*A) and where the clipped branch was taken."""
+    """PPO's pessimistic surrogate min(r*A, clip(r, 1 - eps, 1 + eps_high)*A) and where the clipped
+    branch was taken; eps_high defaults to eps (symmetric), a larger one is DAPO's clip-higher."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * advantages
     return torch.minimum(unclipped, clipped), clipped < unclipped
 
 
-def _check_clip_eps(clip_eps: float) -> None:
+def _check_clip_eps(clip_eps: float, clip_eps_high: float | None = None) -> None:
     if not 0.0 < clip_eps < 1.0:
         raise ValueError(f"clip_eps must be in (0, 1), got {clip_eps}")
+    if clip_eps_high is not None and not clip_eps_high > 0.0:
+        raise ValueError(f"clip_eps_high must be positive, got {clip_eps_high}")
 
 
 def _check_weight_cap(cap: float | None, name: str) -> None:
@@ -154,20 +170,22 @@ def ppo_clip_loss(
     mask: torch.Tensor,
     *,
     clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
     aggregation: str = "token",
+    normaliser_tokens: float = 1.0,
 ) -> LossOutput:
     """The plain PPO clipped objective against ``old_logprobs``, with no off-policy correction.
 
     This is the synchronous baseline (old = behaviour = proximal) and the ``"none"`` correction of
     the asynchronous learner, where stale behaviour log-probs stand in for the old policy.
     """
-    _check_clip_eps(clip_eps)
+    _check_clip_eps(clip_eps, clip_eps_high)
     _check_token_tensors(mask, logprobs=logprobs, old_logprobs=old_logprobs)
     counted = mask > 0
     advantages = _broadcast_advantages(advantages, mask)
     ratio = torch.exp(_masked_log_ratio(logprobs, old_logprobs.detach(), counted))
-    surrogate, clipped = _clipped_surrogate(ratio, advantages, clip_eps)
-    loss = aggregate(-surrogate, mask, aggregation)
+    surrogate, clipped = _clipped_surrogate(ratio, advantages, clip_eps, clip_eps_high)
+    loss = aggregate(-surrogate, mask, aggregation, normaliser_tokens=normaliser_tokens)
     metrics = {
         "clip_fraction": _masked_mean(clipped, counted),
         "ratio_mean": _masked_mean(ratio, counted),
@@ -202,13 +220,15 @@ def decoupled_ppo_loss(
     mask: torch.Tensor,
     *,
     clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
     behaviour_weight_cap: float | None = 2.0,
     weight_level: str = "token",
     aggregation: str = "token",
+    normaliser_tokens: float = 1.0,
 ) -> LossOutput:
     """Decoupled PPO (AReaL): clip against the proximal policy, correct for the behaviour policy.
 
-    per-token loss = -w * min(r * A, clip(r, 1 - eps, 1 + eps) * A), with
+    per-token loss = -w * min(r * A, clip(r, 1 - eps, 1 + eps_high) * A), with
     r = pi_theta / pi_prox (the trust region is measured from the current parameters, not from
     the stale actor) and w = pi_prox / mu truncated at ``behaviour_weight_cap`` and detached.
 
@@ -221,7 +241,7 @@ def decoupled_ppo_loss(
         raise ValueError(
             f"unknown weight_level {weight_level!r}; valid: {', '.join(WEIGHT_LEVELS)}"
         )
-    _check_clip_eps(clip_eps)
+    _check_clip_eps(clip_eps, clip_eps_high)
     _check_weight_cap(behaviour_weight_cap, "behaviour_weight_cap")
     _check_token_tensors(
         mask,
@@ -235,7 +255,7 @@ def decoupled_ppo_loss(
     behaviour_logprobs = behaviour_logprobs.detach()
 
     ratio = torch.exp(_masked_log_ratio(logprobs, proximal_logprobs, counted))
-    surrogate, clipped = _clipped_surrogate(ratio, advantages, clip_eps)
+    surrogate, clipped = _clipped_surrogate(ratio, advantages, clip_eps, clip_eps_high)
 
     raw_weights = torch.exp(
         _behaviour_log_weights(proximal_logprobs, behaviour_logprobs, counted, weight_level)
@@ -247,7 +267,7 @@ def decoupled_ppo_loss(
         weights = torch.clamp(raw_weights, max=behaviour_weight_cap)
         truncated = raw_weights > behaviour_weight_cap
 
-    loss = aggregate(-(weights * surrogate), mask, aggregation)
+    loss = aggregate(-(weights * surrogate), mask, aggregation, normaliser_tokens=normaliser_tokens)
     # Weight statistics are token-weighted for every weight_level, so they read alike across levels.
     metrics = {
         "clip_fraction": _masked_mean(clipped, counted),
@@ -269,6 +289,7 @@ def truncated_is_loss(
     *,
     is_cap: float = 2.0,
     aggregation: str = "token",
+    normaliser_tokens: float = 1.0,
 ) -> LossOutput:
     """Truncated importance sampling: per-token -min(pi_theta / mu, is_cap) * A * log pi_theta.
 
@@ -284,11 +305,99 @@ def truncated_is_loss(
     )
     weights = torch.clamp(raw_weights, max=is_cap)
     safe_logprobs = torch.where(counted, logprobs, torch.zeros_like(logprobs))
-    loss = aggregate(-(weights * advantages * safe_logprobs), mask, aggregation)
+    loss = aggregate(-(weights * advantages * safe_logprobs), mask, aggregation, normaliser_tokens=normaliser_tokens)
     metrics = {
         "is_weight_mean": _masked_mean(raw_weights, counted),
         "is_weight_max": _masked_max(raw_weights, counted),
         "is_weight_truncated_fraction": _masked_mean(raw_weights > is_cap, counted),
+        "tokens": float(counted.sum()),
+    }
+    return LossOutput(loss, metrics)
+
+
+def gspo_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps_low: float = 3e-4,
+    clip_eps_high: float = 4e-4,
+    behaviour_weight_cap: float | None = 2.0,
+) -> LossOutput:
+    """GSPO (Zheng et al. 2025): one importance ratio per sequence, length normalised.
+
+    s_i = exp(mean over i's generated tokens of (log pi_theta - log pi_prox)); the loss is
+    -mean_i w_i * min(s_i * A_i, clip(s_i, 1 - eps_low, 1 + eps_high) * A_i), where the
+    off-policy correction w_i = (pi_prox / mu) at the same level (the geometric mean over the
+    sequence's tokens), truncated at ``behaviour_weight_cap`` and detached. Every sequence weighs
+    the same whatever its length; the clip range is that of a per-token geometric mean, hence
+    its small defaults.
+    """
+    _check_clip_eps(clip_eps_low, clip_eps_high)
+    _check_weight_cap(behaviour_weight_cap, "behaviour_weight_cap")
+    _check_token_tensors(
+        mask, logprobs=logprobs, proximal_logprobs=proximal_logprobs, behaviour_logprobs=behaviour_logprobs,
+    )
+    counted = mask > 0
+    tokens_per_sequence = counted.sum(dim=-1, keepdim=True).clamp(min=1)
+    sequence_advantages = _broadcast_advantages(advantages, mask)
+    if sequence_advantages.shape != (mask.shape[0], 1):
+        raise ValueError("gspo needs one advantage per sequence ([B])")
+    log_ratio = _masked_log_ratio(logprobs, proximal_logprobs.detach(), counted).sum(-1, keepdim=True)
+    ratio = torch.exp(log_ratio / tokens_per_sequence)  # [B, 1]
+    surrogate, clipped = _clipped_surrogate(ratio, sequence_advantages, clip_eps_low, clip_eps_high)
+    raw_weights = torch.exp(
+        _behaviour_log_weights(proximal_logprobs.detach(), behaviour_logprobs.detach(), counted, "geometric")
+    )
+    weights = raw_weights if behaviour_weight_cap is None else torch.clamp(raw_weights, max=behaviour_weight_cap)
+    has_tokens = counted.any(dim=-1, keepdim=True)
+    per_sequence = torch.where(has_tokens, -(weights * surrogate), torch.zeros_like(surrogate))
+    loss = per_sequence.sum() / has_tokens.sum().clamp(min=1)
+    metrics = {
+        "clip_fraction": _masked_mean(clipped, has_tokens),
+        "ratio_mean": _masked_mean(ratio, has_tokens),
+        "ratio_max": _masked_max(ratio, has_tokens),
+        "behaviour_weight_mean": _masked_mean(raw_weights, has_tokens),
+        "behaviour_weight_max": _masked_max(raw_weights, has_tokens),
+        "tokens": float(counted.sum()),
+    }
+    return LossOutput(loss, metrics)
+
+
+def cispo_loss(
+    logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps_low: float = 1.0,
+    clip_eps_high: float = 1.0,
+    aggregation: str = "token",
+) -> LossOutput:
+    """CISPO (MiniMax-M1, 2025): clip the importance weight, never drop a token's gradient.
+
+    per-token loss = -sg(clip(pi_theta / mu, 1 - eps_low, 1 + eps_high)) * A * log pi_theta.
+    Unlike PPO's clip, which zeroes the gradient of tokens outside the trust region, every token
+    keeps its policy-gradient term and only its weight is bounded. The weight is taken against
+    the behaviour policy mu, so it is itself the off-policy correction.
+    """
+    if not 0.0 < clip_eps_low <= 1.0:
+        raise ValueError(f"clip_eps_low must be in (0, 1], got {clip_eps_low}")
+    if not clip_eps_high > 0.0:
+        raise ValueError(f"clip_eps_high must be positive, got {clip_eps_high}")
+    _check_token_tensors(mask, logprobs=logprobs, behaviour_logprobs=behaviour_logprobs)
+    counted = mask > 0
+    advantages = _broadcast_advantages(advantages, mask)
+    raw_weights = torch.exp(_masked_log_ratio(logprobs.detach(), behaviour_logprobs.detach(), counted))
+    weights = torch.clamp(raw_weights, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    safe_logprobs = torch.where(counted, logprobs, torch.zeros_like(logprobs))
+    loss = aggregate(-(weights * advantages * safe_logprobs), mask, aggregation)
+    metrics = {
+        "is_weight_mean": _masked_mean(raw_weights, counted),
+        "is_weight_max": _masked_max(raw_weights, counted),
+        "is_weight_clipped_fraction": _masked_mean(weights != raw_weights, counted),
         "tokens": float(counted.sum()),
     }
     return LossOutput(loss, metrics)

@@ -17,10 +17,10 @@ import torch
 import torch.utils.checkpoint
 
 from longhorizon.common.config import LearnerConfig
-from longhorizon.learner import distributed
-from longhorizon.learner.advantages import grpo_advantages, group_has_signal, rloo_advantages
+from longhorizon.learner import algorithms, distributed
+from longhorizon.learner.advantages import group_has_signal
 from longhorizon.learner.distributed import Ranks
-from longhorizon.learner.losses import kl_penalty, policy_loss, sampled_entropy
+from longhorizon.learner.losses import kl_penalty, sampled_entropy
 
 
 @dataclass
@@ -42,32 +42,58 @@ class ScoredBatch:
     failed_trajectories: int
 
 
-def score_groups(groups, *, advantage: str = "grpo", scale_by_std: bool = True) -> ScoredBatch:
-    """Turn groups into examples with advantages; groups without signal are skipped and counted.
+def usable_members(group) -> list:
+    """The members a group can be scored on: episodes that ended without an env or engine error
+    and generated at least one token (a failed episode says nothing about the policy)."""
+    return [t for t in group.trajectories if not t.error and int(np.sum(t.loss_mask)) > 0]
 
-    Trajectories whose episode failed (env or engine error) carry no information about the policy:
-    they leave the group, and a group left with fewer than two members is skipped.
+
+def shaped_rewards(config: LearnerConfig, members) -> np.ndarray:
+    return np.array([
+        algorithms.shaped_reward(config, t.reward, int(np.sum(t.loss_mask))) for t in members
+    ], dtype=np.float64)
+
+
+def group_carries_signal(config: LearnerConfig, group) -> bool:
+    """Whether a group would contribute to a group-relative update: two usable members whose
+    (shaped) rewards differ."""
+    members = usable_members(group)
+    return len(members) >= 2 and group_has_signal(shaped_rewards(config, members))
+
+
+def score_groups(groups, config: LearnerConfig | None = None) -> ScoredBatch:
+    """Turn groups into examples with advantages, as `config.algorithm` scores them.
+
+    Trajectories whose episode failed leave their group, and a group left with fewer than two
+    members is skipped. Algorithms that score per group skip (and count) groups whose rewards are
+    all equal: every advantage would be 0. REINFORCE++ normalises over the whole batch instead,
+    so a flat group still counts there.
     """
-    examples: list[Example] = []
+    config = config or LearnerConfig()
+    algorithm = algorithms.get_algorithm(config.algorithm)
+    scored: list[tuple[list, np.ndarray]] = []
     used = zero_variance = too_small = failed = 0
     for group in groups:
-        members = [t for t in group.trajectories if not t.error and int(np.sum(t.loss_mask)) > 0]
+        members = usable_members(group)
         failed += len(group.trajectories) - len(members)
         if len(members) < 2:
             too_small += 1
             continue
-        rewards = np.array([t.reward for t in members], dtype=np.float64)
-        if not group_has_signal(rewards):
+        rewards = shaped_rewards(config, members)
+        if algorithm.advantages == "group" and not group_has_signal(rewards):
             zero_variance += 1
             continue
-        if advantage == "grpo":
-            advantages = grpo_advantages(rewards, scale_by_std=scale_by_std)
-        elif advantage == "rloo":
-            advantages = rloo_advantages(rewards)
-        else:
-            raise ValueError(f"unknown advantage estimator {advantage!r}; valid: grpo, rloo")
         used += 1
-        for trajectory, value in zip(members, advantages):
+        scored.append((members, rewards))
+    if algorithm.advantages == "batch" and scored:
+        values = algorithms.batch_advantages(np.concatenate([rewards for _, rewards in scored]))
+        offsets = np.cumsum([0] + [len(members) for members, _ in scored])
+        advantages = [values[offsets[i]:offsets[i + 1]] for i in range(len(scored))]
+    else:
+        advantages = [algorithms.group_advantages(config, rewards) for _, rewards in scored]
+    examples: list[Example] = []
+    for (members, _), values in zip(scored, advantages):
+        for trajectory, value in zip(members, values):
             examples.append(
                 Example(
                     token_ids=np.asarray(trajectory.token_ids, dtype=np.int64),
@@ -273,6 +299,11 @@ class Trainer:
         self.pad_token_id = pad_token_id
         self.reference_model = reference_model
         self.device = next(model.parameters()).device
+        self.algorithm = algorithms.check_algorithm_settings(config)
+        self.aggregation = algorithms.aggregation_level(config)
+        # The KL penalty and the entropy estimate are means, weighted like the loss ("sum" is a
+        # per-sequence weighting, so they take per-sequence means there).
+        self._monitor_level = "token" if self.aggregation == "token" else "sequence"
         if config.precision not in PRECISIONS:
             raise ValueError(f"learner.precision must be one of {', '.join(PRECISIONS)}, got {config.precision!r}")
         if config.gradient_checkpointing:
@@ -302,19 +333,6 @@ class Trainer:
             self.policy.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
         )
 
-    def _loss_options(self) -> dict:
-        config = self.config
-        if config.loss == "decoupled_ppo":
-            return dict(
-                clip_eps=config.clip_eps,
-                behaviour_weight_cap=config.behaviour_weight_cap,
-                weight_level=config.weight_level,
-                aggregation=config.aggregation,
-            )
-        if config.loss == "truncated_is":
-            return dict(is_cap=config.behaviour_weight_cap, aggregation=config.aggregation)
-        return dict(clip_eps=config.clip_eps, aggregation=config.aggregation)
-
     def _micro_batches(self, examples: list[Example]) -> list[PaddedBatch]:
         micro_batches = [pad_examples(chunk, self.pad_token_id).to(self.device) for chunk in plan_micro_batches(
             examples, self.config.micro_batch_size, self.config.max_tokens_per_micro_batch,
@@ -335,7 +353,7 @@ class Trainer:
     def _shares(self, micro_batches: list[PaddedBatch]) -> list[float]:
         """Weight of each micro-batch's mean loss so that accumulated gradients equal the full
         batch's; with several ranks, the full batch is every rank's examples together."""
-        if self.config.aggregation == "token":
+        if self.aggregation == "token":
             counts = [float(micro.loss_mask.sum()) for micro in micro_batches]
         else:
             counts = [float((micro.loss_mask.sum(-1) > 0).sum()) for micro in micro_batches]
@@ -399,24 +417,18 @@ class Trainer:
                     continue
                 logprobs = self._logprobs(self.policy, micro)
                 prox = proximal[index] if proximal[index] is not None else logprobs.detach()
-                output = policy_loss(
-                    config.loss,
-                    logprobs,
-                    prox,
-                    micro.behaviour_logprobs,
-                    micro.advantages,
-                    micro.loss_mask,
-                    **self._loss_options(),
+                output = algorithms.algorithm_loss(
+                    config, logprobs, prox, micro.behaviour_logprobs, micro.advantages, micro.loss_mask,
                 )
                 loss = output.loss
                 share = shares[index]
                 if reference[index] is not None:
-                    kl = kl_penalty(logprobs, reference[index], micro.loss_mask, aggregation=config.aggregation)
+                    kl = kl_penalty(logprobs, reference[index], micro.loss_mask, aggregation=self._monitor_level)
                     loss = loss + config.kl_coef * kl.loss
                     totals["kl"] = totals.get("kl", 0.0) + kl.loss.item() * share
                 (loss * share).backward()
                 totals["loss"] = totals.get("loss", 0.0) + loss.item() * share
-                entropy = sampled_entropy(logprobs, micro.loss_mask, aggregation=config.aggregation)
+                entropy = sampled_entropy(logprobs, micro.loss_mask, aggregation=self._monitor_level)
                 totals["entropy_estimate"] = totals.get("entropy_estimate", 0.0) + float(entropy) * share
                 for key, value in output.metrics.items():
                     if key == "tokens" or not math.isfinite(value):

@@ -109,13 +109,13 @@ def test_the_proximal_pass_runs_without_dropout(tiny_codebook_model, monkeypatch
     examples.sort(key=lambda e: len(e.token_ids))
     expected = token_logprobs(model.eval(), pad_examples(examples, 0)).detach()
     seen = []
-    real_policy_loss = trainer_module.policy_loss
+    real_loss = trainer_module.algorithms.algorithm_loss
 
-    def recording_policy_loss(name, logprobs, proximal, *args, **kwargs):
+    def recording_loss(config, logprobs, proximal, *args, **kwargs):
         seen.append(proximal.detach().clone())
-        return real_policy_loss(name, logprobs, proximal, *args, **kwargs)
+        return real_loss(config, logprobs, proximal, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "policy_loss", recording_policy_loss)
+    monkeypatch.setattr(trainer_module.algorithms, "algorithm_loss", recording_loss)
     Trainer(model, LearnerConfig(micro_batch_size=64, max_tokens_per_micro_batch=10_000)).step(examples)
     [proximal] = seen
     mask = pad_examples(examples, 0).loss_mask.bool()

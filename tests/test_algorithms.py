@@ -1,0 +1,182 @@
+"""The algorithm registry: each algorithm's advantages and loss against hand-computed values, and
+the settings it refuses."""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from longhorizon.common.config import ConfigError, LearnerConfig, load_config
+from longhorizon.learner.advantages import overlong_penalty
+from longhorizon.learner.algorithms import (
+    ALGORITHMS,
+    AlgorithmError,
+    algorithm_loss,
+    check_algorithm_settings,
+    clip_range,
+    group_advantages,
+)
+from longhorizon.learner.losses import cispo_loss, gspo_loss
+from longhorizon.learner.trainer import score_groups
+
+
+def _trajectory(reward, generated=3, error=""):
+    return SimpleNamespace(
+        reward=reward, error=error, token_ids=np.arange(generated + 2), loss_mask=np.r_[0, 0, np.ones(generated)],
+        behaviour_logprobs=np.zeros(generated + 2, np.float32),
+    )
+
+
+def _group(*rewards, generated=3):
+    return SimpleNamespace(trajectories=[_trajectory(r, generated) for r in rewards])
+
+
+# -- advantages ----------------------------------------------------------------------------------
+
+def test_group_estimators_by_hand():
+    rewards = np.array([1.0, 0.0, 0.0, 1.0])
+    # grpo: mean 0.5, population std 0.5 -> (r - 0.5) / 0.5
+    np.testing.assert_allclose(group_advantages(LearnerConfig(algorithm="grpo"), rewards), [1, -1, -1, 1], atol=1e-5)
+    # dr_grpo: the mean only
+    np.testing.assert_allclose(group_advantages(LearnerConfig(algorithm="dr_grpo"), rewards), [0.5, -0.5, -0.5, 0.5])
+    # rloo: r_i minus the mean of the other three (1/3 for a 1, 2/3 for a 0)
+    np.testing.assert_allclose(
+        group_advantages(LearnerConfig(algorithm="rloo"), rewards), [2 / 3, -2 / 3, -2 / 3, 2 / 3],
+    )
+    for name in ("dapo", "gspo", "cispo"):  # group-normalised like grpo
+        np.testing.assert_allclose(group_advantages(LearnerConfig(algorithm=name), rewards), [1, -1, -1, 1], atol=1e-5)
+
+
+def test_reinforce_pp_normalises_over_the_batch_and_keeps_flat_groups():
+    scored = score_groups([_group(1.0, 1.0), _group(0.0, 1.0)], LearnerConfig(algorithm="reinforce_pp"))
+    # Batch rewards 1, 1, 0, 1: mean 0.75, std sqrt(3)/4.
+    std = math.sqrt(3) / 4
+    expected = [0.25 / std, 0.25 / std, -0.75 / std, 0.25 / std]
+    np.testing.assert_allclose([e.advantage for e in scored.examples], expected, rtol=1e-5)
+    assert scored.groups_used == 2 and scored.groups_skipped_zero_variance == 0
+    # Per-group algorithms skip the flat group.
+    grpo = score_groups([_group(1.0, 1.0), _group(0.0, 1.0)], LearnerConfig(algorithm="grpo"))
+    assert grpo.groups_used == 1 and grpo.groups_skipped_zero_variance == 1
+
+
+def test_overlong_penalty_by_hand():
+    assert overlong_penalty(80, max_tokens=100, buffer_tokens=20) == 0.0
+    assert overlong_penalty(90, max_tokens=100, buffer_tokens=20) == -0.5
+    assert overlong_penalty(100, max_tokens=100, buffer_tokens=20) == -1.0
+    assert overlong_penalty(150, max_tokens=100, buffer_tokens=20) == -1.0
+    with pytest.raises(ValueError):
+        overlong_penalty(10, max_tokens=20, buffer_tokens=20)
+
+
+def test_dapo_shapes_rewards_of_long_episodes_before_scoring():
+    config = LearnerConfig(algorithm="dapo", overlong_max_tokens=10, overlong_buffer_tokens=4)
+    # Both succeed, but the second ran 8 tokens: penalty (6 - 8) / 4 = -0.5, so the group has signal.
+    group = SimpleNamespace(trajectories=[_trajectory(1.0, generated=3), _trajectory(1.0, generated=8)])
+    scored = score_groups([group], config)
+    assert scored.groups_used == 1
+    np.testing.assert_allclose([e.advantage for e in scored.examples], [1, -1], atol=1e-5)
+    assert score_groups([group], LearnerConfig(algorithm="dapo")).groups_skipped_zero_variance == 1
+
+
+# -- losses --------------------------------------------------------------------------------------
+
+def _batch(lengths):
+    """Two sequences with generated tokens of different lengths; behaviour = proximal = current."""
+    mask = torch.zeros(len(lengths), max(lengths))
+    for row, length in enumerate(lengths):
+        mask[row, :length] = 1
+    logprobs = torch.full(mask.shape, -1.0, requires_grad=True)
+    return logprobs, mask
+
+
+def test_grpo_and_dr_grpo_differ_on_a_group_of_different_lengths():
+    """Rewards (1, 0); the first answer has 1 token, the second 3. With all three policies equal
+    every ratio is 1, so the per-token loss is -A."""
+    logprobs, mask = _batch([1, 3])
+    rewards = np.array([1.0, 0.0])
+
+    def loss(config):
+        advantages = torch.tensor(group_advantages(config, rewards), dtype=torch.float32)
+        return float(algorithm_loss(config, logprobs, logprobs.detach(), logprobs.detach(), advantages, mask).loss.detach())
+
+    # grpo, token level: advantages (1, -1); (-1*1 + 1*3) / 4 tokens = 0.5
+    assert loss(LearnerConfig(algorithm="grpo")) == pytest.approx(0.5, abs=1e-5)
+    # grpo, sequence level: mean of the per-sequence means (-1, 1) = 0
+    assert loss(LearnerConfig(algorithm="grpo", aggregation="sequence")) == pytest.approx(0.0, abs=1e-5)
+    # dr_grpo: advantages (0.5, -0.5); sums (-0.5, 1.5) / (2 sequences * 4 tokens) = 0.125
+    assert loss(LearnerConfig(algorithm="dr_grpo", loss_normaliser_tokens=4)) == pytest.approx(0.125)
+
+
+def test_dapo_clips_higher_above_than_below():
+    mask = torch.ones(1, 1)
+    proximal = torch.zeros(1, 1)
+    logprobs = torch.log(torch.tensor([[1.25]]))  # ratio 1.25 against the proximal policy
+    advantages = torch.ones(1)
+    dapo = algorithm_loss(LearnerConfig(algorithm="dapo"), logprobs, proximal, proximal, advantages, mask)
+    grpo = algorithm_loss(LearnerConfig(algorithm="grpo"), logprobs, proximal, proximal, advantages, mask)
+    assert float(dapo.loss) == pytest.approx(-1.25)  # inside 1 + 0.28
+    assert float(grpo.loss) == pytest.approx(-1.2)  # clipped at 1 + 0.2
+    assert clip_range(LearnerConfig(algorithm="dapo", clip_eps_high=0.4)) == (0.2, 0.4)
+
+
+def test_gspo_uses_one_length_normalised_ratio_per_sequence():
+    mask = torch.ones(1, 2)
+    proximal = torch.log(torch.tensor([[0.25, 0.25]]))
+    logprobs = torch.log(torch.tensor([[0.5, 0.5]])).requires_grad_()  # each token ratio 2: s = 2
+    # A = 1: the clipped branch, min(2, 1 + 4e-4) -> loss -(1 + 4e-4), no gradient.
+    up = gspo_loss(logprobs, proximal, proximal, torch.ones(1), mask)
+    assert float(up.loss.detach()) == pytest.approx(-(1 + 4e-4))
+    # A = -1: min(-2, -(1 + 4e-4)) = -2 -> loss 2; d loss / d log pi_t = s / |y| = 1 for each token.
+    down = gspo_loss(logprobs, proximal, proximal, -torch.ones(1), mask)
+    assert float(down.loss.detach()) == pytest.approx(2.0)
+    down.loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.ones(1, 2))
+    # The off-policy weight is the geometric mean of pi_prox / mu over the sequence's tokens:
+    behaviour = torch.log(torch.tensor([[0.125, 0.125]]))  # pi_prox / mu = 2 per token
+    weighted = gspo_loss(logprobs.detach(), proximal, behaviour, -torch.ones(1), mask)
+    assert float(weighted.loss) == pytest.approx(4.0)  # w = 2 times the loss of 2
+
+
+def test_cispo_keeps_the_gradient_of_tokens_outside_the_clip():
+    mask = torch.ones(1, 1)
+    behaviour = torch.log(torch.tensor([[0.2]]))
+    logprobs = torch.log(torch.tensor([[0.6]])).requires_grad_()  # weight pi / mu = 3, clipped to 2
+    output = cispo_loss(logprobs, behaviour, torch.ones(1), mask)
+    assert float(output.loss.detach()) == pytest.approx(-2 * math.log(0.6), rel=1e-5)
+    output.loss.backward()
+    assert float(logprobs.grad) == pytest.approx(-2.0)  # PPO's clip would give 0 here
+    assert output.metrics["is_weight_clipped_fraction"] == 1.0
+
+
+# -- settings ------------------------------------------------------------------------------------
+
+def test_every_algorithm_builds_with_its_defaults():
+    for name in ALGORITHMS:
+        assert check_algorithm_settings(LearnerConfig(algorithm=name)).name == name
+
+
+def test_unknown_algorithms_and_foreign_keys_are_refused():
+    with pytest.raises(AlgorithmError, match="valid: grpo, rloo, reinforce_pp, dr_grpo, dapo, gspo, cispo"):
+        check_algorithm_settings(LearnerConfig(algorithm="ppo2"))
+    with pytest.raises(AlgorithmError, match="clip_eps_high is not used by .*'grpo'.*read by dapo, gspo, cispo"):
+        check_algorithm_settings(LearnerConfig(clip_eps_high=0.28))
+    with pytest.raises(AlgorithmError, match="learner.clip_eps is not used by .*'gspo'"):
+        check_algorithm_settings(LearnerConfig(algorithm="gspo", clip_eps=0.3))
+    with pytest.raises(AlgorithmError, match="aggregation is not used by .*'dr_grpo'"):
+        check_algorithm_settings(LearnerConfig(algorithm="dr_grpo", aggregation="sequence"))
+    with pytest.raises(AlgorithmError, match="overlong_buffer_tokens must be between"):
+        check_algorithm_settings(LearnerConfig(algorithm="dapo", overlong_max_tokens=10, overlong_buffer_tokens=10))
+
+
+def test_the_launcher_refuses_bad_algorithm_settings_before_starting():
+    from longhorizon.launch.local import validate_config
+
+    base = ["env.name='codebook'", "actor.engine='scripted'"]
+    with pytest.raises(ConfigError, match="unknown learner.algorithm"):
+        validate_config(load_config(None, [*base, "learner.algorithm='nope'"]))
+    with pytest.raises(ConfigError, match="sync mode"):
+        validate_config(load_config(None, [*base, "learner.algorithm='dapo'", "run.mode='sync'"]))
+    with pytest.raises(ConfigError, match="unknown config key learner.advantage"):
+        load_config(None, ["learner.advantage='rloo'"])
