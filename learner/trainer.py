@@ -292,9 +292,19 @@ class Trainer:
         reference_model=None,
         ranks: Ranks | None = None,
     ) -> None:
-        self.model = model
+        from longhorizon.learner.broadcast import unique_state_dict
+        from longhorizon.learner.lora import apply_lora, lora_settings
+
         self.config = config
         self.ranks = ranks or Ranks.single()
+        # Names of the parameters a model folder holds: a tied output layer is stored once.
+        self.exported_names = list(unique_state_dict(model))
+        self.lora = lora_settings(config.lora)
+        if self.lora is not None:
+            if self.ranks.distributed:
+                raise ValueError("learner.lora with learner.num_ranks > 1 is not supported yet: use one rank")
+            model = apply_lora(model, self.lora)
+        self.model = model
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_token_id = pad_token_id
         self.reference_model = reference_model
@@ -317,10 +327,6 @@ class Trainer:
                 type(model).__name__,
             )
             self.chunk_tokens = 0
-        # Names of the parameters a model folder holds: a tied output layer is stored once.
-        from longhorizon.learner.broadcast import unique_state_dict
-
-        self.exported_names = list(unique_state_dict(model))
         self.policy = PolicyLogprobs(model, self.temperature, self.chunk_tokens)
         self.reference = (
             PolicyLogprobs(reference_model, self.temperature, self.chunk_tokens) if reference_model is not None else None
@@ -329,8 +335,10 @@ class Trainer:
             # Each rank keeps a shard of the parameters, gradients and optimiser state; the
             # reference model (no gradients, no optimiser) is kept whole on every rank.
             distributed.shard_model(self.policy, distributed.decoder_layers(model))
+        # Only what trains has optimiser state (with LoRA, the adapters alone).
         self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
+            [p for p in self.policy.parameters() if p.requires_grad], lr=config.learning_rate,
+            weight_decay=config.weight_decay,
         )
 
     def _micro_batches(self, examples: list[Example]) -> list[PaddedBatch]:
@@ -370,6 +378,10 @@ class Trainer:
         """
         from longhorizon.learner.broadcast import unique_state_dict
 
+        if self.lora is not None:
+            from longhorizon.learner.lora import merged_state_dict
+
+            return merged_state_dict(self.model)
         if not self.ranks.distributed:
             return unique_state_dict(self.model)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -451,6 +463,15 @@ class Trainer:
         metrics["grad_norm"] = grad_norm
         metrics["learner_step_seconds"] = time.perf_counter() - started
         return metrics
+
+    def actor_weights(self) -> dict[str, torch.Tensor]:
+        """What the actors need of the policy after an update: the adapters alone with LoRA, else
+        the whole model (a collective with several ranks, as `full_state_dict`)."""
+        if self.lora is not None:
+            from longhorizon.learner.lora import adapter_state_dict
+
+            return adapter_state_dict(self.model)
+        return self.full_state_dict()
 
     @staticmethod
     def _combine_over_ranks(totals: dict[str, float], maxima: dict[str, float]) -> tuple[dict, dict]:

@@ -32,17 +32,14 @@ def _evaluate(config, model_folder, episodes=200):
     )
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("num_ranks", [1, 2], ids=["one-rank", "two-ranks"])
-def test_tiny_model_learns_codebook_through_real_processes(tmp_path, tiny_codebook_model, num_ranks):
-    """With two ranks the learner is two processes under torch.distributed (gloo), the model
-    sharded with FSDP2: the same run must reach the same held-out success."""
+def _train_and_evaluate(tmp_path, model_folder, overrides=()):
+    """Train the codebook config through real processes; returns (config, metrics records, held-out
+    result of the final checkpoint), after checking the untrained model fails."""
     config = load_config(
         REPO_ROOT / "configs" / "codebook.toml",
-        [f"run.output_dir={str(tmp_path)!r}", f"model.path={str(tiny_codebook_model)!r}",
-         f"learner.num_ranks={num_ranks}"],
+        [f"run.output_dir={str(tmp_path)!r}", f"model.path={str(model_folder)!r}", *overrides],
     )
-    untrained = _evaluate(config, tiny_codebook_model)
+    untrained = _evaluate(config, model_folder)
     assert untrained.success_rate < 0.2
 
     lines = []
@@ -55,11 +52,31 @@ def test_tiny_model_learns_codebook_through_real_processes(tmp_path, tiny_codebo
     assert records[-1]["actors_seen"] == config.actor.num_actors
     checkpoint = latest_checkpoint(config.run_dir)
     assert checkpoint is not None and checkpoint.name == f"step_{config.run.total_steps:06d}"
-    if num_ranks == 2:
-        assert (config.run_dir / "logs" / "learner-rank1.log").is_file()
-        assert records[-1]["train_sequences"] > 0
 
     trained = _evaluate(config, checkpoint)
     print(f"held-out greedy success: untrained {untrained.success_rate:.1%}, trained {trained.success_rate:.1%}")
     assert trained.failed_episodes == 0
+    return config, records, trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_ranks", [1, 2], ids=["one-rank", "two-ranks"])
+def test_tiny_model_learns_codebook_through_real_processes(tmp_path, tiny_codebook_model, num_ranks):
+    """With two ranks the learner is two processes under torch.distributed (gloo), the model
+    sharded with FSDP2: the same run must reach the same held-out success."""
+    config, records, trained = _train_and_evaluate(tmp_path, tiny_codebook_model, [f"learner.num_ranks={num_ranks}"])
     assert trained.success_rate > 0.8
+    if num_ranks == 2:
+        assert (config.run_dir / "logs" / "learner-rank1.log").is_file()
+        assert records[-1]["train_sequences"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["rloo", "reinforce_pp", "dr_grpo", "dapo", "gspo", "cispo"])
+def test_each_algorithm_learns_codebook_within_the_grpo_budget(tmp_path, tiny_codebook_model, algorithm):
+    """The codebook config as it is (steps, groups, learning rate), only learner.algorithm changed."""
+    _, records, trained = _train_and_evaluate(tmp_path, tiny_codebook_model, [f"learner.algorithm={algorithm!r}"])
+    assert trained.success_rate > 0.8
+    if algorithm == "dapo":  # dynamic sampling set flat groups aside and trained on full batches
+        assert records[-1]["groups_resampled"] > 0
+        assert all(r["groups_skipped_zero_variance"] == 0 for r in records)

@@ -1,0 +1,146 @@
+"""LoRA (`learner.lora`): only low-rank adapters train, and only they travel to the actors.
+
+The learner wraps its model with peft's LoRA layers on the modules `target_modules` names (a
+module matches when its name ends with one of them, as peft matches). The base weights stay
+frozen; the optimiser holds the adapters alone. Actors hold the same base model and receive the
+adapters' tensors only (a few MB instead of the whole model); an engine that cannot place every
+tensor it receives raises, so an update never half-arrives. Checkpoints export the merged model
+(base plus adapters) as a plain Hugging Face folder for eval and for users.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LORA_KEYS = ("rank", "alpha", "target_modules", "dropout")
+
+
+class LoraError(ValueError):
+    """`learner.lora` is not a usable LoRA setting."""
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    dropout: float = 0.0
+
+    def as_table(self) -> dict:
+        return {"rank": self.rank, "alpha": self.alpha, "target_modules": list(self.target_modules),
+                "dropout": self.dropout}
+
+
+def lora_settings(table: dict | None) -> LoraSettings | None:
+    """The settings a `learner.lora` table gives, or None for an empty table (full fine-tuning)."""
+    if not table:
+        return None
+    unknown = sorted(set(table) - set(LORA_KEYS))
+    if unknown:
+        raise LoraError(f"unknown key learner.lora.{unknown[0]}; valid: {', '.join(LORA_KEYS)}")
+    rank, targets = table.get("rank"), table.get("target_modules")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise LoraError(f"learner.lora.rank must be a positive integer, got {rank!r}")
+    alpha = table.get("alpha", 2 * rank)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        raise LoraError(f"learner.lora.alpha must be a positive number, got {alpha!r}")
+    if isinstance(targets, str):
+        targets = [targets]
+    if not targets or not all(isinstance(t, str) and t for t in targets):
+        raise LoraError(
+            "learner.lora.target_modules must list module names to adapt, e.g. "
+            '["q_proj", "k_proj", "v_proj", "o_proj"]'
+        )
+    dropout = table.get("dropout", 0.0)
+    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise LoraError(f"learner.lora.dropout must be in [0, 1), got {dropout!r}")
+    return LoraSettings(rank=rank, alpha=float(alpha), target_modules=tuple(targets), dropout=float(dropout))
+
+
+def linear_module_names(model) -> list[str]:
+    import torch
+
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+
+
+def check_targets(settings: LoraSettings, module_names: list[str]) -> None:
+    """Every target must match at least one linear module (by name suffix, as peft matches)."""
+    for target in settings.target_modules:
+        if not any(name == target or name.endswith("." + target) for name in module_names):
+            suffixes = sorted({name.rsplit(".", 1)[-1] for name in module_names})
+            raise LoraError(
+                f"learner.lora.target_modules: {target!r} matches no linear module of the model; "
+                f"its linear modules are named {', '.join(suffixes)}"
+            )
+
+
+def check_targets_of_model_folder(settings: LoraSettings, folder) -> None:
+    """`check_targets` against a model folder without loading its weights (before any process
+    starts): the architecture is built on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    check_targets(settings, linear_module_names(model))
+
+
+def apply_lora(model, settings: LoraSettings):
+    """The model with LoRA adapters on its target modules; only the adapters require gradients.
+    The adapters start as a zero update (B = 0), so the wrapped model computes what the base does."""
+    from peft import LoraConfig, get_peft_model
+
+    check_targets(settings, linear_module_names(model))
+    return get_peft_model(model, LoraConfig(
+        r=settings.rank, lora_alpha=settings.alpha, target_modules=list(settings.target_modules),
+        lora_dropout=settings.dropout, bias="none",
+    ))
+
+
+def adapter_state_dict(model) -> dict:
+    """The adapters' tensors, detached, named as peft names them in a saved adapter."""
+    from peft import get_peft_model_state_dict
+
+    return {name: tensor.detach() for name, tensor in get_peft_model_state_dict(model).items()}
+
+
+def load_adapters(model, tensors: dict) -> None:
+    """Copy received adapter tensors into a LoRA-wrapped model; every adapter tensor of the model
+    must be among them and every received tensor must land, else nothing is half-loaded silently."""
+    from peft import set_peft_model_state_dict
+
+    expected = set(adapter_state_dict(model))
+    received = set(tensors)
+    if received != expected:
+        missing, unexpected = sorted(expected - received), sorted(received - expected)
+        raise ValueError(
+            f"adapter update does not match the engine's LoRA layers: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]} (learner and actor must use the same learner.lora)"
+        )
+    result = set_peft_model_state_dict(model, tensors)
+    if getattr(result, "unexpected_keys", None):
+        raise ValueError(f"adapter tensors not placed: {sorted(result.unexpected_keys)[:3]}")
+
+
+def merged_state_dict(model) -> dict:
+    """The base model's parameters with the adapters' update added (W + scale * B A), under the
+    base model's own names: a plain model folder. The live weights are not touched."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    from longhorizon.learner.broadcast import unique_state_dict
+
+    base = model.get_base_model()
+    deltas = {}
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer) and module.active_adapters:
+                delta = sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
+                deltas[f"{name}.weight"] = delta
+        merged = {}
+        for name, tensor in unique_state_dict(base).items():
+            if ".lora_" in name:
+                continue
+            plain = name.replace(".base_layer.", ".")
+            merged[plain] = tensor + deltas[plain].to(tensor.dtype) if plain in deltas else tensor
+    return merged

@@ -1,0 +1,95 @@
+"""LoRA in the learner: settings, target checks, what trains, what is exported and what is sent."""
+
+import numpy as np
+import pytest
+import torch
+
+from longhorizon.common.config import ConfigError, LearnerConfig, load_config
+from longhorizon.common.models import load_causal_lm
+from longhorizon.learner.lora import LoraError, LoraSettings, check_targets_of_model_folder, lora_settings
+from longhorizon.learner.trainer import Example, Trainer
+
+LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}
+
+
+def test_settings_are_checked():
+    assert lora_settings({}) is None
+    assert lora_settings(LORA) == LoraSettings(4, 8.0, ("q_proj", "v_proj", "up_proj"), 0.0)
+    assert lora_settings({"rank": 2, "target_modules": "q_proj"}).alpha == 4.0  # alpha defaults to 2 * rank
+    for table, message in (
+        ({"rank": 0, "target_modules": ["q_proj"]}, "rank must be a positive integer"),
+        ({"rank": 4}, "target_modules must list"),
+        ({"rank": 4, "target_modules": ["q_proj"], "alpha": -1}, "alpha must be a positive"),
+        ({"rank": 4, "target_modules": ["q_proj"], "r": 4}, "unknown key learner.lora.r; valid"),
+        ({"rank": 4, "target_modules": ["q_proj"], "dropout": 1.5}, "dropout must be in"),
+    ):
+        with pytest.raises(LoraError, match=message):
+            lora_settings(table)
+
+
+def test_a_target_that_matches_no_module_is_refused_before_any_process_starts(tiny_codebook_model):
+    settings = lora_settings({"rank": 4, "target_modules": ["q_proj", "query"]})
+    with pytest.raises(LoraError, match="'query' matches no linear module.*q_proj"):
+        check_targets_of_model_folder(settings, tiny_codebook_model)
+    from longhorizon.launch.local import validate_config
+
+    config = load_config(None, [
+        "env.name='codebook'", "actor.engine='scripted'", f"model.path={str(tiny_codebook_model)!r}",
+        "learner.lora={rank = 4, target_modules = ['query']}",
+    ])
+    with pytest.raises(ConfigError, match="matches no linear module"):
+        validate_config(config)
+
+
+def _examples(seed=0):
+    rng = np.random.default_rng(seed)
+    examples = []
+    for row, length in enumerate((8, 11, 6)):
+        mask = np.zeros(length, np.float32)
+        mask[3:] = 1
+        examples.append(Example(rng.integers(2, 15, size=length), mask, (-rng.random(length) * mask).astype(np.float32),
+                                advantage=1.0 if row % 2 else -1.0))
+    return examples
+
+
+def test_only_adapters_train_and_only_they_are_sent(tiny_codebook_model):
+    model = load_causal_lm(tiny_codebook_model)
+    base = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    trainer = Trainer(model, LearnerConfig(lora=LORA, learning_rate=1e-2, optimizer_steps_per_batch=2))
+    trained = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert trained == {id(p) for name, p in trainer.model.named_parameters() if "lora_" in name}
+    before = {k: v.clone() for k, v in trainer.actor_weights().items()}
+    trainer.step(_examples())
+
+    sent = trainer.actor_weights()
+    assert sent and all(".lora_A." in name or ".lora_B." in name for name in sent)
+    # 3 target kinds x 2 layers x (A, B) tensors.
+    assert len(sent) == 12
+    assert any(not torch.equal(sent[name], before[name]) for name in sent)
+    full_bytes = sum(t.numel() * t.element_size() for t in base.values())
+    sent_bytes = sum(t.numel() * t.element_size() for t in sent.values())
+    assert sent_bytes < full_bytes / 10
+    # The base weights did not move.
+    for name, tensor in trainer.model.get_base_model().state_dict().items():
+        if ".lora_" not in name:
+            assert torch.equal(tensor, base[name.replace(".base_layer.", ".")]), name
+
+
+def test_the_exported_model_is_base_plus_adapters(tiny_codebook_model):
+    trainer = Trainer(load_causal_lm(tiny_codebook_model), LearnerConfig(lora=LORA, learning_rate=1e-2))
+    trainer.step(_examples())
+    exported = trainer.full_state_dict()
+    assert sorted(exported) == sorted(trainer.exported_names)
+    plain = load_causal_lm(tiny_codebook_model)
+    plain.load_state_dict(exported, strict=False)
+    ids = torch.tensor([[2, 5, 7, 9, 11]])
+    trainer.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain.eval()(input_ids=ids).logits, trainer.model(input_ids=ids).logits)
+
+
+def test_lora_with_several_ranks_is_refused():
+    from longhorizon.learner.distributed import Ranks
+
+    with pytest.raises(ValueError, match="not supported yet"):
+        Trainer(torch.nn.Linear(2, 2), LearnerConfig(lora=LORA), ranks=Ranks(0, 2, 0))
