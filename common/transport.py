@@ -19,8 +19,11 @@ message they reject is counted in ``rejected`` and logged at WARNING, at most on
 ``REJECTION_LOG_INTERVAL_S`` per socket.
 
 Addresses are ZeroMQ endpoints such as ``"tcp://127.0.0.1:5555"``; a bound socket accepts port 0 or
-``*`` and exposes the port it got in ``.address``. Sockets bind on 127.0.0.1 by default. Nothing
-here authenticates peers: exposing a socket beyond loopback needs CurveZMQ, which is not built yet.
+``*`` and exposes the port it got in ``.address``. Sockets bind on 127.0.0.1 by default. Given a
+run's keys (``curve=``), the endpoints use CurveZMQ: the learner's sockets admit only peers that
+hold the run's client key, refusals are counted in ``LearnerEndpoints.auth_refused``, and all
+traffic is encrypted (common/curve.py). Without keys nothing authenticates peers, and binding
+beyond loopback logs a warning.
 
 Arrays in a sent message are handed to ZeroMQ without copying: do not modify them after ``send``.
 """
@@ -30,7 +33,8 @@ import time
 from collections import deque
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from ipaddress import ip_address
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import trio
 import zmq
@@ -45,6 +49,9 @@ from longhorizon.common.wire import (
     decode,
     encode,
 )
+
+if TYPE_CHECKING:
+    from longhorizon.common.curve import CurveGate, CurveKeys
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +71,21 @@ COPY_THRESHOLD_BYTES = 512 * 1024
 """Frames smaller than this are copied on send; larger ones (token arrays, weight tensors) are
 sent without a copy (pyzmq's own default is 64 KiB)."""
 
-_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+CURVE_FRAME_OVERHEAD_BYTES = 33
+"""What CurveZMQ adds to each frame on the wire (command name, nonce, MAC, flags). libzmq checks
+``zmq.MAXMSGSIZE`` against the wire size, so with CurveZMQ the limit is raised by this much: the
+same frames pass with it as without."""
+
+
+def is_loopback_host(host: str) -> bool:
+    """127.0.0.0/8, ::1 and localhost; anything else (a name, 0.0.0.0, *) may be reachable from
+    other machines."""
+    if host == "localhost":
+        return True
+    try:
+        return ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class UnknownPeer(LookupError):
@@ -131,9 +152,16 @@ class LearnerEndpoints:
     control: Router
     owned_context: Any = None
     """A ZeroMQ context made for these sockets alone, terminated by ``close``."""
+    curve_gate: "CurveGate | None" = None
+    """With CurveZMQ: admits the run's actors and counts refusals; closed by ``close``."""
+
+    @property
+    def auth_refused(self) -> int:
+        """Connections refused for want of the run's CurveZMQ keys (0 without CurveZMQ)."""
+        return self.curve_gate.refused if self.curve_gate is not None else 0
 
     def close(self) -> None:
-        _close_in_order(self)
+        _close_in_order(self, self.curve_gate)
 
 
 @dataclass
@@ -150,14 +178,16 @@ class ActorEndpoints:
         _close_in_order(self)
 
 
-def _close_in_order(endpoints: "LearnerEndpoints | ActorEndpoints") -> None:
-    """Close the three sockets, then terminate their own context. Terminating waits for ZeroMQ's
-    I/O threads to let go of every message (LINGER 0 drops what was not sent), so no buffer lent
-    to them is freed while they still read it, as could happen when a process exits with its
-    context alive."""
+def _close_in_order(endpoints: "LearnerEndpoints | ActorEndpoints", curve_gate: "CurveGate | None" = None) -> None:
+    """Close the three sockets, then the CurveZMQ gate (its sockets live in the same context),
+    then terminate their own context. Terminating waits for ZeroMQ's I/O threads to let go of
+    every message (LINGER 0 drops what was not sent), so no buffer lent to them is freed while
+    they still read it, as could happen when a process exits with its context alive."""
     endpoints.trajectories.close()
     endpoints.broadcast.close()
     endpoints.control.close()
+    if curve_gate is not None:
+        curve_gate.close()
     if endpoints.owned_context is not None:
         endpoints.owned_context.term()
         endpoints.owned_context = None
@@ -335,12 +365,14 @@ class _TrioSocket:
 
 
 def _warn_if_exposed(address: str, name: str) -> None:
+    """Called for a socket bound without CurveZMQ."""
     if address.startswith("tcp://"):
         host = address[len("tcp://") :].rsplit(":", 1)[0]
-        if host not in _LOOPBACK_HOSTS:
+        if not is_loopback_host(host):
             logger.warning(
-                "%s binds to %s: beyond loopback and without authentication (CurveZMQ is not "
-                "built yet); any host that can reach it can send messages",
+                "%s binds to %s beyond loopback WITHOUT authentication or encryption "
+                "(transport.insecure = true): any host that can reach it can connect, send it "
+                "messages and read what it sends",
                 name,
                 address,
             )
@@ -358,12 +390,20 @@ def _open_socket(
     limits: WireLimits | None,
     identity: str | None = None,
     options: dict[int, int] | None = None,
+    curve_gate: "CurveGate | None" = None,
+    curve_keys: "CurveKeys | None" = None,
 ) -> tuple[_TrioSocket, str]:
-    """A configured, bound or connected socket, and its address (with the real port if bound)."""
+    """A configured, bound or connected socket, and its address (with the real port if bound).
+
+    A bound socket with ``curve_gate`` is a CurveZMQ server guarded by that gate; a connecting
+    one with ``curve_keys`` is a CurveZMQ client with the run's client keys.
+    """
     if not isinstance(address, str) or "://" not in address:
         raise ValueError(f"{name}: {address!r} is not a ZeroMQ address like 'tcp://127.0.0.1:5555'")
     if send_hwm < 0 or receive_hwm < 0:
         raise ValueError(f"{name}: high-water marks must be >= 0 (0 means unlimited)")
+    if (curve_gate is not None and not bind) or (curve_keys is not None and bind):
+        raise ValueError(f"{name}: a bound socket takes a CurveZMQ gate, a connecting one the client keys")
     socket = (context or zmq.Context.instance()).socket(socket_type)
     # Frames under this size are copied into ZeroMQ rather than lent to it: a lent frame is
     # released later through pyzmq's garbage-collector thread, which must take the GIL back from
@@ -374,13 +414,21 @@ def _open_socket(
         socket.setsockopt(zmq.SNDHWM, send_hwm)
         socket.setsockopt(zmq.RCVHWM, receive_hwm)
         if limits is not None:
-            socket.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
+            overhead = CURVE_FRAME_OVERHEAD_BYTES if curve_gate is not None or curve_keys is not None else 0
+            socket.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes + overhead)
         if identity is not None:
             socket.setsockopt(zmq.IDENTITY, identity.encode("utf-8"))
         for option, value in (options or {}).items():
             socket.setsockopt(option, value)
+        # CurveZMQ options must be in place before the first connection; the gate also starts
+        # watching the socket's handshakes here, before any peer can reach it.
+        if curve_gate is not None:
+            curve_gate.protect(socket, name)
+        for option, key in (curve_keys.client_options() if curve_keys is not None else {}).items():
+            socket.setsockopt(option, key)
         if bind:
-            _warn_if_exposed(address, name)
+            if curve_gate is None:
+                _warn_if_exposed(address, name)
             socket.bind(address)
             address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
@@ -422,10 +470,11 @@ class ZmqPushSender(_ZmqEndpoint):
         *,
         send_hwm: int = DEFAULT_TRAJECTORY_HWM,
         context: zmq.Context | None = None,
+        curve_keys: "CurveKeys | None" = None,
     ) -> None:
         self._socket, self.address = _open_socket(
             context=context, socket_type=zmq.PUSH, name="trajectory sender", address=address,
-            bind=False, send_hwm=send_hwm, receive_hwm=0, limits=None,
+            bind=False, send_hwm=send_hwm, receive_hwm=0, limits=None, curve_keys=curve_keys,
         )
 
     async def send(self, message: Message) -> None:
@@ -442,12 +491,13 @@ class ZmqPullReceiver(_ZmqReceiving):
         limits: WireLimits = DEFAULT_LIMITS,
         receive_hwm: int = DEFAULT_TRAJECTORY_HWM,
         context: zmq.Context | None = None,
+        curve_gate: "CurveGate | None" = None,
     ) -> None:
         self._limits = limits
         self._rejections = RateLimitedLog("trajectory receiver rejected a message")
         self._socket, self.address = _open_socket(
             context=context, socket_type=zmq.PULL, name="trajectory receiver", address=address,
-            bind=True, send_hwm=0, receive_hwm=receive_hwm, limits=limits,
+            bind=True, send_hwm=0, receive_hwm=receive_hwm, limits=limits, curve_gate=curve_gate,
         )
 
     async def receive(self) -> Message:
@@ -469,10 +519,11 @@ class ZmqPublisher(_ZmqEndpoint):
         *,
         send_hwm: int = DEFAULT_BROADCAST_HWM,
         context: zmq.Context | None = None,
+        curve_gate: "CurveGate | None" = None,
     ) -> None:
         self._socket, self.address = _open_socket(
             context=context, socket_type=zmq.PUB, name="broadcast publisher", address=address,
-            bind=True, send_hwm=send_hwm, receive_hwm=0, limits=None,
+            bind=True, send_hwm=send_hwm, receive_hwm=0, limits=None, curve_gate=curve_gate,
         )
 
     async def send(self, message: Message) -> None:
@@ -489,12 +540,13 @@ class ZmqSubscriber(_ZmqReceiving):
         limits: WireLimits = WEIGHTS_LIMITS,
         receive_hwm: int = DEFAULT_BROADCAST_HWM,
         context: zmq.Context | None = None,
+        curve_keys: "CurveKeys | None" = None,
     ) -> None:
         self._limits = limits
         self._rejections = RateLimitedLog("broadcast subscriber rejected a message")
         self._socket, self.address = _open_socket(
             context=context, socket_type=zmq.SUB, name="broadcast subscriber", address=address,
-            bind=False, send_hwm=0, receive_hwm=receive_hwm, limits=limits,
+            bind=False, send_hwm=0, receive_hwm=receive_hwm, limits=limits, curve_keys=curve_keys,
         )
         self._socket.socket.setsockopt(zmq.SUBSCRIBE, b"")
 
@@ -524,6 +576,7 @@ class ZmqRouter(_ZmqReceiving):
         hwm: int = DEFAULT_CONTROL_HWM,
         full_peer_retry_s: float = 0.01,
         context: zmq.Context | None = None,
+        curve_gate: "CurveGate | None" = None,
     ) -> None:
         self._limits = limits
         self._rejections = RateLimitedLog("control router rejected a message")
@@ -531,7 +584,7 @@ class ZmqRouter(_ZmqReceiving):
         self._socket, self.address = _open_socket(
             context=context, socket_type=zmq.ROUTER, name="control router", address=address,
             bind=True, send_hwm=hwm, receive_hwm=hwm, limits=limits,
-            options={zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1},
+            options={zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1}, curve_gate=curve_gate,
         )
 
     async def receive(self) -> tuple[str, Message]:
@@ -567,6 +620,7 @@ class ZmqDealer(_ZmqReceiving):
         limits: WireLimits = CONTROL_LIMITS,
         hwm: int = DEFAULT_CONTROL_HWM,
         context: zmq.Context | None = None,
+        curve_keys: "CurveKeys | None" = None,
     ) -> None:
         if not actor_id:
             raise ValueError("a dealer needs a non-empty actor id (it is its routing identity)")
@@ -576,7 +630,7 @@ class ZmqDealer(_ZmqReceiving):
         self._socket, self.address = _open_socket(
             context=context, socket_type=zmq.DEALER, name=f"control dealer {actor_id}",
             address=address, bind=False, send_hwm=hwm, receive_hwm=hwm, limits=limits,
-            identity=actor_id,
+            identity=actor_id, curve_keys=curve_keys,
         )
 
     async def send(self, message: Message) -> None:
@@ -600,10 +654,13 @@ def zmq_learner_endpoints(
     broadcast_hwm: int = DEFAULT_BROADCAST_HWM,
     control_hwm: int = DEFAULT_CONTROL_HWM,
     context: zmq.Context | None = None,
+    curve: "CurveKeys | None" = None,
 ) -> LearnerEndpoints:
     """The learner's three sockets, bound (port 0 picks free ports; see each ``.address``).
 
-    Without ``context`` they get a context of their own, which ``close()`` terminates.
+    Without ``context`` they get a context of their own, which ``close()`` terminates. With
+    ``curve`` (the learner's keys) all three are CurveZMQ servers behind one gate, which serves
+    the context's ZAP requests: a context holds at most one learner's sockets with CurveZMQ.
     """
     owned = None
     if context is None:
@@ -611,15 +668,24 @@ def zmq_learner_endpoints(
     with ExitStack() as opened:
         if owned is not None:
             opened.callback(owned.term)
+        gate = None
+        if curve is not None:
+            from longhorizon.common.curve import CurveGate
+
+            gate = CurveGate(context, curve)
+            opened.callback(gate.close)
         trajectories = ZmqPullReceiver(
-            trajectory_address, limits=trajectory_limits, receive_hwm=trajectory_hwm, context=context
+            trajectory_address, limits=trajectory_limits, receive_hwm=trajectory_hwm, context=context,
+            curve_gate=gate,
         )
         opened.callback(trajectories.close)
-        broadcast = ZmqPublisher(broadcast_address, send_hwm=broadcast_hwm, context=context)
+        broadcast = ZmqPublisher(broadcast_address, send_hwm=broadcast_hwm, context=context, curve_gate=gate)
         opened.callback(broadcast.close)
-        control = ZmqRouter(control_address, limits=control_limits, hwm=control_hwm, context=context)
+        control = ZmqRouter(control_address, limits=control_limits, hwm=control_hwm, context=context, curve_gate=gate)
         opened.pop_all()
-    return LearnerEndpoints(trajectories=trajectories, broadcast=broadcast, control=control, owned_context=owned)
+    return LearnerEndpoints(
+        trajectories=trajectories, broadcast=broadcast, control=control, owned_context=owned, curve_gate=gate
+    )
 
 
 def zmq_actor_endpoints(
@@ -634,26 +700,32 @@ def zmq_actor_endpoints(
     broadcast_hwm: int = DEFAULT_BROADCAST_HWM,
     control_hwm: int = DEFAULT_CONTROL_HWM,
     context: zmq.Context | None = None,
+    curve: "CurveKeys | None" = None,
 ) -> ActorEndpoints:
     """An actor's three sockets, connected to the learner's addresses.
 
     Connecting succeeds even while the learner is not up yet: ZeroMQ keeps retrying. Without
-    ``context`` the sockets get a context of their own, which ``close()`` terminates.
+    ``context`` the sockets get a context of their own, which ``close()`` terminates. With
+    ``curve`` (an actor's keys) they are CurveZMQ clients.
     """
+    if curve is not None:
+        curve.check("actor")
     owned = None
     if context is None:
         context = owned = zmq.Context()
     with ExitStack() as opened:
         if owned is not None:
             opened.callback(owned.term)
-        trajectories = ZmqPushSender(trajectory_address, send_hwm=trajectory_hwm, context=context)
+        trajectories = ZmqPushSender(trajectory_address, send_hwm=trajectory_hwm, context=context, curve_keys=curve)
         opened.callback(trajectories.close)
         broadcast = ZmqSubscriber(
-            broadcast_address, limits=broadcast_limits, receive_hwm=broadcast_hwm, context=context
+            broadcast_address, limits=broadcast_limits, receive_hwm=broadcast_hwm, context=context,
+            curve_keys=curve,
         )
         opened.callback(broadcast.close)
         control = ZmqDealer(
-            actor_id, control_address, limits=control_limits, hwm=control_hwm, context=context
+            actor_id, control_address, limits=control_limits, hwm=control_hwm, context=context,
+            curve_keys=curve,
         )
         opened.pop_all()
     return ActorEndpoints(trajectories=trajectories, broadcast=broadcast, control=control, owned_context=owned)

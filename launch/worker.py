@@ -1,16 +1,25 @@
 """Process entry point for one learner or one actor: `python -m longhorizon.launch.worker ROLE --config F`.
 
+A learner of several ranks is several such processes with torch.distributed's variables (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) in their environment, set by the local
+launcher or by `torchrun --nproc-per-node N -m longhorizon.launch.worker learner --config F`.
+
 The local launcher starts these; a cluster launcher would too. Each reads the resolved config
 the launcher wrote, connects its sockets from the addresses in it, and runs until it is told to
 stop (learner: after the last step; actor: on the learner's Stop, or SIGTERM/SIGINT). A learner
 stopped by a signal writes a checkpoint of its last finished step first. On the way out the
 sockets close and their ZeroMQ context is terminated before the process exits.
+
+When the run uses CurveZMQ (`transport.curve`), the process's keys come from the
+LONGHORIZON_CURVE_KEYS environment variable (set by the launcher, or by hand from the files
+`longhorizon keys DIR` writes; see common/curve.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
@@ -43,7 +52,7 @@ async def _until_signal(cancel_scope: trio.CancelScope, received: list[int]) -> 
             cancel_scope.cancel()
 
 
-async def _main(role: str, config: Config, index: int) -> int:
+async def _main(role: str, config: Config, index: int, curve_keys=None) -> int:
     """Run one role; 0 when it finished normally, 128 + signal number when a signal stopped it."""
     received: list[int] = []
     async with trio.open_nursery() as nursery:
@@ -52,14 +61,14 @@ async def _main(role: str, config: Config, index: int) -> int:
         role_scope = trio.CancelScope()
         nursery.start_soon(_until_signal, role_scope, received)
         with role_scope:
-            await _run_role(role, config, index)
+            await _run_role(role, config, index, curve_keys)
         nursery.cancel_scope.cancel()
     # An actor stopped by a signal rather than by the learner exits non-zero so the launcher
     # restarts it.
     return 128 + received[0] if received else 0
 
 
-async def _run_role(role: str, config: Config, index: int) -> None:
+async def _run_role(role: str, config: Config, index: int, curve_keys=None) -> None:
     import dataclasses
 
     from longhorizon.common.transport import zmq_actor_endpoints, zmq_learner_endpoints
@@ -68,15 +77,23 @@ async def _run_role(role: str, config: Config, index: int) -> None:
     addresses = transport_addresses(config)
     transport = config.transport
     if role == "learner":
-        from longhorizon.learner.worker import run_learner
+        from longhorizon.learner.distributed import ranks_from_environment
+        from longhorizon.learner.worker import run_learner, run_learner_rank
 
+        ranks = ranks_from_environment(config.learner.num_ranks)
+        if not ranks.is_main:
+            # No sockets: this rank follows rank 0 until it says stop. A stop signal does not end
+            # it early, since rank 0 needs every rank to write its final checkpoint.
+            await trio.to_thread.run_sync(run_learner_rank, config, ranks)
+            return
         endpoints = zmq_learner_endpoints(
             **addresses,
             trajectory_hwm=transport.trajectory_hwm,
             trajectory_limits=dataclasses.replace(DEFAULT_LIMITS, max_message_bytes=transport.max_trajectory_bytes),
+            curve=curve_keys,
         )
         try:
-            await run_learner(config, endpoints)
+            await run_learner(config, endpoints, ranks=ranks)
         finally:
             endpoints.close()
     else:
@@ -87,6 +104,7 @@ async def _run_role(role: str, config: Config, index: int) -> None:
             **addresses,
             trajectory_hwm=transport.trajectory_hwm,
             broadcast_limits=dataclasses.replace(WEIGHTS_LIMITS, max_message_bytes=transport.max_weights_bytes),
+            curve=curve_keys,
         )
         try:
             await run_actor(config, index, endpoints)
@@ -105,16 +123,28 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM if the launcher dies (it starts workers from its main thread, which the kernel
     # tracks), so no worker outlives it.
     die_with_parent()
+    if args.role == "learner":
+        # Ranks of a multi-rank learner (started by our launcher or torchrun) name themselves.
+        name = "learner" if int(os.environ.get("WORLD_SIZE", "1")) <= 1 else f"learner-rank{os.environ.get('RANK', '0')}"
+    else:
+        name = f"actor-{args.index}"
     logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s {args.role}{'' if args.role == 'learner' else '-' + str(args.index)} %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
     )
     config = load_config(args.config, ["run.resume=true"] if args.resume else [])
+    from longhorizon.common.curve import curve_keys_for_process
+
+    try:
+        # CurveZMQ keys leave the environment here, before this process starts anything that
+        # could inherit them; none where CurveZMQ is needed is an error before any socket opens.
+        curve_keys = curve_keys_for_process(args.role, config.transport)
+    except ValueError as error:
+        parser.exit(2, f"longhorizon-worker: error: {error}\n")
     if config.transport.keep_freed_memory:
         from longhorizon.common.memory import keep_freed_message_memory
 
         keep_freed_message_memory()
-    return trio.run(_main, args.role, config, args.index)
+    return trio.run(_main, args.role, config, args.index, curve_keys)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from longhorizon.learner.losses import LossOutput, cispo_loss, gspo_loss, policy
 ALGORITHM_KEYS = (
     "clip_eps", "clip_eps_low", "clip_eps_high", "loss", "weight_level", "aggregation",
     "behaviour_weight_cap", "overlong_max_tokens", "overlong_buffer_tokens", "loss_normaliser_tokens",
+    "critic", "gamma", "lam", "value_coef", "value_clip",
 )
 _CLIPPED_FAMILY = frozenset({"clip_eps", "loss", "weight_level", "aggregation", "behaviour_weight_cap"})
 
@@ -41,7 +42,8 @@ class Algorithm:
     uses: frozenset
     """The keys of ALGORITHM_KEYS it reads."""
     advantages: str = "group"
-    """How rewards become advantages: "group" (per group, by `group_estimator`) or "batch"."""
+    """How rewards become advantages: "group" (per group, by `group_estimator`), "batch", or
+    "critic" (GAE from a learned value model, in the update step)."""
     group_estimator: str = "grpo"
     """grpo (mean and std of the group), mean (mean only) or rloo (leave-one-out mean)."""
     aggregation: str | None = None
@@ -70,6 +72,9 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm("gspo", "one length-normalised importance ratio per sequence (Zheng et al. 2025)",
                   frozenset({"clip_eps_low", "clip_eps_high", "behaviour_weight_cap"}),
                   aggregation="sequence", default_clip=(3e-4, 4e-4)),
+        Algorithm("ppo", "a learned critic and GAE over generated tokens, turn rewards at turn ends "
+                  "(Schulman et al. 2017; Ouyang et al. 2022)",
+                  _CLIPPED_FAMILY | {"critic", "gamma", "lam", "value_coef", "value_clip"}, advantages="critic"),
         Algorithm("cispo", "clipped importance weight with stop-gradient, every token kept (MiniMax 2025)",
                   frozenset({"clip_eps_low", "clip_eps_high"}), aggregation="token", default_clip=(1.0, 1.0)),
     )
@@ -102,6 +107,11 @@ def check_algorithm_settings(config) -> Algorithm:
         raise AlgorithmError("learner.overlong_buffer_tokens needs learner.overlong_max_tokens")
     if config.overlong_max_tokens and not 0 < config.overlong_buffer_tokens < config.overlong_max_tokens:
         raise AlgorithmError("learner.overlong_buffer_tokens must be between 0 and learner.overlong_max_tokens")
+    if algorithm.advantages == "critic":
+        if not (0 <= config.gamma <= 1 and 0 <= config.lam <= 1):
+            raise AlgorithmError(f"learner.gamma and learner.lam must be in [0, 1], got {config.gamma}, {config.lam}")
+        if config.value_coef <= 0:
+            raise AlgorithmError("learner.value_coef must be positive (the critic must learn)")
     low, high = clip_range(config, algorithm)
     if not (0 < low <= 1 and high > 0):
         raise AlgorithmError(f"clip range must have 0 < clip_eps_low <= 1 and clip_eps_high > 0, got {low}, {high}")

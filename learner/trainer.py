@@ -19,6 +19,7 @@ import torch.utils.checkpoint
 from longhorizon.common.config import LearnerConfig
 from longhorizon.learner import algorithms, distributed
 from longhorizon.learner.advantages import group_has_signal
+from longhorizon.learner.critic import build_value_model, gae, per_token_rewards, value_loss, whiten
 from longhorizon.learner.distributed import Ranks
 from longhorizon.learner.losses import kl_penalty, sampled_entropy
 
@@ -31,6 +32,8 @@ class Example:
     loss_mask: np.ndarray
     behaviour_logprobs: np.ndarray
     advantage: float
+    # ppo: each token's reward (turn rewards at the turn's last token); None for the others.
+    token_rewards: np.ndarray | None = None
 
 
 @dataclass
@@ -80,6 +83,10 @@ def score_groups(groups, config: LearnerConfig | None = None) -> ScoredBatch:
             too_small += 1
             continue
         rewards = shaped_rewards(config, members)
+        if algorithm.advantages == "critic":  # ppo: the critic is the baseline, flat groups teach it too
+            used += 1
+            scored.append((members, rewards))
+            continue
         if algorithm.advantages == "group" and not group_has_signal(rewards):
             zero_variance += 1
             continue
@@ -89,17 +96,22 @@ def score_groups(groups, config: LearnerConfig | None = None) -> ScoredBatch:
         values = algorithms.batch_advantages(np.concatenate([rewards for _, rewards in scored]))
         offsets = np.cumsum([0] + [len(members) for members, _ in scored])
         advantages = [values[offsets[i]:offsets[i + 1]] for i in range(len(scored))]
+    elif algorithm.advantages == "critic":  # computed in the update step, from the critic's values
+        advantages = [np.zeros(len(members)) for members, _ in scored]
     else:
         advantages = [algorithms.group_advantages(config, rewards) for _, rewards in scored]
     examples: list[Example] = []
     for (members, _), values in zip(scored, advantages):
         for trajectory, value in zip(members, values):
+            loss_mask = np.asarray(trajectory.loss_mask, dtype=np.float32)
             examples.append(
                 Example(
                     token_ids=np.asarray(trajectory.token_ids, dtype=np.int64),
-                    loss_mask=np.asarray(trajectory.loss_mask, dtype=np.float32),
+                    loss_mask=loss_mask,
                     behaviour_logprobs=np.asarray(trajectory.behaviour_logprobs, dtype=np.float32),
                     advantage=float(value),
+                    token_rewards=(per_token_rewards(loss_mask, trajectory.turn_rewards)
+                                   if algorithm.advantages == "critic" else None),
                 )
             )
     return ScoredBatch(examples, used, zero_variance, too_small, failed)
@@ -111,14 +123,16 @@ class PaddedBatch:
     attention_mask: torch.Tensor  # [B, L]
     loss_mask: torch.Tensor  # [B, L-1], aligned with the predicted tokens input_ids[:, 1:]
     behaviour_logprobs: torch.Tensor  # [B, L-1]
-    advantages: torch.Tensor  # [B]
+    advantages: torch.Tensor  # [B], or [B, L-1] per token (ppo)
+    token_rewards: torch.Tensor | None = None  # [B, L-1] (ppo)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def to(self, device) -> "PaddedBatch":
-        return PaddedBatch(*(tensor.to(device) for tensor in (
+        return PaddedBatch(*(None if tensor is None else tensor.to(device) for tensor in (
             self.input_ids, self.attention_mask, self.loss_mask, self.behaviour_logprobs, self.advantages,
+            self.token_rewards,
         )))
 
 
@@ -136,9 +150,16 @@ def pad_examples(examples: list[Example], pad_token_id: int) -> PaddedBatch:
         loss_mask[row, :length] = torch.as_tensor(np.array(example.loss_mask))
         behaviour[row, :length] = torch.as_tensor(np.array(example.behaviour_logprobs))
     advantages = torch.tensor([e.advantage for e in examples], dtype=torch.float32)
-    # Token t is predicted from the tokens before it, so targets, masks and behaviour log-probs
-    # drop their first position.
-    return PaddedBatch(input_ids, attention_mask, loss_mask[:, 1:], behaviour[:, 1:], advantages)
+    token_rewards = None
+    if any(e.token_rewards is not None for e in examples):
+        token_rewards = torch.zeros((count, longest), dtype=torch.float32)
+        for row, example in enumerate(examples):
+            if example.token_rewards is not None:
+                token_rewards[row, :len(example.token_ids)] = torch.as_tensor(np.array(example.token_rewards))
+        token_rewards = token_rewards[:, 1:]
+    # Token t is predicted from the tokens before it, so targets, masks, behaviour log-probs and
+    # rewards drop their first position.
+    return PaddedBatch(input_ids, attention_mask, loss_mask[:, 1:], behaviour[:, 1:], advantages, token_rewards)
 
 
 def token_logprobs(
@@ -328,6 +349,14 @@ class Trainer:
             )
             self.chunk_tokens = 0
         self.policy = PolicyLogprobs(model, self.temperature, self.chunk_tokens)
+        self.value_model = None
+        if self.algorithm.advantages == "critic":
+            if self.ranks.distributed:
+                raise ValueError("learner.algorithm = 'ppo' with learner.num_ranks > 1 is not supported yet")
+            # A submodule of the policy wrapper: trained by the same optimiser and saved in the
+            # same sharded checkpoint, so the critic resumes with the policy.
+            self.value_model = build_value_model(model, config.critic).to(self.device)
+            self.policy.value_model = self.value_model
         self.reference = (
             PolicyLogprobs(reference_model, self.temperature, self.chunk_tokens) if reference_model is not None else None
         )
@@ -406,7 +435,9 @@ class Trainer:
         separate_proximal = config.optimizer_steps_per_batch > 1 or has_dropout(self.model)
         proximal: list[torch.Tensor | None] = [None] * len(micro_batches)
         reference: list[torch.Tensor | None] = [None] * len(micro_batches)
-        if separate_proximal or self.reference is not None:
+        old_values: list[torch.Tensor | None] = [None] * len(micro_batches)
+        returns: list[torch.Tensor | None] = [None] * len(micro_batches)
+        if separate_proximal or self.reference is not None or self.value_model is not None:
             self.policy.eval()
             with torch.no_grad():
                 for index, micro in enumerate(micro_batches):
@@ -414,6 +445,10 @@ class Trainer:
                         proximal[index] = self._logprobs(self.policy, micro)
                     if self.reference is not None and config.kl_coef > 0:
                         reference[index] = self._logprobs(self.reference, micro)
+                    if self.value_model is not None:
+                        old_values[index] = self._values(micro)
+        if self.value_model is not None:
+            micro_batches, returns = self._critic_advantages(micro_batches, old_values)
         self.policy.train()
         totals: dict[str, float] = {}
         maxima: dict[str, float] = {}
@@ -438,6 +473,13 @@ class Trainer:
                     kl = kl_penalty(logprobs, reference[index], micro.loss_mask, aggregation=self._monitor_level)
                     loss = loss + config.kl_coef * kl.loss
                     totals["kl"] = totals.get("kl", 0.0) + kl.loss.item() * share
+                if self.value_model is not None:
+                    critic = value_loss(
+                        self._values(micro), old_values[index], returns[index], micro.loss_mask,
+                        value_clip=config.value_clip, aggregation=self.aggregation,
+                    )
+                    loss = loss + config.value_coef * critic
+                    totals["value_loss"] = totals.get("value_loss", 0.0) + critic.item() * share
                 (loss * share).backward()
                 totals["loss"] = totals.get("loss", 0.0) + loss.item() * share
                 entropy = sampled_entropy(logprobs, micro.loss_mask, aggregation=self._monitor_level)
@@ -463,6 +505,31 @@ class Trainer:
         metrics["grad_norm"] = grad_norm
         metrics["learner_step_seconds"] = time.perf_counter() - started
         return metrics
+
+    def _values(self, micro: PaddedBatch) -> torch.Tensor:
+        with torch.autocast(
+            device_type=self.device.type, dtype=torch.bfloat16, enabled=self.config.precision == "bf16-mixed",
+        ):
+            return self.value_model(micro.input_ids, micro.attention_mask)
+
+    def _critic_advantages(self, micro_batches: list[PaddedBatch], old_values: list) -> tuple[list, list]:
+        """ppo: GAE from the critic's values at the start of the update, whitened over the step's
+        generated tokens; the micro-batches come back with per-token advantages, and the value
+        targets (returns) beside them."""
+        config = self.config
+        estimates = [
+            gae(micro.token_rewards, values, micro.loss_mask, config.gamma, config.lam)
+            for micro, values in zip(micro_batches, old_values)
+        ]
+        counted = torch.cat([adv[micro.loss_mask > 0] for (adv, _), micro in zip(estimates, micro_batches)])
+        mean = float(counted.mean()) if counted.numel() else 0.0
+        std = float(counted.std(unbiased=False)) if counted.numel() else 1.0
+        with_advantages = [
+            PaddedBatch(micro.input_ids, micro.attention_mask, micro.loss_mask, micro.behaviour_logprobs,
+                        whiten(adv, micro.loss_mask, mean, std), micro.token_rewards)
+            for (adv, _), micro in zip(estimates, micro_batches)
+        ]
+        return with_advantages, [ret for _, ret in estimates]
 
     def actor_weights(self) -> dict[str, torch.Tensor]:
         """What the actors need of the policy after an update: the adapters alone with LoRA, else

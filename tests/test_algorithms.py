@@ -158,7 +158,7 @@ def test_every_algorithm_builds_with_its_defaults():
 
 
 def test_unknown_algorithms_and_foreign_keys_are_refused():
-    with pytest.raises(AlgorithmError, match="valid: grpo, rloo, reinforce_pp, dr_grpo, dapo, gspo, cispo"):
+    with pytest.raises(AlgorithmError, match="valid: grpo, rloo, reinforce_pp, dr_grpo, dapo, gspo, ppo, cispo"):
         check_algorithm_settings(LearnerConfig(algorithm="ppo2"))
     with pytest.raises(AlgorithmError, match="clip_eps_high is not used by .*'grpo'.*read by dapo, gspo, cispo"):
         check_algorithm_settings(LearnerConfig(clip_eps_high=0.28))
@@ -180,3 +180,74 @@ def test_the_launcher_refuses_bad_algorithm_settings_before_starting():
         validate_config(load_config(None, [*base, "learner.algorithm='dapo'", "run.mode='sync'"]))
     with pytest.raises(ConfigError, match="unknown config key learner.advantage"):
         load_config(None, ["learner.advantage='rloo'"])
+
+
+# -- ppo: turn rewards, GAE, value loss ----------------------------------------------------------
+
+def test_turn_rewards_land_on_the_last_token_of_each_reply():
+    from longhorizon.learner.critic import per_token_rewards
+
+    #        prompt  reply 1   obs  reply 2
+    mask = [0, 0, 1, 1, 0, 0, 1]
+    np.testing.assert_array_equal(per_token_rewards(mask, [0.5, 1.0]), [0, 0, 0, 0.5, 0, 0, 1.0])
+    # More rewards than replies: the rest goes to the last reply; fewer: later replies get 0.
+    np.testing.assert_array_equal(per_token_rewards(mask, [0.5, 1.0, 2.0]), [0, 0, 0, 0.5, 0, 0, 3.0])
+    np.testing.assert_array_equal(per_token_rewards(mask, [0.5]), [0, 0, 0, 0.5, 0, 0, 0])
+    assert per_token_rewards([0, 0], [1.0]).sum() == 0
+
+
+def test_gae_over_a_two_turn_episode_by_hand():
+    from longhorizon.learner.critic import gae
+
+    # Generated tokens at positions 1, 2 (turn 1) and 4 (turn 2); position 3 is an observation.
+    mask = torch.tensor([[0, 1, 1, 0, 1.0]])
+    rewards = torch.tensor([[0, 0, 0.5, 0, 1.0]])
+    values = torch.tensor([[9.0, 0.2, 0.4, 9.0, 0.6]])  # values at uncounted positions are ignored
+    advantages, returns = gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    # Backwards over the counted positions 4, 2, 1:
+    d4 = 1.0 + 0.9 * 0 - 0.6          # 0.4
+    a4 = d4
+    d2 = 0.5 + 0.9 * 0.6 - 0.4        # 0.64
+    a2 = d2 + 0.9 * 0.5 * a4          # 0.82
+    d1 = 0.0 + 0.9 * 0.4 - 0.2        # 0.16
+    a1 = d1 + 0.9 * 0.5 * a2          # 0.529
+    torch.testing.assert_close(advantages, torch.tensor([[0, a1, a2, 0, a4]]))
+    torch.testing.assert_close(returns, torch.tensor([[0, a1 + 0.2, a2 + 0.4, 0, a4 + 0.6]]))
+
+
+def test_the_value_loss_is_clipped_around_the_old_values():
+    from longhorizon.learner.critic import value_loss
+
+    mask = torch.ones(1, 2)
+    old, target = torch.tensor([[0.0, 0.0]]), torch.tensor([[1.0, -1.0]])
+    new = torch.tensor([[0.5, 0.1]])
+    # Token 1: unclipped (0.5-1)^2 = 0.25; clipped to 0.2: (0.2-1)^2 = 0.64 -> max 0.64.
+    # Token 2: unclipped (0.1+1)^2 = 1.21; clip leaves 0.1 -> 1.21. Loss 0.5 * mean = 0.4625.
+    assert float(value_loss(new, old, target, mask, value_clip=0.2)) == pytest.approx(0.5 * (0.64 + 1.21) / 2)
+    assert float(value_loss(new, old, target, mask, value_clip=0.0)) == pytest.approx(0.5 * (0.25 + 1.21) / 2)
+
+
+def test_ppo_trains_its_critic_and_checkpoints_it(tmp_path, tiny_codebook_model):
+    from longhorizon.common.models import load_causal_lm
+    from longhorizon.learner.checkpoint import load_checkpoint, save_checkpoint
+    from longhorizon.learner.curriculum import HorizonState
+    from longhorizon.learner.trainer import Trainer
+
+    config = LearnerConfig(algorithm="ppo", learning_rate=1e-2)
+    trainer = Trainer(load_causal_lm(tiny_codebook_model), config)
+    trajectories = [_trajectory(1.0, generated=4), _trajectory(0.0, generated=4)]
+    for trajectory in trajectories:
+        trajectory.turn_rewards = [trajectory.reward]
+    scored = score_groups([SimpleNamespace(trajectories=trajectories)], config)
+    assert scored.examples[0].token_rewards.tolist() == [0, 0, 0, 0, 0, 1.0]
+    head_before = trainer.value_model.head.weight.detach().clone()
+    metrics = trainer.step(scored.examples)
+    assert metrics["value_loss"] > 0
+    assert not torch.equal(trainer.value_model.head.weight, head_before)  # the critic learned
+
+    save_checkpoint(tmp_path, trainer=trainer, step=1, version=1, horizon=HorizonState(cap=3, stage=0, step=1),
+                    counters={})
+    resumed = Trainer(load_causal_lm(tiny_codebook_model), config)
+    load_checkpoint(tmp_path / "checkpoints" / "step_000001", trainer=resumed)
+    torch.testing.assert_close(resumed.value_model.head.weight, trainer.value_model.head.weight)
+    assert "value_model" not in " ".join(trainer.full_state_dict())  # the exported folder is the policy alone
