@@ -72,7 +72,7 @@ def test_tiny_model_learns_codebook_through_real_processes(tmp_path, tiny_codebo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["rloo", "reinforce_pp", "dr_grpo", "dapo", "gspo", "cispo"])
+@pytest.mark.parametrize("algorithm", ["rloo", "reinforce_pp", "dr_grpo", "dapo", "gspo", "cispo", "ppo"])
 def test_each_algorithm_learns_codebook_within_the_grpo_budget(tmp_path, tiny_codebook_model, algorithm):
     """The codebook config as it is (steps, groups, learning rate), only learner.algorithm changed."""
     _, records, trained = _train_and_evaluate(tmp_path, tiny_codebook_model, [f"learner.algorithm={algorithm!r}"])
