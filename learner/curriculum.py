@@ -1,9 +1,11 @@
 """Horizon schedules (ScalingInter-RL): the most turns an episode may take, as a function of step.
 
 Short horizons early let the policy learn the basic skills with stable gradients; longer ones later
-leave room for planning, backtracking and reflection. Schedules here are pure functions of the
-learner step. Adaptive schedules, which react to success rates or to how often episodes hit the
-cap, will need observations as well as the step and will sit beside these as another kind.
+leave room for planning, backtracking and reflection. `fixed` and `stepwise` are pure functions of
+the learner step. `adaptive` decides when to move to the next stage from the figures each step
+logs (success rate, share of episodes cut by the cap): its decision is a pure function of its
+state and those figures, and the state is checkpointed, so a resumed run continues the same stage
+with the same window.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ __all__ = [
     "REFERENCE_SCHEDULES",
     "HorizonSchedule",
     "HorizonState",
+    "AdaptiveRule",
+    "AdaptiveState",
+    "adaptive_step",
     "fixed_horizon",
     "make_horizon_schedule",
     "stepwise_horizon",
 ]
 
-HORIZON_SCHEDULE_KINDS = ("fixed", "stepwise")
+HORIZON_SCHEDULE_KINDS = ("fixed", "stepwise", "adaptive")
 
 # The reference's ScalingInter schedules: (horizon stages, learner steps per stage).
 REFERENCE_SCHEDULES: dict[str, tuple[tuple[int, ...], int]] = {
@@ -148,10 +153,107 @@ class HorizonSchedule:
         return self.stages[0] if self.kind == "fixed" else self.stages[-1]
 
 
+@dataclass(frozen=True)
+class AdaptiveRule:
+    """When the adaptive schedule moves on: after at least `min_stage_steps` steps in a stage,
+    when the success rate stopped rising (the mean of the last `window` steps is not above the
+    mean of the `window` before by more than `min_gain`) or when the share of episodes cut by the
+    cap, averaged over the last `window` steps, reaches `truncation_threshold` (the cap, not the
+    skill, is what holds the policy back); and always after `max_stage_steps`."""
+
+    window: int = 10
+    min_gain: float = 0.02
+    truncation_threshold: float = 0.5
+    min_stage_steps: int = 20
+    max_stage_steps: int = 200
+
+    def __post_init__(self) -> None:
+        if not (_is_int(self.window) and self.window >= 1):
+            raise ValueError(f"horizon.window must be a positive integer, got {self.window!r}")
+        if not (_is_int(self.min_stage_steps) and self.min_stage_steps >= 2 * self.window):
+            raise ValueError(
+                f"horizon.min_stage_steps ({self.min_stage_steps}) must be at least twice horizon.window "
+                f"({self.window}): the plateau test compares two windows of the stage"
+            )
+        if not (_is_int(self.max_stage_steps) and self.max_stage_steps >= self.min_stage_steps):
+            raise ValueError("horizon.max_stage_steps must be an integer >= horizon.min_stage_steps")
+        if not 0.0 < self.truncation_threshold <= 1.0:
+            raise ValueError(f"horizon.truncation_threshold must be in (0, 1], got {self.truncation_threshold}")
+
+
+@dataclass(frozen=True)
+class AdaptiveState:
+    """Where the adaptive schedule is: its stage, when the stage began, the figures seen in it
+    (the last 2 x window steps), and why it last moved."""
+
+    stage: int = 0
+    stage_start: int = 0
+    success: tuple[float, ...] = ()
+    truncated: tuple[float, ...] = ()
+    last_decision: str = ""
+
+
+def adaptive_step(
+    state: AdaptiveState, rule: AdaptiveRule, last_stage: int, step: int, success_rate: float, truncated_rate: float,
+) -> AdaptiveState:
+    """The schedule's state after learner step `step` logged these figures (a pure function).
+
+    `step` is the number of steps done, so the stage has lasted step - stage_start steps.
+    """
+    keep = 2 * rule.window
+    success = (state.success + (float(success_rate),))[-keep:]
+    truncated = (state.truncated + (float(truncated_rate),))[-keep:]
+    stayed = step - state.stage_start
+    reason = ""
+    if state.stage < last_stage and stayed >= rule.min_stage_steps:
+        recent, earlier = success[-rule.window:], success[-2 * rule.window:-rule.window]
+        recent_mean, earlier_mean = sum(recent) / len(recent), sum(earlier) / len(earlier)
+        cut = sum(truncated[-rule.window:]) / rule.window
+        if cut >= rule.truncation_threshold:
+            reason = f"{cut:.0%} of episodes cut by the cap over the last {rule.window} steps"
+        elif recent_mean - earlier_mean <= rule.min_gain:
+            reason = (f"success stopped rising: {recent_mean:.3f} over the last {rule.window} steps "
+                      f"against {earlier_mean:.3f} before")
+        elif stayed >= rule.max_stage_steps:
+            reason = f"the stage reached horizon.max_stage_steps ({rule.max_stage_steps})"
+    if reason:
+        return AdaptiveState(stage=state.stage + 1, stage_start=step, last_decision=f"step {step}: {reason}")
+    return AdaptiveState(state.stage, state.stage_start, success, truncated, state.last_decision)
+
+
+class AdaptiveSchedule:
+    """The adaptive schedule of a run: `observe` after each step, `current` for the cap in force."""
+
+    kind = "adaptive"
+
+    def __init__(self, stages: Sequence[int], rule: AdaptiveRule, state: AdaptiveState | None = None) -> None:
+        self.stages = _check_stages(stages)
+        self.rule = rule
+        self.state = state or AdaptiveState()
+
+    def current(self, step: int) -> HorizonState:
+        return HorizonState(cap=self.stages[self.state.stage], stage=self.state.stage, step=step)
+
+    # The cap in force does not depend on the step alone; `at` names it as the other schedules do.
+    at = current
+
+    def observe(self, step: int, success_rate: float, truncated_rate: float) -> HorizonState:
+        """Take the figures of step `step` (steps done so far) and return the horizon from now."""
+        self.state = adaptive_step(self.state, self.rule, len(self.stages) - 1, step, success_rate, truncated_rate)
+        return self.current(step)
+
+    @property
+    def final_cap(self) -> int:
+        return self.stages[-1]
+
+
 def make_horizon_schedule(
     kind: str, stages: Sequence[int], stage_steps: int | Sequence[int] | None = None
 ) -> HorizonSchedule:
-    """Build a schedule by config name: ``"fixed"`` (uses stages[0]) or ``"stepwise"``."""
+    """Build a step-driven schedule by config name: ``"fixed"`` (uses stages[0]) or ``"stepwise"``;
+    ``"adaptive"`` is built by :func:`make_schedule`, which takes the horizon config."""
+    if kind == "adaptive":
+        raise ValueError("the adaptive schedule needs its rule: build it with make_schedule(config.horizon)")
     if kind not in HORIZON_SCHEDULE_KINDS:
         raise ValueError(
             f"unknown horizon schedule {kind!r}; valid: {', '.join(HORIZON_SCHEDULE_KINDS)}"
@@ -167,3 +269,14 @@ def make_horizon_schedule(
         stages=checked_stages,
         stage_lengths=_stage_lengths(checked_stages, stage_steps),
     )
+
+
+def make_schedule(horizon, state: AdaptiveState | None = None):
+    """The schedule a `[horizon]` config table asks for."""
+    if horizon.schedule == "adaptive":
+        rule = AdaptiveRule(
+            window=horizon.window, min_gain=horizon.min_gain, truncation_threshold=horizon.truncation_threshold,
+            min_stage_steps=horizon.min_stage_steps, max_stage_steps=horizon.max_stage_steps,
+        )
+        return AdaptiveSchedule(horizon.stages, rule, state)
+    return make_horizon_schedule(horizon.schedule, horizon.stages, horizon.stage_steps)

@@ -86,13 +86,15 @@ def test_fixed_schedule_uses_the_first_stage():
 
 
 def test_schedule_construction_validates_early():
-    with pytest.raises(ValueError, match="fixed, stepwise"):
+    with pytest.raises(ValueError, match="fixed, stepwise, adaptive"):
+        make_horizon_schedule("sawtooth", [5, 10], 10)
+    with pytest.raises(ValueError, match="needs its rule"):
         make_horizon_schedule("adaptive", [5, 10], 10)
     with pytest.raises(ValueError, match="needs stage_steps"):
         make_horizon_schedule("stepwise", [5, 10])
     with pytest.raises(ValueError, match="strictly increasing"):
         make_horizon_schedule("stepwise", [10, 5], 10)
-    assert HORIZON_SCHEDULE_KINDS == ("fixed", "stepwise")
+    assert HORIZON_SCHEDULE_KINDS == ("fixed", "stepwise", "adaptive")
 
 
 def test_reference_schedules():
@@ -108,3 +110,67 @@ def test_reference_schedules():
     webarena = make_horizon_schedule("stepwise", *REFERENCE_SCHEDULES["webarena"])
     assert webarena.at(159).cap == 12
     assert webarena.at(160).cap == 15
+
+
+# -- adaptive --------------------------------------------------------------------------------------
+
+from longhorizon.learner.curriculum import AdaptiveRule, AdaptiveSchedule, AdaptiveState, adaptive_step  # noqa: E402
+
+RULE = AdaptiveRule(window=3, min_gain=0.02, truncation_threshold=0.5, min_stage_steps=6, max_stage_steps=20)
+
+
+def _run(curve, truncated=None, stages=(3, 6, 9), rule=RULE):
+    """Feed a success curve step by step; returns the stage after each step and the schedule."""
+    schedule = AdaptiveSchedule(stages, rule)
+    truncated = truncated or [0.0] * len(curve)
+    seen = []
+    for step, (success, cut) in enumerate(zip(curve, truncated), start=1):
+        seen.append(schedule.observe(step, success, cut).stage)
+    return seen, schedule
+
+
+def test_a_rising_success_rate_keeps_the_stage_until_it_levels_off():
+    # Rising by 0.05 a step for 10 steps, then flat at 0.5.
+    curve = [0.05 * i for i in range(1, 11)] + [0.5] * 4
+    stages, schedule = _run(curve)
+    # Steps 1..10: each window gains 0.15 on the one before. Flat from step 11: at step 13 the last
+    # window (0.5, 0.5, 0.5) gains 0.05 on (0.4, 0.45, 0.5) -> stays; at step 14 it gains 0.0167 ->
+    # moves on.
+    assert stages[:13] == [0] * 13
+    assert stages[13] == 1
+    assert schedule.state.last_decision.startswith("step 14: success stopped rising")
+
+
+def test_a_flat_curve_moves_on_after_the_minimum_stay():
+    stages, _ = _run([0.3] * 7)
+    assert stages == [0, 0, 0, 0, 0, 1, 1]  # the stage began at step 0; at step 6 it has lasted 6
+
+
+def test_too_many_truncated_episodes_move_on_even_while_success_rises():
+    curve = [0.1 * i for i in range(1, 8)]
+    cut = [0.0, 0.0, 0.0, 0.6, 0.6, 0.6, 0.6]
+    stages, schedule = _run(curve, cut)
+    assert stages[5] == 1 and stages[4] == 0
+    assert "60% of episodes cut by the cap" in schedule.state.last_decision
+
+
+def test_the_maximum_stay_ends_a_stage_and_the_last_stage_never_ends():
+    rising = [min(1.0, 0.04 * i) for i in range(1, 60)]  # gains more than 0.02 per window until 1.0
+    stages, _ = _run(rising, rule=AdaptiveRule(window=3, min_gain=0.0, min_stage_steps=6, max_stage_steps=10))
+    assert stages[9] == 1  # step 10: the maximum stay
+    assert max(stages) == 2 and stages[-1] == 2
+
+
+def test_the_decision_is_a_pure_function_of_state_and_figures():
+    state = AdaptiveState(stage=0, stage_start=0, success=(0.2, 0.2, 0.2, 0.2, 0.2), truncated=(0.0,) * 5)
+    first = adaptive_step(state, RULE, 2, 6, 0.2, 0.0)
+    second = adaptive_step(state, RULE, 2, 6, 0.2, 0.0)
+    assert first == second and first.stage == 1 and first.stage_start == 6 and first.success == ()
+    assert state.stage == 0  # the input is not changed
+
+
+def test_adaptive_rules_are_checked():
+    with pytest.raises(ValueError, match="at least twice horizon.window"):
+        AdaptiveRule(window=5, min_stage_steps=8)
+    with pytest.raises(ValueError, match="max_stage_steps"):
+        AdaptiveRule(window=2, min_stage_steps=10, max_stage_steps=5)

@@ -198,3 +198,27 @@ def test_sigterm_to_the_launcher_checkpoints_the_last_step_and_stops_every_proce
     assert (run_dir / "checkpoints" / f"step_{last_step:06d}" / "state.pt").is_file()
     for pid in pids.values():
         assert not _alive(pid), f"process {pid} left behind"
+
+
+def test_the_adaptive_horizon_moves_through_its_stages_and_resumes_in_the_same_stage(tmp_path, byte_model):
+    """min_gain = 1 makes every stage end as soon as it may (min_stage_steps = 4): the decision
+    rule itself is tested in test_curriculum.py; here the moves must reach the actors' records,
+    the metrics and a resumed run (stage and window restored from the checkpoint)."""
+    adaptive = ["horizon.schedule='adaptive'", "horizon.stages=[1, 2, 3]", "horizon.window=2",
+                "horizon.min_stage_steps=4", "horizon.min_gain=1.0", "learner.checkpoint_every=3"]
+    expected_caps = [1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3]
+
+    first = _start(_overrides(tmp_path, byte_model, "adaptive", 6, adaptive))
+    output, _ = first.communicate(timeout=180)
+    assert first.returncode == 0, output
+    second = _start(_overrides(tmp_path, byte_model, "adaptive", 12, [*adaptive, "run.resume=true"]))
+    output, _ = second.communicate(timeout=180)
+    assert second.returncode == 0, output
+
+    records = read_metrics(tmp_path / "adaptive")
+    assert [r["horizon_cap"] for r in records] == expected_caps
+    decisions = {r["step"]: r["horizon_decision"] for r in records if "horizon_decision" in r}
+    assert sorted(decisions) == [4, 8]
+    assert decisions[8].startswith("step 8: ")  # the stay counted from step 4, across the resume
+    # The actors played under each cap: 3-turn episodes are all cut at cap 1, none at cap 3.
+    assert records[0]["truncated_rate"] == 1.0 and records[-1]["truncated_rate"] == 0.0
