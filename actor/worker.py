@@ -10,6 +10,7 @@ for the next version (the synchronous baseline).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import socket
@@ -21,7 +22,10 @@ import trio
 from longhorizon.actor.engines.base import Engine, EngineSettings, make_engine
 from longhorizon.actor.rollout import EnvPool, run_group
 from longhorizon.common.config import Config
-from longhorizon.common.wire import ActorStats, Heartbeat, Hello, HorizonUpdate, Stop, Trajectory, WeightsUpdate
+from longhorizon.common.collective import CollectiveError
+from longhorizon.common.wire import (
+    ActorStats, CollectiveWeights, Heartbeat, Hello, HorizonUpdate, Stop, Trajectory, WeightsUpdate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,7 @@ def engine_settings(config: Config, model_path: str, actor_index: int = 0) -> En
         seed=config.run.seed * 1000 + actor_index,  # actors must not sample identical streams
         torch_threads=actor.torch_threads,
         engine_options=dict(actor.engine_options),
+        lora=dict(config.learner.lora),
     )
 
 
@@ -96,9 +101,13 @@ class Actor:
             )
         )
         stop_reason = ""
+        # Collective weights are announced on the control socket and received by one task in
+        # turn, so the control loop stays free for Stop while the bytes arrive.
+        announced_weights, announcements = trio.open_memory_channel(math.inf)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._receive_broadcasts)
+                nursery.start_soon(self._receive_collective_weights, announcements)
                 nursery.start_soon(self._heartbeats)
                 if self.config.run.mode == "sync":
                     nursery.start_soon(self._sync_loop)
@@ -113,6 +122,8 @@ class Actor:
                         log.info("%s: stop requested (%s)", self.actor_id, message.reason)
                         nursery.cancel_scope.cancel()
                         break
+                    if isinstance(message, CollectiveWeights):
+                        announced_weights.send_nowait(message)
         finally:
             await self.env_pool.close()  # also when cancelled from outside (a signal)
         return stop_reason
@@ -124,24 +135,37 @@ class Actor:
                 self.horizon = message
                 self._notify()
             elif isinstance(message, WeightsUpdate):
-                # The learner re-sends its latest version to latecomers: equal means held. A lower
-                # version means the learner restarted from an older checkpoint; its weights are
-                # the policy now, so the actor follows it back rather than wait for ever.
-                held = self.engine.policy_version
-                if message.version != held:
-                    if message.version < held:
-                        log.warning(
-                            "%s: the learner went back from v%d to v%d (resumed from a checkpoint)",
-                            self.actor_id, held, message.version,
-                        )
-                        self.last_sync_version = -1
-                    started = time.perf_counter()
-                    await trio.to_thread.run_sync(self.engine.update_weights, message)
-                    log.info(
-                        "%s: loaded weights v%d in %.2fs", self.actor_id, message.version,
-                        time.perf_counter() - started,
-                    )
-                    self._notify()
+                # The learner re-sends its latest version to latecomers: equal means held.
+                if message.version != self.engine.policy_version:
+                    await self._load_weights(message)
+
+    async def _receive_collective_weights(self, announcements: trio.MemoryReceiveChannel) -> None:
+        """Take collective updates in the order announced. Each is loaded even when its version
+        is the one held: the learner is already sending its bytes, and waits for them to be taken.
+        A failed transfer is logged; the learner sends the weights again on a new group once this
+        actor's heartbeat shows it lacks them."""
+        async for message in announcements:
+            try:
+                await self._load_weights(message)
+            except CollectiveError as error:
+                log.error("%s: weights v%d over the collective failed: %s", self.actor_id, message.version, error)
+
+    async def _load_weights(self, message: WeightsUpdate | CollectiveWeights) -> None:
+        """Load a version into the engine. The engine swaps weights between turns, so no turn
+        mixes two versions."""
+        held = self.engine.policy_version
+        if message.version < held:
+            # The learner restarted from an older checkpoint; its weights are the policy now, so
+            # the actor follows it back rather than wait for ever.
+            log.warning(
+                "%s: the learner went back from v%d to v%d (resumed from a checkpoint)",
+                self.actor_id, held, message.version,
+            )
+            self.last_sync_version = -1
+        started = time.perf_counter()
+        await trio.to_thread.run_sync(self.engine.update_weights, message)
+        log.info("%s: loaded weights v%d in %.2fs", self.actor_id, message.version, time.perf_counter() - started)
+        self._notify()
 
     async def _heartbeats(self) -> None:
         last_stats = time.monotonic()

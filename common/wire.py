@@ -175,6 +175,43 @@ class WeightsUpdate:
     dtype_note: str = ""
 
 
+@dataclass(kw_only=True, eq=False)
+class CollectiveWeights:
+    """New policy weights whose bytes follow over a torch.distributed group (the `collective`
+    transport). Sent to one actor on its control socket; right after, the learner broadcasts the
+    buckets, in order, over that actor's pair group (learner rank 0, actor rank 1)."""
+
+    TYPE_TAG: ClassVar[str] = "collective_weights"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    # The policy version these weights are; actors tag generated tokens with it.
+    version: int
+    # Where the learner's rendezvous store (a torch TCPStore) listens, to form the group.
+    store_host: str
+    store_port: int
+    # The group's key prefix in the store, new for every group the learner forms: a name the
+    # actor does not hold a group for means "form this one" (the old group broke, or the learner
+    # restarted).
+    group_name: str
+    # gloo (buffers in CPU memory) or nccl (buffers on the GPU).
+    backend: str
+    # Every wait of the receiver (forming the group, each bucket) gives up after this long.
+    timeout_s: float
+    # The tensors: name, torch dtype name ("bfloat16", ...), shape (the number of dimensions per
+    # tensor, then all dimensions in one flat list), and where the bytes sit: bucket, byte offset.
+    tensor_names: list[str]
+    tensor_dtypes: list[str]
+    tensor_ndims: list[int]
+    tensor_dims: list[int]
+    tensor_buckets: list[int]
+    tensor_offsets: list[int]
+    # Size in bytes of each bucket, in the order they are broadcast.
+    bucket_sizes: list[int]
+    # CRC32 of each bucket, checked on arrival (a transfer that is not bit-identical is refused);
+    # empty when the buckets live on a GPU, where computing it would cost a copy to the host.
+    bucket_crc32: list[int]
+
+
 @dataclass
 class HorizonUpdate:
     """The horizon cap (most turns an episode may take) the actors must apply from now on."""
@@ -252,11 +289,17 @@ class ActorStats:
     errors: int
 
 
-Message = Trajectory | WeightsUpdate | HorizonUpdate | Hello | Heartbeat | Stop | ActorStats
+Message = Trajectory | WeightsUpdate | CollectiveWeights | HorizonUpdate | Hello | Heartbeat | Stop | ActorStats
 
 MESSAGE_TYPES: tuple[type, ...] = (
-    Trajectory, WeightsUpdate, HorizonUpdate, Hello, Heartbeat, Stop, ActorStats,
+    Trajectory, WeightsUpdate, CollectiveWeights, HorizonUpdate, Hello, Heartbeat, Stop, ActorStats,
 )
+
+TENSOR_DTYPE_BYTES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}
+"""Tensor dtypes a collective weights update may announce (torch's names), with their sizes."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,6 +312,8 @@ _KIND_BY_ANNOTATION: dict[Any, str] = {
     float: "float",
     bool: "bool",
     list[float]: "float_list",
+    list[int]: "int_list",
+    list[str]: "str_list",
     np.ndarray: "array",
     dict[str, np.ndarray] | None: "tensors",
     str | None: "optional_str",
@@ -406,6 +451,46 @@ def _check_weights_update(values: dict[str, Any], limits: WireLimits | None) -> 
         _fail("WeightsUpdate.tensors has an empty tensor name")
 
 
+def _check_collective_weights(values: dict[str, Any], limits: WireLimits | None) -> None:
+    """The announced layout must describe buckets the receiver can fill and cut without reading
+    past their ends, so a receiver can trust it."""
+    owner = "CollectiveWeights"
+    _require_at_least(values, owner, 0, "version")
+    _require_nonempty(values, owner, "store_host", "group_name")
+    if not 1 <= values["store_port"] <= 65535:
+        _fail(f"{owner}.store_port {values['store_port']} is not a TCP port")
+    if values["backend"] not in ("gloo", "nccl"):
+        _fail(f"{owner}.backend must be gloo or nccl, got {_short(values['backend'])}")
+    if not values["timeout_s"] > 0:
+        _fail(f"{owner}.timeout_s must be positive")
+    names = values["tensor_names"]
+    per_tensor = ("tensor_dtypes", "tensor_ndims", "tensor_buckets", "tensor_offsets")
+    lengths = {name: len(values[name]) for name in ("tensor_names", *per_tensor)}
+    if len(set(lengths.values())) != 1:
+        _fail(f"{owner} per-tensor lists differ in length: {lengths}")
+    if "" in names or len(set(names)) != len(names):
+        _fail(f"{owner}.tensor_names must be distinct and not empty")
+    ndims, dims, sizes = values["tensor_ndims"], values["tensor_dims"], values["bucket_sizes"]
+    if any(n < 0 for n in ndims) or sum(ndims) != len(dims) or any(d < 0 for d in dims):
+        _fail(f"{owner}: tensor_ndims and tensor_dims do not describe shapes")
+    if any(size < 0 for size in sizes):
+        _fail(f"{owner}.bucket_sizes must not be negative")
+    crc = values["bucket_crc32"]
+    if crc and (len(crc) != len(sizes) or any(not 0 <= c < 1 << 32 for c in crc)):
+        _fail(f"{owner}.bucket_crc32 must be empty or one 32-bit value per bucket")
+    start = 0
+    places = zip(names, values["tensor_dtypes"], ndims, values["tensor_buckets"], values["tensor_offsets"])
+    for name, dtype, ndim, bucket, offset in places:
+        itemsize = TENSOR_DTYPE_BYTES.get(dtype)
+        if itemsize is None:
+            _fail(f"{owner}: tensor {_short(name)} has dtype {_short(dtype)}, not one of {', '.join(TENSOR_DTYPE_BYTES)}")
+        nbytes = math.prod(dims[start:start + ndim]) * itemsize
+        start += ndim
+        # Aligned to the item size, so the receiver can view the bytes as the dtype in place.
+        if not 0 <= bucket < len(sizes) or offset < 0 or offset % itemsize or offset + nbytes > sizes[bucket]:
+            _fail(f"{owner}: tensor {_short(name)} does not fit in bucket {bucket} at offset {offset}")
+
+
 def _check_horizon_update(values: dict[str, Any], limits: WireLimits | None) -> None:
     _require_at_least(values, "HorizonUpdate", 1, "horizon_cap")
     _require_at_least(values, "HorizonUpdate", 0, "stage", "learner_step")
@@ -433,6 +518,7 @@ def _check_actor_stats(values: dict[str, Any], limits: WireLimits | None) -> Non
 _CHECKS: dict[type, Callable[[dict[str, Any], WireLimits | None], None]] = {
     Trajectory: _check_trajectory,
     WeightsUpdate: _check_weights_update,
+    CollectiveWeights: _check_collective_weights,
     HorizonUpdate: _check_horizon_update,
     Hello: _check_hello,
     Heartbeat: _check_heartbeat,
@@ -536,6 +622,21 @@ def _normalise_float_list(spec: _FieldSpec, value: Any) -> list[float]:
     return [_normalise_float(f"{spec.where}[{index}]", item) for index, item in enumerate(value)]
 
 
+def _normalise_int_list(spec: _FieldSpec, value: Any) -> list[int]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        _fail(f"{spec.where} must be a list of ints, got {type(value).__name__}")
+    return [_normalise_int(f"{spec.where}[{index}]", item) for index, item in enumerate(value)]
+
+
+def _normalise_str_list(spec: _FieldSpec, value: Any) -> list[str]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        _fail(f"{spec.where} must be a list of str, got {type(value).__name__}")
+    for index, item in enumerate(value):
+        if not isinstance(item, str):
+            _fail(f"{spec.where}[{index}] must be a str, got {type(item).__name__}")
+    return list(value)
+
+
 def _normalise_array(spec: _FieldSpec, value: Any) -> np.ndarray:
     return _wire_array(spec.where, value, spec.dtype)
 
@@ -561,6 +662,8 @@ _NORMALISERS: dict[str, Callable[[_FieldSpec, Any], Any]] = {
     "float": _normalise_float_field,
     "bool": _normalise_bool,
     "float_list": _normalise_float_list,
+    "int_list": _normalise_int_list,
+    "str_list": _normalise_str_list,
     "array": _normalise_array,
     "tensors": _normalise_tensors,
 }
@@ -827,6 +930,23 @@ def _decode_float_list(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits:
     return [_decode_float(f"{spec.where}[{index}]", item) for index, item in enumerate(raw)]
 
 
+def _decode_list(spec: _FieldSpec, raw: Any, limits: WireLimits) -> list:
+    if not isinstance(raw, list):
+        _fail(f"{spec.where} must be a list, got {type(raw).__name__}")
+    if len(raw) > limits.max_list_items:
+        _fail(f"{spec.where} has {len(raw)} items, more than the limit {limits.max_list_items}")
+    return raw
+
+
+def _decode_int_list(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits) -> list[int]:
+    return [_decode_int(f"{spec.where}[{index}]", item) for index, item in enumerate(_decode_list(spec, raw, limits))]
+
+
+def _decode_str_list(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits) -> list[str]:
+    items = _decode_list(spec, raw, limits)
+    return [_decode_str(f"{spec.where}[{index}]", item, limits.max_string_chars) for index, item in enumerate(items)]
+
+
 def _decode_array_field(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits) -> np.ndarray:
     return _decode_array(spec.where, raw, spec.dtype, cursor, limits)
 
@@ -856,6 +976,8 @@ _DECODERS: dict[str, Callable[[_FieldSpec, Any, _FrameCursor, WireLimits], Any]]
     "float": _decode_float_field,
     "bool": _decode_bool,
     "float_list": _decode_float_list,
+    "int_list": _decode_int_list,
+    "str_list": _decode_str_list,
     "array": _decode_array_field,
     "tensors": _decode_tensors,
 }

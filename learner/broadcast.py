@@ -2,8 +2,9 @@
 
 `inline` sends every tensor as its own zero-copy frame over the broadcast socket and works
 across hosts; `path` writes a safetensors folder that actors read from a shared filesystem and
-sends only its location. The horizon update goes first, so an actor that sees a new version
-already knows the cap that comes with it.
+sends only its location; `collective` streams byte buckets over a torch.distributed group per
+actor (learner/weight_sync.py), announced on each actor's control socket. The horizon update goes
+first, so an actor that sees a new version already knows the cap that comes with it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from longhorizon.learner.curriculum import HorizonState
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_TRANSPORTS = ("inline", "path")
+WEIGHTS_TRANSPORTS = ("inline", "path", "collective")
 
 
 def unique_state_dict(model) -> dict[str, torch.Tensor]:
@@ -35,8 +36,13 @@ def unique_state_dict(model) -> dict[str, torch.Tensor]:
     return state
 
 
+def _tensors(model) -> dict[str, torch.Tensor]:
+    return dict(model) if isinstance(model, dict) else unique_state_dict(model)
+
+
 def make_weights_update(model, version: int, transport: str, weights_dir: Path | None = None) -> WeightsUpdate:
-    """The weights of `version`, as a message that owns its bytes.
+    """The weights of `version`, as a message that owns its bytes. `model` is a model, or its
+    tensors as `unique_state_dict` names them (a sharded learner gathers them first).
 
     `inline` copies every tensor: ZeroMQ sends large frames without copying, from a thread of its
     own and possibly long after `send` returned, and the same message is re-sent to actors that
@@ -45,7 +51,7 @@ def make_weights_update(model, version: int, transport: str, weights_dir: Path |
     """
     if transport == "inline":
         tensors = {}
-        for name, tensor in unique_state_dict(model).items():
+        for name, tensor in _tensors(model).items():
             # numpy has no bfloat16: sent as float32, the engine casts back on load.
             dtype = torch.float32 if tensor.dtype == torch.bfloat16 else tensor.dtype
             owned = tensor.to(device="cpu", dtype=dtype, memory_format=torch.contiguous_format, copy=True)
@@ -59,12 +65,14 @@ def make_weights_update(model, version: int, transport: str, weights_dir: Path |
         folder = weights_dir / f"v{version:06d}"
         partial = folder.with_name(folder.name + ".partial")
         partial.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.to("cpu").contiguous() for k, v in unique_state_dict(model).items()}, partial / "model.safetensors")
+        save_file({k: v.to("cpu").contiguous() for k, v in _tensors(model).items()}, partial / "model.safetensors")
         if folder.exists():
             shutil.rmtree(folder)
         partial.rename(folder)
         _prune(weights_dir, keep=3)
         return WeightsUpdate(version=version, path=str(folder.resolve()))
+    if transport == "collective":
+        raise ValueError("the collective transport sends no WeightsUpdate: use learner.weight_sync.CollectiveSender")
     raise ValueError(f"unknown weights_transport {transport!r}; valid: {', '.join(WEIGHTS_TRANSPORTS)}")
 
 

@@ -7,6 +7,7 @@ trio, and the update itself runs in a worker thread, so sockets keep draining wh
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -23,8 +24,9 @@ from longhorizon.common.wire import ActorStats, Heartbeat, Hello, Stop
 from longhorizon.learner.broadcast import broadcast, horizon_update, make_weights_update
 from longhorizon.learner.buffer import GroupBuffer, staleness
 from longhorizon.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from longhorizon.learner.curriculum import make_horizon_schedule
-from longhorizon.learner.trainer import Trainer, score_groups
+from longhorizon.learner.curriculum import AdaptiveState, make_schedule
+from longhorizon.learner.distributed import Ranks
+from longhorizon.learner.trainer import Trainer, group_carries_signal, score_groups
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,9 @@ _HORIZON_REPEAT_S = 2.0
 _WAITING_REPORT_S = 30.0
 # A Stop that an actor cannot take within this long (a hung peer with a full queue) is given up.
 _STOP_SEND_TIMEOUT_S = 2.0
+# While rank 0 waits for groups, the other ranks wait for its next command inside a collective
+# that times out after `learner.rank_timeout_s`: rank 0 sends an empty command this often.
+_RANK_KEEPALIVE_S = 30.0
 
 
 def check_sampling_for_training(config: Config) -> None:
@@ -65,19 +70,28 @@ def build_buffer(config: Config, *, vocab_size: int | None) -> GroupBuffer:
     )
 
 
-def build_trainer(config: Config, model, *, pad_token_id: int, reference_model=None) -> Trainer:
+def build_trainer(
+    config: Config, model, *, pad_token_id: int, reference_model=None, ranks: Ranks | None = None,
+) -> Trainer:
     """The update step of a run, the same in both modes (sync mode is decoupled PPO at staleness 0)."""
     return Trainer(
         model, config.learner, temperature=config.actor.sampling.temperature,
-        pad_token_id=pad_token_id, reference_model=reference_model,
+        pad_token_id=pad_token_id, reference_model=reference_model, ranks=ranks,
     )
 
 
 class Learner:
-    def __init__(self, config: Config, endpoints, run_dir: Path, model_path: str) -> None:
+    """One learner rank. Rank 0 (the only one with one rank) owns the sockets, the buffer, the
+    metrics and the training loop; the other ranks hold shards of the model and optimiser and run
+    `follow_main_rank`."""
+
+    def __init__(
+        self, config: Config, endpoints, run_dir: Path, model_path: str, ranks: Ranks | None = None,
+    ) -> None:
         import torch
 
         from longhorizon.common.models import load_causal_lm, load_tokenizer, resolve_device
+        from longhorizon.learner.distributed import init_process_group, rank_device
 
         check_sampling_for_training(config)
         torch.set_num_threads(max(1, config.learner.torch_threads))
@@ -86,7 +100,9 @@ class Learner:
         self.endpoints = endpoints
         self.run_dir = Path(run_dir)
         self.model_path = Path(model_path)
-        self.device = resolve_device(config.learner.device)
+        self.ranks = ranks or Ranks.single()
+        self.device = rank_device(resolve_device(config.learner.device), self.ranks)
+        init_process_group(self.ranks, self.device, config.learner.rank_timeout_s)
         self.model = load_causal_lm(model_path, config.model.dtype).to(self.device).eval()
         tokenizer = load_tokenizer(model_path)
         pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -94,16 +110,18 @@ class Learner:
         if config.learner.kl_coef > 0:
             reference = load_causal_lm(model_path, config.model.dtype).to(self.device).eval()
             reference.requires_grad_(False)
-        self.trainer = build_trainer(config, self.model, pad_token_id=pad_token_id, reference_model=reference)
+        self.trainer = build_trainer(
+            config, self.model, pad_token_id=pad_token_id, reference_model=reference, ranks=self.ranks,
+        )
         log.info(
-            "learner on %s, %s, gradient checkpointing %s, log-prob chunks of %s tokens",
-            self.device, config.learner.precision, "on" if config.learner.gradient_checkpointing else "off",
-            self.trainer.chunk_tokens or "all",
+            "learner rank %d of %d on %s, %s, gradient checkpointing %s, log-prob chunks of %s tokens",
+            self.ranks.rank, self.ranks.world_size, self.device, config.learner.precision,
+            "on" if config.learner.gradient_checkpointing else "off", self.trainer.chunk_tokens or "all",
         )
         self.sync = config.run.mode == "sync"
         self.buffer = build_buffer(config, vocab_size=self.model.get_input_embeddings().num_embeddings)
         horizon = config.horizon
-        self.schedule = make_horizon_schedule(horizon.schedule, horizon.stages, horizon.stage_steps)
+        self.schedule = make_schedule(horizon)
         self.step = 0
         self.version = 0
         self.counters: Counter = Counter()
@@ -112,18 +130,20 @@ class Learner:
         if config.run.resume:
             checkpoint = latest_checkpoint(self.run_dir)
             if checkpoint is not None:
-                restored = load_checkpoint(checkpoint, model=self.model, optimizer=self.trainer.optimizer)
+                restored = load_checkpoint(checkpoint, trainer=self.trainer)
                 self.step, self.version = restored["step"], restored["version"]
                 self._restore_counters(restored["counters"])
             # Steps after the checkpoint are trained again: their old records would repeat.
-            dropped = truncate_metrics(self.run_dir, last_step=self.step)
+            dropped = truncate_metrics(self.run_dir, last_step=self.step) if self.ranks.is_main else 0
             log.info(
                 "resumed from %s at step %d (version %d); %d later metrics records removed",
                 checkpoint or "the start (no checkpoint yet)", self.step, self.version, dropped,
             )
         self.last_checkpoint_step = self.step
         self.horizon = self.schedule.at(self.step)
-        self.metrics = MetricsWriter(self.run_dir)
+        self.metrics = MetricsWriter(self.run_dir) if self.ranks.is_main else None
+        self.weights_bytes = 0
+        self.last_rank_command = time.monotonic()
         self.peers: dict[str, dict] = {}
         self.episodes_reported: dict[tuple, int] = {}
         self.latest_weights = None
@@ -134,6 +154,7 @@ class Learner:
         self.received_since_step = 0
         self.generated_tokens_since_step = 0
         self.started = time.monotonic()
+        self.weight_sync = None  # the collective transport's sender, started on first use
 
     def _restore_counters(self, saved: dict) -> None:
         if isinstance(saved.get("learner"), dict):
@@ -142,6 +163,11 @@ class Learner:
                 if name in self.buffer.counters:
                     self.buffer.counters[name] = int(value)
             self.elapsed_before = float(saved.get("elapsed_s", 0.0))
+            if saved.get("horizon_schedule") and self.schedule.kind == "adaptive":
+                # The same stage, with the same window of figures, as when the checkpoint was taken.
+                state = dict(saved["horizon_schedule"])
+                state["success"], state["truncated"] = tuple(state["success"]), tuple(state["truncated"])
+                self.schedule.state = AdaptiveState(**state)
         else:  # checkpoints written before the buffer's counters were saved
             self.counters.update(saved)
 
@@ -150,7 +176,11 @@ class Learner:
         # Socket-level rejections restart from zero in a new process: carried as offsets.
         learner["rejected_messages"] = self._rejected("trajectories")
         learner["control_rejected_messages"] = self._rejected("control")
-        return {"learner": learner, "buffer": dict(self.buffer.counters), "elapsed_s": self._elapsed()}
+        learner["auth_refused"] = int(self.counters.get("auth_refused", 0)) + int(getattr(self.endpoints, "auth_refused", 0))
+        saved = {"learner": learner, "buffer": dict(self.buffer.counters), "elapsed_s": self._elapsed()}
+        if self.schedule.kind == "adaptive":
+            saved["horizon_schedule"] = dataclasses.asdict(self.schedule.state)
+        return saved
 
     def _rejected(self, channel: str) -> int:
         key = "rejected_messages" if channel == "trajectories" else "control_rejected_messages"
@@ -185,6 +215,9 @@ class Learner:
                 info["version"] = message.policy_version
                 info["incarnation"] = (message.hostname, message.pid)
                 info.pop("lost", None)
+                if self.config.learner.weights_transport == "collective":
+                    # A new process: a new group (the old one, if any, died with its process).
+                    self._collective_sender().join(peer, message.policy_version)
                 # A new or restarted actor needs the current horizon at once, and the weights if
                 # it does not hold them; whole weights go out at most once per interval however
                 # many actors join (each re-send reaches every subscriber).
@@ -217,6 +250,9 @@ class Learner:
         return live
 
     async def _republish_weights_if_behind(self, actor_version: int) -> None:
+        if self.config.learner.weights_transport == "collective":
+            self._keep_actors_current()  # per actor, with its own bounds: nothing goes to all
+            return
         if self.latest_weights is None or actor_version == self.latest_weights.version:
             return
         if time.monotonic() - self.last_weights_broadcast <= _REPUBLISH_AFTER_S:
@@ -230,20 +266,79 @@ class Learner:
     async def _rebuild_weights(self) -> None:
         """The weights message of the current version. Called by the training loop only, between
         updates: the copy must never overlap an optimiser step changing the parameters."""
+        if self.config.learner.weights_transport == "collective":
+            # Copied into owned buckets: the actors' transfers read those, never the parameters.
+            sender = self._collective_sender()
+            self.latest_weights = await trio.to_thread.run_sync(
+                lambda: sender.snapshot(self._weights_state_dict(), self.version)
+            )
+            self.weights_bytes = sum(bucket.numel() * bucket.element_size() for bucket in self.latest_weights.buckets)
+            return
         self.latest_weights = await trio.to_thread.run_sync(
-            make_weights_update, self.model, self.version, self.config.learner.weights_transport,
-            self.run_dir / "weights",
+            lambda: make_weights_update(
+                self._weights_state_dict(), self.version, self.config.learner.weights_transport,
+                self.run_dir / "weights",
+            )
         )
+        self.weights_bytes = weights_payload_bytes(self.latest_weights)
 
     async def _publish(self, *, weights: bool = True) -> None:
         # One broadcast at a time: a re-send for a latecomer must not interleave its horizon and
         # weights with the training loop's newer ones.
         async with self._publish_lock:
-            if weights and self.latest_weights is not None:
+            if self.weight_sync is not None and self.latest_weights is not None:
+                # Collective: the horizon on the broadcast socket, then a transfer to each actor
+                # that lacks this version, in the background (training goes on meanwhile). The
+                # starting version too: actors that hold it are sent nothing.
+                await broadcast(self.endpoints.broadcast, self.horizon, None)
+                if weights:
+                    self.last_weights_broadcast = time.monotonic()
+                self.weight_sync.publish(self.latest_weights)
+                self._keep_actors_current()
+            elif weights and self.latest_weights is not None:
                 self.last_weights_broadcast = time.monotonic()
                 await broadcast(self.endpoints.broadcast, self.horizon, self.latest_weights)
             else:
                 await broadcast(self.endpoints.broadcast, self.horizon, None)
+
+    def _collective_sender(self):
+        """The `collective` transport's sender, started on first use from the trio loop: its
+        threads announce each transfer on the actor's control socket through this loop."""
+        if self.weight_sync is None:
+            from longhorizon.learner.weight_sync import CollectiveSender, resolve_backend
+
+            learner = self.config.learner
+            trio_token = trio.lowlevel.current_trio_token()
+
+            def announce(peer: str, message) -> None:
+                trio.from_thread.run(self._send_announcement, peer, message, trio_token=trio_token)
+
+            self.weight_sync = CollectiveSender(
+                host=self.config.transport.host, backend=resolve_backend(learner.weights_backend, self.device),
+                timeout_s=learner.weights_timeout_s, bucket_bytes=learner.weights_bucket_mb << 20,
+                announce=announce, device=self.device,
+            )
+            log.info(
+                "collective weights: store at %s:%d, backend %s, buckets of %d MiB, timeout %.0f s",
+                self.weight_sync.server.host, self.weight_sync.server.port, self.weight_sync.backend,
+                learner.weights_bucket_mb, learner.weights_timeout_s,
+            )
+        return self.weight_sync
+
+    async def _send_announcement(self, peer: str, message) -> None:
+        """Send a collective update's announcement to one actor, bounded like every wait of the
+        transport (a hung peer with a full queue must not hold its delivery thread for ever)."""
+        with trio.fail_after(self.config.learner.weights_timeout_s):
+            await self.endpoints.control.send(peer, message)
+
+    def _keep_actors_current(self) -> None:
+        """Collective: every live actor that lacks the latest version gets it over its own group
+        (the sender skips actors that failed and have not been heard from since)."""
+        if self.weight_sync is None:
+            return
+        for peer in self.live_peers():
+            info = self.peers[peer]
+            self.weight_sync.keep_current(peer, info.get("version"), info.get("last_seen", 0.0))
 
     async def _repeat_horizon(self) -> None:
         """Publish the horizon every few seconds: a subscriber that joined after the last
@@ -269,9 +364,14 @@ class Learner:
                     ", ".join(sorted(self.live_peers())) or "none",
                 )
             give_up = self.sync and self._sync_batch_is_over(len(groups), wanted, waiting_since)
-            groups += self.buffer.pop_ready(
-                wanted - len(groups), learner_version=self.version, give_up_waiting=give_up,
-            )
+            ready = self.buffer.pop_ready(wanted - len(groups), learner_version=self.version, give_up_waiting=give_up)
+            if self.trainer.algorithm.resamples_flat_groups:
+                # Dynamic sampling (dapo): a group without signal is set aside and another
+                # awaited in its place, so every step trains on a full batch of signal.
+                kept = [group for group in ready if group_carries_signal(self.config.learner, group)]
+                self.counters["groups_resampled"] += len(ready) - len(kept)
+                ready = kept
+            groups += ready
             if len(groups) >= wanted or give_up:
                 if give_up and len(groups) < wanted:
                     self.counters["short_sync_batches"] += 1
@@ -284,7 +384,25 @@ class Learner:
             self.arrived = trio.Event()
             with trio.move_on_after(0.5):  # wake up now and then for group timeouts
                 await self.arrived.wait()
+            await self._keep_ranks_waiting()
         return groups
+
+    def _advance_horizon(self, groups) -> str:
+        """The horizon after this step; for the adaptive schedule, from this step's figures.
+        Returns the reason when the stage changed (logged and recorded), else ""."""
+        if self.schedule.kind != "adaptive":
+            self.horizon = self.schedule.at(self.step)
+            return ""
+        trajectories = [t for g in groups for t in g.trajectories]
+        success = float(np.mean([t.success for t in trajectories])) if trajectories else 0.0
+        truncated = float(np.mean([t.truncated for t in trajectories])) if trajectories else 0.0
+        stage_before = self.horizon.stage
+        self.horizon = self.schedule.observe(self.step, success, truncated)
+        if self.horizon.stage == stage_before:
+            return ""
+        decision = self.schedule.state.last_decision
+        log.info("horizon stage %d -> %d (cap %d): %s", stage_before, self.horizon.stage, self.horizon.cap, decision)
+        return decision
 
     def _sync_batch_is_over(self, ready: int, wanted: int, batch_started: float) -> bool:
         """Sync mode: the actors generate exactly one batch per version, so a group lost on the way
@@ -320,6 +438,7 @@ class Learner:
             "groups_used": scored.groups_used,
             "groups_skipped_zero_variance": scored.groups_skipped_zero_variance,
             "groups_skipped_too_small": scored.groups_skipped_too_small,
+            "groups_resampled": int(self.counters["groups_resampled"]),
             "failed_episodes": scored.failed_trajectories,
             "episode_turns_mean": float(np.mean([t.num_turns for t in trajectories])) if trajectories else 0.0,
             "truncated_rate": float(np.mean([t.truncated for t in trajectories])) if trajectories else 0.0,
@@ -346,9 +465,13 @@ class Learner:
             "trajectories_overfull": buffer_counters["dropped_overfull"],
             "rejected_messages": self._rejected("trajectories"),
             "control_rejected_messages": self._rejected("control"),
+            # Connections refused for want of the run's CurveZMQ keys (common/curve.py).
+            "auth_refused": int(self.counters.get("auth_refused", 0)) + int(getattr(self.endpoints, "auth_refused", 0)),
             "actors_seen": len(self.peers),
             "actors_live": len(live),
             "actors_lost": int(self.counters["actors_lost"]),
+            # Bytes of tensors in the latest weights update (with LoRA: the adapters alone).
+            "weights_bytes": self.weights_bytes,
         }
         record.update(train_metrics)
         return record
@@ -367,13 +490,70 @@ class Learner:
         (folder / f"step_{self.step:06d}.txt").write_text(header + best.text + "\n")
 
     def _checkpoint(self) -> Path:
+        self._command_ranks("checkpoint", {"step": self.step, "version": self.version})
         path = save_checkpoint(
-            self.run_dir, model=self.model, optimizer=self.trainer.optimizer, step=self.step,
-            version=self.version, horizon=self.horizon, counters=self._saved_counters(),
+            self.run_dir, trainer=self.trainer, step=self.step,
+            version=self.version, horizon=self.horizon,
+            counters=self._saved_counters() if self.ranks.is_main else {},
             model_folder=self.model_path,
         )
         self.last_checkpoint_step = self.step
         return path
+
+    # -- the other ranks -------------------------------------------------------------------
+
+    def _command_ranks(self, command: str, payload=None) -> None:
+        """Rank 0: name the collective work that follows, so every rank enters it (a no-op with
+        one rank)."""
+        if self.ranks.distributed and self.ranks.is_main:
+            from longhorizon.learner.distributed import send_command
+
+            send_command(command, payload)
+            self.last_rank_command = time.monotonic()
+
+    def _update(self, examples: list) -> dict:
+        """One update step over every rank: rank 0 deals the examples out by tokens."""
+        if not self.ranks.distributed:
+            return self.trainer.step(examples)
+        from longhorizon.learner.distributed import scatter_objects, split_by_tokens
+
+        self._command_ranks("step")
+        shares = split_by_tokens([len(e.token_ids) for e in examples], self.ranks.world_size)
+        mine = scatter_objects([[examples[i] for i in share] for share in shares], self.ranks)
+        return self.trainer.step(mine)
+
+    def _weights_state_dict(self) -> dict:
+        """What the actors need: the whole model's parameters (gathered from the ranks), or with
+        LoRA the adapters alone."""
+        self._command_ranks("weights")
+        return self.trainer.actor_weights()
+
+    async def _keep_ranks_waiting(self) -> None:
+        if self.ranks.distributed and time.monotonic() - self.last_rank_command > _RANK_KEEPALIVE_S:
+            await trio.to_thread.run_sync(self._command_ranks, "wait")
+
+    def stop_ranks(self) -> None:
+        """Rank 0: release the other ranks at the end of the run."""
+        self._command_ranks("stop")
+
+    def follow_main_rank(self) -> None:
+        """A rank other than 0: take part in the collective work rank 0 names, until it says stop."""
+        from longhorizon.learner.distributed import receive_command, scatter_objects
+
+        while True:
+            command, payload = receive_command()
+            if command == "step":
+                self.trainer.step(scatter_objects(None, self.ranks))
+            elif command == "weights":
+                self.trainer.actor_weights()
+            elif command == "checkpoint":
+                self.step, self.version = payload["step"], payload["version"]
+                self.horizon = self.schedule.at(self.step)
+                self._checkpoint()
+            elif command == "stop":
+                return
+            elif command != "wait":
+                raise RuntimeError(f"unknown command {command!r} from rank 0")
 
     async def _train(self) -> None:
         learner = self.config.learner
@@ -385,17 +565,19 @@ class Learner:
         last_step_time = time.monotonic()
         while self.step < self.config.run.total_steps:
             groups = await self._collect_batch()
-            scored = score_groups(groups, advantage=learner.advantage, scale_by_std=learner.scale_advantage_by_std)
+            scored = score_groups(groups, learner)
             train_metrics: dict = {}
             if scored.examples:
-                train_metrics = await trio.to_thread.run_sync(self.trainer.step, scored.examples)
+                train_metrics = await trio.to_thread.run_sync(self._update, scored.examples)
             # Every step advances the version, with or without an update, so a version always
             # names one learner step (and staleness counts steps).
             self.step += 1
             self.version += 1
-            self.horizon = self.schedule.at(self.step)
+            decision = self._advance_horizon(groups)
             now = time.monotonic()
             record = self._record(groups, scored, train_metrics, now - last_step_time, self.version - 1)
+            if decision:
+                record["horizon_decision"] = decision
             last_step_time = now
             self.received_since_step = self.generated_tokens_since_step = 0
             # A stop request (SIGTERM) waits until the step's broadcast, checkpoint and record
@@ -428,13 +610,20 @@ class Learner:
                 await self._train()
                 await self.stop_actors("training finished")
                 nursery.cancel_scope.cancel()
+            await trio.to_thread.run_sync(self.stop_ranks)
         except BaseException as error:
-            if _only_cancellation(error) and self.step > self.last_checkpoint_step:
+            if _only_cancellation(error):
                 with trio.CancelScope(shield=True):
-                    path = await trio.to_thread.run_sync(self._checkpoint)
-                log.info("stopped at step %d; checkpoint written to %s", self.step, path)
+                    if self.step > self.last_checkpoint_step:
+                        path = await trio.to_thread.run_sync(self._checkpoint)
+                        log.info("stopped at step %d; checkpoint written to %s", self.step, path)
+                    await trio.to_thread.run_sync(self.stop_ranks)
+            # After a failure the other ranks are left waiting: they fail once this process is
+            # gone (their collectives lose rank 0), and the launcher restarts them all.
             raise
         finally:
+            if self.weight_sync is not None:
+                self.weight_sync.close()
             self.metrics.close()
 
     async def stop_actors(self, reason: str) -> int:
@@ -456,6 +645,13 @@ class Learner:
         return stopped
 
 
+def weights_payload_bytes(update) -> int:
+    """Tensor bytes a WeightsUpdate carries (inline) or points at (path)."""
+    if update.tensors is not None:
+        return int(sum(array.nbytes for array in update.tensors.values()))
+    return int(sum(file.stat().st_size for file in Path(update.path).glob("*.safetensors")))
+
+
 def _only_cancellation(error: BaseException) -> bool:
     """Whether `error` is a cancellation (alone or grouped by nurseries), not a failure: only a
     stop request gets a final checkpoint; after a crash mid-step the parameters may be half
@@ -466,11 +662,35 @@ def _only_cancellation(error: BaseException) -> bool:
     return isinstance(error, trio.Cancelled)
 
 
-async def run_learner(config: Config, endpoints, *, model_path: str | None = None) -> Learner:
-    if model_path is None:
-        from longhorizon.common.models import resolve_model_path
+def _model_folder(config: Config, model_path: str | None) -> str:
+    if model_path is not None:
+        return model_path
+    from longhorizon.common.models import resolve_model_path
 
-        model_path = str(resolve_model_path(config.model.path, config.model.cache_dir))
-    learner = await trio.to_thread.run_sync(Learner, config, endpoints, config.run_dir, model_path)
-    await learner.run()
+    return str(resolve_model_path(config.model.path, config.model.cache_dir))
+
+
+async def run_learner(
+    config: Config, endpoints, *, model_path: str | None = None, ranks: Ranks | None = None,
+) -> Learner:
+    """Rank 0 (or the only rank): train with the actors over `endpoints`."""
+    from longhorizon.learner.distributed import destroy_process_group
+
+    model_path = _model_folder(config, model_path)
+    learner = await trio.to_thread.run_sync(Learner, config, endpoints, config.run_dir, model_path, ranks)
+    try:
+        await learner.run()
+    finally:
+        destroy_process_group()
     return learner
+
+
+def run_learner_rank(config: Config, ranks: Ranks, *, model_path: str | None = None) -> None:
+    """A rank other than 0: no sockets; hold a shard and follow rank 0 until it says stop."""
+    from longhorizon.learner.distributed import destroy_process_group
+
+    learner = Learner(config, None, config.run_dir, _model_folder(config, model_path), ranks)
+    try:
+        learner.follow_main_rank()
+    finally:
+        destroy_process_group()

@@ -122,7 +122,7 @@ def test_small_messages_round_trip_as_one_frame(message) -> None:
 
 def test_every_message_type_has_a_distinct_tag_and_a_schema_version() -> None:
     tags = [cls.TYPE_TAG for cls in MESSAGE_TYPES]
-    assert len(set(tags)) == len(MESSAGE_TYPES) == 7
+    assert len(set(tags)) == len(MESSAGE_TYPES) == 8
     assert all(cls.SCHEMA_VERSION == 1 for cls in MESSAGE_TYPES)
 
 

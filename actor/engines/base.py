@@ -73,6 +73,9 @@ class EngineSettings:
     torch_threads: int = 1
     engine_options: dict = field(default_factory=dict)
     """actor.engine_options: settings only this engine understands (it rejects unknown ones)."""
+    lora: dict = field(default_factory=dict)
+    """learner.lora: when set, the learner sends only LoRA adapters, and an engine that takes
+    them wraps its model with the same adapters (learner/lora.py)."""
 
 
 class Engine(Protocol):

@@ -3,7 +3,9 @@
 Episodes call `generate` independently; requests that arrive while a batch is running are
 collected and run together in the next batch (left-padded), so many episodes in flight share one
 forward pass per token. The model runs in a worker thread so the actor's trio loop keeps
-stepping environments and talking to the learner meanwhile.
+stepping environments and talking to the learner meanwhile. New weights (from tensors, a folder,
+or received over a collective while generation goes on) are swapped in under the model lock,
+between batches, so no turn mixes two versions.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from longhorizon.actor.engines.base import (
     tokens_through_stop_string,
 )
 from longhorizon.common.chat import HFChatTokenizer
+from longhorizon.common.wire import CollectiveWeights
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,8 @@ HF_ENGINE_OPTIONS = {
 class HFEngine:
     """Token-in / token-out generation with per-token log-probs using transformers."""
 
+    WEIGHT_TRANSPORTS = ("inline", "path", "collective")
+
     def __init__(self, settings: EngineSettings) -> None:
         import torch
 
@@ -91,6 +96,13 @@ class HFEngine:
         self.settings = settings
         self.sampling = settings.sampling
         self.model = load_causal_lm(settings.model_path, settings.dtype).to(self.device).eval()
+        from longhorizon.learner.lora import apply_lora, lora_settings
+
+        # With learner.lora the updates are adapters: the model gets the learner's LoRA layers
+        # (a zero update until the first weights arrive).
+        self.lora = lora_settings(settings.lora)
+        if self.lora is not None:
+            self.model = apply_lora(self.model, self.lora).eval()
         self.tokenizer = HFChatTokenizer(load_tokenizer(settings.model_path))
         self.pad_token_id = self.tokenizer.tokenizer.pad_token_id
         if self.pad_token_id is None:
@@ -98,6 +110,7 @@ class HFEngine:
         self.policy_version = 0
         self.max_batch_size = max(1, settings.max_batch_size)
         self._model_lock = threading.Lock()
+        self._receiver = None  # the collective transport's end in this process, made on first use
         self._pending: list[_Slot] = []
         self._busy = False
 
@@ -213,15 +226,30 @@ class HFEngine:
         return results
 
     def update_weights(self, update: Any) -> None:
-        state = load_weights_update(update)
+        if isinstance(update, CollectiveWeights):
+            # Received while generation goes on with the old weights; swapped in between batches.
+            if self._receiver is None:
+                from longhorizon.actor.engines.weight_receiver import CollectiveReceiver
+
+                self._receiver = CollectiveReceiver(self.device)
+            state = self._receiver.receive(update)
+        else:
+            state = load_weights_update(update)
         with self._model_lock:
-            load_state_into(self.model, state)
+            if self.lora is not None:
+                from longhorizon.learner.lora import load_adapters
+
+                load_adapters(self.model, state)
+            else:
+                load_state_into(self.model, state)
             self.policy_version = int(update.version)
 
     def end_episode(self, episode_id: str) -> None:
         pass
 
     async def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
         self.model = None
 
 
