@@ -93,3 +93,24 @@ def test_lora_with_several_ranks_is_refused():
 
     with pytest.raises(ValueError, match="not supported yet"):
         Trainer(torch.nn.Linear(2, 2), LearnerConfig(lora=LORA), ranks=Ranks(0, 2, 0))
+
+
+@pytest.mark.slow
+def test_lora_learns_codebook_and_only_adapters_cross_the_wire(tmp_path, tiny_codebook_model):
+    """The codebook learning run with LoRA on every linear layer: held-out success as with full
+    fine-tuning, and each weights message carries exactly the adapters' bytes."""
+    from longhorizon.learner.broadcast import unique_state_dict
+    from longhorizon.learner.lora import adapter_state_dict, apply_lora
+    from tests.test_learning import _train_and_evaluate
+
+    table = {"rank": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                          "up_proj", "down_proj"]}
+    override = "learner.lora={rank = 16, alpha = 32, target_modules = " + str(table["target_modules"]) + "}"
+    _, records, trained = _train_and_evaluate(tmp_path, tiny_codebook_model, [override, "learner.learning_rate=5e-3"])
+    assert trained.success_rate > 0.8
+
+    adapters = adapter_state_dict(apply_lora(load_causal_lm(tiny_codebook_model), lora_settings(table)))
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
+    full_bytes = sum(t.numel() * t.element_size() for t in unique_state_dict(load_causal_lm(tiny_codebook_model)).values())
+    assert {r["weights_bytes"] for r in records} == {adapter_bytes}
+    assert adapter_bytes < full_bytes / 2
