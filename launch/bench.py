@@ -34,6 +34,7 @@ STANDALONE_BENCHMARKS = {
     "web": "longhorizon.launch.bench_web",
     "generation": "longhorizon.launch.bench_generation",
     "learner": "longhorizon.launch.bench_learner",
+    "weights": "longhorizon.launch.bench_weights",
     "soak": "longhorizon.launch.bench_soak",
 }
 """Benchmarks with their own module and options: `longhorizon bench NAME ...` calls the module's

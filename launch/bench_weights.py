@@ -1,0 +1,951 @@
+"""`longhorizon bench weights`: seconds per weight update, learner to actor, for each weights transport.
+
+One update, as a user meets it: this process plays the learner and builds the update from a
+state dict (`learner/broadcast.py: make_weights_update`); the update crosses our real PUB/SUB
+broadcast sockets (`common/transport.py`) over tcp 127.0.0.1 to a receiver in another process,
+which loads it the way the hf engine does (`actor/engines/hf.py: load_weights_update`,
+`load_state_into`). The clock runs from the start of the build until the receiver says it has
+loaded the update; the receiver also reports when the update arrived and when it was loaded
+(both processes read the same monotonic clock), which splits the time into build (and send),
+transfer and load.
+
+Transports (see `TRANSPORTS`): `inline` sends the tensors as ZeroMQ frames (bfloat16 goes as
+float32: numpy has no bfloat16, so inline moves twice a bf16 model's bytes); `path` writes a
+safetensors folder and sends its location (here the receiver reads it back from the page cache
+of the same machine; on a shared filesystem add its read rate); `collective` announces the
+version on the socket and streams the tensors in 128 MiB buckets over a gloo pair group
+(learner/weight_sync.py, actor/engines/weight_receiver.py), bf16 as bf16; its build copies the
+weights into the buckets and takes their CRC32, which the receiver checks.
+
+Payloads:
+- a model folder (`--model`, SmolLM2-135M-Instruct by default, as stored: fp32); the receiver
+  loads that folder too and zeroes it, then loads each update into it with `load_state_into`;
+- a synthetic state dict of `--synthetic-params` parameters in bfloat16, shaped like a real
+  decoder (Qwen2.5-1.5B's proportions: embeddings, 28 layers of attention and MLP matrices,
+  norms); the receiver loads it into preallocated zeroed tensors, inline tensor by tensor so
+  that the received float32 frames are freed as they are loaded (a whole second copy of 6 GB
+  would not fit beside everything else on a 24 GB machine).
+
+After the last update the receiver's tensors are hashed and compared with the sender's
+(`identical`: bit for bit). Beside the transports the table gives the machine's limits: a plain
+memcpy, and raw ZeroMQ frames over tcp loopback between the two processes (no codec, nothing
+loaded), so each transport's GB/s can be read against them.
+
+Both processes keep freed message buffers for reuse, as the learner and actors do
+(`common/memory.py`). Each run's peak resident memory is reported for both processes.
+
+Run: `longhorizon bench weights` (SmolLM2 and 1.5B synthetic; `--synthetic-params 0` or
+`--no-model` skips one). A table for people, then one line of JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import hashlib
+import json
+import math
+import os
+import select
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+_EVENT_PREFIX = "@bench-weights "
+"""Marks the receiver's event lines on its stdout, so stray prints from libraries are not read as events."""
+
+_MB = 1e6
+_GB = 1e9
+
+# The synthetic decoder: Qwen2.5-1.5B's shapes at hidden size 1536, scaled with the hidden size.
+_REFERENCE_HIDDEN = 1536
+_REFERENCE_VOCABULARY = 151936
+_REFERENCE_INTERMEDIATE = 8960
+_REFERENCE_KEY_VALUE = 256
+_SYNTHETIC_LAYERS = 28
+
+
+# ---------------------------------------------------------------------------------------------
+# Payloads
+# ---------------------------------------------------------------------------------------------
+
+
+def _multiple_of_64(value: float) -> int:
+    return max(64, int(round(value / 64)) * 64)
+
+
+def _decoder_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of a Qwen2-style decoder with tied embeddings at this hidden size."""
+    scale = hidden / _REFERENCE_HIDDEN
+    vocabulary = _multiple_of_64(_REFERENCE_VOCABULARY * scale)
+    intermediate = _multiple_of_64(_REFERENCE_INTERMEDIATE * scale)
+    key_value = _multiple_of_64(_REFERENCE_KEY_VALUE * scale)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocabulary, hidden)}
+    for layer in range(_SYNTHETIC_LAYERS):
+        prefix = f"model.layers.{layer}"
+        shapes.update({
+            f"{prefix}.input_layernorm.weight": (hidden,),
+            f"{prefix}.self_attn.q_proj.weight": (hidden, hidden),
+            f"{prefix}.self_attn.q_proj.bias": (hidden,),
+            f"{prefix}.self_attn.k_proj.weight": (key_value, hidden),
+            f"{prefix}.self_attn.k_proj.bias": (key_value,),
+            f"{prefix}.self_attn.v_proj.weight": (key_value, hidden),
+            f"{prefix}.self_attn.v_proj.bias": (key_value,),
+            f"{prefix}.self_attn.o_proj.weight": (hidden, hidden),
+            f"{prefix}.post_attention_layernorm.weight": (hidden,),
+            f"{prefix}.mlp.gate_proj.weight": (intermediate, hidden),
+            f"{prefix}.mlp.up_proj.weight": (intermediate, hidden),
+            f"{prefix}.mlp.down_proj.weight": (hidden, intermediate),
+        })
+    shapes["model.norm.weight"] = (hidden,)
+    return shapes
+
+
+def synthetic_shapes(target_params: float) -> dict[str, tuple[int, ...]]:
+    """The decoder (hidden size a multiple of 64) whose parameter count is closest to the target.
+
+    1.5e9 gives Qwen2.5-1.5B's own shapes (hidden 1536, 1.54e9 parameters); the smallest is
+    hidden 64 (about 2.9e6 parameters).
+    """
+    best, best_gap = _decoder_shapes(64), math.inf
+    for hidden in range(64, 16384 + 1, 64):
+        shapes = _decoder_shapes(hidden)
+        count = sum(math.prod(shape) for shape in shapes.values())
+        gap = abs(count - target_params)
+        if gap < best_gap:
+            best, best_gap = shapes, gap
+        if count > target_params:  # counts grow with the hidden size
+            break
+    return best
+
+
+def make_synthetic_state(shapes: dict[str, tuple[int, ...]], *, seed: int = 0) -> dict[str, Any]:
+    """bfloat16 tensors of these shapes filled from one random block of 1 Mi values.
+
+    Drawing 1.5e9 random numbers would take longer than the benchmark; copying a random block
+    (from a different place in it for each tensor) costs about a memcpy and still gives every
+    tensor non-trivial contents, so a lost or misplaced tensor shows in the final comparison.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    block_size = 1 << 20
+    block = torch.empty(block_size).uniform_(-0.05, 0.05, generator=generator).to(torch.bfloat16)
+    doubled = torch.cat([block, block])  # a window of block_size starting anywhere in the block
+    state = {}
+    for index, (name, shape) in enumerate(shapes.items()):
+        tensor = torch.empty(shape, dtype=torch.bfloat16)
+        flat = tensor.view(-1)
+        start = (index * 7919) % block_size
+        for position in range(0, flat.numel(), block_size):
+            piece = min(block_size, flat.numel() - position)
+            flat[position:position + piece].copy_(doubled[start:start + piece])
+        state[name] = tensor
+    return state
+
+
+def state_digest(state: dict[str, Any]) -> str:
+    """SHA-256 over names, dtypes, shapes and raw bytes of a state dict, in name order."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+class StateDictSource:
+    """A bare state dict where make_weights_update expects a model (it only calls state_dict())."""
+
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        self.tensors = tensors
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.tensors
+
+
+@dataclass(frozen=True)
+class Payload:
+    """What one run moves: a model folder or a synthetic state dict (as sent to the receiver)."""
+
+    kind: str
+    """`model` or `synthetic`."""
+    label: str
+    folder: str = ""
+    synthetic_params: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "label": self.label, "folder": self.folder,
+                "synthetic_params": self.synthetic_params}
+
+
+def build_source(payload: Payload):
+    """The sender's side of a payload: a model (as loaded for training) or a StateDictSource."""
+    if payload.kind == "model":
+        from longhorizon.common.models import load_causal_lm
+
+        return load_causal_lm(payload.folder).eval()
+    return StateDictSource(make_synthetic_state(synthetic_shapes(payload.synthetic_params)))
+
+
+class ModelTarget:
+    """The model folder loaded as the hf engine loads it, every parameter zeroed so that a missing
+    tensor shows; updates go in as HFEngine.update_weights puts them."""
+
+    def __init__(self, folder: str) -> None:
+        import torch
+
+        from longhorizon.common.models import load_causal_lm
+
+        self.model = load_causal_lm(folder).eval()
+        with torch.no_grad():
+            for parameter in self.model.parameters():
+                parameter.zero_()
+
+    def load(self, update) -> None:
+        from longhorizon.actor.engines.hf import load_state_into, load_weights_update
+
+        load_state_into(self.model, load_weights_update(update))
+
+    def state(self) -> dict[str, Any]:
+        from longhorizon.learner.broadcast import unique_state_dict
+
+        return unique_state_dict(self.model)
+
+
+class TensorsTarget:
+    """Preallocated zeroed bfloat16 tensors matching the synthetic state dict."""
+
+    def __init__(self, synthetic_params: float) -> None:
+        import torch
+
+        self.tensors = {
+            name: torch.zeros(shape, dtype=torch.bfloat16)
+            for name, shape in synthetic_shapes(synthetic_params).items()
+        }
+
+    def load(self, update) -> None:
+        from longhorizon.actor.engines.hf import load_weights_update
+        from longhorizon.common.wire import WeightsUpdate
+
+        names = set(update.tensors) if update.tensors is not None else None
+        if names is not None and names != set(self.tensors):
+            raise ValueError(f"the update's tensors do not match: {sorted(names ^ set(self.tensors))[:5]}")
+        if update.tensors is None:
+            self._copy_in(load_weights_update(update))
+            return
+        # Tensor by tensor through the same function, each received frame dropped once loaded;
+        # smallest first, so that the largest tensor's temporary copy (the embeddings: 0.9 GB at
+        # 1.5B parameters) is made once the other frames are gone.
+        received = update.tensors
+        for name in sorted(received, key=lambda tensor_name: received[tensor_name].nbytes):
+            one = WeightsUpdate(version=update.version, tensors={name: received.pop(name)})
+            self._copy_in(load_weights_update(one))
+
+    def _copy_in(self, state: dict[str, Any]) -> None:
+        unknown = set(state) - set(self.tensors)
+        if unknown:
+            raise ValueError(f"unexpected tensors in the update: {sorted(unknown)[:5]}")
+        for name, tensor in state.items():
+            target = self.tensors[name]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} in the update, {tuple(target.shape)} here")
+            target.copy_(tensor)  # float32 from the wire back to bfloat16, exactly
+
+    def state(self) -> dict[str, Any]:
+        return self.tensors
+
+
+def make_target(payload: dict[str, Any]):
+    if payload["kind"] == "model":
+        return ModelTarget(payload["folder"])
+    return TensorsTarget(payload["synthetic_params"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Transports: one entry each, used from both ends
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SenderLink:
+    """What the learner's side of a run sends through."""
+
+    publisher: Any
+    """Our ZmqPublisher, bound on tcp 127.0.0.1."""
+    weights_dir: Path
+    """Where the path transport writes its folders (removed after the run)."""
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What the learner's side reports of one update it sent."""
+
+    built_at: float
+    """time.monotonic() when the update was built and handed to the socket."""
+    moved_bytes: int
+    """Bytes the transport moves for it (frames on the socket, or files written)."""
+
+
+@dataclass(frozen=True)
+class Transport:
+    """One way of moving weights, as this benchmark drives it from both ends."""
+
+    send: Callable[[SenderLink, Any, int], Sent]
+    """Learner side: build the update of `version` from the source and send it."""
+    receive: Callable[[Any, Any], None]
+    """Receiver side: given the message that arrived on the broadcast socket and the target,
+    load the update into the target."""
+
+
+def _send_weights_update(transport: str, link: SenderLink, source, version: int) -> Sent:
+    import trio
+
+    from longhorizon.learner.broadcast import make_weights_update
+
+    update = make_weights_update(source, version, transport, link.weights_dir)
+    built_at = time.monotonic()
+    # The publisher is our trio socket; nothing else here needs an event loop, so each send
+    # runs in a short trio run of its own. A PUB send never waits.
+    trio.run(link.publisher.send, update)
+    if update.tensors is not None:
+        moved = sum(array.nbytes for array in update.tensors.values())
+    else:
+        moved = sum(file.stat().st_size for file in Path(update.path).iterdir() if file.is_file())
+    return Sent(built_at=built_at, moved_bytes=moved)
+
+
+def _load_weights_update(message, target) -> None:
+    target.load(message)
+
+
+_COLLECTIVE_BENCH_PEER = "bench-receiver"
+_collective_ends: dict[str, Any] = {}
+"""This process's end of the collective transport, made on first use and kept across runs (the
+learner's sender with its store, or the receiver with its group), as in a training run."""
+
+
+def _send_collective(link: SenderLink, source, version: int) -> Sent:
+    """The learner's sender (learner/weight_sync.py) with one member: the snapshot is built here,
+    then its thread announces the version on the broadcast socket (a learner uses the actor's
+    control socket) and broadcasts the buckets over the pair group. The group is formed with the
+    first update, a warm-up one."""
+    import trio
+
+    from longhorizon.common.wire import encode
+    from longhorizon.learner.broadcast import unique_state_dict
+    from longhorizon.learner.weight_sync import CollectiveSender
+
+    sender = _collective_ends.get("sender")
+    if sender is None:
+
+        def announce(actor_id: str, message) -> None:
+            _collective_ends["announcement_bytes"] = sum(len(frame) for frame in encode(message))
+            trio.run(link.publisher.send, message)
+
+        sender = CollectiveSender(
+            host="127.0.0.1", backend="gloo", timeout_s=120.0, bucket_bytes=128 << 20, announce=announce,
+        )
+        sender.join(_COLLECTIVE_BENCH_PEER, None)
+        _collective_ends["sender"] = sender
+    snapshot = sender.snapshot(unique_state_dict(source), version)
+    built_at = time.monotonic()
+    sender.publish(snapshot)
+    # Bytes over the group, plus the announcement (the previous one's size: the same layout).
+    moved = snapshot.layout.total_bytes + _collective_ends.get("announcement_bytes", 0)
+    return Sent(built_at=built_at, moved_bytes=moved)
+
+
+def _load_collective(message, target) -> None:
+    """Receive the buckets the announcement names (actor/engines/weight_receiver.py) and load the
+    tensors as the hf engine does (or into the synthetic payload's tensors)."""
+    from longhorizon.actor.engines.hf import load_state_into
+    from longhorizon.actor.engines.weight_receiver import CollectiveReceiver
+
+    receiver = _collective_ends.setdefault("receiver", CollectiveReceiver())
+    state = receiver.receive(message)
+    if isinstance(target, ModelTarget):
+        load_state_into(target.model, state)
+    else:
+        target._copy_in(state)
+
+
+TRANSPORTS: dict[str, Transport] = {
+    "inline": Transport(send=functools.partial(_send_weights_update, "inline"), receive=_load_weights_update),
+    "path": Transport(send=functools.partial(_send_weights_update, "path"), receive=_load_weights_update),
+    # A torch.distributed (gloo) pair group between the two processes; bf16 stays bf16.
+    "collective": Transport(send=_send_collective, receive=_load_collective),
+}
+"""Transport name -> how the benchmark drives it; `--transports` chooses among these."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory figures (Linux)
+# ---------------------------------------------------------------------------------------------
+
+
+def reset_peak_rss() -> bool:
+    """Start this process's peak resident memory afresh (/proc/self/clear_refs); False where not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory since it started or since reset_peak_rss."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The receiving process
+# ---------------------------------------------------------------------------------------------
+
+
+def _emit(event: str, **fields: Any) -> None:
+    print(_EVENT_PREFIX + json.dumps({"event": event, **fields}), flush=True)
+
+
+async def _receiver_main(address: str, threads: int) -> None:
+    """Receive weights as an actor does; commands arrive on stdin, events leave on stdout."""
+    import torch
+    import trio
+    import zmq
+
+    from longhorizon.common.transport import ZmqSubscriber
+    from longhorizon.common.wire import CollectiveWeights, HorizonUpdate, WeightsUpdate
+
+    torch.set_num_threads(threads)
+    context = zmq.Context()
+    subscriber = ZmqSubscriber(address, context=context)
+    try:
+        _emit("connected")
+        # A subscriber only sees what is published after its subscription reached the publisher:
+        # the sender publishes probes until one arrives.
+        while not isinstance(await subscriber.receive(), HorizonUpdate):
+            pass
+        _emit("ready")
+        while True:
+            line = await trio.to_thread.run_sync(sys.stdin.readline)
+            command = json.loads(line) if line.strip() else {"do": "exit"}
+            if command["do"] == "exit":
+                return
+            if command["do"] == "loopback":
+                _receive_raw_frames(context, command)
+                continue
+            if command["do"] != "prepare":
+                raise ValueError(f"unknown command {command['do']!r}")
+            transport = TRANSPORTS[command["transport"]]
+            target = make_target(command["payload"])
+            gc.collect()
+            reset_peak_rss()
+            _emit("prepared")
+            loaded = 0
+            while loaded < command["updates"]:
+                message = await subscriber.receive()
+                if not isinstance(message, (WeightsUpdate, CollectiveWeights)):
+                    continue  # a late probe
+                received_at = time.monotonic()
+                transport.receive(message, target)
+                version = message.version
+                del message
+                loaded_at = time.monotonic()
+                loaded += 1
+                _emit("loaded", version=version, received_at=received_at, loaded_at=loaded_at)
+            _emit("finished", digest=state_digest(target.state()), peak_rss_bytes=peak_rss_bytes())
+            del target
+            gc.collect()
+    finally:
+        subscriber.close()
+        context.term()
+
+
+def _receive_raw_frames(context, command: dict[str, Any]) -> None:
+    """The loopback limit's receiving end: plain ZeroMQ, frames received without a copy and dropped."""
+    import zmq
+
+    pull = context.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    pull.connect(command["address"])
+    try:
+        for _ in range(command["rounds"]):
+            for _ in range(command["messages"]):
+                pull.recv(copy=False)
+            _emit("round")
+    finally:
+        pull.close(linger=0)
+
+
+def run_receiver(address: str, threads: int, parent_pid: int) -> int:
+    from longhorizon.common.processes import die_with_parent
+
+    die_with_parent(parent_pid=parent_pid)  # a receiver never outlives the benchmark
+    from longhorizon.common.memory import keep_freed_message_memory
+
+    keep_freed_message_memory()
+    import trio
+
+    try:
+        trio.run(_receiver_main, address, threads)
+    except Exception as error:
+        traceback.print_exc()
+        _emit("error", message=f"{type(error).__name__}: {error}")
+        return 1
+    return 0
+
+
+class ReceiverProcess:
+    """The benchmark's handle on its receiving process: commands to its stdin, events from its stdout."""
+
+    def __init__(self, address: str, threads: int) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "longhorizon.launch.bench_weights", "--receiver", address,
+             "--threads", str(threads), "--parent-pid", str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        )
+        self._buffer = b""
+
+    def command(self, do: str, **fields: Any) -> None:
+        self.process.stdin.write((json.dumps({"do": do, **fields}) + "\n").encode())
+        self.process.stdin.flush()
+
+    def expect(self, event: str, timeout_s: float) -> dict[str, Any]:
+        """The next event, which must be `event`; raises RuntimeError if the receiver failed or
+        exited, TimeoutError if nothing came within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            line = self._next_line(deadline, event)
+            if not line.startswith(_EVENT_PREFIX):
+                sys.stderr.write(line + "\n")  # a library's print, not ours
+                continue
+            record = json.loads(line[len(_EVENT_PREFIX):])
+            if record["event"] == "error":
+                raise RuntimeError(f"the receiver failed: {record['message']}")
+            if record["event"] != event:
+                raise RuntimeError(f"the receiver said {record['event']!r} where {event!r} was expected")
+            return record
+
+    def _next_line(self, deadline: float, event: str) -> str:
+        descriptor = self.process.stdout.fileno()
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"the receiver did not say {event!r} in time (see --timeout-s)")
+            ready, _, _ = select.select([descriptor], [], [], remaining)
+            if not ready:
+                continue
+            chunk = os.read(descriptor, 65536)
+            if not chunk:
+                code = self.process.wait(timeout=10)
+                raise RuntimeError(f"the receiver exited with code {code} (its error is above)")
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.command("exit")
+                self.process.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# The sending side: limits and runs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one benchmark run does (the command's options)."""
+
+    payloads: tuple[Payload, ...]
+    transports: tuple[str, ...]
+    repeats: int = 3
+    warmup: int = 1
+    loopback_frame_bytes: int = 64 << 20
+    loopback_round_bytes: int = 1 << 30
+    loopback_rounds: int = 3
+    memcpy_bytes: int = 256 << 20
+    weights_dir: str | None = None
+    threads: int = 2
+    timeout_s: float = 600.0
+
+
+def memcpy_rates(size: int, repeats: int = 5) -> tuple[float, float]:
+    """Bytes per second of a plain copy (median): into a buffer already in memory, and into a new
+    one, whose pages the kernel faults in (zeroed) as the copy first touches them, as it does for
+    every new tensor or frame larger than the allocator keeps for reuse."""
+    import numpy as np
+
+    source = np.ones(size, np.uint8)
+    destination = np.zeros(size, np.uint8)
+    np.copyto(destination, source)
+    into_memory, into_new_pages = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        np.copyto(destination, source)
+        into_memory.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        fresh = np.empty(size, np.uint8)
+        np.copyto(fresh, source)
+        into_new_pages.append(time.perf_counter() - started)
+        del fresh
+    return size / statistics.median(into_memory), size / statistics.median(into_new_pages)
+
+
+def loopback_rate(context, receiver: ReceiverProcess, settings: Settings) -> float:
+    """Bytes per second of raw ZeroMQ frames over tcp 127.0.0.1 to the receiver (median of rounds
+    after one warm-up round), sent without a copy from one buffer, received without a copy."""
+    import numpy as np
+    import zmq
+
+    frame = np.ones(settings.loopback_frame_bytes, np.uint8)
+    messages = max(1, settings.loopback_round_bytes // settings.loopback_frame_bytes)
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.bind("tcp://127.0.0.1:0")
+    try:
+        receiver.command("loopback", address=push.getsockopt_string(zmq.LAST_ENDPOINT),
+                         messages=messages, rounds=settings.loopback_rounds + 1)
+        times = []
+        for _ in range(settings.loopback_rounds + 1):
+            started = time.monotonic()
+            for _ in range(messages):
+                push.send(frame, copy=False)
+            receiver.expect("round", settings.timeout_s)
+            times.append(time.monotonic() - started)
+    finally:
+        push.close(linger=0)
+    return messages * settings.loopback_frame_bytes / statistics.median(times[1:])
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where the kernel does not say)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory_for(label: str, state_bytes: int, dtype: str, transports: tuple[str, ...]) -> None:
+    """Refuse a payload that would not fit beside what the machine already holds.
+
+    With the source built, a run still needs the receiver's copy of the weights plus the update
+    in flight: inline sends bfloat16 as float32, twice its bytes (the sender's copy drains as the
+    receiver's frames fill, so the two sides' copies add up to about one). Measured at 1.5B
+    parameters: the machine's used memory rose by about 12.5 GB for source, copy and receiver.
+    """
+    available = available_memory_bytes()
+    if available is None:
+        return
+    widest = 2 if "inline" in transports and dtype == "bfloat16" else 1
+    needed = state_bytes * (1 + widest) + (1 << 30)  # plus a margin for the processes themselves
+    if needed > available:
+        raise RuntimeError(
+            f"{label}: about {needed / _GB:.1f} GB more memory needed, {available / _GB:.1f} GB available; "
+            "lower --synthetic-params, leave out --transports inline, or stop other work on this machine"
+        )
+
+
+def run_transport(
+    transport_name: str, payload: Payload, source, source_digest: str, state_bytes: int, params: int,
+    dtype: str, publisher, receiver: ReceiverProcess, settings: Settings,
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    """Warm-up and timed updates of one payload over one transport; the receiver's tensors are
+    compared with the source's after the last."""
+    from longhorizon.common.processes import remove_tied_folder, tied_folder
+
+    transport = TRANSPORTS[transport_name]
+    updates = settings.warmup + settings.repeats
+    receiver.command("prepare", payload=payload.as_dict(), transport=transport_name, updates=updates)
+    receiver.expect("prepared", settings.timeout_s)
+    gc.collect()
+    reset_peak_rss()
+    weights_dir = Path(tied_folder("longhorizon-bench-weights-", settings.weights_dir))
+    link = SenderLink(publisher=publisher, weights_dir=weights_dir)
+    timings = []
+    moved_bytes = 0
+    try:
+        for index in range(updates):
+            version = index + 1
+            started = time.monotonic()
+            sent = transport.send(link, source, version)
+            moved_bytes = sent.moved_bytes
+            loaded = receiver.expect("loaded", settings.timeout_s)
+            finished = time.monotonic()
+            if loaded["version"] != version:
+                raise RuntimeError(f"the receiver loaded version {loaded['version']}, {version} was sent")
+            timing = {
+                "seconds": finished - started,
+                "build_s": sent.built_at - started,
+                "transfer_s": loaded["received_at"] - sent.built_at,
+                "load_s": loaded["loaded_at"] - loaded["received_at"],
+            }
+            if index >= settings.warmup:
+                timings.append(timing)
+            progress(f"{payload.label} {transport_name} update {version}/{updates}: {timing['seconds']:.2f} s")
+        finished_event = receiver.expect("finished", settings.timeout_s)
+    finally:
+        remove_tied_folder(weights_dir)
+    seconds = statistics.median(t["seconds"] for t in timings)
+    sender_peak = peak_rss_bytes()
+    receiver_peak = finished_event.get("peak_rss_bytes")
+    return {
+        "payload": payload.label,
+        "transport": transport_name,
+        "params": params,
+        "dtype": dtype,
+        "state_bytes": state_bytes,
+        "moved_bytes": moved_bytes,
+        "seconds": seconds,
+        "seconds_each": [t["seconds"] for t in timings],
+        "build_s": statistics.median(t["build_s"] for t in timings),
+        "transfer_s": statistics.median(t["transfer_s"] for t in timings),
+        "load_s": statistics.median(t["load_s"] for t in timings),
+        "gb_per_s": moved_bytes / seconds / _GB,
+        "identical": finished_event["digest"] == source_digest,
+        "sender_peak_rss_mb": None if sender_peak is None else sender_peak / _MB,
+        "receiver_peak_rss_mb": None if receiver_peak is None else receiver_peak / _MB,
+    }
+
+
+def bench_weights(
+    settings: Settings, progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> dict[str, Any]:
+    """Every payload over every transport, with the machine's limits; returns the figures."""
+    import torch
+    import trio
+    import zmq
+
+    from longhorizon.common.memory import keep_freed_message_memory
+    from longhorizon.common.transport import ZmqPublisher
+    from longhorizon.common.wire import HorizonUpdate
+    from longhorizon.learner.broadcast import unique_state_dict
+
+    unknown = [name for name in settings.transports if name not in TRANSPORTS]
+    if unknown:
+        raise ValueError(f"unknown transport {unknown[0]!r}; valid: {', '.join(TRANSPORTS)}")
+    keep_freed_message_memory()  # as the learner process does
+    torch.set_num_threads(settings.threads)
+    memcpy, memcpy_new_pages = memcpy_rates(settings.memcpy_bytes)
+    context = zmq.Context()
+    publisher = ZmqPublisher("tcp://127.0.0.1:0", context=context)
+    receiver = ReceiverProcess(publisher.address, settings.threads)
+    runs = []
+    try:
+        receiver.expect("connected", settings.timeout_s)
+        deadline = time.monotonic() + 60
+        probe = HorizonUpdate(horizon_cap=1, stage=0, learner_step=0)
+        while True:
+            trio.run(publisher.send, probe)
+            try:
+                receiver.expect("ready", 0.1)
+                break
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the receiver's subscription did not reach the publisher in 60 s") from None
+        loopback = loopback_rate(context, receiver, settings)
+        progress(f"limits: memcpy {memcpy / _GB:.2f} GB/s, raw ZeroMQ frames over loopback {loopback / _GB:.2f} GB/s")
+        for payload in settings.payloads:
+            progress(f"preparing {payload.label}")
+            source = build_source(payload)
+            state = unique_state_dict(source)
+            source_digest = state_digest(state)
+            params = sum(tensor.numel() for tensor in state.values())
+            state_bytes = sum(tensor.numel() * tensor.element_size() for tensor in state.values())
+            dtype = ", ".join(sorted({str(tensor.dtype).removeprefix("torch.") for tensor in state.values()}))
+            del state
+            check_memory_for(payload.label, state_bytes, dtype, settings.transports)
+            for name in settings.transports:
+                run = run_transport(name, payload, source, source_digest, state_bytes, params, dtype,
+                                    publisher, receiver, settings, progress)
+                run["share_of_loopback"] = run["gb_per_s"] * _GB / loopback
+                runs.append(run)
+            del source
+            gc.collect()
+    finally:
+        receiver.close()
+        publisher.close()
+        context.term()
+    return {
+        "benchmark": "weights",
+        "repeats": settings.repeats,
+        "warmup": settings.warmup,
+        "threads": settings.threads,
+        "memcpy_gb_per_s": memcpy / _GB,
+        "memcpy_new_pages_gb_per_s": memcpy_new_pages / _GB,
+        "loopback_gb_per_s": loopback / _GB,
+        "loopback_frame_bytes": settings.loopback_frame_bytes,
+        "runs": runs,
+        "all_identical": all(run["identical"] for run in runs),
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    """A table for people, then the result as one line of JSON for machines."""
+    print(
+        f"weights updates to a receiver in another process over tcp 127.0.0.1: median of "
+        f"{result['repeats']} after {result['warmup']} warm-up, {result['threads']} torch threads"
+    )
+    print(
+        f"limits: memcpy {result['memcpy_gb_per_s']:.2f} GB/s ({result['memcpy_new_pages_gb_per_s']:.2f} into "
+        f"new pages); raw ZeroMQ frames of "
+        f"{result['loopback_frame_bytes'] >> 20} MiB over loopback {result['loopback_gb_per_s']:.2f} GB/s"
+    )
+    header = (f"{'payload':<24} {'transport':<9} {'params':>8} {'dtype':>8} {'moved MB':>9} {'s/update':>9} "
+              f"{'build s':>8} {'send s':>7} {'load s':>7} {'GB/s':>6} {'of loopback':>12} {'identical':>9} "
+              f"{'peak MB send/recv':>18}")
+    print(header)
+    for run in result["runs"]:
+        peaks = "/".join("-" if run[key] is None else f"{run[key]:.0f}"
+                         for key in ("sender_peak_rss_mb", "receiver_peak_rss_mb"))
+        print(
+            f"{run['payload']:<24} {run['transport']:<9} {run['params'] / 1e6:>7.1f}M {run['dtype']:>8} "
+            f"{run['moved_bytes'] / _MB:>9.1f} {run['seconds']:>9.3f} {run['build_s']:>8.3f} "
+            f"{run['transfer_s']:>7.3f} {run['load_s']:>7.3f} {run['gb_per_s']:>6.2f} "
+            f"{run['share_of_loopback']:>12.0%} {'yes' if run['identical'] else 'NO':>9} {peaks:>18}"
+        )
+    print("moved: inline, the tensors' frames on the socket (bfloat16 travels as float32); path, the "
+          "safetensors file (the socket carries its location); collective, the buckets over the gloo "
+          "group plus the announcement. GB/s = moved / s per update.")
+    print(json.dumps(result, sort_keys=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def _transport_list(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in TRANSPORTS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated transports from {', '.join(TRANSPORTS)}, got {text!r}"
+        )
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="longhorizon bench weights", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="model folder or name (default %(default)s)")
+    parser.add_argument("--model-cache", default=".cache/models", help="where converted models live")
+    parser.add_argument("--no-model", action="store_true", help="skip the model payload")
+    parser.add_argument("--synthetic-params", type=_non_negative_float, default=1.5e9,
+                        help="parameters of the synthetic bfloat16 state dict; 0 skips it (default %(default)g)")
+    parser.add_argument("--transports", type=_transport_list, default=tuple(TRANSPORTS),
+                        help=f"comma-separated, from {', '.join(TRANSPORTS)} (default all)")
+    parser.add_argument("--repeats", type=_positive_int, default=3, help="timed updates per run (default %(default)s)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed updates first (default %(default)s)")
+    parser.add_argument("--loopback-frame-mib", type=_positive_int, default=64,
+                        help="frame size of the raw loopback limit, MiB (default %(default)s)")
+    parser.add_argument("--loopback-mib", type=_positive_int, default=1024,
+                        help="MiB sent per round of the raw loopback limit (default %(default)s)")
+    parser.add_argument("--memcpy-mib", type=_positive_int, default=256, help="memcpy buffer, MiB (default %(default)s)")
+    parser.add_argument("--weights-dir", default=None,
+                        help="folder under which the path transport writes (default: the system's temporary folder)")
+    parser.add_argument("--threads", type=_positive_int, default=2, help="torch CPU threads per process (default %(default)s)")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="longest wait for the receiver (default %(default)s)")
+    parser.add_argument("--receiver", default=None, help=argparse.SUPPRESS)  # the receiving process: the publisher's address
+    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def _settings_from(args: argparse.Namespace) -> Settings:
+    payloads = []
+    if not args.no_model:
+        from longhorizon.common.models import resolve_model_path
+
+        folder = resolve_model_path(args.model, args.model_cache)
+        payloads.append(Payload(kind="model", label=Path(args.model).name, folder=str(folder)))
+    if args.synthetic_params > 0:
+        count = sum(math.prod(shape) for shape in synthetic_shapes(args.synthetic_params).values())
+        size = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+        payloads.append(Payload(kind="synthetic", label=f"synthetic {size} bf16",
+                                synthetic_params=args.synthetic_params))
+    if not payloads:
+        raise ValueError("nothing to measure: drop --no-model or give --synthetic-params > 0")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.timeout_s <= 0:
+        raise ValueError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    if args.weights_dir is not None and not Path(args.weights_dir).is_dir():
+        raise ValueError(f"--weights-dir {args.weights_dir!r} is not a folder; create it or leave the option out")
+    return Settings(
+        payloads=tuple(payloads), transports=args.transports, repeats=args.repeats, warmup=args.warmup,
+        loopback_frame_bytes=args.loopback_frame_mib << 20, loopback_round_bytes=args.loopback_mib << 20,
+        memcpy_bytes=args.memcpy_mib << 20, weights_dir=args.weights_dir, threads=args.threads,
+        timeout_s=args.timeout_s,
+    )
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_request:  # --help, or a usage error already printed by argparse
+        return int(exit_request.code or 0)
+    if args.receiver is not None:
+        return run_receiver(args.receiver, args.threads, args.parent_pid or os.getppid())
+    try:
+        settings = _settings_from(args)
+    except Exception as error:  # a bad option or a model that cannot be found
+        parser.print_usage(sys.stderr)
+        print(f"longhorizon bench weights: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        result = bench_weights(settings)
+    except (RuntimeError, TimeoutError, OSError, ValueError) as error:
+        print(f"longhorizon bench weights: {error}", file=sys.stderr)
+        return 1
+    print_table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
