@@ -11,48 +11,18 @@ transport, for tests and debugging.
 
 from __future__ import annotations
 
-import dataclasses
+import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-from longhorizon.common.config import Config, ConfigError, dump_toml
-from longhorizon.common.metrics import MetricsFollower
-
-_MAX_RESTARTS_PER_ACTOR = 20
-_MAX_LEARNER_RESTARTS = 3
-_MIN_SECONDS_BETWEEN_STARTS = 2.0
-# Actors stop within seconds; the learner may be writing its final checkpoint.
-_ACTOR_STOP_GRACE_S = 10.0
-_LEARNER_STOP_GRACE_S = 120.0
-
-
-class StopRequested(Exception):
-    """The launcher got SIGTERM: stop the run as on Ctrl-C."""
-
-
-def _raise_stop_requested(signum, frame) -> None:
-    raise StopRequested(f"signal {signum}")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
-
-
-def with_ports(config: Config) -> Config:
-    """Fill unset (0) ports with free ones so actors and learner agree on addresses."""
-    transport = config.transport
-    ports = {
-        name: getattr(transport, name) or free_port(transport.host)
-        for name in ("trajectory_port", "broadcast_port", "control_port")
-    }
-    return dataclasses.replace(config, transport=dataclasses.replace(transport, **ports))
+from longhorizon.common.config import Config, ConfigError
+# Shared by every launcher (launch/launcher.py); imported here too, where they used to live.
+from longhorizon.launch.launcher import (  # noqa: F401
+    StopRequested, format_progress, free_port, prepare_run_dir, process_name, supervise, with_ports,
+)
 
 
 def validate_config(config: Config) -> None:
@@ -62,7 +32,7 @@ def validate_config(config: Config) -> None:
     from longhorizon.envs.base import get_env_spec, list_tasks
     from longhorizon.learner.broadcast import WEIGHTS_TRANSPORTS
     from longhorizon.learner.buffer import PARTIAL_GROUP_POLICIES
-    from longhorizon.learner.curriculum import make_horizon_schedule
+    from longhorizon.learner.curriculum import make_schedule
     from longhorizon.common.models import ModelError, resolve_device
     from longhorizon.learner.losses import POLICY_LOSS_NAMES
     from longhorizon.learner.trainer import PRECISIONS
@@ -78,7 +48,15 @@ def validate_config(config: Config) -> None:
     require(config.actor.group_size >= 2, "actor.group_size must be at least 2 (GRPO compares episodes)")
     require(config.learner.loss in POLICY_LOSS_NAMES,
             f"learner.loss {config.learner.loss!r} is not one of {', '.join(POLICY_LOSS_NAMES)}")
-    require(config.learner.advantage in ("grpo", "rloo"), "learner.advantage must be grpo or rloo")
+    from longhorizon.learner.algorithms import AlgorithmError, check_algorithm_settings
+
+    try:
+        algorithm = check_algorithm_settings(config.learner)
+    except AlgorithmError as error:
+        raise ConfigError(str(error)) from None
+    require(not (algorithm.resamples_flat_groups and config.run.mode == "sync"),
+            f"learner.algorithm = {algorithm.name!r} replaces groups without signal by new ones, which "
+            "sync mode (one batch per version) cannot: use run.mode = \"async\"")
     require(config.learner.weights_transport in WEIGHTS_TRANSPORTS,
             f"learner.weights_transport must be one of {', '.join(WEIGHTS_TRANSPORTS)}")
     require(config.learner.partial_groups in PARTIAL_GROUP_POLICIES,
@@ -87,9 +65,11 @@ def validate_config(config: Config) -> None:
     require(config.learner.precision in PRECISIONS, f"learner.precision must be one of {', '.join(PRECISIONS)}")
     require(config.learner.logprob_chunk_tokens >= 0, "learner.logprob_chunk_tokens must be >= 0 (0: whole logits)")
     try:
-        resolve_device(config.learner.device)
+        learner_device = resolve_device(config.learner.device)
     except ModelError as error:
         raise ConfigError(f"learner.device: {error}") from None
+    _check_learner_ranks(config, learner_device)
+    _check_lora(config)
     require(config.actor.max_context_tokens > config.actor.sampling.max_new_tokens,
             "actor.max_context_tokens must be larger than actor.sampling.max_new_tokens")
     try:
@@ -99,52 +79,98 @@ def validate_config(config: Config) -> None:
     get_env_spec(config.env.name)
     if not list_tasks(config.env.name, config.env.train_split, **dict(config.env.options)):
         raise ConfigError(f"env {config.env.name!r} has no {config.env.train_split!r} tasks")
-    load_engine_class(config.actor.engine)
+    engine_class = load_engine_class(config.actor.engine)
+    if config.learner.weights_transport == "collective":
+        from longhorizon.learner.weight_sync import check_collective_settings
+
+        try:
+            check_collective_settings(config, learner_device, engine_class)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     if config.actor.engine == "scripted" and config.actor.scripted_policy not in get_env_spec(config.env.name).policies:
         raise ConfigError(
             f"env {config.env.name!r} has no scripted policy {config.actor.scripted_policy!r}; "
             f"available: {', '.join(sorted(get_env_spec(config.env.name).policies))}"
         )
-    make_horizon_schedule(config.horizon.schedule, config.horizon.stages, config.horizon.stage_steps)
+    try:
+        make_schedule(config.horizon)
+    except ValueError as error:
+        raise ConfigError(f"[horizon]: {error}") from None
+    # Transport security: CurveZMQ beyond loopback unless transport.insecure (common/curve.py).
+    from longhorizon.common.curve import uses_curve
+
+    uses_curve(config.transport)
 
 
-def prepare_run_dir(config: Config, *, progress=print) -> Path:
-    run_dir = config.run_dir
-    if not config.run.resume and ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
-        # A fresh run must not append to an old run's metrics or resume from its checkpoints.
-        kept = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
-        run_dir.rename(kept)
-        progress(f"an earlier run was in {run_dir}; moved it to {kept} (run.resume=true continues a run)")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    (run_dir / "config.toml").write_text(dump_toml(config))
-    return run_dir
+def _check_learner_ranks(config: Config, device) -> None:
+    """learner.num_ranks against the devices there are: one GPU per rank on CUDA; on the CPU,
+    ranks share the cores (gloo), which tests and small runs use."""
+    num_ranks = config.learner.num_ranks
+    if num_ranks < 1:
+        raise ConfigError(f"learner.num_ranks must be at least 1, got {num_ranks}")
+    if config.learner.rank_timeout_s <= 0:
+        raise ConfigError("learner.rank_timeout_s must be positive")
+    if num_ranks == 1:
+        return
+    if config.learner.algorithm == "ppo":
+        raise ConfigError("learner.algorithm = \"ppo\" (its critic) runs on one rank for now: set learner.num_ranks = 1")
+    import torch.distributed
+
+    if not torch.distributed.is_available():
+        raise ConfigError("learner.num_ranks > 1 needs torch.distributed, which this torch build lacks")
+    if device.type == "cuda":
+        import torch
+
+        visible = torch.cuda.device_count()
+        if device.index is not None:
+            raise ConfigError(
+                f"learner.device = {config.learner.device!r} names one GPU, but each of the "
+                f"{num_ranks} ranks takes its own: use learner.device = \"cuda\" or \"auto\""
+            )
+        if num_ranks > visible:
+            raise ConfigError(
+                f"learner.num_ranks = {num_ranks} but only {visible} CUDA GPU(s) are visible: one rank per GPU"
+            )
 
 
-def format_progress(record: dict, total_steps: int) -> str:
-    return (
-        f"step {record.get('step', 0):>4}/{total_steps}"
-        f" | reward {record.get('reward_mean', 0.0):6.3f}"
-        f" | success {record.get('success_rate', 0.0):5.1%}"
-        f" | horizon {record.get('horizon_cap', 0)} (stage {record.get('horizon_stage', 0)})"
-        f" | staleness {record.get('staleness_mean', 0.0):4.2f}"
-        f" | {record.get('episodes_per_s', 0.0):6.2f} ep/s"
-        f" | {record.get('tokens_per_s', 0.0):7.1f} tok/s"
-        f" | groups {record.get('groups_used', 0)} used, {record.get('groups_skipped_zero_variance', 0)} flat"
-    )
+def _check_lora(config: Config) -> None:
+    """learner.lora: its keys, and that each target names modules of the model (checked on the
+    architecture alone, without loading weights)."""
+    from longhorizon.common.models import resolve_model_path
+    from longhorizon.learner.lora import LoraError, check_targets_of_model_folder, lora_settings
+
+    try:
+        settings = lora_settings(config.learner.lora)
+        if settings is None:
+            return
+        if config.learner.num_ranks > 1:
+            raise LoraError("learner.lora with learner.num_ranks > 1 is not supported yet: use one rank")
+        if config.actor.engine not in ("hf", "scripted"):
+            raise LoraError(
+                f"learner.lora sends adapters only, which the {config.actor.engine!r} engine cannot take "
+                "yet: use actor.engine = \"hf\" or full fine-tuning"
+            )
+        check_targets_of_model_folder(settings, resolve_model_path(config.model.path, config.model.cache_dir))
+    except LoraError as error:
+        raise ConfigError(str(error)) from None
 
 
 class _Child:
-    def __init__(self, role: str, index: int, config_path: Path, log_path: Path) -> None:
+    def __init__(
+        self, role: str, index: int, config_path: Path, log_path: Path, *, env: dict[str, str] | None = None,
+    ) -> None:
         self.role, self.index = role, index
         self.config_path, self.log_path = config_path, log_path
+        # Variables added to the launcher's environment for this process (secrets never go in
+        # the config file, which is written to the run directory).
+        self.env = dict(env or {})
         self.process: subprocess.Popen | None = None
         self.restarts = 0
         self.started_at = 0.0
 
     @property
     def name(self) -> str:
-        return "learner" if self.role == "learner" else f"actor-{self.index}"
+        return process_name(self.role, self.index)
 
     def start(self, *, resume: bool = False) -> None:
         command = [
@@ -158,7 +184,7 @@ class _Child:
         # A session of its own: the launcher decides the order of shutdown on Ctrl-C.
         self.process = subprocess.Popen(
             command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            start_new_session=True, env={**os.environ, **self.env} if self.env else None,
         )
         log_file.close()
 
@@ -173,34 +199,49 @@ class _Child:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
 
-
-def _write_process_table(run_dir: Path, children: list[_Child]) -> None:
-    """Record who runs where (`processes.json`): for people, and for tests that kill an actor."""
-    import json
-
-    table = {
-        child.name: {"pid": child.process.pid if child.process else None, "restarts": child.restarts}
-        for child in children
-    }
-    partial = run_dir / "processes.json.partial"
-    partial.write_text(json.dumps(table, indent=2))
-    partial.replace(run_dir / "processes.json")
-
-
-def _stop_all(children: list[_Child]) -> None:
-    """SIGTERM to every child, then SIGKILL to any still running after its grace period."""
-    for child in children:
-        child.terminate()
-    started = time.monotonic()
-    for child in children:
-        if child.process is None:
-            continue
-        grace = _LEARNER_STOP_GRACE_S if child.role == "learner" else _ACTOR_STOP_GRACE_S
+    def wait(self, timeout: float | None) -> bool:
+        if self.process is None:
+            return True
         try:
-            child.process.wait(timeout=max(0.1, started + grace - time.monotonic()))
+            self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            child.kill()
-            child.process.wait()
+            return False
+        return True
+
+    def give_up(self) -> None:
+        self.process = None
+
+    def describe(self) -> dict:
+        return {"pid": self.process.pid if self.process else None, "restarts": self.restarts}
+
+
+def _learner_ranks(config: Config, config_path: Path, run_dir: Path) -> list[_Child]:
+    """The learner's processes: one, or `learner.num_ranks` ranks that find rank 0 through
+    torch.distributed's environment variables (as torchrun would set them)."""
+    from longhorizon.learner.distributed import STORE_FILE_VARIABLE
+
+    num_ranks = config.learner.num_ranks
+    if num_ranks == 1:
+        return [_Child("learner", 0, config_path, run_dir / "logs" / "learner.log")]
+    # On one machine the ranks meet through a file and gloo talks over the loopback interface:
+    # nothing of the learner's process group listens beyond this machine.
+    rendezvous = {
+        STORE_FILE_VARIABLE: str(run_dir / ".ranks-store"), "GLOO_SOCKET_IFNAME": "lo",
+        "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(num_ranks),
+    }
+    return [
+        _Child(
+            "learner", rank, config_path,
+            run_dir / "logs" / ("learner.log" if rank == 0 else f"learner-rank{rank}.log"),
+            env={**rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+        )
+        for rank in range(num_ranks)
+    ]
+
+
+def _remove_ranks_store(run_dir: Path) -> None:
+    """A new set of ranks needs a fresh meeting file: the old one holds the last group's keys."""
+    (run_dir / ".ranks-store").unlink(missing_ok=True)
 
 
 def launch_local(config: Config, *, progress=print) -> int:
@@ -213,80 +254,32 @@ def launch_local(config: Config, *, progress=print) -> int:
     config_path = run_dir / "config.toml"
     # Convert or build the model once here, not in every process at the same time.
     resolve_model_path(config.model.path, config.model.cache_dir)
-    learner = _Child("learner", 0, config_path, run_dir / "logs" / "learner.log")
+    _remove_ranks_store(run_dir)
+    learner_ranks = _learner_ranks(config, config_path, run_dir)
     actors = [
         _Child("actor", index, config_path, run_dir / "logs" / f"actor-{index}.log")
         for index in range(config.actor.num_actors)
     ]
-    children = [learner, *actors]
+    children = [*learner_ranks, *actors]
+    # CurveZMQ: this run's keys, in each process's environment only (never in a file).
+    from longhorizon.common.curve import curve_environments
+
+    keys_by_role = curve_environments(config.transport)
+    for child in children:
+        child.env.update(keys_by_role[child.role])
     progress(f"run directory: {run_dir}  (logs in {run_dir / 'logs'})")
+    ranks_text = "" if len(learner_ranks) == 1 else f" of {len(learner_ranks)} ranks"
     progress(
-        f"starting 1 learner and {len(actors)} actor(s): env {config.env.name}, engine {config.actor.engine}, "
+        f"starting 1 learner{ranks_text} and {len(actors)} actor(s): env {config.env.name}, engine {config.actor.engine}, "
         f"model {config.model.path}, mode {config.run.mode}, {config.run.total_steps} steps"
     )
-    metrics = MetricsFollower(run_dir)
-    # Signal handlers can only be set from the main thread (a launcher run from a test's thread
-    # keeps the default).
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous_handler = signal.signal(signal.SIGTERM, _raise_stop_requested) if in_main_thread else None
     try:
-        for child in children:
-            child.start()
-        _write_process_table(run_dir, children)
-        while True:
-            time.sleep(0.5)
-            for record in metrics.new_records():
-                progress(format_progress(record, config.run.total_steps))
-            learner_code = learner.poll()
-            if learner_code is not None:
-                if learner_code == 0 or learner.restarts >= _MAX_LEARNER_RESTARTS:
-                    break
-                learner.restarts += 1
-                progress(
-                    f"the learner exited with code {learner_code}; restarting it from its latest "
-                    f"checkpoint ({learner.restarts}/{_MAX_LEARNER_RESTARTS})"
-                )
-                learner.start(resume=True)
-                _write_process_table(run_dir, children)
-                continue
-            for actor in actors:
-                code = actor.poll()
-                if code is None or actor.process is None:
-                    continue
-                if code == 0:  # stopped by the learner: training is ending
-                    continue
-                if actor.restarts >= _MAX_RESTARTS_PER_ACTOR:
-                    progress(f"{actor.name} exited with {code} too often; not restarting")
-                    actor.process = None
-                    continue
-                if time.monotonic() - actor.started_at < _MIN_SECONDS_BETWEEN_STARTS:
-                    continue  # crashing at start-up: wait a little before trying again
-                actor.restarts += 1
-                progress(f"{actor.name} exited with code {code}; restarting ({actor.restarts})")
-                actor.start()
-                _write_process_table(run_dir, children)
-    except (KeyboardInterrupt, StopRequested) as stop:
-        if in_main_thread:  # a repeated SIGTERM must not cut the orderly stop short
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        progress(f"{'interrupted' if isinstance(stop, KeyboardInterrupt) else 'stop requested'}: "
-                 "stopping all processes (the learner writes a checkpoint first)")
-        _stop_all(children)
-        return 130 if isinstance(stop, KeyboardInterrupt) else 128 + signal.SIGTERM
+        return supervise(
+            config, run_dir, learner_ranks, actors, progress=progress,
+            before_learner_restart=lambda: _remove_ranks_store(run_dir),
+        )
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous_handler)
-    # The learner finished (or failed): actors were sent Stop; give them a moment, then end them.
-    deadline = time.monotonic() + 15
-    for actor in actors:
-        while actor.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-    _stop_all(children)
-    for record in metrics.new_records():
-        progress(format_progress(record, config.run.total_steps))
-    if learner_code != 0:
-        progress(f"the learner failed with exit code {learner_code}; see {run_dir / 'logs' / 'learner.log'}")
-        return learner_code or 1
-    return 0
+        _remove_ranks_store(run_dir)
 
 
 async def train_in_process(config: Config, *, model_path: str | None = None, engines=None):

@@ -1,0 +1,260 @@
+"""What every launcher shares: ports, the run directory, the progress line, and the supervision loop.
+
+A launcher (launch/local.py on one machine, launch/ray.py on a Ray cluster) turns the config into
+processes, each an object with the small interface `supervise` drives (`RoleProcess` below), and
+hands them to `supervise`. The loop is the same everywhere: start every process, print one
+progress line per learner step from `metrics.jsonl`, restart a dead actor, restart the whole
+learner (all its ranks) from its latest checkpoint, stop everything in order on Ctrl-C or SIGTERM
+(the learner writes a checkpoint of its last step first), and keep `processes.json` (who runs
+where, how often restarted) up to date. What differs between launchers is how a process is
+started and where its files land; a launcher that must fetch files from other machines passes
+`collect`, which the loop calls before it reads the metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Protocol
+
+from longhorizon.common.config import Config, ConfigError, dump_toml
+from longhorizon.common.metrics import MetricsFollower
+
+LAUNCHERS = ("local", "ray")
+
+_MAX_RESTARTS_PER_ACTOR = 20
+_MAX_LEARNER_RESTARTS = 3
+_MIN_SECONDS_BETWEEN_STARTS = 2.0
+# Actors stop within seconds; the learner may be writing its final checkpoint.
+_ACTOR_STOP_GRACE_S = 10.0
+_LEARNER_STOP_GRACE_S = 120.0
+_POLL_INTERVAL_S = 0.5
+
+
+class StopRequested(Exception):
+    """The launcher got SIGTERM: stop the run as on Ctrl-C."""
+
+
+def _raise_stop_requested(signum, frame) -> None:
+    raise StopRequested(f"signal {signum}")
+
+
+class RoleProcess(Protocol):
+    """One learner rank or one actor as the supervision loop sees it, wherever it runs."""
+
+    role: str  # "learner" or "actor"
+    index: int  # the rank, or the actor's index
+    restarts: int
+    started_at: float  # time.monotonic() of the last start
+
+    @property
+    def name(self) -> str: ...
+
+    def start(self, *, resume: bool = False) -> None: ...
+
+    def poll(self) -> int | None:
+        """None while running (or never started, or given up); else the exit code."""
+
+    def terminate(self) -> None:
+        """SIGTERM: an actor stops, the learner checkpoints its last step and stops."""
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None) -> bool:
+        """True once the process has ended (or was never started)."""
+
+    def give_up(self) -> None:
+        """Stop restarting this process: it failed too often."""
+
+    def describe(self) -> dict:
+        """Its entry in processes.json: pid, restarts, and where it runs when that is not here."""
+
+
+def process_name(role: str, index: int) -> str:
+    """The name of a process in logs, progress lines and processes.json."""
+    if role == "learner":
+        return "learner" if index == 0 else f"learner-rank{index}"
+    return f"actor-{index}"
+
+
+def check_launcher(config: Config) -> None:
+    if config.run.launcher not in LAUNCHERS:
+        raise ConfigError(f"run.launcher must be one of {', '.join(LAUNCHERS)}, got {config.run.launcher!r}")
+
+
+def launch(config: Config, *, progress=print) -> int:
+    """Run a training job with the launcher `run.launcher` names; returns the exit code."""
+    check_launcher(config)
+    if config.run.launcher == "ray":
+        from longhorizon.launch.ray import launch_ray
+
+        return launch_ray(config, progress=progress)
+    from longhorizon.launch.local import launch_local
+
+    return launch_local(config, progress=progress)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def with_ports(config: Config) -> Config:
+    """Fill unset (0) ports with free ones so actors and learner agree on addresses."""
+    transport = config.transport
+    ports = {
+        name: getattr(transport, name) or free_port(transport.host)
+        for name in ("trajectory_port", "broadcast_port", "control_port")
+    }
+    return dataclasses.replace(config, transport=dataclasses.replace(transport, **ports))
+
+
+def prepare_run_dir(config: Config, *, progress=print) -> Path:
+    run_dir = config.run_dir
+    if not config.run.resume and ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
+        # A fresh run must not append to an old run's metrics or resume from its checkpoints.
+        kept = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.rename(kept)
+        progress(f"an earlier run was in {run_dir}; moved it to {kept} (run.resume=true continues a run)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    (run_dir / "config.toml").write_text(dump_toml(config))
+    return run_dir
+
+
+def format_progress(record: dict, total_steps: int) -> str:
+    return (
+        f"step {record.get('step', 0):>4}/{total_steps}"
+        f" | reward {record.get('reward_mean', 0.0):6.3f}"
+        f" | success {record.get('success_rate', 0.0):5.1%}"
+        f" | horizon {record.get('horizon_cap', 0)} (stage {record.get('horizon_stage', 0)})"
+        f" | staleness {record.get('staleness_mean', 0.0):4.2f}"
+        f" | {record.get('episodes_per_s', 0.0):6.2f} ep/s"
+        f" | {record.get('tokens_per_s', 0.0):7.1f} tok/s"
+        f" | groups {record.get('groups_used', 0)} used, {record.get('groups_skipped_zero_variance', 0)} flat"
+    )
+
+
+def _learner_exit_code(learner_ranks: list[RoleProcess]) -> int | None:
+    """None while the learner runs; 0 once rank 0 finished; else the first failing rank's code."""
+    codes = [rank.poll() for rank in learner_ranks]
+    failures = [code for code in codes if code not in (None, 0)]
+    if failures:
+        return failures[0]
+    return 0 if codes[0] == 0 else None
+
+
+def _write_process_table(run_dir: Path, children: list[RoleProcess]) -> None:
+    """Record who runs where (`processes.json`): for people, and for tests that kill an actor."""
+    table = {child.name: child.describe() for child in children}
+    partial = run_dir / "processes.json.partial"
+    partial.write_text(json.dumps(table, indent=2))
+    partial.replace(run_dir / "processes.json")
+
+
+def _stop_all(children: list[RoleProcess]) -> None:
+    """SIGTERM to every child, then SIGKILL to any still running after its grace period."""
+    for child in children:
+        child.terminate()
+    started = time.monotonic()
+    for child in children:
+        grace = _LEARNER_STOP_GRACE_S if child.role == "learner" else _ACTOR_STOP_GRACE_S
+        if not child.wait(max(0.1, started + grace - time.monotonic())):
+            child.kill()
+            child.wait(None)
+
+
+def supervise(
+    config: Config,
+    run_dir: Path,
+    learner_ranks: list[RoleProcess],
+    actors: list[RoleProcess],
+    *,
+    progress=print,
+    before_learner_restart: Callable[[], None] = lambda: None,
+    collect: Callable[..., None] = lambda final=False: None,
+) -> int:
+    """Start the processes and watch them until the learner finishes; returns the exit code (0
+    when training finished, 130 on Ctrl-C, 143 on SIGTERM, else the learner's failing code).
+
+    `before_learner_restart` runs between stopping a failed learner's ranks and starting them
+    again; `collect(final=False)` brings what the processes wrote elsewhere (logs, metrics,
+    checkpoints) into `run_dir`, and with final=True everything that is left."""
+    children = [*learner_ranks, *actors]
+    learner = learner_ranks[0]
+    metrics = MetricsFollower(run_dir)
+    # Signal handlers can only be set from the main thread (a launcher run from a test's thread
+    # keeps the default).
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous_handler = signal.signal(signal.SIGTERM, _raise_stop_requested) if in_main_thread else None
+    try:
+        for child in children:
+            child.start()
+        _write_process_table(run_dir, children)
+        while True:
+            time.sleep(_POLL_INTERVAL_S)
+            collect()
+            for record in metrics.new_records():
+                progress(format_progress(record, config.run.total_steps))
+            learner_code = _learner_exit_code(learner_ranks)
+            if learner_code is not None:
+                if learner_code == 0 or learner.restarts >= _MAX_LEARNER_RESTARTS:
+                    break
+                learner.restarts += 1
+                progress(
+                    f"the learner exited with code {learner_code}; restarting it from its latest "
+                    f"checkpoint ({learner.restarts}/{_MAX_LEARNER_RESTARTS})"
+                )
+                # Ranks live and die together: the others cannot go on without the lost one.
+                _stop_all(learner_ranks)
+                before_learner_restart()
+                for rank in learner_ranks:
+                    rank.start(resume=True)
+                _write_process_table(run_dir, children)
+                continue
+            for actor in actors:
+                code = actor.poll()
+                if code is None:
+                    continue
+                if code == 0:  # stopped by the learner: training is ending
+                    continue
+                if actor.restarts >= _MAX_RESTARTS_PER_ACTOR:
+                    progress(f"{actor.name} exited with {code} too often; not restarting")
+                    actor.give_up()
+                    continue
+                if time.monotonic() - actor.started_at < _MIN_SECONDS_BETWEEN_STARTS:
+                    continue  # crashing at start-up: wait a little before trying again
+                actor.restarts += 1
+                progress(f"{actor.name} exited with code {code}; restarting ({actor.restarts})")
+                actor.start()
+                _write_process_table(run_dir, children)
+    except (KeyboardInterrupt, StopRequested) as stop:
+        if in_main_thread:  # a repeated SIGTERM must not cut the orderly stop short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        progress(f"{'interrupted' if isinstance(stop, KeyboardInterrupt) else 'stop requested'}: "
+                 "stopping all processes (the learner writes a checkpoint first)")
+        _stop_all(children)
+        collect(final=True)
+        return 130 if isinstance(stop, KeyboardInterrupt) else 128 + signal.SIGTERM
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous_handler)
+    # The learner finished (or failed): actors were sent Stop; give them a moment, then end them.
+    deadline = time.monotonic() + 15
+    for actor in actors:
+        while actor.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    _stop_all(children)
+    collect(final=True)
+    for record in metrics.new_records():
+        progress(format_progress(record, config.run.total_steps))
+    if learner_code != 0:
+        progress(f"the learner failed with exit code {learner_code}; see {run_dir / 'logs' / 'learner.log'}")
+        return learner_code or 1
+    return 0
