@@ -81,6 +81,7 @@ class EnvSpec:
 BUILTIN_ENV_MODULES: Mapping[str, str] = {
     "babyai": "longhorizon.envs.babyai.env",
     "codebook": "longhorizon.envs.toy.codebook",
+    "codechain": "longhorizon.envs.toy.codechain",
     "longtail": "longhorizon.envs.toy.longtail",
     "remote": "longhorizon.envs.remote",
     "sciworld": "longhorizon.envs.sciworld.env",
