@@ -192,12 +192,17 @@ def run_collect(
     concurrency: int = 32,
     engine_options: dict | None = None,
     overwrite: bool = False,
+    max_tasks: int = 0,
+    first_task: int = 0,
     engine=None,
     on_progress: Callable[[int, int, str], None] | None = None,
     on_note: Callable[[str], None] = print,
 ) -> CollectSummary:
     """Everything `longhorizon collect` does: check the arguments, build the engine and the
-    tokenizer, play, and put the file in place. Raises ValueError on bad input, before playing."""
+    tokenizer, play, and put the file in place. Raises ValueError on bad input, before playing.
+
+    `max_tasks` > 0 plays only that many tasks of the split, from task `first_task` on (wrapping
+    round): with more episodes than tasks each task is played several times (pairs for DPO)."""
     from longhorizon.envs.base import list_tasks
 
     output = Path(output)
@@ -209,10 +214,16 @@ def run_collect(
         raise ValueError(f"--episodes must be at least 1, got {episodes}")
     if horizon < 0 or concurrency < 1:
         raise ValueError("--horizon must be >= 0 (0: the last horizon stage) and --concurrency >= 1")
+    if max_tasks < 0 or first_task < 0:
+        raise ValueError(f"--tasks must be >= 0 (0: every task of the split), got {max_tasks}")
     split = split or config.env.train_split
     tasks = list_tasks(config.env.name, split, **dict(config.env.options))
     if not tasks:
         raise ValueError(f"env {config.env.name!r} has no tasks in split {split!r}")
+    start = first_task % len(tasks)
+    tasks = tasks[start:] + tasks[:start]
+    if max_tasks:
+        tasks = tasks[:max_tasks]
     episodes = episodes or len(tasks)
     horizon_cap = horizon or max(config.horizon.stages)
     tokenizer, tokenizer_info = target_tokenizer(config, model)

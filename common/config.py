@@ -35,6 +35,9 @@ class RunConfig:
     """Learner steps (optimiser updates on one batch of groups) before the run ends."""
     resume: bool = False
     """Continue from the latest checkpoint in the run directory if there is one."""
+    launcher: str = "local"
+    """Where the processes run: `local` (all on this machine) or `ray` (placed on a Ray cluster
+    with the resources of [ray]; docs/cluster.md)."""
 
 
 @dataclass(frozen=True)
@@ -130,9 +133,21 @@ class LearnerConfig:
     docs/benchmarks.md). A sequence longer than this gets a micro-batch of its own."""
     device: str = "auto"
     """Where the learner trains: auto (a CUDA GPU when present, else the CPU), cpu, cuda or cuda:N."""
+    num_ranks: int = 1
+    """Learner processes under torch.distributed (gloo on CPU, NCCL on GPUs), the model sharded
+    across them with FSDP2; each step's examples are split between them by tokens. On GPUs, one
+    rank per GPU (rank r uses cuda:LOCAL_RANK). The launcher starts them; under torchrun, set
+    this to --nproc-per-node times the nodes."""
+    rank_timeout_s: float = 1800.0
+    """A collective among the learner's ranks (an update step, gathering weights, a checkpoint)
+    that has not completed after this long fails the run instead of hanging: a rank is gone."""
     precision: str = "fp32"
     """fp32, or bf16-mixed: bfloat16 compute (autocast) with fp32 master weights, gradients and
     optimiser state, as on GPUs; log-probs and losses are taken in fp32 either way."""
+    lora: dict = field(default_factory=dict)
+    """LoRA instead of full fine-tuning, e.g. {rank = 16, alpha = 32, target_modules = ["q_proj",
+    "v_proj"], dropout = 0.0}: only the adapters train and only they are sent to the actors (hf
+    engine). Empty: every parameter trains."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass instead of keeping them: less
     memory for long sequences, about a third more compute."""
@@ -145,20 +160,47 @@ class LearnerConfig:
     sync_batch_timeout_s: float = 600.0
     """Sync mode: when no trajectory has arrived for this long, the step goes ahead with the groups
     that are ready (a batch that lost a group would otherwise wait for ever)."""
-    advantage: str = "grpo"
-    """Advantage estimator: grpo or rloo."""
-    scale_advantage_by_std: bool = True
-    """GRPO: divide by the group std (False gives the mean-centred variant)."""
+    algorithm: str = "grpo"
+    """The RL algorithm: grpo, rloo, reinforce_pp, dr_grpo, dapo, gspo, ppo or cispo (docs/algorithms.md).
+    Keys below that only some algorithms read are refused with the others."""
     loss: str = "decoupled_ppo"
     """Off-policy correction: decoupled_ppo, truncated_is, or none (plain PPO against the behaviour policy)."""
     clip_eps: float = 0.2
-    """PPO ratio clip."""
+    """PPO ratio clip, symmetric (grpo, rloo, reinforce_pp, dr_grpo)."""
+    clip_eps_low: float | None = None
+    """dapo, gspo, cispo: the ratio (or weight) is clipped below at 1 - clip_eps_low; unset takes
+    the algorithm's default (dapo 0.2, gspo 3e-4, cispo 1.0, i.e. no lower bound)."""
+    clip_eps_high: float | None = None
+    """dapo, gspo, cispo: the upper clip 1 + clip_eps_high; unset takes the algorithm's default
+    (dapo 0.28, gspo 4e-4, cispo 1.0)."""
+    overlong_max_tokens: int = 0
+    """dapo: generated tokens (over all turns) at which the overlong penalty reaches -1; 0 turns
+    the shaping off."""
+    overlong_buffer_tokens: int = 0
+    """dapo: the penalty falls linearly from 0 to -1 over this many tokens before
+    `overlong_max_tokens`."""
+    critic: str = "shared"
+    """ppo: the value model, `shared` (a linear head on the policy's own backbone, which the value
+    loss then also trains) or a model folder (a separate, usually smaller, critic)."""
+    gamma: float = 1.0
+    """ppo: discount per generated token."""
+    lam: float = 0.95
+    """ppo: GAE's lambda (bias against variance of the advantage estimate)."""
+    value_coef: float = 0.5
+    """ppo: weight of the value loss beside the policy loss."""
+    value_clip: float = 0.2
+    """ppo: the new value may move at most this far from the old one in the clipped value loss
+    (0 turns the clip off)."""
+    loss_normaliser_tokens: float = 1024.0
+    """dr_grpo: each sequence's summed token loss is divided by this constant (the generation
+    budget) instead of its own length."""
     behaviour_weight_cap: float = 2.0
     """Truncation of the behaviour weight pi_prox / mu (decoupled_ppo) or pi / mu (truncated_is)."""
     weight_level: str = "token"
     """Level of the behaviour weight: token, sequence or geometric."""
     aggregation: str = "token"
-    """Loss aggregation: token (mean over all tokens) or sequence (mean of per-sequence means)."""
+    """Loss aggregation of grpo, rloo and reinforce_pp: token (mean over all tokens) or sequence
+    (mean of per-sequence means); the other algorithms fix their own."""
     learning_rate: float = 1e-6
     """Adam learning rate."""
     weight_decay: float = 0.0
@@ -175,8 +217,21 @@ class LearnerConfig:
     broadcast_every: int = 1
     """Broadcast weights and horizon every N learner steps."""
     weights_transport: str = "inline"
-    """`inline` (tensors over the broadcast socket: works across hosts) or `path` (a safetensors
-    folder on a filesystem every actor can read)."""
+    """`inline` (tensors over the broadcast socket: works across hosts), `path` (a safetensors
+    folder on a filesystem every actor can read) or `collective` (a torch.distributed group between
+    the learner and each actor's engine, gloo or NCCL: no disk, no copy through ZeroMQ; engines hf
+    and vllm)."""
+    weights_backend: str = "auto"
+    """`collective`: the process-group backend. auto (nccl when the learner trains on a CUDA GPU,
+    else gloo), gloo (buffers in CPU memory) or nccl (GPU buffers; the engines must be on GPUs)."""
+    weights_bucket_mb: int = 128
+    """`collective`: tensors travel in buckets of about this many MiB, one broadcast each (a larger
+    tensor travels alone); dtypes are kept (bf16 stays bf16)."""
+    weights_timeout_s: float = 120.0
+    """`collective`: the longest any one wait may take (forming an actor's group, sending or
+    receiving a bucket); past it the waiting side raises an error naming its peer, the learner
+    drops that actor's group and the others carry on. It must cover the time an engine needs to
+    take an update between turns (the hf engine waits for its batch in progress)."""
     checkpoint_every: int = 10
     """Write a checkpoint every N steps (and always at the end)."""
     sample_episodes_every: int = 1
@@ -188,17 +243,39 @@ class LearnerConfig:
 @dataclass(frozen=True)
 class HorizonConfig:
     schedule: str = "stepwise"
-    """`fixed` (stages[0] throughout) or `stepwise` (ScalingInter-RL stages)."""
+    """`fixed` (stages[0] throughout), `stepwise` (ScalingInter-RL stages of `stage_steps` each) or
+    `adaptive` (the next stage when success stops rising or the cap cuts too many episodes)."""
     stages: list = field(default_factory=lambda: [10, 20, 30])
     """Horizon caps (most turns per episode), increasing."""
     stage_steps: int = 100
     """Learner steps spent in each stage but the last."""
+    window: int = 10
+    """adaptive: steps in the moving window of success and truncation rates."""
+    min_gain: float = 0.02
+    """adaptive: the stage ends when the last window's mean success rate is not above the window
+    before's by more than this."""
+    truncation_threshold: float = 0.5
+    """adaptive: ... or when this share of episodes, over the last window, was cut by the cap."""
+    min_stage_steps: int = 20
+    """adaptive: a stage lasts at least this many steps (at least two windows)."""
+    max_stage_steps: int = 200
+    """adaptive: and at most this many, whatever the figures (the last stage never ends)."""
 
 
 @dataclass(frozen=True)
 class TransportConfig:
     host: str = "127.0.0.1"
-    """Address the learner binds and actors connect to. Beyond loopback needs CurveZMQ (not built yet)."""
+    """Address the learner binds and actors connect to. Any host other than loopback (127.0.0.1,
+    localhost, ::1) turns CurveZMQ on (see `curve`) unless `insecure = true`."""
+    curve: str = "auto"
+    """CurveZMQ on all three sockets (peers authenticated by the run's keys, traffic encrypted):
+    `auto` (on when `host` is not loopback), `on` (on loopback too), or `off` (beyond loopback
+    only with `insecure = true`). Keys are made per run by the launcher and reach each process in
+    the LONGHORIZON_CURVE_KEYS environment variable; starting processes by hand, make them with
+    `longhorizon keys DIR` (README, Security)."""
+    insecure: bool = False
+    """Allow plain TCP with a non-loopback `host`: no authentication, no encryption, so anyone who
+    reaches the ports can send trajectories and read the weights. The learner logs a warning."""
     trajectory_port: int = 0
     """PUSH/PULL trajectories; 0 picks a free port at launch."""
     broadcast_port: int = 0
@@ -218,6 +295,137 @@ class TransportConfig:
 
 
 @dataclass(frozen=True)
+class SFTConfig:
+    """`longhorizon sft`: supervised fine-tuning of model.path on conversation files (docs/offline.md).
+
+    Checkpoints are Hugging Face folders in `<run dir>/checkpoints/step_N/` that `model.path` of an
+    RL run (or eval) can point at. Where and how the model trains is shared with RL and read from
+    [learner]: device, precision, gradient_checkpointing, logprob_chunk_tokens, torch_threads,
+    micro_batch_size and max_tokens_per_micro_batch; the held-out evaluation at the end plays
+    env.eval_split with actor.* settings, greedily."""
+
+    data: list = field(default_factory=list)
+    """JSONL conversation files (`longhorizon collect` writes them): loss on assistant tokens only."""
+    only_successful: bool = False
+    """Train only on the conversations whose `success` is true."""
+    epochs: int = 3
+    """Passes over the data, shuffled anew each time (seeded by run.seed)."""
+    learning_rate: float = 2e-5
+    """AdamW learning rate, after the warm-up."""
+    warmup_steps: int = 0
+    """Optimiser steps over which the learning rate rises linearly from near zero."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient norm clip."""
+    batch_sequences: int = 8
+    """Most conversations per optimiser step."""
+    batch_tokens: int = 0
+    """When above 0, a step also ends once its conversations hold this many tokens."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every N steps; 0 writes one at the end only (always written)."""
+    eval_episodes: int = 100
+    """Greedy episodes on env.eval_split with the final checkpoint; 0 skips the evaluation."""
+    eval_before: bool = False
+    """Also evaluate model.path before training (the baseline the result is compared with)."""
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    """`longhorizon dpo`: direct preference optimisation of model.path on pairs of episodes
+    (docs/offline.md). The reference is model.path itself, frozen: its log-likelihoods of every
+    pair are computed once before the first update. Training settings shared with RL (device,
+    precision, micro-batches, threads) are read from [learner]; checkpoints and the held-out
+    evaluation are those of `longhorizon sft`."""
+
+    data: list = field(default_factory=list)
+    """Conversation files (`longhorizon collect`) holding several episodes per task: each task's
+    best episode is paired with its worst when their rewards differ."""
+    pairs: list = field(default_factory=list)
+    """Preference-pair files: one {"chosen": ..., "rejected": ...} object per line."""
+    beta: float = 0.1
+    """Strength of the pull towards the reference: the loss is -log sigmoid(beta * margin)."""
+    nll_coef: float = 0.0
+    """Weight of the chosen episodes' per-token negative log-likelihood added to the loss (0: DPO
+    alone). DPO can widen the gap by making both sides unlikely; this keeps the chosen ones likely."""
+    epochs: int = 3
+    """Passes over the pairs, shuffled anew each time (seeded by run.seed)."""
+    learning_rate: float = 1e-5
+    """AdamW learning rate, after the warm-up."""
+    warmup_steps: int = 0
+    """Optimiser steps over which the learning rate rises linearly from near zero."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient norm clip."""
+    batch_pairs: int = 8
+    """Pairs per optimiser step."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every N steps; 0 writes one at the end only (always written)."""
+    eval_episodes: int = 100
+    """Greedy episodes on env.eval_split with the final checkpoint; 0 skips the evaluation."""
+    eval_before: bool = False
+    """Also evaluate model.path before training (the baseline the result is compared with)."""
+
+
+@dataclass(frozen=True)
+class RFTConfig:
+    """`longhorizon rft`: rejection-sampling fine-tuning (docs/offline.md). Each round samples
+    episodes from env.train_split with the current policy (actor.engine hf or vllm, actor.sampling),
+    keeps the successful ones and fine-tunes the policy on them with the settings of [sft]; the
+    next round samples with the result. sft.data, when given, joins every round's data."""
+
+    rounds: int = 3
+    """Rounds of sampling and fine-tuning."""
+    episodes_per_round: int = 256
+    """Episodes sampled each round; rounds take consecutive tasks of the split."""
+    min_reward: float | None = None
+    """Unset: keep the episodes that succeeded. A number: keep those whose reward is at least it
+    (for a start that never succeeds yet, e.g. partial credit)."""
+    deduplicate: bool = True
+    """Keep one copy of conversations sampled more than once in a round."""
+    accumulate: bool = True
+    """Train each round on the episodes kept in every round so far; false: this round's only."""
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """`run.launcher = "ray"`: the Ray cluster and what each process asks of it (docs/cluster.md).
+
+    Every learner rank and every actor is one Ray actor holding the resources below, on whichever
+    node has them free; custom resources (`ray start --resources '{"browser_node": 4}'`) pin a role
+    to the nodes that offer them."""
+
+    address: str = "auto"
+    """The cluster: `auto` (the one this machine joined with `ray start`), the head's `HOST:PORT`,
+    or `ray://HOST:PORT` (Ray Client)."""
+    learner_num_cpus: float = 1.0
+    """CPUs reserved for each learner rank."""
+    learner_num_gpus: float = 0.0
+    """GPUs for each learner rank: 1 on GPU nodes (Ray gives the rank its own GPU through
+    CUDA_VISIBLE_DEVICES). 0 keeps the learner on CPUs."""
+    learner_resources: dict = field(default_factory=dict)
+    """Custom resources each learner rank needs, e.g. {learner_node = 1}."""
+    actor_num_cpus: float = 1.0
+    """CPUs reserved for each actor (its engine, env pool and helpers such as a browser)."""
+    actor_num_gpus: float = 0.0
+    """GPUs for each actor (an engine on a GPU: hf with device cuda, vllm)."""
+    actor_resources: dict = field(default_factory=dict)
+    """Custom resources each actor needs, e.g. {browser_node = 1} to keep browsers off the GPU nodes."""
+    run_storage: str = "auto"
+    """Where the learner writes checkpoints, metrics and episodes: `shared` (straight into the
+    run directory, which must be on storage the learner's node shares with this machine), `node`
+    (a folder on the learner's node, each file copied into the run directory here as it grows),
+    or `auto` (shared when the learner's node sees the run directory, else node)."""
+    node_dir: str = ""
+    """`node` storage: the folder on the learner's node for its copy of the run (removed when the
+    run ends); empty for the node's temporary folder."""
+    start_timeout_s: float = 300.0
+    """How long the cluster may take to place every process before the launch fails with the
+    resources that could not be found."""
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -226,6 +434,10 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     horizon: HorizonConfig = field(default_factory=HorizonConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    rft: RFTConfig = field(default_factory=RFTConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -282,6 +494,9 @@ def _coerce(tp: Any, value: Any, key_path: str) -> Any:
     elif tp is list or origin is list:
         if isinstance(value, (list, tuple)):
             return list(value)
+    elif tp is type(None):
+        if value is None:
+            return value
     elif origin in (typing.Union, types.UnionType):
         for option in typing.get_args(tp):
             try:
@@ -365,6 +580,8 @@ def dump_toml(config: Config) -> str:
         if prefix:
             lines.append(f"[{prefix}]")
         for name, value in scalars:
+            if value is None:  # unset (TOML has no null): the default applies on reading
+                continue
             lines.append(f"{name} = {_toml_value(value)}")
         lines.append("")
         for name, value in tables:

@@ -179,6 +179,12 @@ def _parse_line(line: str, where: str) -> ConversationRecord:
             f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); each line must be one JSON "
             f"object: fix or delete the line"
         ) from None
+    return parse_record(data, where)
+
+
+def parse_record(data: Any, where: str) -> ConversationRecord:
+    """One conversation object (a line of a conversation file, or one side of a preference pair),
+    checked; `where` prefixes every error."""
     if not isinstance(data, dict):
         raise ConversationFileError(f"{where}: expected a JSON object, got {type(data).__name__}")
     unknown = sorted(set(data) - set(RECORD_KEYS))

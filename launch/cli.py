@@ -14,15 +14,19 @@ def _train(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides)
     if args.in_process:
+        from longhorizon.common.config import ConfigError
         from longhorizon.launch.local import train_in_process
 
+        if config.run.launcher != "local":
+            raise ConfigError(f"--in-process runs every role in this process, not with run.launcher = "
+                              f"{config.run.launcher!r}: drop one of the two")
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         trio.run(train_in_process, config)
         code = 0
     else:
-        from longhorizon.launch.local import launch_local
+        from longhorizon.launch.launcher import launch
 
-        code = launch_local(config)
+        code = launch(config)
     if code == 0 and not args.no_plots:
         from longhorizon.launch.plot import plot_run
 
@@ -99,6 +103,84 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from longhorizon.common.curve import print_new_key_files
+
+    return print_new_key_files(args.folder)
+
+
+def _collect(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    from longhorizon.actor.collect import run_collect
+    from longhorizon.common.config import load_config
+    from longhorizon.common.progress import ProgressBar
+    from longhorizon.launch.eval import _engine_options
+
+    config = load_config(args.config, args.overrides)
+    bars: list[ProgressBar] = []
+
+    def on_progress(done: int, total: int, detail: str) -> None:
+        if not bars:
+            bars.append(ProgressBar("collect", total))
+        bars[0].update(done, detail)
+
+    try:
+        summary = run_collect(
+            config, output=args.output, episodes=args.episodes, split=args.split, only_successful=args.only_successful,
+            model=args.model, horizon=args.horizon, concurrency=args.concurrency,
+            engine_options=_engine_options(args.engine_option), overwrite=args.overwrite, max_tasks=args.tasks,
+            on_progress=on_progress,
+        )
+    finally:
+        for bar in bars:
+            bar.close()
+    print(f"wrote {summary.written} conversations to {summary.output} ({summary.successful} of {summary.episodes} "
+          f"episodes successful, {summary.failed} failed) in {summary.seconds:.1f}s")
+    print(json.dumps(asdict(summary), sort_keys=True))
+    return 0
+
+
+def _sft(args: argparse.Namespace) -> int:
+    import json
+
+    from longhorizon.common.config import load_config
+    from longhorizon.learner.sft import run_sft
+
+    summary = run_sft(load_config(args.config, args.overrides))
+    print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+def _dpo(args: argparse.Namespace) -> int:
+    import json
+
+    from longhorizon.common.config import load_config
+    from longhorizon.learner.dpo import run_dpo
+
+    summary = run_dpo(load_config(args.config, args.overrides))
+    print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+def _rft(args: argparse.Namespace) -> int:
+    import json
+
+    from longhorizon.common.config import load_config
+    from longhorizon.learner.rft import run_rft
+
+    summary = run_rft(load_config(args.config, args.overrides))
+    print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+def _experiment(args: argparse.Namespace) -> int:
+    from longhorizon.launch.experiment_horizons import main
+
+    return main(args.rest)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from longhorizon.launch.bench import main
 
@@ -162,6 +244,53 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="env option (JSON value)")
     env.set_defaults(handler=_env)
 
+    keys = commands.add_parser("keys", help="make a run's CurveZMQ keys, for processes you start yourself")
+    keys.add_argument("folder", help="where learner.keys and actor.keys are written (readable by you only)")
+    keys.set_defaults(handler=_keys)
+
+    collect = commands.add_parser(
+        "collect", help="play an env's split with any engine and write the conversations as JSONL")
+    collect.add_argument("config", help="TOML config: env, engine (actor.engine; scripted for the oracle), sampling")
+    collect.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    collect.add_argument("--output", required=True, help="the .jsonl file to write")
+    collect.add_argument("--episodes", type=int, help="episodes to play (default: each task of the split once)")
+    collect.add_argument("--split", help="task split to play (default: env.train_split)")
+    collect.add_argument("--tasks", type=int, default=0,
+                         help="play only the first N tasks of the split; with more --episodes each is played several "
+                              "times (pairs for dpo). Default: every task")
+    collect.add_argument("--only-successful", action="store_true", help="write only episodes that reached the goal")
+    collect.add_argument("--model", help="the model to be trained on the file: token ids are written in its "
+                                         "tokenizer (default: model.path)")
+    collect.add_argument("--horizon", type=int, default=0, help="turn limit (default: the last horizon stage)")
+    collect.add_argument("--concurrency", type=int, default=32, help="episodes played at once (default %(default)s)")
+    collect.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                         help="an engine-specific option (repeatable), e.g. base_url=http://host:8000/v1 for openai")
+    collect.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    collect.set_defaults(handler=_collect)
+
+    sft = commands.add_parser("sft", help="supervised fine-tuning on collected conversations ([sft] in the config)")
+    sft.add_argument("config", help="TOML config with an [sft] table (see configs/codebook-sft.toml)")
+    sft.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. sft.epochs=5")
+    sft.set_defaults(handler=_sft)
+
+    dpo = commands.add_parser("dpo", help="direct preference optimisation on pairs of episodes ([dpo] in the config)")
+    dpo.add_argument("config", help="TOML config with a [dpo] table (see configs/codebook-dpo.toml)")
+    dpo.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. dpo.beta=0.5")
+    dpo.set_defaults(handler=_dpo)
+
+    rft = commands.add_parser(
+        "rft", help="rejection-sampling fine-tuning: rounds of sampling, keeping successes, SFT ([rft], [sft])")
+    rft.add_argument("config", help="TOML config with [rft] and [sft] tables (see configs/codebook-rft.toml)")
+    rft.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. rft.rounds=5")
+    rft.set_defaults(handler=_rft)
+
+    experiment = commands.add_parser("experiment", help="learning experiments (docs/results.md)")
+    experiment_commands = experiment.add_subparsers(dest="experiment_command", required=True)
+    horizons = experiment_commands.add_parser(
+        "horizons", help="fixed-short, fixed-long, stepwise and adaptive horizons at one budget", add_help=False)
+    horizons.add_argument("rest", nargs=argparse.REMAINDER)
+    experiment.set_defaults(handler=_experiment)
+
     bench = commands.add_parser("bench", help="benchmarks: transport, async-vs-sync", add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(handler=_bench)
@@ -169,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Subcommands that parse their own arguments (their --help included).
-_PASS_THROUGH = {("bench",): "bench", ("eval",): "eval", ("serve-model",): "serve-model", ("env", "play"): "play"}
+_PASS_THROUGH = {("bench",): "bench", ("eval",): "eval", ("serve-model",): "serve-model", ("env", "play"): "play",
+                 ("experiment", "horizons"): "horizons"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,7 @@ import torch
 from longhorizon.common.config import Config, ConfigError, SFTConfig, dump_toml
 from longhorizon.common.conversations import (
     ConversationFileError,
+    ConversationRecord,
     read_conversations,
     tokenize_conversation,
     tokenizer_fingerprint,
@@ -134,6 +135,41 @@ def check_sft_config(config: Config) -> None:
         raise ConfigError(f"sft trains in one process: set learner.num_ranks=1 (got {config.learner.num_ranks})")
 
 
+def conversation_example(
+    record: ConversationRecord, chat_tokenizer, fingerprint: str, *, vocab_size: int, max_tokens: int
+) -> tuple[Example, bool]:
+    """A checked conversation as a training example for a model with this tokenizer, and whether
+    it was tokenized from its messages (its stored ids are for another tokenizer, or absent).
+
+    Raises ConversationFileError naming the line and the fix for token ids outside the model's
+    vocabulary, no assistant token, or more than `max_tokens` tokens."""
+    retokenized = False
+    if record.token_ids is not None and record.tokenizer["fingerprint"] == fingerprint:
+        token_ids, loss_mask = record.token_ids, record.loss_mask
+    else:
+        conversation = tokenize_conversation(chat_tokenizer, record.messages)
+        token_ids, loss_mask = conversation.token_ids, conversation.loss_mask
+        retokenized = True
+    ids = np.asarray(token_ids, dtype=np.int64)
+    mask = np.asarray(loss_mask, dtype=np.float32)
+    if ids.size and int(ids.max()) >= vocab_size:
+        raise ConversationFileError(
+            f"{record.where}: token id {int(ids.max())} is outside the model's vocabulary of "
+            f"{vocab_size}: the ids were made for another model. Delete token_ids, loss_mask and "
+            f"tokenizer from the file's lines to tokenize the messages, or collect again with "
+            f"--model set to this model")
+    if mask[1:].sum() == 0:  # the first token is never predicted
+        raise ConversationFileError(
+            f"{record.where}: no assistant token (loss_mask has no 1): nothing to learn from; "
+            f"delete the line or collect it again")
+    if ids.size > max_tokens:
+        raise ConversationFileError(
+            f"{record.where}: {ids.size} tokens, more than actor.max_context_tokens = {max_tokens} "
+            f"(the longest conversation RL trains on): raise it or drop the conversation")
+    example = Example(token_ids=ids, loss_mask=mask, behaviour_logprobs=np.zeros(ids.size, np.float32), advantage=0.0)
+    return example, retokenized
+
+
 def load_sft_data(
     paths: Sequence[str | Path],
     chat_tokenizer,
@@ -164,32 +200,12 @@ def load_sft_data(
                 if not record.success:
                     left_out += 1
                     continue
-            if record.token_ids is not None and record.tokenizer["fingerprint"] == fingerprint:
-                token_ids, loss_mask = record.token_ids, record.loss_mask
-            else:
-                conversation = tokenize_conversation(chat_tokenizer, record.messages)
-                token_ids, loss_mask = conversation.token_ids, conversation.loss_mask
-                retokenized += 1
-            ids = np.asarray(token_ids, dtype=np.int64)
-            mask = np.asarray(loss_mask, dtype=np.float32)
-            if ids.size and int(ids.max()) >= vocab_size:
-                raise ConversationFileError(
-                    f"{record.where}: token id {int(ids.max())} is outside the model's vocabulary of "
-                    f"{vocab_size}: the ids were made for another model. Delete token_ids, loss_mask and "
-                    f"tokenizer from the file's lines to tokenize the messages, or collect again with "
-                    f"--model set to this model")
-            if mask[1:].sum() == 0:  # the first token is never predicted
-                raise ConversationFileError(
-                    f"{record.where}: no assistant token (loss_mask has no 1): nothing to learn from; "
-                    f"delete the line or collect it again")
-            if ids.size > max_tokens:
-                raise ConversationFileError(
-                    f"{record.where}: {ids.size} tokens, more than actor.max_context_tokens = {max_tokens} "
-                    f"(the longest conversation RL trains on): raise it or drop the conversation")
-            tokens += int(ids.size)
-            assistant_tokens += int(mask[1:].sum())
-            examples.append(Example(token_ids=ids, loss_mask=mask, behaviour_logprobs=np.zeros(ids.size, np.float32),
-                                    advantage=0.0))
+            example, was_retokenized = conversation_example(
+                record, chat_tokenizer, fingerprint, vocab_size=vocab_size, max_tokens=max_tokens)
+            retokenized += int(was_retokenized)
+            tokens += len(example.token_ids)
+            assistant_tokens += int(example.loss_mask[1:].sum())
+            examples.append(example)
     if not examples:
         raise ConversationFileError(
             f"none of the {conversations} conversations in {', '.join(map(str, paths))} succeeded: nothing "
@@ -199,9 +215,12 @@ def load_sft_data(
 
 # ---------------------------------------------------------------- checkpoints and evaluation
 
-def save_model_folder(model, source_folder: Path, target: Path, *, provenance: dict) -> Path:
+def save_model_folder(
+    model, source_folder: Path, target: Path, *, provenance: dict, provenance_file: str = "longhorizon_sft.json"
+) -> Path:
     """A Hugging Face model folder (weights, config, tokenizer files) at `target`, written beside
-    it first and renamed, so a crash never leaves half a folder under the final name."""
+    it first and renamed, so a crash never leaves half a folder under the final name.
+    `provenance` (what it was trained from) goes to `provenance_file` in it."""
     partial = target.with_name(target.name + ".partial")
     if partial.exists():
         shutil.rmtree(partial)
@@ -210,7 +229,7 @@ def save_model_folder(model, source_folder: Path, target: Path, *, provenance: d
     for pattern in _TOKENIZER_FILES:
         for file in Path(source_folder).glob(pattern):
             shutil.copy2(file, partial / file.name)
-    (partial / "longhorizon_sft.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    (partial / provenance_file).write_text(json.dumps(provenance, indent=2) + "\n")
     if target.exists():
         shutil.rmtree(target)
     partial.rename(target)
@@ -251,8 +270,11 @@ def evaluate_model(config: Config, model_folder: str | Path, episodes: int) -> d
             "mean_reward": result.mean_reward, "failed_episodes": result.failed_episodes}
 
 
-def _fresh_run_dir(run_dir: Path, note: Callable[[str], None]) -> Path:
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+def fresh_run_dir(run_dir: Path, note: Callable[[str], None], markers: Sequence[str] = ("metrics.jsonl", "checkpoints")
+                  ) -> Path:
+    """`run_dir`, ready for a new run: when it holds one of `markers` (an earlier run's outputs),
+    that run is moved aside under a time stamp."""
+    if any((run_dir / marker).exists() for marker in markers):
         stamp = time.strftime('%Y%m%d-%H%M%S')
         kept = run_dir.with_name(f"{run_dir.name}.{stamp}")
         count = 1
@@ -267,24 +289,31 @@ def _fresh_run_dir(run_dir: Path, note: Callable[[str], None]) -> Path:
 
 # ---------------------------------------------------------------- the run
 
+def load_model_for_training(config: Config):
+    """model.path, loaded where [learner] says, with torch's threads and seed set: returns
+    (model folder, Hugging Face tokenizer, chat tokenizer, model, device)."""
+    from longhorizon.common.chat import HFChatTokenizer
+    from longhorizon.common.models import load_causal_lm, load_tokenizer, resolve_device, resolve_model_path
+
+    model_folder = resolve_model_path(config.model.path, config.model.cache_dir)
+    hf_tokenizer = load_tokenizer(model_folder)
+    torch.set_num_threads(max(1, config.learner.torch_threads))
+    torch.manual_seed(config.run.seed)
+    device = resolve_device(config.learner.device)
+    model = load_causal_lm(model_folder, config.model.dtype).to(device)
+    return model_folder, hf_tokenizer, HFChatTokenizer(hf_tokenizer), model, device
+
+
 def run_sft(config: Config, *, note: Callable[[str], None] = print, progress_stream=None) -> dict:
     """Check everything, train, checkpoint, evaluate; returns the summary (also written to
     `<run dir>/sft_summary.json`)."""
-    from longhorizon.common.chat import HFChatTokenizer
     from longhorizon.common.metrics import MetricsWriter
-    from longhorizon.common.models import load_causal_lm, load_tokenizer, resolve_device, resolve_model_path
     from longhorizon.common.progress import ProgressBar
     from longhorizon.learner.checkpoint import checkpoint_dir
 
     check_sft_config(config)
     sft, learner = config.sft, config.learner
-    model_folder = resolve_model_path(config.model.path, config.model.cache_dir)
-    hf_tokenizer = load_tokenizer(model_folder)
-    chat_tokenizer = HFChatTokenizer(hf_tokenizer)
-    torch.set_num_threads(max(1, learner.torch_threads))
-    torch.manual_seed(config.run.seed)
-    device = resolve_device(learner.device)
-    model = load_causal_lm(model_folder, config.model.dtype).to(device)
+    model_folder, hf_tokenizer, chat_tokenizer, model, device = load_model_for_training(config)
     data = load_sft_data(
         sft.data, chat_tokenizer, tokenizer_fingerprint(hf_tokenizer),
         vocab_size=model.get_input_embeddings().num_embeddings, max_tokens=config.actor.max_context_tokens,
@@ -294,7 +323,7 @@ def run_sft(config: Config, *, note: Callable[[str], None] = print, progress_str
          f"{len(sft.data)} file(s); {data.retokenized} tokenized from their messages for this model"
          + (f"; {data.left_out_unsuccessful} unsuccessful left out" if sft.only_successful else ""))
 
-    run_dir = _fresh_run_dir(config.run_dir, note)
+    run_dir = fresh_run_dir(config.run_dir, note)
     (run_dir / "config.toml").write_text(dump_toml(config))
     summary: dict = {"model": str(model_folder), "data": list(sft.data), "conversations": len(data.examples),
                      "retokenized": data.retokenized, "tokens": data.tokens, "assistant_tokens": data.assistant_tokens}
