@@ -106,7 +106,11 @@ def test_lora_learns_codebook_and_only_adapters_cross_the_wire(tmp_path, tiny_co
     table = {"rank": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                           "up_proj", "down_proj"]}
     override = "learner.lora={rank = 16, alpha = 32, target_modules = " + str(table["target_modules"]) + "}"
-    _, records, trained = _train_and_evaluate(tmp_path, tiny_codebook_model, [override, "learner.learning_rate=5e-3"])
+    # Sync mode: the adapters move the logits less than full fine-tuning does, and with the
+    # staleness of a loaded machine the async run did not always get there in 60 steps.
+    _, records, trained = _train_and_evaluate(
+        tmp_path, tiny_codebook_model, [override, "learner.learning_rate=5e-3", "run.mode='sync'"],
+    )
     assert trained.success_rate > 0.8
 
     adapters = adapter_state_dict(apply_lora(load_causal_lm(tiny_codebook_model), lora_settings(table)))

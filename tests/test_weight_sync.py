@@ -501,13 +501,16 @@ def test_codebook_learns_with_collective_weights_while_an_actor_is_killed_and_re
     config = load_config(
         REPO_ROOT / "configs" / "codebook.toml",
         [f"run.output_dir={str(tmp_path)!r}", f"model.path={str(tiny_codebook_model)!r}",
-         "learner.weights_transport='collective'", "learner.weights_timeout_s=30"],
+         "learner.weights_transport='collective'", "learner.weights_timeout_s=30",
+         # Long enough after the kill for the restarted actor to load torch and its model and
+         # rejoin on a busy machine (it took over 40 s there) before the run ends.
+         "run.total_steps=150"],
     )
     lines, outcome = [], {}
     launcher = threading.Thread(target=lambda: outcome.update(code=launch_local(config, progress=lines.append)), daemon=True)
     launcher.start()
     run_dir = config.run_dir
-    _wait_until(lambda: any(r["step"] >= 20 for r in read_metrics(run_dir)) if (run_dir / "metrics.jsonl").exists() else False, 300)
+    _wait_until(lambda: any(r["step"] >= 10 for r in read_metrics(run_dir)) if (run_dir / "metrics.jsonl").exists() else False, 300)
     killed_pid = json.loads((run_dir / "processes.json").read_text())["actor-0"]["pid"]
     os.kill(killed_pid, signal.SIGKILL)
     launcher.join(600)
@@ -522,7 +525,7 @@ def test_codebook_learns_with_collective_weights_while_an_actor_is_killed_and_re
     learner_log = (run_dir / "logs" / "learner.log").read_text()
     after_restart = learner_log.split("actor actor-0 joined")[-1]
     sent = [int(line.split("weights v")[1].split()[0]) for line in after_restart.splitlines() if "sent to actor actor-0 over group" in line]
-    assert learner_log.count("actor actor-0 joined") == 2 and sent and max(sent) > 20, after_restart[-3000:]
+    assert learner_log.count("actor actor-0 joined") == 2 and sent and max(sent) > 10, after_restart[-3000:]
     actor_log = (run_dir / "logs" / "actor-0.log").read_text()
     assert f"loaded weights v{max(sent)} " in actor_log
     assert "sent to actor actor-1 over group" in learner_log
