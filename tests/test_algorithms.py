@@ -251,3 +251,24 @@ def test_ppo_trains_its_critic_and_checkpoints_it(tmp_path, tiny_codebook_model)
     load_checkpoint(tmp_path / "checkpoints" / "step_000001", trainer=resumed)
     torch.testing.assert_close(resumed.value_model.head.weight, trainer.value_model.head.weight)
     assert "value_model" not in " ".join(trainer.full_state_dict())  # the exported folder is the policy alone
+
+
+def test_ppo_with_a_separate_critic_model(tiny_codebook_model):
+    from longhorizon.common.models import load_causal_lm
+    from longhorizon.learner.trainer import Trainer
+
+    config = LearnerConfig(algorithm="ppo", critic=str(tiny_codebook_model), learning_rate=1e-2)
+    trainer = Trainer(load_causal_lm(tiny_codebook_model), config)
+    assert trainer.value_model.decoder is not trainer.model.get_decoder()
+    trajectories = [_trajectory(1.0, generated=4), _trajectory(0.0, generated=4)]
+    for trajectory in trajectories:
+        trajectory.turn_rewards = [trajectory.reward]
+    critic_before = [p.detach().clone() for p in trainer.value_model.decoder.parameters()]
+    policy_before = [p.detach().clone() for p in trainer.model.parameters()]
+    examples = score_groups([SimpleNamespace(trajectories=trajectories)], config).examples
+    metrics = trainer.step(examples)
+    assert metrics["value_loss"] > 0
+    # The head starts at zero, so the critic's own backbone moves from the second step on.
+    trainer.step(examples)
+    assert any(not torch.equal(a, b) for a, b in zip(critic_before, trainer.value_model.decoder.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(policy_before, trainer.model.parameters()))
