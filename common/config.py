@@ -379,9 +379,10 @@ class RFTConfig:
     """Rounds of sampling and fine-tuning."""
     episodes_per_round: int = 256
     """Episodes sampled each round; rounds take consecutive tasks of the split."""
-    min_reward: float | None = None
+    min_reward: float | list | None = None
     """Unset: keep the episodes that succeeded. A number: keep those whose reward is at least it
-    (for a start that never succeeds yet, e.g. partial credit)."""
+    (for a start that never succeeds yet, e.g. partial credit). A list: one such number per
+    round, the last one repeating (a curriculum from partial credit to success)."""
     deduplicate: bool = True
     """Keep one copy of conversations sampled more than once in a round."""
     accumulate: bool = True

@@ -6,8 +6,8 @@ Each round r (of `rft.rounds`):
 1. collect: `rft.episodes_per_round` episodes of env.train_split played by the current policy with
    actor.sampling (the hf or vllm engine), by `longhorizon collect`'s code (actor/collect.py). Rounds
    take consecutive tasks of the split and new reset seeds, so no round replays another's episodes.
-2. keep: the episodes that succeeded (or, with `rft.min_reward`, those whose reward reaches it),
-   one copy of each conversation when `rft.deduplicate`.
+2. keep: the episodes that succeeded (or, with `rft.min_reward`, those whose reward reaches the
+   round's threshold), one copy of each conversation when `rft.deduplicate`.
 3. fine-tune: `longhorizon sft`'s run (learner/sft.py) with the settings of [sft], from the current
    policy, on the episodes kept in this round and every earlier one (`rft.accumulate`) plus
    sft.data when given (an expert set, as in AgentEvol). Each round starts a fresh optimiser: its
@@ -53,6 +53,14 @@ def keep_episodes(records: Sequence[dict], *, min_reward: float | None, deduplic
     return kept
 
 
+def round_min_reward(min_reward: float | list | None, round_index: int) -> float | None:
+    """The reward threshold of round `round_index` (1-based): `min_reward` itself, or its entry
+    for the round when it is a list (the last entry for every later round)."""
+    if isinstance(min_reward, list):
+        return float(min_reward[min(round_index, len(min_reward)) - 1])
+    return min_reward
+
+
 def check_rft_config(config: Config) -> None:
     """Values of [rft] that cannot work, as errors naming the key and the fix."""
     rft: RFTConfig = config.rft
@@ -65,6 +73,10 @@ def check_rft_config(config: Config) -> None:
     if config.actor.sampling.temperature <= 0:
         raise ConfigError("rft needs varied episodes to select from: set actor.sampling.temperature above 0 "
                           "(e.g. 1.0)")
+    if isinstance(rft.min_reward, list) and (not rft.min_reward or not all(
+            isinstance(value, (int, float)) and not isinstance(value, bool) for value in rft.min_reward)):
+        raise ConfigError(f"rft.min_reward must be a number or a list of numbers (one per round), got "
+                          f"{rft.min_reward!r}")
     if rft.min_reward is not None and config.sft.only_successful:
         raise ConfigError("rft.min_reward keeps episodes that did not succeed, which sft.only_successful=true "
                           "would drop again: unset one of them")
@@ -122,7 +134,8 @@ def run_rft(config: Config, *, note: Callable[[str], None] = print, progress_str
         finally:
             bar.close()
         records = [json.loads(line) for line in samples.read_text(encoding="utf-8").splitlines() if line.strip()]
-        kept = keep_episodes(records, min_reward=rft.min_reward, deduplicate=rft.deduplicate)
+        min_reward = round_min_reward(rft.min_reward, round_index)
+        kept = keep_episodes(records, min_reward=min_reward, deduplicate=rft.deduplicate)
         if kept:
             kept_path = round_dir / "kept.jsonl"
             kept_path.write_text("".join(record_line(episode) for episode in kept), encoding="utf-8")
@@ -132,8 +145,9 @@ def run_rft(config: Config, *, note: Callable[[str], None] = print, progress_str
         rewards = [line["reward"] for line in records]
         record = {"round": round_index, "policy": policy, "sampled": collected.episodes, "failed": collected.failed,
                   "successful": collected.successful, "sample_success_rate": collected.successful / collected.episodes,
-                  "sample_mean_reward": sum(rewards) / max(len(rewards), 1), "kept": len(kept)}
-        what = "succeeded" if rft.min_reward is None else f"reached reward {rft.min_reward}"
+                  "sample_mean_reward": sum(rewards) / max(len(rewards), 1), "min_reward": min_reward,
+                  "kept": len(kept)}
+        what = "succeeded" if min_reward is None else f"reached reward {min_reward}"
         note(f"round {round_index}: {len(kept)} of {collected.episodes} sampled episodes {what} and are kept "
              f"({collected.successful} successful)")
         data = kept_files + list(config.sft.data)

@@ -142,6 +142,23 @@ def test_no_pair_with_different_rewards_is_a_clear_error(tmp_path, tiny_tokenize
         _load(tiny_tokenizer, episodes=[no_reward])
 
 
+def test_collect_plays_a_few_tasks_several_times_for_pairs(tmp_path, tiny_codebook_model, capsys):
+    from longhorizon.actor.collect import run_collect
+
+    config = load_config(SFT_CONFIG, [f"model.path={str(tiny_codebook_model)!r}"])
+    output = tmp_path / "few.jsonl"
+    run_collect(config, output=output, episodes=7, max_tasks=3, first_task=1998, on_note=lambda line: None)
+    lines = sorted((json.loads(line) for line in output.read_text().splitlines()), key=lambda line: line["episode"])
+    # Tasks 1998, 1999 and (wrapping round) 0 of the 2000-task train split, in turn.
+    assert [line["task_id"] for line in lines] == ["train-1998", "train-1999", "train-0"] * 2 + ["train-1998"]
+    assert cli_main(["collect", str(SFT_CONFIG), f"model.path={str(tiny_codebook_model)!r}", "--tasks", "2",
+                     "--episodes", "4", "--output", str(tmp_path / "cli.jsonl")]) == 0
+    assert sorted(json.loads(line)["task_id"] for line in (tmp_path / "cli.jsonl").read_text().splitlines()) == [
+        "train-0", "train-0", "train-1", "train-1"]
+    assert cli_main(["collect", str(SFT_CONFIG), "--tasks", "-1", "--output", str(tmp_path / "bad.jsonl")]) == 2
+    assert "--tasks must be >= 0" in capsys.readouterr().err
+
+
 def test_pair_files_are_read_and_checked_line_by_line(tmp_path, tiny_tokenizer):
     good = pair_line({"messages": _conversation("a1", "a2", "a3")}, {"messages": _conversation("a0", "a2", "a0")},
                      task_id="t9")

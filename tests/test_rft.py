@@ -9,7 +9,7 @@ import pytest
 
 from longhorizon.common.config import ConfigError, load_config
 from longhorizon.launch.cli import main as cli_main
-from longhorizon.learner.rft import keep_episodes, run_rft
+from longhorizon.learner.rft import keep_episodes, round_min_reward, run_rft
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RFT_CONFIG = REPO_ROOT / "configs" / "codebook-rft.toml"
@@ -36,6 +36,11 @@ def test_keep_successful_or_rewarded_episodes_once():
     assert keep_episodes([{"messages": win["messages"]}], min_reward=0.5, deduplicate=True) == []
 
 
+def test_a_list_of_thresholds_gives_one_per_round_the_last_repeating():
+    assert [round_min_reward([0.3, 0.6, 1.0], r) for r in (1, 2, 3, 4, 5)] == [0.3, 0.6, 1.0, 1.0, 1.0]
+    assert round_min_reward(0.5, 7) == 0.5 and round_min_reward(None, 1) is None
+
+
 def test_unknown_or_unusable_rft_settings_are_config_errors(tmp_path, tiny_codebook_model):
     with pytest.raises(ConfigError, match=r"unknown config key rft.round in \[rft\]; valid keys: .*rounds"):
         load_config(RFT_CONFIG, ["rft.round=3"])
@@ -45,6 +50,8 @@ def test_unknown_or_unusable_rft_settings_are_config_errors(tmp_path, tiny_codeb
         ("actor.sampling.temperature=0", r"set actor.sampling.temperature above 0"),
         ("sft.only_successful=true", r"rft.min_reward keeps episodes that did not succeed"),
         ("rft.rounds=0", r"rft.rounds must be at least 1"),
+        ("rft.min_reward=[]", r"rft.min_reward must be a number or a list of numbers"),
+        ("rft.min_reward=['high']", r"rft.min_reward must be a number or a list of numbers"),
         ("sft.epochs=0", r"sft.epochs must be at least 1"),
         ("learner.num_ranks=2", r"learner.num_ranks=1"),
     ]:
@@ -67,9 +74,10 @@ def test_a_round_that_keeps_nothing_is_a_clear_error(tmp_path, tiny_codebook_mod
 
 @pytest.mark.slow
 def test_rejection_sampling_raises_held_out_success_from_a_random_model(tmp_path, tiny_codebook_model):
-    """configs/codebook-rft.toml from the untrained tiny model: 4 rounds of 256 sampled episodes,
-    keeping those with at least one right answer (no episode of a random model gets all three),
-    take greedy held-out success from 0% past 25% (measured 55-96% after 3 to 5 rounds)."""
+    """configs/codebook-rft.toml from the untrained tiny model: 4 rounds of 512 sampled episodes,
+    keeping those with at least one right answer, then two, then only successful ones (no episode
+    of a random model gets all three right), take greedy held-out success from under 5% past 40%
+    (measured 67.5-91.5% over four seeds)."""
     config = load_config(RFT_CONFIG, [f"run.output_dir={str(tmp_path)!r}", f"model.path={str(tiny_codebook_model)!r}"])
     summary = run_rft(config, note=lambda line: None)
     rounds = summary["rounds"]
@@ -77,15 +85,16 @@ def test_rejection_sampling_raises_held_out_success_from_a_random_model(tmp_path
           [round(r["eval_after"]["success_rate"], 3) for r in rounds], "sampled mean reward",
           [round(r["sample_mean_reward"], 3) for r in rounds])
     assert summary["eval_before"]["success_rate"] < 0.05
-    assert summary["eval_after"]["success_rate"] > 0.25 and summary["eval_after"]["failed_episodes"] == 0
-    # The policy that samples improves too: later rounds find (and keep) more good episodes.
-    assert rounds[-1]["sample_mean_reward"] > 2 * rounds[0]["sample_mean_reward"]
-    assert rounds[-1]["kept"] > rounds[0]["kept"]
-    # Each round is a checkpoint an RL run can start from, and its conversations are on disk.
+    assert summary["eval_after"]["success_rate"] > 0.4 and summary["eval_after"]["failed_episodes"] == 0
+    # The policy that samples improves too: the last round's episodes earn far more than the first's.
+    assert rounds[-1]["sample_mean_reward"] > 4 * rounds[0]["sample_mean_reward"]
+    assert [r["min_reward"] for r in rounds] == [0.3, 0.6, 1.0, 1.0]
+    # Each round is a checkpoint an RL run can start from, and what it kept is on disk.
     for record in rounds:
         assert (Path(record["checkpoint"]) / "model.safetensors").is_file()
-    round_dir = tmp_path / "codebook-rft" / "round_02"
-    kept = [json.loads(line) for line in (round_dir / "kept.jsonl").read_text().splitlines()]
-    assert len(kept) == rounds[1]["kept"] and all(line["reward"] >= 0.3 for line in kept)
+    kept_file = tmp_path / "codebook-rft" / "round_04" / "kept.jsonl"
+    kept = [json.loads(line) for line in kept_file.read_text().splitlines()]
+    assert len(kept) == rounds[-1]["kept"] > 0 and all(line["success"] for line in kept)
+    assert len({json.dumps(line["messages"]) for line in kept}) == len(kept)  # deduplicated
     written = json.loads((tmp_path / "codebook-rft" / "rft_summary.json").read_text())
     assert written["checkpoint"] == summary["checkpoint"] and len(written["rounds"]) == 4
