@@ -17,6 +17,7 @@ import dataclasses
 import json
 import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -73,6 +74,30 @@ class RoleProcess(Protocol):
 
     def describe(self) -> dict:
         """Its entry in processes.json: pid, restarts, and where it runs when that is not here."""
+
+
+class SubprocessControl:
+    """Stop and wait for the worker subprocess in `self.process` (None before it starts): shared
+    by the local launcher's children and the Ray launcher's process hosts."""
+
+    process: subprocess.Popen | None = None
+
+    def terminate(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+
+    def wait(self, timeout: float | None) -> bool:
+        if self.process is None:
+            return True
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
 
 def process_name(role: str, index: int) -> str:

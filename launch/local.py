@@ -12,7 +12,6 @@ transport, for tests and debugging.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +20,8 @@ from pathlib import Path
 from longhorizon.common.config import Config, ConfigError
 # Shared by every launcher (launch/launcher.py); imported here too, where they used to live.
 from longhorizon.launch.launcher import (  # noqa: F401
-    StopRequested, format_progress, free_port, prepare_run_dir, process_name, supervise, with_ports,
+    StopRequested, SubprocessControl, format_progress, free_port, prepare_run_dir, process_name, supervise,
+    with_ports,
 )
 
 
@@ -155,7 +155,7 @@ def _check_lora(config: Config) -> None:
         raise ConfigError(str(error)) from None
 
 
-class _Child:
+class _Child(SubprocessControl):
     def __init__(
         self, role: str, index: int, config_path: Path, log_path: Path, *, env: dict[str, str] | None = None,
     ) -> None:
@@ -190,23 +190,6 @@ class _Child:
 
     def poll(self) -> int | None:
         return None if self.process is None else self.process.poll()
-
-    def terminate(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-
-    def wait(self, timeout: float | None) -> bool:
-        if self.process is None:
-            return True
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return False
-        return True
 
     def give_up(self) -> None:
         self.process = None

@@ -33,7 +33,6 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -42,7 +41,7 @@ import time
 from pathlib import Path
 
 from longhorizon.common.config import Config, ConfigError, dump_toml
-from longhorizon.launch.launcher import prepare_run_dir, process_name, supervise
+from longhorizon.launch.launcher import SubprocessControl, prepare_run_dir, process_name, supervise
 
 RUN_STORAGES = ("auto", "shared", "node")
 INSTALL_HINT = "install it with `pip install -e '.[ray]'` (`make setup` does), on this machine and every node"
@@ -249,7 +248,7 @@ def apply_pieces(run_dir: Path, pieces: list[tuple[str, int, bytes]], deleted: l
 # -- on the nodes ------------------------------------------------------------------------------------
 
 
-class ProcessHost:
+class ProcessHost(SubprocessControl):
     """Runs one worker process on the node Ray placed this host on (this class runs there, as a
     Ray actor; its methods run one at a time on the host's main thread, which also starts the
     worker, so the worker's PR_SET_PDEATHSIG fires only when the host process itself ends).
@@ -359,23 +358,6 @@ class ProcessHost:
         """(this host's pid, the worker's exit code or None): a host Ray recreated has another pid
         and no worker yet, which the launcher must not take for a worker still running."""
         return os.getpid(), None if self.process is None else self.process.poll()
-
-    def terminate(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-
-    def wait(self, timeout: float | None) -> bool:
-        if self.process is None:
-            return True
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return False
-        return True
 
     def update(self, budget: int, mirror_run: bool) -> dict:
         """New log bytes and, with `mirror_run`, changes to the node copy of the run."""
