@@ -23,7 +23,7 @@ from longhorizon.common.transport import UnknownPeer
 from longhorizon.common.wire import ActorStats, Heartbeat, Hello, Stop
 from longhorizon.learner.broadcast import broadcast, horizon_update, make_weights_update
 from longhorizon.learner.buffer import GroupBuffer, staleness
-from longhorizon.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from longhorizon.learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from longhorizon.learner.curriculum import AdaptiveState, make_schedule
 from longhorizon.learner.distributed import Ranks
 from longhorizon.learner.trainer import Trainer, group_carries_signal, score_groups
@@ -588,9 +588,15 @@ class Learner:
                 if self.sync or self.step % learner.broadcast_every == 0 or self.step == self.config.run.total_steps:
                     await self._rebuild_weights()
                     await self._publish()
-                if self.step % learner.checkpoint_every == 0 or self.step == self.config.run.total_steps:
-                    record["checkpoint"] = str(await trio.to_thread.run_sync(self._checkpoint))
+                # The record goes out before the checkpoint: a learner killed between the two
+                # resumes from the older checkpoint, which cuts the record and trains the step
+                # again. The other order would leave a checkpoint whose step has no record.
+                checkpoint = self.step % learner.checkpoint_every == 0 or self.step == self.config.run.total_steps
+                if checkpoint:
+                    record["checkpoint"] = str(checkpoint_dir(self.run_dir, self.step))
                 self.metrics.write(record)
+                if checkpoint:
+                    await trio.to_thread.run_sync(self._checkpoint)
             log.info(
                 "step %d reward %.3f success %.2f horizon %d staleness %.2f",
                 self.step, record["reward_mean"], record["success_rate"], record["horizon_cap"], record["staleness_mean"],

@@ -231,3 +231,30 @@ async def test_resume_restores_counters_and_clock_and_cuts_later_records(tmp_pat
     assert second._elapsed() >= 100.0
     assert [record["step"] for record in read_metrics(config.run_dir)] == [1, 2, 3]
     second.metrics.close()
+
+
+async def test_a_step_record_is_written_before_its_checkpoint(tmp_path, byte_model, monkeypatch):
+    """A learner killed between the two resumes from the older checkpoint and cuts the record;
+    the other order would leave a checkpoint whose step never gets a record."""
+    from longhorizon.actor.worker import run_actor
+    from longhorizon.common.metrics import read_metrics
+    from longhorizon.learner.worker import run_learner
+
+    config = _config(tmp_path, byte_model, "run.mode='sync'", "run.total_steps=2", "learner.checkpoint_every=1")
+    seen_at_checkpoint = []
+    save = learner_worker.save_checkpoint
+
+    def save_and_look(run_dir, **kwargs):
+        seen_at_checkpoint.append((kwargs["step"], [r["step"] for r in read_metrics(run_dir)]))
+        return save(run_dir, **kwargs)
+
+    monkeypatch.setattr(learner_worker, "save_checkpoint", save_and_look)
+    network = InProcessNetwork()
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_actor, config, 0, network.actor_endpoints("actor-0"))
+            await run_learner(config, network.learner_endpoints(), model_path=str(byte_model))
+            nursery.cancel_scope.cancel()
+    assert seen_at_checkpoint == [(1, [1]), (2, [1, 2])]
+    records = read_metrics(config.run_dir)
+    assert [r["checkpoint"].rsplit("/", 1)[-1] for r in records] == ["step_000001", "step_000002"]
