@@ -28,7 +28,12 @@ import trio
 
 from longhorizon.actor.rollout import EnvPool, run_episode
 from longhorizon.common.config import Config
-from longhorizon.common.conversations import record_from_episode, record_line, tokenize_conversation
+from longhorizon.common.conversations import (
+    record_from_episode,
+    record_line,
+    tokenize_conversation,
+    without_trailing_observations,
+)
 
 
 @dataclass
@@ -153,7 +158,8 @@ async def collect_episodes(
             elif only_successful and not result.success:
                 counts["skipped"] += 1
             else:
-                tokenized = tokenize_conversation(tokenizer, result.conversation.messages) if tokenizer else None
+                messages = without_trailing_observations(result.conversation.messages)
+                tokenized = tokenize_conversation(tokenizer, messages) if tokenizer else None
                 record = record_from_episode(
                     result.conversation, tokenized=tokenized, tokenizer=tokenizer_info,
                     reward=result.reward, success=bool(result.success), task_id=task.task_id,
@@ -233,6 +239,10 @@ def run_collect(
     model_path = ""
     if engine is None:
         engine, model_path = make_play_engine(config, engine_options)
+        if config.actor.engine == "scripted" and tokenizer is not None:
+            # Context budgets (actor.max_context_tokens) count the tokens of the model the data
+            # is for, not the scripted engine's bytes, which are 3-4 times as many.
+            engine.tokenizer = tokenizer
     name = config.actor.engine
     engine_label = f"scripted:{config.actor.scripted_policy}" if name == "scripted" else (
         f"{name}:{model_path or config.model.path}")

@@ -139,6 +139,15 @@ def tokenize_conversation(tokenizer: ChatTokenizer, messages: Sequence[dict]) ->
     return conversation
 
 
+def without_trailing_observations(messages: Sequence[dict]) -> list[dict]:
+    """The messages up to the last assistant reply: an episode cut short after an observation (the
+    context budget ran out before the next reply) ends on a user message, which nothing learns from."""
+    messages = [dict(m) for m in messages]
+    while messages and messages[-1]["role"] != "assistant":
+        messages.pop()
+    return messages
+
+
 def record_from_episode(
     conversation: TokenConversation, *, tokenized: TokenConversation | None, tokenizer: dict | None, **fields: Any
 ) -> dict:
@@ -147,7 +156,7 @@ def record_from_episode(
     unknown = sorted(set(fields) - set(_DESCRIPTIVE_FIELDS))
     if unknown:
         raise ValueError(f"unknown conversation field {unknown[0]!r}; valid: {', '.join(RECORD_KEYS)}")
-    record: dict[str, Any] = {"messages": [dict(m) for m in conversation.messages]}
+    record: dict[str, Any] = {"messages": without_trailing_observations(conversation.messages)}
     if tokenized is not None:
         record["token_ids"] = list(tokenized.token_ids)
         record["loss_mask"] = list(tokenized.loss_mask)

@@ -58,6 +58,29 @@ def test_oracle_play_is_written_with_the_model_tokens(tmp_path, tiny_codebook_mo
     assert len(read_conversations(output)) == 12  # the reader accepts what collect writes
 
 
+def test_scripted_play_counts_the_context_in_the_model_tokens(tmp_path, default_model_path):
+    """TextCraft's oracle episodes are about 600 SmolLM2 tokens and 2,000-3,000 bytes: under a
+    1,024-token budget all of them fit in the model's tokens, as the model will meet them."""
+    overrides = [f"run.output_dir={str(tmp_path)!r}", f"model.path={str(default_model_path)!r}",
+                 "env.name='textcraft'", "env.options={max_depth = 2, num_distractors = 3}",
+                 "actor.engine='scripted'", "actor.scripted_policy='oracle'", "actor.sampling.max_new_tokens=64",
+                 "horizon.schedule='fixed'", "horizon.stages=[10]"]
+    roomy = run_collect(load_config(None, [*overrides, "actor.max_context_tokens=1024"]),
+                        output=tmp_path / "roomy.jsonl", episodes=40, on_note=lambda line: None)
+    assert (roomy.written, roomy.successful, roomy.failed) == (40, 40, 0)
+    lines = [json.loads(line) for line in (tmp_path / "roomy.jsonl").read_text().splitlines()]
+    assert max(len(line["token_ids"]) for line in lines) <= 1024 - 64
+
+    # A budget some episodes outgrow: they end on the cut, and what is written ends on a reply
+    # (the observation after it is never trained on), so sft reads every line.
+    tight = run_collect(load_config(None, [*overrides, "actor.max_context_tokens=640"]),
+                        output=tmp_path / "tight.jsonl", episodes=40, on_note=lambda line: None)
+    lines = [json.loads(line) for line in (tmp_path / "tight.jsonl").read_text().splitlines()]
+    assert tight.written == 40 and 0 < sum(line["truncated"] for line in lines) < 40
+    assert all(line["messages"][-1]["role"] == "assistant" for line in lines)
+    assert len(read_conversations(tmp_path / "tight.jsonl")) == 40
+
+
 def test_only_successful_keeps_the_successes(tmp_path, tiny_codebook_model):
     # One turn, two actions: the random policy succeeds about half the time.
     overrides = ["actor.scripted_policy='random'", "env.options={num_turns = 1, num_symbols = 2, num_actions = 2}"]
