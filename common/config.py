@@ -254,6 +254,9 @@ class HorizonConfig:
     min_gain: float = 0.02
     """adaptive: the stage ends when the last window's mean success rate is not above the window
     before's by more than this."""
+    plateau_min_success: float = 0.05
+    """adaptive: success that stopped rising ends a stage only once the last window's mean success
+    rate reaches this; a policy that has not begun to succeed at a cap has not plateaued there."""
     truncation_threshold: float = 0.5
     """adaptive: ... or when this share of episodes, over the last window, was cut by the cap."""
     min_stage_steps: int = 20

@@ -156,13 +156,15 @@ class HorizonSchedule:
 @dataclass(frozen=True)
 class AdaptiveRule:
     """When the adaptive schedule moves on: after at least `min_stage_steps` steps in a stage,
-    when the success rate stopped rising (the mean of the last `window` steps is not above the
-    mean of the `window` before by more than `min_gain`) or when the share of episodes cut by the
+    when the success rate stopped rising (the mean of the last `window` steps is at least
+    `plateau_min_success` and not above the mean of the `window` before by more than `min_gain`:
+    "0 against 0" is a policy that has not started, not a plateau) or when the share of episodes cut by the
     cap, averaged over the last `window` steps, reaches `truncation_threshold` (the cap, not the
     skill, is what holds the policy back); and always after `max_stage_steps`."""
 
     window: int = 10
     min_gain: float = 0.02
+    plateau_min_success: float = 0.05
     truncation_threshold: float = 0.5
     min_stage_steps: int = 20
     max_stage_steps: int = 200
@@ -177,6 +179,8 @@ class AdaptiveRule:
             )
         if not (_is_int(self.max_stage_steps) and self.max_stage_steps >= self.min_stage_steps):
             raise ValueError("horizon.max_stage_steps must be an integer >= horizon.min_stage_steps")
+        if not 0.0 <= self.plateau_min_success <= 1.0:
+            raise ValueError(f"horizon.plateau_min_success must be in [0, 1], got {self.plateau_min_success}")
         if not 0.0 < self.truncation_threshold <= 1.0:
             raise ValueError(f"horizon.truncation_threshold must be in (0, 1], got {self.truncation_threshold}")
 
@@ -211,7 +215,7 @@ def adaptive_step(
         cut = sum(truncated[-rule.window:]) / rule.window
         if cut >= rule.truncation_threshold:
             reason = f"{cut:.0%} of episodes cut by the cap over the last {rule.window} steps"
-        elif recent_mean - earlier_mean <= rule.min_gain:
+        elif recent_mean >= rule.plateau_min_success and recent_mean - earlier_mean <= rule.min_gain:
             reason = (f"success stopped rising: {recent_mean:.3f} over the last {rule.window} steps "
                       f"against {earlier_mean:.3f} before")
         elif stayed >= rule.max_stage_steps:
@@ -275,7 +279,8 @@ def make_schedule(horizon, state: AdaptiveState | None = None):
     """The schedule a `[horizon]` config table asks for."""
     if horizon.schedule == "adaptive":
         rule = AdaptiveRule(
-            window=horizon.window, min_gain=horizon.min_gain, truncation_threshold=horizon.truncation_threshold,
+            window=horizon.window, min_gain=horizon.min_gain, plateau_min_success=horizon.plateau_min_success,
+            truncation_threshold=horizon.truncation_threshold,
             min_stage_steps=horizon.min_stage_steps, max_stage_steps=horizon.max_stage_steps,
         )
         return AdaptiveSchedule(horizon.stages, rule, state)

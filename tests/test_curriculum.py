@@ -146,6 +146,16 @@ def test_a_flat_curve_moves_on_after_the_minimum_stay():
     assert stages == [0, 0, 0, 0, 0, 1, 1]  # the stage began at step 0; at step 6 it has lasted 6
 
 
+def test_no_success_yet_is_not_a_plateau():
+    # 0 against 0 is a policy that has not started at this cap: it stays until the maximum stay.
+    stages, schedule = _run([0.0] * 21)
+    assert stages[:19] == [0] * 19 and stages[19] == 1
+    assert "max_stage_steps (20)" in schedule.state.last_decision
+    # Flat below plateau_min_success (0.05) stays; flat at it moves on after the minimum stay.
+    assert _run([0.04] * 8)[0] == [0] * 8
+    assert _run([0.05] * 8)[0][5] == 1
+
+
 def test_too_many_truncated_episodes_move_on_even_while_success_rises():
     curve = [0.1 * i for i in range(1, 8)]
     cut = [0.0, 0.0, 0.0, 0.6, 0.6, 0.6, 0.6]
@@ -174,3 +184,5 @@ def test_adaptive_rules_are_checked():
         AdaptiveRule(window=5, min_stage_steps=8)
     with pytest.raises(ValueError, match="max_stage_steps"):
         AdaptiveRule(window=2, min_stage_steps=10, max_stage_steps=5)
+    with pytest.raises(ValueError, match="plateau_min_success"):
+        AdaptiveRule(plateau_min_success=1.5)
