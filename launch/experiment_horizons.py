@@ -204,16 +204,20 @@ def train_to_budget(config_path: Path, overrides: list[str], run_dir: Path, mode
                 ended = process.poll() is not None  # before reading, so its last records are seen
                 records = read_metrics(run_dir)
                 cumulative = cumulative_turns(records)
+                waiting = False
                 for step in first_steps_reaching(cumulative, targets):
                     if step is not None and step not in copied:
                         checkpoint = run_dir / "checkpoints" / f"step_{step:06d}"
-                        if not (checkpoint / "model.safetensors").is_file():
+                        if not (checkpoint / "state.pt").is_file():  # state.pt is written last
+                            if step == records[-1]["step"] and not ended:
+                                waiting = True  # a step's record comes out before its checkpoint
+                                continue
                             raise RuntimeError(
                                 f"{checkpoint} is gone before it could be copied (the learner keeps its last "
                                 f"three checkpoints); the run's steps outpaced this watcher")
                         copied[step] = models_dir / f"step_{step:06d}"
                         _copy_model(checkpoint, copied[step])
-                if cumulative and cumulative[-1] >= budget_turns:
+                if cumulative and cumulative[-1] >= budget_turns and not waiting:
                     stopped_at_budget = True
                     break
                 if ended:
