@@ -139,3 +139,21 @@ async def test_random_policy_succeeds_about_one_time_in_64():
     # (1/4)^3 = 1.56%; over 2000 episodes the binomial standard deviation is about 0.28%.
     success_rate = await run_policy("random", 2000, seed=1)
     assert 0.005 < success_rate < 0.03
+
+
+def test_held_out_sequences_keep_every_test_sequence_out_of_training():
+    from longhorizon.envs.toy.codebook import is_test_sequence, tasks
+
+    train = [tuple(t.data["symbols"]) for t in tasks("train", held_out_sequences=True)]
+    test = [tuple(t.data["symbols"]) for t in tasks("test", held_out_sequences=True)]
+    assert not set(train) & set(test) and len(set(test)) >= 5 and len(set(train)) >= 40
+    assert all(is_test_sequence(s) for s in test) and not any(is_test_sequence(s) for s in train)
+    # By default the splits draw independently: with 64 sequences all test ones occur in training.
+    assert set(tuple(t.data["symbols"]) for t in tasks("test")) <= set(tuple(t.data["symbols"]) for t in tasks("train"))
+    # The option reaches the env and its policies like every other option.
+    from longhorizon.envs.base import get_env_spec, make_env
+
+    make_env("codebook", held_out_sequences=True)
+    get_env_spec("codebook").policies["oracle"](held_out_sequences=True)
+    with pytest.raises(ValueError, match="no test sequence"):
+        tasks("test", num_turns=1, num_symbols=1, held_out_sequences=True)

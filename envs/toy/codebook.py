@@ -4,10 +4,17 @@ A hidden codebook (fixed by codebook_seed) maps each symbol word (s0, s1, ...) t
 (a0, a1, ...). Each turn shows one symbol; the reply must be its action word. After num_turns
 replies the episode ends with reward = fraction answered right. The words are kept minimal so a
 word-level tokenizer built from vocabulary() covers everything the env says or accepts.
+
+By default the two splits draw their symbol sequences independently, so with few sequences (64 at
+3 turns of 4 symbols) most test sequences also occur in training. `held_out_sequences = true`
+puts a sequence in the test split when a hash of it falls in the test bucket (about one in five)
+and draws train tasks from the others: then no test sequence is ever trained on, and held-out
+success measures whether the policy learned the codebook rather than the sequences.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Mapping
 
@@ -16,6 +23,10 @@ from longhorizon.envs.base import EnvSpec, Task, register_env
 ENV_NAME = "codebook"
 NUM_TRAIN_TASKS = 2000
 NUM_TEST_TASKS = 200
+# One sequence in TEST_BUCKETS belongs to the test split (held_out_sequences, and codechain's chains).
+TEST_BUCKETS = 5
+# Draws before concluding that no sequence falls in a split (a hit takes about 5 on average).
+MAX_SPLIT_DRAWS = 1000
 
 
 def _check_sizes(num_turns: int, num_symbols: int, num_actions: int) -> None:
@@ -32,7 +43,8 @@ def action_words(num_actions: int) -> list[str]:
     return [f"a{index}" for index in range(num_actions)]
 
 
-def vocabulary(*, num_turns: int = 3, num_symbols: int = 4, num_actions: int = 4, codebook_seed: int = 0) -> list[str]:
+def vocabulary(*, num_turns: int = 3, num_symbols: int = 4, num_actions: int = 4, codebook_seed: int = 0,
+               held_out_sequences: bool = False) -> list[str]:
     """Every word the env can emit or accept: the symbols, then the actions."""
     _check_sizes(num_turns, num_symbols, num_actions)
     return symbol_words(num_symbols) + action_words(num_actions)
@@ -47,17 +59,31 @@ def make_codebook(num_symbols: int, num_actions: int, codebook_seed: int) -> dic
     return {symbol: shuffled_actions[index % num_actions] for index, symbol in enumerate(symbol_words(num_symbols))}
 
 
-def task_symbols(task_id: str, num_turns: int, num_symbols: int) -> list[str]:
-    """The symbol shown at each turn of a task, derived from its id alone."""
+def is_test_sequence(symbols: list[str] | tuple[str, ...]) -> bool:
+    """Whether a symbol sequence belongs to the test split (a stable hash, not Python's hash)."""
+    digest = hashlib.sha256(" ".join(symbols).encode()).digest()
+    return int.from_bytes(digest[:8], "big") % TEST_BUCKETS == 0
+
+
+def task_symbols(task_id: str, num_turns: int, num_symbols: int, split: str | None = None) -> list[str]:
+    """The symbol shown at each turn of a task, derived from its id alone; with `split`, drawn
+    until the sequence falls in that split (held_out_sequences)."""
     rng = random.Random(f"codebook-task:{task_id}")
     words = symbol_words(num_symbols)
-    return [words[rng.randrange(num_symbols)] for _ in range(num_turns)]
+    for _ in range(MAX_SPLIT_DRAWS if split else 1):
+        symbols = [words[rng.randrange(num_symbols)] for _ in range(num_turns)]
+        if split is None or is_test_sequence(symbols) == (split == "test"):
+            return symbols
+    raise ValueError(f"codebook: no {split} sequence exists with num_turns={num_turns} and "
+                     f"num_symbols={num_symbols} under held_out_sequences; raise either")
 
 
 def tasks(
-    split: str, *, num_turns: int = 3, num_symbols: int = 4, num_actions: int = 4, codebook_seed: int = 0
+    split: str, *, num_turns: int = 3, num_symbols: int = 4, num_actions: int = 4, codebook_seed: int = 0,
+    held_out_sequences: bool = False,
 ) -> list[Task]:
-    """2000 train or 200 test tasks; ids carry the split, so the two never share an id."""
+    """2000 train or 200 test tasks; ids carry the split, so the two never share an id (and with
+    held_out_sequences, never a symbol sequence)."""
     _check_sizes(num_turns, num_symbols, num_actions)
     counts = {"train": NUM_TRAIN_TASKS, "test": NUM_TEST_TASKS}
     if split not in counts:
@@ -71,7 +97,7 @@ def tasks(
                 task_id=task_id,
                 split=split,
                 category=f"turns-{num_turns}",
-                data={"symbols": task_symbols(task_id, num_turns, num_symbols)},
+                data={"symbols": task_symbols(task_id, num_turns, num_symbols, split if held_out_sequences else None)},
             )
         )
     return result
@@ -83,7 +109,8 @@ class CodebookEnv:
     name = ENV_NAME
     prompt_format = "bare"
 
-    def __init__(self, *, num_turns: int = 3, num_symbols: int = 4, num_actions: int = 4, codebook_seed: int = 0):
+    def __init__(self, *, num_turns: int = 3, num_symbols: int = 4, num_actions: int = 4, codebook_seed: int = 0,
+                 held_out_sequences: bool = False):
         _check_sizes(num_turns, num_symbols, num_actions)
         self.num_turns = num_turns
         self.num_symbols = num_symbols
@@ -140,7 +167,8 @@ class CodebookEnv:
 class CodebookOraclePolicy:
     """Always answers with the codebook's action."""
 
-    def __init__(self, *, num_turns: int = 3, num_symbols: int = 4, num_actions: int = 4, codebook_seed: int = 0):
+    def __init__(self, *, num_turns: int = 3, num_symbols: int = 4, num_actions: int = 4, codebook_seed: int = 0,
+                 held_out_sequences: bool = False):
         _check_sizes(num_turns, num_symbols, num_actions)
         self.codebook = make_codebook(num_symbols, num_actions, codebook_seed)
 
@@ -154,7 +182,8 @@ class CodebookOraclePolicy:
 class CodebookRandomPolicy:
     """Answers with a uniformly random action word."""
 
-    def __init__(self, *, num_turns: int = 3, num_symbols: int = 4, num_actions: int = 4, codebook_seed: int = 0):
+    def __init__(self, *, num_turns: int = 3, num_symbols: int = 4, num_actions: int = 4, codebook_seed: int = 0,
+                 held_out_sequences: bool = False):
         _check_sizes(num_turns, num_symbols, num_actions)
         self.actions = action_words(num_actions)
         self._rng = random.Random(0)

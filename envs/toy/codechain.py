@@ -27,15 +27,12 @@ import random
 from typing import Mapping
 
 from longhorizon.envs.base import EnvSpec, Task, register_env
-from longhorizon.envs.toy.codebook import action_words
+from longhorizon.envs.toy.codebook import MAX_SPLIT_DRAWS, action_words
+from longhorizon.envs.toy.codebook import is_test_sequence as is_test_chain
 
 ENV_NAME = "codechain"
 NUM_TRAIN_TASKS = 2000
 NUM_TEST_TASKS = 200
-# One chain in TEST_BUCKETS goes to the test split.
-TEST_BUCKETS = 5
-# Draws before concluding that no chain of a length falls in a split (a hit takes ~5 on average).
-_MAX_DRAWS = 1000
 
 
 def _check_options(
@@ -81,12 +78,6 @@ def make_codebook(num_basic_symbols: int, num_deep_symbols: int, num_actions: in
     return codebook
 
 
-def is_test_chain(symbols: list[str] | tuple[str, ...]) -> bool:
-    """Whether a chain belongs to the test split (a stable hash of its symbols, not Python's hash)."""
-    digest = hashlib.sha256(" ".join(symbols).encode()).digest()
-    return int.from_bytes(digest[:8], "big") % TEST_BUCKETS == 0
-
-
 def chain_length(task_id: str, min_turns: int, max_turns: int) -> int:
     """Task lengths cycle through min_turns..max_turns, so every length has the same share."""
     index = int(task_id.rsplit("-", 1)[1])
@@ -104,7 +95,7 @@ def task_chain(
     rng = random.Random(f"codechain-task:{task_id}")
     basic = basic_symbol_words(num_basic_symbols)
     deep = deep_symbol_words(num_basic_symbols, num_deep_symbols)
-    for _ in range(_MAX_DRAWS):
+    for _ in range(MAX_SPLIT_DRAWS):
         symbols = _draw_chain(rng, length, basic_turns, basic, deep)
         if is_test_chain(symbols) == (split == "test"):
             return symbols
