@@ -393,6 +393,24 @@ class RFTConfig:
 
 
 @dataclass(frozen=True)
+class SFTRLConfig:
+    """`longhorizon experiment sft-rl`: the base model (model.path), then supervised fine-tuning on
+    scripted oracle play of env.train_split ([sft] settings), then RL from the SFT checkpoint
+    ([run], [actor], [learner], [horizon]); each evaluated greedily on env.eval_split, whose tasks
+    must be none of the train split's (docs/results.md)."""
+
+    oracle_episodes: int = 256
+    """Oracle episodes of env.train_split (each task in turn) to fine-tune on; 0 skips SFT and RL
+    starts from model.path."""
+    oracle_policy: str = "oracle"
+    """The env's scripted policy that plays them."""
+    eval_episodes: int = 100
+    """Greedy episodes of env.eval_split per evaluation (its first tasks), at the last horizon stage."""
+    rl: bool = True
+    """Run the RL phase; false stops after SFT."""
+
+
+@dataclass(frozen=True)
 class RayConfig:
     """`run.launcher = "ray"`: the Ray cluster and what each process asks of it (docs/cluster.md).
 
@@ -442,6 +460,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     rft: RFTConfig = field(default_factory=RFTConfig)
+    sft_rl: SFTRLConfig = field(default_factory=SFTRLConfig)
 
     @property
     def run_dir(self) -> Path:

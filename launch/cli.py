@@ -176,7 +176,10 @@ def _rft(args: argparse.Namespace) -> int:
 
 
 def _experiment(args: argparse.Namespace) -> int:
-    from longhorizon.launch.experiment_horizons import main
+    if args.experiment_command == "sft-rl":
+        from longhorizon.launch.experiment_sft_rl import main
+    else:
+        from longhorizon.launch.experiment_horizons import main
 
     return main(args.rest)
 
@@ -289,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     horizons = experiment_commands.add_parser(
         "horizons", help="fixed-short, fixed-long, stepwise and adaptive horizons at one budget", add_help=False)
     horizons.add_argument("rest", nargs=argparse.REMAINDER)
+    sft_rl = experiment_commands.add_parser(
+        "sft-rl", help="held-out success of the base model, after SFT on oracle play, after RL", add_help=False)
+    sft_rl.add_argument("rest", nargs=argparse.REMAINDER)
     experiment.set_defaults(handler=_experiment)
 
     bench = commands.add_parser("bench", help="benchmarks: transport, async-vs-sync", add_help=False)
@@ -299,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subcommands that parse their own arguments (their --help included).
 _PASS_THROUGH = {("bench",): "bench", ("eval",): "eval", ("serve-model",): "serve-model", ("env", "play"): "play",
-                 ("experiment", "horizons"): "horizons"}
+                 ("experiment", "horizons"): "horizons", ("experiment", "sft-rl"): "sft-rl"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,80 @@
+"""`longhorizon experiment sft-rl`: the base model, SFT on oracle play, RL from there, each
+evaluated on held-out tasks that nothing trained on."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from longhorizon.common.config import ConfigError, load_config
+from longhorizon.launch.experiment_sft_rl import check_sft_rl_config, format_table, held_out_overlap, run_sft_rl, wilson_entry
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+HELD_OUT = "env.options={num_turns = 3, num_symbols = 4, num_actions = 4, held_out_sequences = true}"
+
+
+def _config(tmp_path, model, *overrides):
+    return load_config(REPO_ROOT / "configs" / "codebook.toml", [
+        f"run.output_dir={str(tmp_path)!r}", "run.name='sft-rl'", f"model.path={str(model)!r}", HELD_OUT,
+        "sft_rl.oracle_episodes=256", "sft_rl.eval_episodes=100", "sft.epochs=3", "sft.learning_rate=3e-3",
+        "sft.batch_sequences=16", "run.total_steps=4", "learner.checkpoint_every=2", *overrides,
+    ])
+
+
+def test_splits_that_share_tasks_are_refused(tmp_path, tiny_codebook_model):
+    # The default codebook draws both splits from the same 64 sequences: most test tasks leak.
+    leaky = load_config(REPO_ROOT / "configs" / "codebook.toml", [f"run.output_dir={str(tmp_path)!r}"])
+    assert held_out_overlap(leaky)
+    with pytest.raises(ConfigError, match="also in env.train_split"):
+        check_sft_rl_config(leaky)
+    with pytest.raises(ConfigError, match="both 'train'"):
+        check_sft_rl_config(load_config(None, ["env.eval_split='train'"]))
+    config = _config(tmp_path, tiny_codebook_model)
+    assert held_out_overlap(config) == []
+    check_sft_rl_config(config)
+    with pytest.raises(ConfigError, match="no scripted policy 'expert'"):
+        check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.oracle_policy='expert'"))
+    with pytest.raises(ConfigError, match="actor.engine to hf or vllm"):
+        check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "actor.engine='scripted'"))
+
+
+def test_wilson_entry_counts_the_episodes_played():
+    entry = wilson_entry({"episodes": 12, "failed_episodes": 2, "success_rate": 0.5, "mean_reward": 0.5})
+    assert (entry["played"], entry["successes"]) == (10, 5)
+    assert entry["wilson_low"] == pytest.approx(0.2366, abs=1e-4) and entry["wilson_high"] == pytest.approx(0.7634, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_each_phase_improves_on_held_out_sequences_it_never_trained_on(tmp_path, tiny_codebook_model):
+    config = _config(tmp_path, tiny_codebook_model)
+    lines = []
+    summary = run_sft_rl(config, note=lines.append)
+    print(format_table(summary))
+    phases = summary["phases"]
+    assert list(phases) == ["base", "sft", "rl"]
+    assert phases["base"]["success_rate"] < 0.2
+    assert phases["sft"]["success_rate"] > phases["base"]["success_rate"] + 0.3
+    assert phases["rl"]["success_rate"] >= phases["sft"]["success_rate"] - 0.1  # 4 RL steps: kept, not lost
+    for entry in phases.values():
+        assert entry["played"] == 100 and entry["wilson_low"] - 1e-9 <= entry["success_rate"] <= entry["wilson_high"] + 1e-9
+    run_dir = config.run_dir
+    assert phases["rl"]["model"].startswith(str(run_dir / "rl" / "checkpoints"))
+    assert phases["sft"]["model"].startswith(str(run_dir / "sft" / "checkpoints"))
+    assert json.loads((run_dir / "summary.json").read_text())["phases"] == phases
+    assert (run_dir / "held_out.png").stat().st_size > 0
+    # Nothing trained on a held-out sequence: not the oracle data, not the RL run's episodes.
+    held_out = {" ".join(t) for t in _sequences(config, "test")}
+    oracle = [json.loads(line) for line in (run_dir / "oracle.jsonl").read_text().splitlines()]
+    assert len(oracle) == 256 and all(line["split"] == "train" for line in oracle)
+    shown = {" ".join(m["content"] for m in line["messages"] if m["role"] == "user") for line in oracle}
+    assert shown and not shown & held_out
+    rl_config = load_config(run_dir / "rl" / "config.toml")
+    assert rl_config.model.path == phases["sft"]["model"] and rl_config.env.train_split == "train"
+    table = format_table(summary)
+    assert table.count("\n") == 4 and "| rl |" in table
+
+
+def _sequences(config, split):
+    from longhorizon.envs.base import list_tasks
+
+    return [tuple(t.data["symbols"]) for t in list_tasks(config.env.name, split, **dict(config.env.options))]
