@@ -47,7 +47,7 @@ quickstart: setup model
 	$(VENV)/bin/longhorizon train configs/quickstart.toml
 
 test: setup model
-	$(PY) -m pytest -m "not gpu" -q
+	$(PY) -m pytest -m "not gpu" -q --durations=30
 
 test-fast: setup
 	$(PY) -m pytest -m "not gpu and not slow" -q
