@@ -406,6 +406,8 @@ class SFTRLConfig:
     """The env's scripted policy that plays them."""
     eval_episodes: int = 100
     """Greedy episodes of env.eval_split per evaluation (its first tasks), at the last horizon stage."""
+    eval_sft: bool = True
+    """Evaluate the SFT checkpoint too; false evaluates only the base model and the final one."""
     rl: bool = True
     """Run the RL phase; false stops after SFT."""
 

@@ -113,7 +113,7 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
         began = time.perf_counter()
         note(f"{phase}: evaluating {model} on {settings.eval_episodes} {config.env.eval_split} episodes")
         entry = wilson_entry(evaluate_model(config, model, settings.eval_episodes))
-        entry.update(model=model, eval_seconds=time.perf_counter() - began, **extra)
+        entry.update(eval_seconds=time.perf_counter() - began, **extra, model=model)
         summary["phases"][phase] = entry
         note(f"{phase}: held-out success {entry['success_rate']:.1%} "
              f"[{entry['wilson_low']:.1%}, {entry['wilson_high']:.1%}] ({entry['successes']}/{entry['played']})")
@@ -134,8 +134,12 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
             config.sft, data=[str(oracle_file)], eval_episodes=0, eval_before=False))
         sft_summary = run_sft(sft_config, note=note, progress_stream=progress_stream)
         policy = sft_summary["checkpoint"]
-        evaluate("sft", policy, {"train_seconds": time.perf_counter() - began,
-                                 "oracle_conversations": collected.written, "sft_steps": sft_summary["steps"]})
+        sft_entry = {"model": policy, "train_seconds": time.perf_counter() - began,
+                     "oracle_conversations": collected.written, "sft_steps": sft_summary["steps"]}
+        if settings.eval_sft or not settings.rl:
+            evaluate("sft", policy, sft_entry)
+        else:
+            summary["sft"] = sft_entry  # trained, not evaluated: the RL phase starts from it
     if settings.rl:
         from longhorizon.launch.launcher import launch
         from longhorizon.launch.plot import plot_run
@@ -161,6 +165,8 @@ def format_table(summary: dict) -> str:
     for phase in PHASES:
         entry = summary["phases"].get(phase)
         if entry is None:
+            if phase == "sft" and "sft" in summary:  # trained, not evaluated (sft_rl.eval_sft = false)
+                rows.append(f"| sft | not evaluated | | | {summary['sft']['train_seconds'] / 60:.1f} min | - |")
             continue
         trained = f"{entry['train_seconds'] / 60:.1f} min" if phase != "base" else "-"
         rows.append(f"| {phase} | {entry['success_rate']:.1%} | [{entry['wilson_low']:.1%}, {entry['wilson_high']:.1%}] "

@@ -74,6 +74,16 @@ def test_each_phase_improves_on_held_out_sequences_it_never_trained_on(tmp_path,
     assert table.count("\n") == 4 and "| rl |" in table
 
 
+@pytest.mark.slow
+def test_the_sft_checkpoint_may_go_unevaluated(tmp_path, tiny_codebook_model):
+    config = _config(tmp_path, tiny_codebook_model, "sft_rl.eval_sft=false", "sft_rl.oracle_episodes=32",
+                     "sft.epochs=1", "run.total_steps=1", "sft_rl.eval_episodes=20")
+    summary = run_sft_rl(config, note=lambda line: None)
+    assert list(summary["phases"]) == ["base", "rl"] and summary["sft"]["sft_steps"] == 2
+    assert load_config(config.run_dir / "rl" / "config.toml").model.path == summary["sft"]["model"]
+    assert "| sft | not evaluated |" in format_table(summary)
+
+
 def _sequences(config, split):
     from longhorizon.envs.base import list_tasks
 
