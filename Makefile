@@ -44,7 +44,7 @@ model: setup
 	$(PY) -c "from longhorizon.common.models import resolve_model_path as r; print('default model:', r('smollm2-135m-instruct', '$(MODEL_CACHE)'))"
 
 quickstart: setup model
-	$(VENV)/bin/longhorizon train configs/quickstart.toml
+	$(VENV)/bin/longhorizon experiment sft-rl configs/quickstart.toml
 
 test: setup model
 	$(PY) -m pytest -m "not gpu" -q --durations=30

@@ -406,6 +406,9 @@ class SFTRLConfig:
     """The env's scripted policy that plays them."""
     eval_episodes: int = 100
     """Greedy episodes of env.eval_split per evaluation (its first tasks), at the last horizon stage."""
+    torch_threads: int = 0
+    """CPU threads for torch in the evaluations and SFT, which run alone (0: every core); the RL
+    phase uses actor.torch_threads and learner.torch_threads."""
     eval_sft: bool = True
     """Evaluate the SFT checkpoint too; false evaluates only the base model and the final one."""
     rl: bool = True

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -109,10 +110,14 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
         summary["seconds"] = time.perf_counter() - started
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
+    # Evaluations and SFT run alone on the machine: they take every core unless told otherwise.
+    threads = settings.torch_threads or os.cpu_count() or 1
+    eval_config = dataclasses.replace(config, actor=dataclasses.replace(config.actor, torch_threads=threads))
+
     def evaluate(phase: str, model: str, extra: dict) -> None:
         began = time.perf_counter()
         note(f"{phase}: evaluating {model} on {settings.eval_episodes} {config.env.eval_split} episodes")
-        entry = wilson_entry(evaluate_model(config, model, settings.eval_episodes))
+        entry = wilson_entry(evaluate_model(eval_config, model, settings.eval_episodes))
         entry.update(eval_seconds=time.perf_counter() - began, **extra, model=model)
         summary["phases"][phase] = entry
         note(f"{phase}: held-out success {entry['success_rate']:.1%} "
@@ -130,8 +135,9 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
                                 model=base_model, overwrite=True, on_note=note)
         note(f"sft: {collected.written} oracle conversations of {config.env.train_split} "
              f"({collected.successful} successful) in {oracle_file}")
-        sft_config = _phase_config(config, run_dir, "sft", sft=dataclasses.replace(
-            config.sft, data=[str(oracle_file)], eval_episodes=0, eval_before=False))
+        sft_config = _phase_config(
+            config, run_dir, "sft", learner=dataclasses.replace(config.learner, torch_threads=threads),
+            sft=dataclasses.replace(config.sft, data=[str(oracle_file)], eval_episodes=0, eval_before=False))
         sft_summary = run_sft(sft_config, note=note, progress_stream=progress_stream)
         policy = sft_summary["checkpoint"]
         sft_entry = {"model": policy, "train_seconds": time.perf_counter() - began,

@@ -38,6 +38,40 @@ def test_splits_that_share_tasks_are_refused(tmp_path, tiny_codebook_model):
         check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "actor.engine='scripted'"))
 
 
+@pytest.mark.parametrize("name", ["quickstart.toml", "textcraft-sft-rl.toml"])
+def test_the_shipped_textcraft_configs_hold_out_their_goals(name):
+    config = load_config(REPO_ROOT / "configs" / name)
+    check_sft_rl_config(config)
+    from longhorizon.envs.base import list_tasks
+
+    options = dict(config.env.options)
+    held_out = {t.data["goal"] for t in list_tasks("textcraft", config.env.eval_split, **options)}
+    # Every goal of any depth in the train split: RL and the oracle data draw from it.
+    trained = {t.data["goal"] for t in list_tasks("textcraft", config.env.train_split, min_depth=1, max_depth=4)}
+    assert held_out and not held_out & trained
+
+
+def test_the_oracle_data_of_textcraft_never_names_a_held_out_goal(tmp_path, default_model_path):
+    """Every train goal of depth 1-2 played by the oracle, as the sft-rl experiment collects it."""
+    import re
+
+    from longhorizon.actor.collect import run_collect
+    from longhorizon.envs.base import list_tasks
+
+    config = load_config(REPO_ROOT / "configs" / "textcraft-sft-rl.toml", [
+        "actor.engine='scripted'", "actor.scripted_policy='oracle'", f"model.path={str(default_model_path)!r}"])
+    output = tmp_path / "oracle.jsonl"
+    summary = run_collect(config, output=output, on_note=lambda line: None)
+    assert summary.written == summary.successful == 337
+    goals = set()
+    for line in output.read_text().splitlines():
+        first_observation = next(m["content"] for m in json.loads(line)["messages"] if m["role"] == "user")
+        goals.add(re.search(r"Goal: craft (.+)\.", first_observation).group(1))
+    held_out = {t.data["goal"].split(":")[-1].replace("_", " ")
+                for t in list_tasks("textcraft", "test", **dict(config.env.options))}
+    assert len(goals) == 337 and len(held_out) == 84 and not goals & held_out
+
+
 def test_wilson_entry_counts_the_episodes_played():
     entry = wilson_entry({"episodes": 12, "failed_episodes": 2, "success_rate": 0.5, "mean_reward": 0.5})
     assert (entry["played"], entry["successes"]) == (10, 5)
