@@ -193,8 +193,12 @@ def plot_held_out(summary: dict, path: Path) -> Path:
     # Clamped at 0: at 0% or 100% the bound equals the rate up to rounding.
     errors = [[max(0.0, rate - 100 * entry["wilson_low"]) for rate, entry in zip(rates, entries)],
               [max(0.0, 100 * entry["wilson_high"] - rate) for rate, entry in zip(rates, entries)]]
+    trained_first = "sft" in summary["phases"] or "sft" in summary
+    labels = {"base": "base", "sft": "after SFT", "rl": "after SFT + RL" if trained_first else "after RL"}
+    colours = {"base": "tab:gray", "sft": "tab:blue", "rl": "tab:green"}
     figure, axes = plt.subplots(figsize=(5, 3.5))
-    axes.bar(phases, rates, yerr=errors, capsize=6, color=["tab:gray", "tab:blue", "tab:green"][: len(phases)])
+    axes.bar([labels[phase] for phase in phases], rates, yerr=errors, capsize=6,
+             color=[colours[phase] for phase in phases])
     for index, (rate, entry) in enumerate(zip(rates, entries)):
         axes.text(index, rate + 1, f"{rate:.0f}%\n{entry['successes']}/{entry['played']}", ha="center", va="bottom",
                   fontsize=8)
