@@ -118,7 +118,7 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
         began = time.perf_counter()
         note(f"{phase}: evaluating {model} on {settings.eval_episodes} {config.env.eval_split} episodes")
         entry = wilson_entry(evaluate_model(eval_config, model, settings.eval_episodes))
-        entry.update(eval_seconds=time.perf_counter() - began, **extra, model=model)
+        entry.update({"eval_seconds": time.perf_counter() - began, **extra, "model": model})
         summary["phases"][phase] = entry
         note(f"{phase}: held-out success {entry['success_rate']:.1%} "
              f"[{entry['wilson_low']:.1%}, {entry['wilson_high']:.1%}] ({entry['successes']}/{entry['played']})")
