@@ -60,7 +60,7 @@ def test_unknown_split_lists_the_valid_ones():
 
 def test_unknown_option_is_named_and_valid_options_listed():
     expected = (r"unknown option 'num_turn' for env 'codebook'; "
-                r"valid options: codebook_seed, num_actions, num_symbols, num_turns")
+                r"valid options: codebook_seed, held_out_sequences, num_actions, num_symbols, num_turns")
     with pytest.raises(ValueError, match=expected):
         make_env("codebook", num_turn=3)
     with pytest.raises(ValueError, match="unknown option 'num_turn'"):
@@ -70,7 +70,8 @@ def test_unknown_option_is_named_and_valid_options_listed():
 
 
 def test_env_options_come_from_the_factory_signature():
-    assert env_options("codebook") == {"num_turns": 3, "num_symbols": 4, "num_actions": 4, "codebook_seed": 0}
+    assert env_options("codebook") == {"num_turns": 3, "num_symbols": 4, "num_actions": 4, "codebook_seed": 0,
+                                        "held_out_sequences": False}
     assert env_options("textcraft") == {"min_depth": 1, "max_depth": 4, "num_distractors": 10}
 
 
