@@ -89,7 +89,7 @@ def test_tiny_model_learns_codebook_through_real_processes(tmp_path, tiny_codebo
 def test_each_algorithm_learns_codebook_within_the_grpo_budget(tmp_path, tiny_codebook_model, algorithm):
     """The codebook config as it is (steps, groups), only learner.algorithm changed; and for
     reinforce_pp the learning rate halved. Its batch-wide std shrinks as the policy nears 100%, so
-    the few failures get advantages of -4 to -6; at 2e-3 2 runs in 4 collapsed late (one from 94%
+    the few failures get advantages of -4 to -6; at 2e-3 2 runs in 3 collapsed late (one from 94%
     to 13% training success in its last 3 steps, held out 43%), while 5 runs in 5 at 1e-3 reached
     100% held out (2026-12-01; docs/algorithms.md)."""
     overrides = [f"learner.algorithm={algorithm!r}"] + (["learner.learning_rate=1e-3"] if algorithm == "reinforce_pp" else [])
