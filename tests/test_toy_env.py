@@ -155,5 +155,7 @@ def test_held_out_sequences_keep_every_test_sequence_out_of_training():
 
     make_env("codebook", held_out_sequences=True)
     get_env_spec("codebook").policies["oracle"](held_out_sequences=True)
+    with pytest.raises(ValueError, match="must be true or false"):
+        tasks("test", held_out_sequences="yes")
     with pytest.raises(ValueError, match="no test sequence"):
         tasks("test", num_turns=1, num_symbols=1, held_out_sequences=True)

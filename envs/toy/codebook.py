@@ -85,6 +85,8 @@ def tasks(
     """2000 train or 200 test tasks; ids carry the split, so the two never share an id (and with
     held_out_sequences, never a symbol sequence)."""
     _check_sizes(num_turns, num_symbols, num_actions)
+    if not isinstance(held_out_sequences, bool):
+        raise ValueError(f"codebook option held_out_sequences must be true or false, got {held_out_sequences!r}")
     counts = {"train": NUM_TRAIN_TASKS, "test": NUM_TEST_TASKS}
     if split not in counts:
         raise ValueError(f"unknown split {split!r} for env {ENV_NAME!r}; valid splits: train, test")
