@@ -218,6 +218,9 @@ def supervise(
     # keeps the default).
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous_handler = signal.signal(signal.SIGTERM, _raise_stop_requested) if in_main_thread else None
+    # A process started in the background of a non-interactive shell inherits SIGINT ignored,
+    # and Python then leaves it ignored: a Ctrl-C or `kill -INT` would go unheard. Listen anyway.
+    previous_interrupt_handler = signal.signal(signal.SIGINT, signal.default_int_handler) if in_main_thread else None
     try:
         for child in children:
             child.start()
@@ -270,6 +273,7 @@ def supervise(
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_handler)
+            signal.signal(signal.SIGINT, previous_interrupt_handler)
     # The learner finished (or failed): actors were sent Stop; give them a moment, then end them.
     deadline = time.monotonic() + 15
     for actor in actors:

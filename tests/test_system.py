@@ -41,12 +41,16 @@ def _overrides(tmp_path, byte_model, name, steps, extra=()):
     ]
 
 
-def _start(overrides):
+def _start(overrides, **popen_options):
     return subprocess.Popen(
         [sys.executable, "-m", "longhorizon.launch.cli", "train", str(REPO_ROOT / "configs" / "codebook.toml"),
          *overrides, "--no-plots"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT, **popen_options,
     )
+
+
+def _ignore_interrupts():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _wait_for_step(run_dir, step, process, timeout=90):
@@ -111,8 +115,10 @@ def test_killed_actor_is_restarted_and_the_learner_keeps_going(tmp_path, byte_mo
 
 
 def test_ctrl_c_stops_every_process(tmp_path, byte_model):
+    """Started as a script's background job is (SIGINT inherited as ignored, which Python keeps),
+    the launcher must still stop on SIGINT."""
     run_dir = tmp_path / "interrupt"
-    process = _start(_overrides(tmp_path, byte_model, "interrupt", 1000))
+    process = _start(_overrides(tmp_path, byte_model, "interrupt", 1000), preexec_fn=_ignore_interrupts)
     try:
         _wait_for_step(run_dir, 2, process)
         pids = _all_pids(run_dir)
