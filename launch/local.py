@@ -145,11 +145,14 @@ def _check_lora(config: Config) -> None:
             return
         if config.learner.num_ranks > 1:
             raise LoraError("learner.lora with learner.num_ranks > 1 is not supported yet: use one rank")
-        if config.actor.engine not in ("hf", "scripted"):
+        if config.actor.engine not in ("hf", "vllm", "scripted"):
             raise LoraError(
-                f"learner.lora sends adapters only, which the {config.actor.engine!r} engine cannot take "
-                "yet: use actor.engine = \"hf\" or full fine-tuning"
+                f"learner.lora sends adapters only, which the {config.actor.engine!r} engine cannot take: "
+                "use actor.engine = \"hf\" or \"vllm\", or full fine-tuning"
             )
+        if config.actor.engine == "vllm" and config.learner.weights_transport == "collective":
+            raise LoraError("learner.lora with the vllm engine takes adapters inline or through a path, not "
+                            "over a collective: set learner.weights_transport to 'inline' or 'path'")
         check_targets_of_model_folder(settings, resolve_model_path(config.model.path, config.model.cache_dir))
     except LoraError as error:
         raise ConfigError(str(error)) from None

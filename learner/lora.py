@@ -11,6 +11,7 @@ tensor it receives raises, so an update never half-arrives. Checkpoints export t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 LORA_KEYS = ("rank", "alpha", "target_modules", "dropout")
 
@@ -25,6 +26,11 @@ class LoraSettings:
     alpha: float
     target_modules: tuple[str, ...]
     dropout: float = 0.0
+
+    @property
+    def scale(self) -> float:
+        """The factor on the adapters' product: W' = W + (alpha / rank) B A (peft's scaling)."""
+        return self.alpha / self.rank
 
     def as_table(self) -> dict:
         return {"rank": self.rank, "alpha": self.alpha, "target_modules": list(self.target_modules),
@@ -143,4 +149,65 @@ def merged_state_dict(model) -> dict:
                 continue
             plain = name.replace(".base_layer.", ".")
             merged[plain] = tensor + deltas[plain].to(tensor.dtype) if plain in deltas else tensor
+    return merged
+
+
+ADAPTER_PREFIX = "base_model.model."
+
+
+def _adapter_parts(name: str) -> tuple[str, str]:
+    """'base_model.model.<module>.lora_A.weight' -> ('<module>', 'A'), as peft names saved adapters."""
+    for part in ("A", "B"):
+        suffix = f".lora_{part}.weight"
+        if name.startswith(ADAPTER_PREFIX) and name.endswith(suffix):
+            return name[len(ADAPTER_PREFIX):-len(suffix)], part
+    raise ValueError(f"{name!r} is not a LoRA adapter tensor ({ADAPTER_PREFIX}<module>.lora_A/B.weight)")
+
+
+def target_weights_of_model_folder(settings: LoraSettings, folder) -> dict:
+    """Module name -> weight matrix of every module the settings adapt, read from a model folder's
+    safetensors files: what an engine that merges adapters adds them to."""
+    from safetensors import safe_open
+
+    weights = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                module = name.removesuffix(".weight")
+                if module != name and any(module == t or module.endswith("." + t) for t in settings.target_modules):
+                    tensor = handle.get_tensor(name)
+                    if tensor.ndim == 2:
+                        weights[module] = tensor
+    if not weights:
+        raise LoraError(f"learner.lora.target_modules {list(settings.target_modules)} name no weight matrix "
+                        f"stored in {folder}")
+    return weights
+
+
+def merge_adapters(base: dict, adapters: dict, scale: float) -> dict:
+    """W + scale * B A in fp32 for every module of `base` (module name -> W), under the model's
+    own tensor names (`<module>.weight`). The adapters must hold an A and a B for exactly those
+    modules: an update that does not fit the engine's model is refused whole, never half-applied."""
+    import torch
+
+    pairs: dict[str, dict] = {}
+    for name, tensor in adapters.items():
+        module, part = _adapter_parts(name)
+        pairs.setdefault(module, {})[part] = torch.as_tensor(tensor)
+    missing, unexpected = sorted(set(base) - set(pairs)), sorted(set(pairs) - set(base))
+    incomplete = sorted(module for module, parts in pairs.items() if set(parts) != {"A", "B"})
+    if missing or unexpected or incomplete:
+        raise ValueError(
+            f"adapter update does not match the engine's LoRA targets: missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}, without both A and B {incomplete[:3]} (learner and actor must use the same "
+            f"learner.lora)"
+        )
+    merged = {}
+    with torch.no_grad():
+        for module, weight in base.items():
+            a, b = pairs[module]["A"].float(), pairs[module]["B"].float()
+            if b.shape[0] != weight.shape[0] or a.shape[1] != weight.shape[1] or a.shape[0] != b.shape[1]:
+                raise ValueError(f"adapter shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit "
+                                 f"{module}.weight {tuple(weight.shape)}")
+            merged[f"{module}.weight"] = (weight.float() + scale * (b @ a)).contiguous()
     return merged

@@ -6,7 +6,17 @@ import torch
 
 from longhorizon.common.config import ConfigError, LearnerConfig, load_config
 from longhorizon.common.models import load_causal_lm
-from longhorizon.learner.lora import LoraError, LoraSettings, check_targets_of_model_folder, lora_settings
+from longhorizon.learner.lora import (
+    LoraError,
+    LoraSettings,
+    adapter_state_dict,
+    apply_lora,
+    check_targets_of_model_folder,
+    lora_settings,
+    merge_adapters,
+    merged_state_dict,
+    target_weights_of_model_folder,
+)
 from longhorizon.learner.trainer import Example, Trainer
 
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}
@@ -86,6 +96,69 @@ def test_the_exported_model_is_base_plus_adapters(tiny_codebook_model):
     trainer.model.eval()
     with torch.no_grad():
         torch.testing.assert_close(plain.eval()(input_ids=ids).logits, trainer.model(input_ids=ids).logits)
+
+
+def test_merging_adds_scale_times_b_a_to_the_base_weight():
+    base = {"layer.proj": torch.ones(2, 3)}
+    adapters = {
+        "base_model.model.layer.proj.lora_A.weight": torch.tensor([[1.0, 2.0, 0.0]]),  # rank 1, fan-in 3
+        "base_model.model.layer.proj.lora_B.weight": torch.tensor([[1.0], [-0.5]]),  # fan-out 2
+    }
+    merged = merge_adapters(base, adapters, scale=2.0)
+    # 1 + 2 * [[1, 2, 0], [-0.5, -1, 0]]
+    assert list(merged) == ["layer.proj.weight"]
+    torch.testing.assert_close(merged["layer.proj.weight"], torch.tensor([[3.0, 5.0, 1.0], [0.0, -1.0, 1.0]]))
+
+
+def test_an_engine_merge_of_sent_adapters_equals_the_learners_export(tiny_codebook_model):
+    """What an engine that merges (vllm) computes from the adapters on the wire and the model
+    folder is what the learner exports: peft's own merge of the same adapters."""
+    settings = lora_settings(LORA)
+    model = apply_lora(load_causal_lm(tiny_codebook_model), settings)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(0.3 * torch.randn_like(parameter))
+    base = target_weights_of_model_folder(settings, tiny_codebook_model)
+    assert sorted(base) == sorted(f"model.layers.{layer}.{module}" for layer in (0, 1)
+                                  for module in ("self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj"))
+    merged = merge_adapters(base, adapter_state_dict(model), settings.scale)
+    exported = merged_state_dict(model)
+    assert sorted(merged) == sorted(f"{module}.weight" for module in base)
+    for name, tensor in merged.items():
+        torch.testing.assert_close(tensor, exported[name].float())
+        assert not torch.equal(tensor, base[name.removesuffix(".weight")].float())
+
+
+def test_adapters_that_do_not_fit_the_engines_targets_are_refused_whole(tiny_codebook_model):
+    settings = lora_settings(LORA)
+    adapters = adapter_state_dict(apply_lora(load_causal_lm(tiny_codebook_model), settings))
+    base = target_weights_of_model_folder(settings, tiny_codebook_model)
+    without_v = {name: tensor for name, tensor in adapters.items() if "v_proj" not in name}
+    with pytest.raises(ValueError, match="missing.*v_proj"):
+        merge_adapters(base, without_v, settings.scale)
+    without_b = {name: tensor for name, tensor in adapters.items() if "lora_B" not in name}
+    with pytest.raises(ValueError, match="without both A and B"):
+        merge_adapters(base, without_b, settings.scale)
+    wider = dict(adapters, **{name: torch.zeros(8, 99) for name in adapters if "lora_A" in name})
+    with pytest.raises(ValueError, match="do not fit"):
+        merge_adapters(base, wider, settings.scale)
+    with pytest.raises(ValueError, match="not a LoRA adapter tensor"):
+        merge_adapters(base, {"model.layers.0.self_attn.q_proj.weight": torch.zeros(1)}, settings.scale)
+    with pytest.raises(LoraError, match="name no weight matrix"):
+        target_weights_of_model_folder(lora_settings({"rank": 2, "target_modules": ["query"]}), tiny_codebook_model)
+
+
+def test_lora_with_the_vllm_engine_over_a_collective_is_refused(tiny_codebook_model):
+    from longhorizon.launch.local import validate_config
+
+    config = load_config(None, [
+        "env.name='codebook'", "actor.engine='vllm'", f"model.path={str(tiny_codebook_model)!r}",
+        "learner.lora={rank = 4, target_modules = ['q_proj']}", "learner.weights_transport='collective'",
+    ])
+    with pytest.raises(ConfigError, match="inline or through a path, not over a collective"):
+        validate_config(config)
 
 
 def test_lora_with_several_ranks_is_refused():

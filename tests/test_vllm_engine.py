@@ -246,6 +246,52 @@ async def test_weight_update_is_visible_in_the_next_generation(vllm_engine, defa
 
 @pytest.mark.slow
 @needs_vllm
+async def test_lora_adapters_are_merged_into_the_engines_weights(default_model_path, tmp_path):
+    """With learner.lora only adapters arrive; the engine then generates as the learner's
+    peft model does (greedy tokens equal, sampled tokens' log-probs within tolerance), over
+    inline and path updates, and refuses a set of adapters that does not fit, keeping its version."""
+    from longhorizon.learner.lora import adapter_state_dict, apply_lora, lora_settings
+
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    adapted = apply_lora(load_causal_lm(default_model_path), lora_settings(lora)).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(0.05 * torch.randn_like(parameter))
+    adapters = adapter_state_dict(adapted)
+    engine = make_engine("vllm", EngineSettings(
+        model_path=str(default_model_path), sampling=SamplingConfig(temperature=0.0, max_new_tokens=MAX_NEW_TOKENS),
+        max_batch_size=4, seed=0, lora=lora,
+    ))
+    try:
+        prompt = _prompt_tokens(engine, PROMPTS[0])
+        before = await engine.generate(GenerationRequest(token_ids=prompt, episode_id="base"))
+        expected = _hf_greedy(adapted, prompt, engine.tokenizer.eos_token_id)
+        assert expected != before.token_ids
+        for version, transport in ((1, "inline"), (2, "path")):
+            update = make_weights_update(adapters, version, transport, weights_dir=tmp_path / "weights")
+            assert all(".lora_" in name for name in (update.tensors or {}))
+            await trio.to_thread.run_sync(engine.update_weights, update)
+            after = await engine.generate(GenerationRequest(token_ids=prompt, episode_id=f"v{version}"))
+            assert after.policy_version == version and after.token_ids == expected
+
+        _with_sampling(engine, temperature=1.0)
+        prompts = [_prompt_tokens(engine, text) for text in PROMPTS[:3]]
+        results = await _generate_all(engine, prompts, prefix="sampled")
+        learner, behaviour = _learner_logprobs(adapted, prompts, results)
+        assert np.abs(learner - behaviour).max() < LOGPROB_TOLERANCE
+
+        without_v = {name: tensor for name, tensor in adapters.items() if "v_proj" not in name}
+        with pytest.raises(ValueError, match="missing"):
+            engine.update_weights(make_weights_update(without_v, 3, "inline"))
+        assert engine.policy_version == 2
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow
+@needs_vllm
 async def test_update_waits_for_requests_in_flight_and_tags_versions(vllm_engine, default_model_path):
     _with_sampling(vllm_engine, temperature=1.0)
     prompts = [_prompt_tokens(vllm_engine, text) for text in PROMPTS]

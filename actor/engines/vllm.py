@@ -21,7 +21,10 @@ with the `collective` transport, from memory: vLLM's worker process (where the m
 receives the buckets over its group with the learner first, while requests in flight keep the
 old weights, and vLLM's in-place reload then takes them from there once the gate has drained. On
 CPU the tied output layer is then repacked (see `WorkerExtension`), or it would keep the old
-weights.
+weights. With `learner.lora` an update carries adapters only: the engine adds scale * B A to the
+base weights of the adapted modules (kept from the model folder) and vLLM reloads the model from
+its folder with those merged matrices in place of the base's; an adapter set that does not fit
+the model is refused whole.
 
 Log-probs are vLLM's `processed_logprobs`: after temperature and top-p, the distribution each
 token was actually drawn from, as the learner's off-policy correction expects.
@@ -55,6 +58,7 @@ from longhorizon.actor.engines.base import (
 from longhorizon.common.chat import HFChatTokenizer
 from longhorizon.common.collective import CollectiveError
 from longhorizon.common.wire import CollectiveWeights
+from longhorizon.learner.lora import lora_settings, merge_adapters, target_weights_of_model_folder
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +162,31 @@ class WorkerExtension:
         self._longhorizon_received = receiver.receive(CollectiveWeights(**update))
         return len(self._longhorizon_received)
 
+    def longhorizon_reload_with_replacements(self, base_folder: str, replacements_file: str) -> int:
+        """Reload every tensor of the model folder `base_folder`, taking the tensors stored in
+        `replacements_file` in place of the folder's of the same name (LoRA's merged modules).
+        Every replacement must name a tensor of the folder. Returns the number replaced."""
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        replacements = load_file(replacements_file)
+        replaced: set[str] = set()
+
+        def weights():
+            for file in sorted(Path(base_folder).glob("*.safetensors")):
+                with safe_open(str(file), framework="pt") as handle:
+                    for name in handle.keys():
+                        if name in replacements:
+                            replaced.add(name)
+                            yield name, replacements[name]
+                        else:
+                            yield name, handle.get_tensor(name)
+
+        self.reload_weights(weights_iterator=weights())
+        if replaced != set(replacements):
+            raise RuntimeError(f"replacement tensors not in {base_folder}: {sorted(set(replacements) - replaced)[:3]}")
+        return len(replaced)
+
     def longhorizon_load_received_weights(self) -> int:
         """Load the tensors of the last update received, with vLLM's in-place reload."""
         received = getattr(self, "_longhorizon_received", None)
@@ -224,6 +253,14 @@ class VLLMEngine:
         self.tokenizer = HFChatTokenizer(load_tokenizer(model_folder))
         self.policy_version = 0
         self._checkpoint_names = checkpoint_tensor_names(model_folder) if load_format != "dummy" else set()
+        # With learner.lora the updates are adapters: merged here into the base weights of the
+        # modules they adapt (kept from the model folder), the rest reloaded from that folder.
+        self._lora = lora_settings(settings.lora)
+        self._lora_base: dict = {}
+        if self._lora is not None:
+            if load_format == "dummy":
+                raise EngineError("learner.lora needs the model's real weights: load_format='dummy' has none")
+            self._lora_base = target_weights_of_model_folder(self._lora, model_folder)
         self._tied_output = _tied_output(model_folder)
         self._request_numbers = itertools.count()
         cpu = on_cpu()
@@ -364,6 +401,9 @@ class VLLMEngine:
         """Load a WeightsUpdate in place (blocking; call it from a worker thread, not the trio loop)."""
         if self.load_format == "dummy":
             raise EngineError("an engine started with load_format='dummy' cannot reload weights")
+        if self._lora is not None:
+            self._load_adapters(update)
+            return
         if isinstance(update, CollectiveWeights):
             check_update_names(set(update.tensor_names), self._checkpoint_names, self._tied_output)
             fields = {field.name: getattr(update, field.name) for field in dataclasses.fields(update)}
@@ -388,6 +428,27 @@ class VLLMEngine:
         try:
             save_file(dict(update.tensors), str(scratch / "model.safetensors"))
             self._run_blocking(self._reload_on_loop(int(update.version), "reload_weights", {"weights_path": str(scratch)}))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _load_adapters(self, update: Any) -> None:
+        """A LoRA update: the adapters merged into the base weights of their modules, the model
+        reloaded from its folder with those in place of the base's."""
+        if isinstance(update, CollectiveWeights):
+            raise EngineError("LoRA adapters reach the vllm engine inline or through a path, not over a collective: "
+                              "set learner.weights_transport to 'inline' or 'path'")
+        from safetensors.torch import save_file
+
+        from longhorizon.actor.engines.hf import load_weights_update
+
+        merged = merge_adapters(self._lora_base, load_weights_update(update), self._lora.scale)
+        scratch = Path(tempfile.mkdtemp(prefix="longhorizon-vllm-lora-", dir=_scratch_root(sum(t.nbytes for t in merged.values()))))
+        try:
+            save_file(merged, str(scratch / "merged.safetensors"))
+            self._run_blocking(self._reload_on_loop(int(update.version), "longhorizon_reload_with_replacements", {
+                "base_folder": str(Path(self.settings.model_path).resolve()),
+                "replacements_file": str(scratch / "merged.safetensors"),
+            }))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
