@@ -143,8 +143,6 @@ def _check_lora(config: Config) -> None:
         settings = lora_settings(config.learner.lora)
         if settings is None:
             return
-        if config.learner.num_ranks > 1:
-            raise LoraError("learner.lora with learner.num_ranks > 1 is not supported yet: use one rank")
         if config.actor.engine not in ("hf", "vllm", "scripted"):
             raise LoraError(
                 f"learner.lora sends adapters only, which the {config.actor.engine!r} engine cannot take: "

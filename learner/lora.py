@@ -211,3 +211,30 @@ def merge_adapters(base: dict, adapters: dict, scale: float) -> dict:
                                  f"{module}.weight {tuple(weight.shape)}")
             merged[f"{module}.weight"] = (weight.float() + scale * (b @ a)).contiguous()
     return merged
+
+
+def adapter_name(parameter_name: str, adapter: str = "default") -> str | None:
+    """The saved-adapter name of a LoRA parameter of a peft model ('...q_proj.lora_A.default.weight'
+    -> '...q_proj.lora_A.weight', as `adapter_state_dict` names it), or None for any other."""
+    for part in ("lora_A", "lora_B"):
+        marker = f".{part}.{adapter}."
+        if marker in parameter_name:
+            return parameter_name.replace(marker, f".{part}.")
+    return None
+
+
+def merged_from_peft_state(state: dict, scale: float) -> dict:
+    """A peft model's full state dict (names as the PeftModel has them) as a plain model's: base
+    weights under their own names, with scale * B A added where there are adapters."""
+    prefix = "base_model.model."
+    base, adapters, plain = {}, {}, {}
+    for name, tensor in state.items():
+        saved = adapter_name(name)
+        if saved is not None:
+            adapters[saved] = tensor
+        elif name.endswith(".base_layer.weight"):
+            base[name[len(prefix):-len(".base_layer.weight")]] = tensor
+        else:
+            plain[name[len(prefix):].replace(".base_layer.", ".")] = tensor
+    merged = merge_adapters(base, adapters, scale)
+    return {**plain, **{name: merged[name].to(base[name.removesuffix(".weight")].dtype) for name in merged}}

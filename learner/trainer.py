@@ -321,9 +321,8 @@ class Trainer:
         # Names of the parameters a model folder holds: a tied output layer is stored once.
         self.exported_names = list(unique_state_dict(model))
         self.lora = lora_settings(config.lora)
+        base_model = model
         if self.lora is not None:
-            if self.ranks.distributed:
-                raise ValueError("learner.lora with learner.num_ranks > 1 is not supported yet: use one rank")
             model = apply_lora(model, self.lora)
         self.model = model
         self.temperature = temperature if temperature > 0 else 1.0
@@ -363,7 +362,7 @@ class Trainer:
         if self.ranks.distributed:
             # Each rank keeps a shard of the parameters, gradients and optimiser state; the
             # reference model (no gradients, no optimiser) is kept whole on every rank.
-            distributed.shard_model(self.policy, distributed.decoder_layers(model))
+            distributed.shard_model(self.policy, distributed.decoder_layers(base_model))
         # Only what trains has optimiser state (with LoRA, the adapters alone).
         self.optimizer = torch.optim.AdamW(
             [p for p in self.policy.parameters() if p.requires_grad], lr=config.learning_rate,
@@ -407,7 +406,7 @@ class Trainer:
         """
         from longhorizon.learner.broadcast import unique_state_dict
 
-        if self.lora is not None:
+        if self.lora is not None and not self.ranks.distributed:
             from longhorizon.learner.lora import merged_state_dict
 
             return merged_state_dict(self.model)
@@ -421,7 +420,12 @@ class Trainer:
         if not self.ranks.is_main:
             return {}
         prefix = "model."
-        return {name: state[prefix + name] for name in self.exported_names}
+        state = {name[len(prefix):]: tensor for name, tensor in state.items() if name.startswith(prefix)}
+        if self.lora is not None:
+            from longhorizon.learner.lora import merged_from_peft_state
+
+            state = merged_from_peft_state(state, self.lora.scale)
+        return {name: state[name] for name in self.exported_names}
 
     def step(self, examples: list[Example]) -> dict[str, float]:
         """Apply `optimizer_steps_per_batch` updates on one batch; returns metrics."""
@@ -534,10 +538,22 @@ class Trainer:
     def actor_weights(self) -> dict[str, torch.Tensor]:
         """What the actors need of the policy after an update: the adapters alone with LoRA, else
         the whole model (a collective with several ranks, as `full_state_dict`)."""
-        if self.lora is not None:
+        if self.lora is not None and not self.ranks.distributed:
             from longhorizon.learner.lora import adapter_state_dict
 
             return adapter_state_dict(self.model)
+        if self.lora is not None:
+            from longhorizon.learner.lora import adapter_name
+
+            # Only the adapters are gathered, one tensor at a time, in the same order on every rank.
+            adapters = {}
+            for name, parameter in self.model.named_parameters():
+                saved = adapter_name(name)
+                if saved is not None:
+                    full = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
+                    if self.ranks.is_main:
+                        adapters[saved] = full.detach().to("cpu")
+            return adapters
         return self.full_state_dict()
 
     @staticmethod

@@ -89,15 +89,18 @@ def _examples(lengths=(9, 14, 6, 11, 7), vocabulary=15, seed=0):
     return examples
 
 
-def _trainer(model_folder, ranks):
+LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}
+
+
+def _trainer(model_folder, ranks, lora=None):
     from longhorizon.common.models import load_causal_lm
     from longhorizon.learner.trainer import Trainer
 
     torch.manual_seed(0)
-    return Trainer(load_causal_lm(model_folder), LearnerConfig(**CONFIG), ranks=ranks)
+    return Trainer(load_causal_lm(model_folder), LearnerConfig(**CONFIG, lora=lora or {}), ranks=ranks)
 
 
-def _rank_main(rank, world_size, port, model_folder, out_dir, lengths, checkpoint):
+def _rank_main(rank, world_size, port, model_folder, out_dir, lengths, checkpoint, lora):
     """One rank: a step on its share of the examples, then the gathered weights (and optionally a
     sharded checkpoint), saved by rank 0 for the test to compare."""
     from longhorizon.learner.checkpoint import save_checkpoint
@@ -109,18 +112,19 @@ def _rank_main(rank, world_size, port, model_folder, out_dir, lengths, checkpoin
     init_process_group(ranks, torch.device("cpu"), timeout_s=120)
     try:
         torch.set_num_threads(1)
-        trainer = _trainer(model_folder, ranks)
+        trainer = _trainer(model_folder, ranks, lora)
         examples = _examples(lengths)
         share = split_by_tokens([len(e.token_ids) for e in examples], world_size)[rank]
         metrics = trainer.step([examples[i] for i in share])
         state = trainer.full_state_dict()
+        sent = trainer.actor_weights()
         if checkpoint:
             save_checkpoint(out_dir, trainer=trainer, step=1, version=1, horizon=HorizonState(cap=3, stage=0, step=1),
                             counters={}, model_folder=model_folder)
         if rank == 0:
-            torch.save({"state": state, "metrics": metrics}, os.path.join(out_dir, "ranks.pt"))
+            torch.save({"state": state, "sent": sent, "metrics": metrics}, os.path.join(out_dir, "ranks.pt"))
         else:
-            assert state == {}  # only rank 0 receives the gathered weights
+            assert state == {} and sent == {}  # only rank 0 receives the gathered weights
     finally:
         destroy_process_group()
 
@@ -131,8 +135,8 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _run_ranks(world_size, model_folder, out_dir, lengths=(9, 14, 6, 11, 7), checkpoint=False):
-    mp.spawn(_rank_main, args=(world_size, _free_port(), str(model_folder), str(out_dir), lengths, checkpoint),
+def _run_ranks(world_size, model_folder, out_dir, lengths=(9, 14, 6, 11, 7), checkpoint=False, lora=None):
+    mp.spawn(_rank_main, args=(world_size, _free_port(), str(model_folder), str(out_dir), lengths, checkpoint, lora),
              nprocs=world_size, join=True)
     return torch.load(os.path.join(out_dir, "ranks.pt"))
 
@@ -157,6 +161,21 @@ def test_two_ranks_train_exactly_as_one(tmp_path, tiny_codebook_model):
         assert two["metrics"][name] == pytest.approx(one_metrics[name], rel=1e-4, abs=1e-6), name
 
 
+def test_two_ranks_train_lora_adapters_exactly_as_one(tmp_path, tiny_codebook_model):
+    """With learner.lora the ranks shard base and adapters alike; after two optimiser steps the
+    adapters sent to actors and the merged model exported are the one-rank ones."""
+    one = _trainer(tiny_codebook_model, Ranks.single(), LORA)
+    before = {k: v.clone() for k, v in one.actor_weights().items()}
+    one.step(_examples())
+    two = _run_ranks(2, tiny_codebook_model, tmp_path, lora=LORA)
+
+    sent = one.actor_weights()
+    assert sorted(sent) == sorted(two["sent"]) and all(".lora_" in name for name in sent)
+    assert _relative_error(sent, before) > 1e-3  # the adapters trained
+    assert _relative_error(sent, two["sent"]) <= 1e-5
+    assert _relative_error(one.full_state_dict(), two["state"]) <= 1e-5
+
+
 def test_a_rank_without_examples_keeps_step_with_the_others(tmp_path, tiny_codebook_model):
     """One example for two ranks: rank 1 runs idle passes so rank 0's gathers complete, and the
     result is the one-rank step's."""
@@ -167,25 +186,26 @@ def test_a_rank_without_examples_keeps_step_with_the_others(tmp_path, tiny_codeb
     assert two["metrics"]["train_sequences"] == 1
 
 
-def test_a_checkpoint_written_by_two_ranks_resumes_at_one(tmp_path, tiny_codebook_model):
+@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+def test_a_checkpoint_written_by_two_ranks_resumes_at_one(tmp_path, tiny_codebook_model, lora):
     from safetensors.torch import load_file
 
     from longhorizon.learner.checkpoint import latest_checkpoint, load_checkpoint
 
-    two = _run_ranks(2, tiny_codebook_model, tmp_path, checkpoint=True)
+    two = _run_ranks(2, tiny_codebook_model, tmp_path, checkpoint=True, lora=lora)
     checkpoint = latest_checkpoint(tmp_path)
     assert checkpoint is not None and (checkpoint / "sharded").is_dir()
     # The exported folder is the whole model, loadable by actors and eval as it is.
     exported = load_file(checkpoint / "model.safetensors")
     assert _relative_error(exported, two["state"]) == 0.0
 
-    resumed = _trainer(tiny_codebook_model, Ranks.single())
+    resumed = _trainer(tiny_codebook_model, Ranks.single(), lora)
     restored = load_checkpoint(checkpoint, trainer=resumed)
     assert restored["step"] == 1 and restored["version"] == 1
     assert _relative_error(resumed.full_state_dict(), two["state"]) == 0.0
     # The optimiser state came back too: a further step at one rank matches one rank trained
     # throughout.
-    reference = _trainer(tiny_codebook_model, Ranks.single())
+    reference = _trainer(tiny_codebook_model, Ranks.single(), lora)
     reference.step(_examples())
     more = _examples(seed=1)
     reference.step(more)

@@ -161,13 +161,6 @@ def test_lora_with_the_vllm_engine_over_a_collective_is_refused(tiny_codebook_mo
         validate_config(config)
 
 
-def test_lora_with_several_ranks_is_refused():
-    from longhorizon.learner.distributed import Ranks
-
-    with pytest.raises(ValueError, match="not supported yet"):
-        Trainer(torch.nn.Linear(2, 2), LearnerConfig(lora=LORA), ranks=Ranks(0, 2, 0))
-
-
 @pytest.mark.slow
 def test_lora_learns_codebook_and_only_adapters_cross_the_wire(tmp_path, tiny_codebook_model):
     """The codebook learning run with LoRA on every linear layer: held-out success as with full
