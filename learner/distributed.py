@@ -137,10 +137,11 @@ def shard_model(policy, decoder_layers) -> None:
 
 
 def decoder_layers(model):
-    """The repeated decoder blocks of a Hugging Face causal LM (the FSDP units)."""
+    """The repeated decoder blocks of a Hugging Face causal LM, or of its decoder alone (the FSDP
+    units)."""
     import torch
 
-    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers", "layers"):
         module = model
         for part in path.split("."):
             module = getattr(module, part, None)
@@ -150,7 +151,7 @@ def decoder_layers(model):
             return list(module)
     raise RanksError(
         f"cannot find the decoder layers of {type(model).__name__} to shard (looked for "
-        "model.layers, transformer.h, gpt_neox.layers, model.decoder.layers)"
+        "model.layers, transformer.h, gpt_neox.layers, model.decoder.layers, layers)"
     )
 
 

@@ -350,8 +350,6 @@ class Trainer:
         self.policy = PolicyLogprobs(model, self.temperature, self.chunk_tokens)
         self.value_model = None
         if self.algorithm.advantages == "critic":
-            if self.ranks.distributed:
-                raise ValueError("learner.algorithm = 'ppo' with learner.num_ranks > 1 is not supported yet")
             # A submodule of the policy wrapper: trained by the same optimiser and saved in the
             # same sharded checkpoint, so the critic resumes with the policy.
             self.value_model = build_value_model(model, config.critic).to(self.device)
@@ -362,7 +360,10 @@ class Trainer:
         if self.ranks.distributed:
             # Each rank keeps a shard of the parameters, gradients and optimiser state; the
             # reference model (no gradients, no optimiser) is kept whole on every rank.
-            distributed.shard_model(self.policy, distributed.decoder_layers(base_model))
+            units = distributed.decoder_layers(base_model)
+            if self.value_model is not None and config.critic != "shared":
+                units += distributed.decoder_layers(self.value_model.decoder)  # a separate critic's own layers
+            distributed.shard_model(self.policy, units)
         # Only what trains has optimiser state (with LoRA, the adapters alone).
         self.optimizer = torch.optim.AdamW(
             [p for p in self.policy.parameters() if p.requires_grad], lr=config.learning_rate,
@@ -464,7 +465,10 @@ class Trainer:
                     if self.ranks.distributed:
                         # No loss here, but the pass must happen: the other ranks' forward and
                         # backward wait for this rank's part of each gather and reduction.
-                        (self._logprobs(self.policy, micro).sum() * 0.0).backward()
+                        idle = self._logprobs(self.policy, micro).sum() * 0.0
+                        if self.value_model is not None:
+                            idle = idle + self._values(micro).sum() * 0.0
+                        idle.backward()
                     continue
                 logprobs = self._logprobs(self.policy, micro)
                 prox = proximal[index] if proximal[index] is not None else logprobs.detach()
@@ -526,8 +530,14 @@ class Trainer:
             for micro, values in zip(micro_batches, old_values)
         ]
         counted = torch.cat([adv[micro.loss_mask > 0] for (adv, _), micro in zip(estimates, micro_batches)])
-        mean = float(counted.mean()) if counted.numel() else 0.0
-        std = float(counted.std(unbiased=False)) if counted.numel() else 1.0
+        if self.ranks.distributed:  # the mean and std of every rank's tokens together
+            count, total, squares = distributed.all_reduce_sum(
+                [float(counted.numel()), float(counted.double().sum()), float((counted.double() ** 2).sum())])
+            mean = total / count if count else 0.0
+            std = max(squares / count - mean * mean, 0.0) ** 0.5 if count else 1.0
+        else:
+            mean = float(counted.mean()) if counted.numel() else 0.0
+            std = float(counted.std(unbiased=False)) if counted.numel() else 1.0
         with_advantages = [
             PaddedBatch(micro.input_ids, micro.attention_mask, micro.loss_mask, micro.behaviour_logprobs,
                         whiten(adv, micro.loss_mask, mean, std), micro.token_rewards)

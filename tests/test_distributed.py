@@ -85,22 +85,24 @@ def _examples(lengths=(9, 14, 6, 11, 7), vocabulary=15, seed=0):
             loss_mask=mask,
             behaviour_logprobs=(rng.normal(-2.5, 0.3, length) * mask).astype(np.float32),
             advantage=float(rng.normal()),
+            token_rewards=np.where(np.arange(length) == length - 1, rng.random(), 0.0).astype(np.float32),  # ppo
         ))
     return examples
 
 
-LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}
+LORA = {"lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}}
 
 
-def _trainer(model_folder, ranks, lora=None):
+def _trainer(model_folder, ranks, settings=None):
+    """A trainer on CONFIG, with `settings` (learner keys) on top."""
     from longhorizon.common.models import load_causal_lm
     from longhorizon.learner.trainer import Trainer
 
     torch.manual_seed(0)
-    return Trainer(load_causal_lm(model_folder), LearnerConfig(**CONFIG, lora=lora or {}), ranks=ranks)
+    return Trainer(load_causal_lm(model_folder), LearnerConfig(**{**CONFIG, **(settings or {})}), ranks=ranks)
 
 
-def _rank_main(rank, world_size, port, model_folder, out_dir, lengths, checkpoint, lora):
+def _rank_main(rank, world_size, port, model_folder, out_dir, lengths, checkpoint, settings):
     """One rank: a step on its share of the examples, then the gathered weights (and optionally a
     sharded checkpoint), saved by rank 0 for the test to compare."""
     from longhorizon.learner.checkpoint import save_checkpoint
@@ -112,7 +114,7 @@ def _rank_main(rank, world_size, port, model_folder, out_dir, lengths, checkpoin
     init_process_group(ranks, torch.device("cpu"), timeout_s=120)
     try:
         torch.set_num_threads(1)
-        trainer = _trainer(model_folder, ranks, lora)
+        trainer = _trainer(model_folder, ranks, settings)
         examples = _examples(lengths)
         share = split_by_tokens([len(e.token_ids) for e in examples], world_size)[rank]
         metrics = trainer.step([examples[i] for i in share])
@@ -135,8 +137,8 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _run_ranks(world_size, model_folder, out_dir, lengths=(9, 14, 6, 11, 7), checkpoint=False, lora=None):
-    mp.spawn(_rank_main, args=(world_size, _free_port(), str(model_folder), str(out_dir), lengths, checkpoint, lora),
+def _run_ranks(world_size, model_folder, out_dir, lengths=(9, 14, 6, 11, 7), checkpoint=False, settings=None):
+    mp.spawn(_rank_main, args=(world_size, _free_port(), str(model_folder), str(out_dir), lengths, checkpoint, settings),
              nprocs=world_size, join=True)
     return torch.load(os.path.join(out_dir, "ranks.pt"))
 
@@ -147,17 +149,23 @@ def _relative_error(a: dict, b: dict) -> float:
     return difference / sum(float(a[k].float().norm() ** 2) for k in a) ** 0.5
 
 
-def test_two_ranks_train_exactly_as_one(tmp_path, tiny_codebook_model):
-    """fp32, decoupled PPO with a separate proximal pass (two optimiser steps on one batch)."""
-    one = _trainer(tiny_codebook_model, Ranks.single())
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "ppo-separate-critic"])
+def test_two_ranks_train_exactly_as_one(tmp_path, tiny_codebook_model, algorithm):
+    """fp32, decoupled PPO with a separate proximal pass (two optimiser steps on one batch); for
+    ppo, the critic too (its GAE advantages whitened over both ranks' tokens), on the policy's
+    backbone or as a separate model sharded like the policy."""
+    settings = {"grpo": {}, "ppo": {"algorithm": "ppo"},
+                "ppo-separate-critic": {"algorithm": "ppo", "critic": str(tiny_codebook_model)}}[algorithm]
+    one = _trainer(tiny_codebook_model, Ranks.single(), settings)
     before = {k: v.clone() for k, v in one.full_state_dict().items()}
     one_metrics = one.step(_examples())
     after_one = one.full_state_dict()
-    two = _run_ranks(2, tiny_codebook_model, tmp_path)
+    two = _run_ranks(2, tiny_codebook_model, tmp_path, settings=settings)
 
     assert _relative_error(after_one, before) > 1e-3  # the step moved the weights
     assert _relative_error(after_one, two["state"]) <= 1e-5
-    for name in ("loss", "train_tokens", "train_sequences", "grad_norm", "ratio_max", "clip_fraction"):
+    names = ["loss", "train_tokens", "train_sequences", "grad_norm", "ratio_max", "clip_fraction"]
+    for name in names + (["value_loss"] if algorithm != "grpo" else []):
         assert two["metrics"][name] == pytest.approx(one_metrics[name], rel=1e-4, abs=1e-6), name
 
 
@@ -167,7 +175,7 @@ def test_two_ranks_train_lora_adapters_exactly_as_one(tmp_path, tiny_codebook_mo
     one = _trainer(tiny_codebook_model, Ranks.single(), LORA)
     before = {k: v.clone() for k, v in one.actor_weights().items()}
     one.step(_examples())
-    two = _run_ranks(2, tiny_codebook_model, tmp_path, lora=LORA)
+    two = _run_ranks(2, tiny_codebook_model, tmp_path, settings=LORA)
 
     sent = one.actor_weights()
     assert sorted(sent) == sorted(two["sent"]) and all(".lora_" in name for name in sent)
@@ -176,12 +184,14 @@ def test_two_ranks_train_lora_adapters_exactly_as_one(tmp_path, tiny_codebook_mo
     assert _relative_error(one.full_state_dict(), two["state"]) <= 1e-5
 
 
-def test_a_rank_without_examples_keeps_step_with_the_others(tmp_path, tiny_codebook_model):
-    """One example for two ranks: rank 1 runs idle passes so rank 0's gathers complete, and the
-    result is the one-rank step's."""
-    one = _trainer(tiny_codebook_model, Ranks.single())
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_a_rank_without_examples_keeps_step_with_the_others(tmp_path, tiny_codebook_model, algorithm):
+    """One example for two ranks: rank 1 runs idle passes (for ppo through the critic too) so rank
+    0's gathers complete, and the result is the one-rank step's."""
+    settings = {"algorithm": algorithm}
+    one = _trainer(tiny_codebook_model, Ranks.single(), settings)
     one.step(_examples(lengths=(12,)))
-    two = _run_ranks(2, tiny_codebook_model, tmp_path, lengths=(12,))
+    two = _run_ranks(2, tiny_codebook_model, tmp_path, lengths=(12,), settings=settings)
     assert _relative_error(one.full_state_dict(), two["state"]) <= 1e-5
     assert two["metrics"]["train_sequences"] == 1
 
@@ -192,7 +202,7 @@ def test_a_checkpoint_written_by_two_ranks_resumes_at_one(tmp_path, tiny_codeboo
 
     from longhorizon.learner.checkpoint import latest_checkpoint, load_checkpoint
 
-    two = _run_ranks(2, tiny_codebook_model, tmp_path, checkpoint=True, lora=lora)
+    two = _run_ranks(2, tiny_codebook_model, tmp_path, checkpoint=True, settings=lora)
     checkpoint = latest_checkpoint(tmp_path)
     assert checkpoint is not None and (checkpoint / "sharded").is_dir()
     # The exported folder is the whole model, loadable by actors and eval as it is.
