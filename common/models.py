@@ -115,11 +115,13 @@ def build_tiny_model(
     num_layers: int = 2,
     num_heads: int = 4,
     seed: int = 0,
+    tie_word_embeddings: bool = True,
 ) -> Path:
     """Write a randomly initialised Qwen2-architecture model with a word-level tokenizer.
 
     The vocabulary is the special tokens, the chat role words and `words`: small enough that an
     untrained policy sometimes produces a valid action, which is what lets RL start from scratch.
+    `tie_word_embeddings = False` gives the output layer weights of its own (LoRA can adapt it).
     """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
@@ -151,7 +153,7 @@ def build_tiny_model(
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
         max_position_embeddings=1024,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         eos_token_id=vocab["<|im_end|>"],
         pad_token_id=vocab["<pad>"],
         bos_token_id=None,

@@ -86,9 +86,21 @@ def check_targets_of_model_folder(settings: LoraSettings, folder) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+        model = AutoModelForCausalLM.from_config(config)
     check_targets(settings, linear_module_names(model))
+    output = model.get_output_embeddings()
+    output_name = next((name for name, module in model.named_modules() if module is output), None)
+    if output_name and getattr(config, "tie_word_embeddings", False):
+        for target in settings.target_modules:
+            if output_name == target or output_name.endswith("." + target):
+                # The merged update would land on a matrix the model folder stores only as the
+                # input embedding: an export or an engine's merge could not place it.
+                raise LoraError(
+                    f"learner.lora.target_modules: {target!r} is this model's output layer, which is tied to "
+                    f"its input embedding; LoRA cannot adapt a tied output layer: leave {target!r} out"
+                )
 
 
 def apply_lora(model, settings: LoraSettings):

@@ -19,6 +19,7 @@ from longhorizon.learner.lora import (
 )
 from longhorizon.learner.trainer import Example, Trainer
 
+CODEBOOK_WORDS = ["s0", "s1", "s2", "s3", "a0", "a1", "a2", "a3"]
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}
 
 
@@ -41,6 +42,9 @@ def test_a_target_that_matches_no_module_is_refused_before_any_process_starts(ti
     settings = lora_settings({"rank": 4, "target_modules": ["q_proj", "query"]})
     with pytest.raises(LoraError, match="'query' matches no linear module.*q_proj"):
         check_targets_of_model_folder(settings, tiny_codebook_model)
+    with pytest.raises(LoraError, match="'lm_head' is this model's output layer, which is tied"):
+        check_targets_of_model_folder(lora_settings({"rank": 4, "target_modules": ["q_proj", "lm_head"]}),
+                                      tiny_codebook_model)
     from longhorizon.launch.local import validate_config
 
     config = load_config(None, [
@@ -162,25 +166,31 @@ def test_lora_with_the_vllm_engine_over_a_collective_is_refused(tiny_codebook_mo
 
 
 @pytest.mark.slow
-def test_lora_learns_codebook_and_only_adapters_cross_the_wire(tmp_path, tiny_codebook_model):
-    """The codebook learning run with LoRA on every linear layer: held-out success as with full
-    fine-tuning, and each weights message carries exactly the adapters' bytes."""
+def test_lora_learns_codebook_and_only_adapters_cross_the_wire(tmp_path):
+    """The codebook learning run with LoRA on every linear layer, the output layer included:
+    held-out success as with full fine-tuning, training success near 100% by the end, and each
+    weights message carries exactly the adapters' bytes.
+
+    The model is the tiny codebook model with an output layer of its own. With the tied one the
+    adapters cannot reach the logits' scale (the final norm fixes the hidden state's, and the
+    frozen output layer is small), so sampled play stayed near uniform (entropy 2.6 of a possible
+    2.64 nats at lr 5e-3, 2e-2 and 5e-2 alike) and held-out greedy success hung on tiny margins
+    (56-100% over runs)."""
+    from longhorizon.common.models import build_tiny_model
     from longhorizon.learner.broadcast import unique_state_dict
     from longhorizon.learner.lora import adapter_state_dict, apply_lora
     from tests.test_learning import _train_and_evaluate
 
+    model = build_tiny_model(tmp_path / "untied-codebook", words=CODEBOOK_WORDS, tie_word_embeddings=False)
     table = {"rank": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                          "up_proj", "down_proj"]}
+                                                          "up_proj", "down_proj", "lm_head"]}
     override = "learner.lora={rank = 16, alpha = 32, target_modules = " + str(table["target_modules"]) + "}"
-    # Sync mode: the adapters move the logits less than full fine-tuning does, and with the
-    # staleness of a loaded machine the async run did not always get there in 60 steps.
-    _, records, trained = _train_and_evaluate(
-        tmp_path, tiny_codebook_model, [override, "learner.learning_rate=5e-3", "run.mode='sync'"],
-    )
+    _, records, trained = _train_and_evaluate(tmp_path, model, [override, "learner.learning_rate=5e-3"])
     assert trained.success_rate > 0.8
+    assert sum(r["success_rate"] for r in records[-5:]) / 5 > 0.9
 
-    adapters = adapter_state_dict(apply_lora(load_causal_lm(tiny_codebook_model), lora_settings(table)))
+    adapters = adapter_state_dict(apply_lora(load_causal_lm(model), lora_settings(table)))
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
-    full_bytes = sum(t.numel() * t.element_size() for t in unique_state_dict(load_causal_lm(tiny_codebook_model)).values())
+    full_bytes = sum(t.numel() * t.element_size() for t in unique_state_dict(load_causal_lm(model)).values())
     assert {r["weights_bytes"] for r in records} == {adapter_bytes}
     assert adapter_bytes < full_bytes / 2
