@@ -63,6 +63,11 @@ def lora_settings(table: dict | None) -> LoraSettings | None:
     return LoraSettings(rank=rank, alpha=float(alpha), target_modules=tuple(targets), dropout=float(dropout))
 
 
+def matches_target(module_name: str, targets) -> bool:
+    """Whether a module is adapted: its name is a target or ends with one (as peft matches)."""
+    return any(module_name == target or module_name.endswith("." + target) for target in targets)
+
+
 def linear_module_names(model) -> list[str]:
     import torch
 
@@ -72,7 +77,7 @@ def linear_module_names(model) -> list[str]:
 def check_targets(settings: LoraSettings, module_names: list[str]) -> None:
     """Every target must match at least one linear module (by name suffix, as peft matches)."""
     for target in settings.target_modules:
-        if not any(name == target or name.endswith("." + target) for name in module_names):
+        if not any(matches_target(name, [target]) for name in module_names):
             suffixes = sorted({name.rsplit(".", 1)[-1] for name in module_names})
             raise LoraError(
                 f"learner.lora.target_modules: {target!r} matches no linear module of the model; "
@@ -94,7 +99,7 @@ def check_targets_of_model_folder(settings: LoraSettings, folder) -> None:
     output_name = next((name for name, module in model.named_modules() if module is output), None)
     if output_name and getattr(config, "tie_word_embeddings", False):
         for target in settings.target_modules:
-            if output_name == target or output_name.endswith("." + target):
+            if matches_target(output_name, [target]):
                 # The merged update would land on a matrix the model folder stores only as the
                 # input embedding: an export or an engine's merge could not place it.
                 raise LoraError(
@@ -116,10 +121,11 @@ def apply_lora(model, settings: LoraSettings):
 
 
 def adapter_state_dict(model) -> dict:
-    """The adapters' tensors, detached, named as peft names them in a saved adapter."""
-    from peft import get_peft_model_state_dict
-
-    return {name: tensor.detach() for name, tensor in get_peft_model_state_dict(model).items()}
+    """The adapters' A and B tensors, detached, named as peft names them in a saved adapter. Only
+    those: peft's own saved state also carries the frozen base weight of an adapted output layer,
+    which would travel with every update for nothing."""
+    return {saved: tensor.detach() for name, tensor in model.named_parameters()
+            if (saved := adapter_name(name)) is not None}
 
 
 def load_adapters(model, tensors: dict) -> None:
@@ -138,30 +144,6 @@ def load_adapters(model, tensors: dict) -> None:
     result = set_peft_model_state_dict(model, tensors)
     if getattr(result, "unexpected_keys", None):
         raise ValueError(f"adapter tensors not placed: {sorted(result.unexpected_keys)[:3]}")
-
-
-def merged_state_dict(model) -> dict:
-    """The base model's parameters with the adapters' update added (W + scale * B A), under the
-    base model's own names: a plain model folder. The live weights are not touched."""
-    import torch
-    from peft.tuners.lora import LoraLayer
-
-    from longhorizon.learner.broadcast import unique_state_dict
-
-    base = model.get_base_model()
-    deltas = {}
-    with torch.no_grad():
-        for name, module in base.named_modules():
-            if isinstance(module, LoraLayer) and module.active_adapters:
-                delta = sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
-                deltas[f"{name}.weight"] = delta
-        merged = {}
-        for name, tensor in unique_state_dict(base).items():
-            if ".lora_" in name:
-                continue
-            plain = name.replace(".base_layer.", ".")
-            merged[plain] = tensor + deltas[plain].to(tensor.dtype) if plain in deltas else tensor
-    return merged
 
 
 ADAPTER_PREFIX = "base_model.model."
@@ -186,7 +168,7 @@ def target_weights_of_model_folder(settings: LoraSettings, folder) -> dict:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
                 module = name.removesuffix(".weight")
-                if module != name and any(module == t or module.endswith("." + t) for t in settings.target_modules):
+                if module != name and matches_target(module, settings.target_modules):
                     tensor = handle.get_tensor(name)
                     if tensor.ndim == 2:
                         weights[module] = tensor
@@ -238,7 +220,7 @@ def adapter_name(parameter_name: str, adapter: str = "default") -> str | None:
 def merged_from_peft_state(state: dict, scale: float) -> dict:
     """A peft model's full state dict (names as the PeftModel has them) as a plain model's: base
     weights under their own names, with scale * B A added where there are adapters."""
-    prefix = "base_model.model."
+    prefix = ADAPTER_PREFIX
     base, adapters, plain = {}, {}, {}
     for name, tensor in state.items():
         saved = adapter_name(name)

@@ -407,21 +407,20 @@ class Trainer:
         """
         from longhorizon.learner.broadcast import unique_state_dict
 
-        if self.lora is not None and not self.ranks.distributed:
-            from longhorizon.learner.lora import merged_state_dict
-
-            return merged_state_dict(self.model)
         if not self.ranks.distributed:
-            return unique_state_dict(self.model)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            if self.lora is None:
+                return unique_state_dict(self.model)
+            state = dict(self.model.state_dict())
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(
-            self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True),
-        )
-        if not self.ranks.is_main:
-            return {}
-        prefix = "model."
-        state = {name[len(prefix):]: tensor for name, tensor in state.items() if name.startswith(prefix)}
+            gathered = get_model_state_dict(
+                self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+            )
+            if not self.ranks.is_main:
+                return {}
+            prefix = "model."
+            state = {name[len(prefix):]: tensor for name, tensor in gathered.items() if name.startswith(prefix)}
         if self.lora is not None:
             from longhorizon.learner.lora import merged_from_peft_state
 
@@ -548,14 +547,11 @@ class Trainer:
     def actor_weights(self) -> dict[str, torch.Tensor]:
         """What the actors need of the policy after an update: the adapters alone with LoRA, else
         the whole model (a collective with several ranks, as `full_state_dict`)."""
-        if self.lora is not None and not self.ranks.distributed:
-            from longhorizon.learner.lora import adapter_state_dict
-
-            return adapter_state_dict(self.model)
         if self.lora is not None:
             from longhorizon.learner.lora import adapter_name
 
-            # Only the adapters are gathered, one tensor at a time, in the same order on every rank.
+            # As `adapter_state_dict` names them; with several ranks each adapter is gathered, one
+            # tensor at a time, in the same order on every rank.
             adapters = {}
             for name, parameter in self.model.named_parameters():
                 saved = adapter_name(name)

@@ -14,7 +14,7 @@ from longhorizon.learner.lora import (
     check_targets_of_model_folder,
     lora_settings,
     merge_adapters,
-    merged_state_dict,
+    merged_from_peft_state,
     target_weights_of_model_folder,
 )
 from longhorizon.learner.trainer import Example, Trainer
@@ -114,9 +114,11 @@ def test_merging_adds_scale_times_b_a_to_the_base_weight():
     torch.testing.assert_close(merged["layer.proj.weight"], torch.tensor([[3.0, 5.0, 1.0], [0.0, -1.0, 1.0]]))
 
 
-def test_an_engine_merge_of_sent_adapters_equals_the_learners_export(tiny_codebook_model):
+def test_merges_of_adapters_equal_pefts_own(tiny_codebook_model):
     """What an engine that merges (vllm) computes from the adapters on the wire and the model
-    folder is what the learner exports: peft's own merge of the same adapters."""
+    folder, and what the learner exports from its peft model, both equal peft's merge_and_unload."""
+    import copy
+
     settings = lora_settings(LORA)
     model = apply_lora(load_causal_lm(tiny_codebook_model), settings)
     torch.manual_seed(0)
@@ -124,15 +126,19 @@ def test_an_engine_merge_of_sent_adapters_equals_the_learners_export(tiny_codebo
         for name, parameter in model.named_parameters():
             if "lora_" in name:
                 parameter.copy_(0.3 * torch.randn_like(parameter))
+    reference = copy.deepcopy(model).merge_and_unload().state_dict()
     base = target_weights_of_model_folder(settings, tiny_codebook_model)
     assert sorted(base) == sorted(f"model.layers.{layer}.{module}" for layer in (0, 1)
                                   for module in ("self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj"))
     merged = merge_adapters(base, adapter_state_dict(model), settings.scale)
-    exported = merged_state_dict(model)
     assert sorted(merged) == sorted(f"{module}.weight" for module in base)
     for name, tensor in merged.items():
-        torch.testing.assert_close(tensor, exported[name].float())
+        torch.testing.assert_close(tensor, reference[name].float())
         assert not torch.equal(tensor, base[name.removesuffix(".weight")].float())
+    exported = merged_from_peft_state(model.state_dict(), settings.scale)
+    assert sorted(exported) == sorted(reference)
+    for name, tensor in exported.items():
+        torch.testing.assert_close(tensor, reference[name])
 
 
 def test_adapters_that_do_not_fit_the_engines_targets_are_refused_whole(tiny_codebook_model):

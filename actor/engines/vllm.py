@@ -33,6 +33,7 @@ token was actually drawn from, as the learner's off-policy correction expects.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -424,12 +425,10 @@ class VLLMEngine:
         # supported on CPU), so inline tensors go through a temporary one, in RAM where possible.
         from safetensors.numpy import save_file
 
-        scratch = Path(tempfile.mkdtemp(prefix="longhorizon-vllm-weights-", dir=_scratch_root(sum(int(t.nbytes) for t in update.tensors.values()))))
-        try:
+        nbytes = sum(int(t.nbytes) for t in update.tensors.values())
+        with _scratch_folder("longhorizon-vllm-weights-", nbytes) as scratch:
             save_file(dict(update.tensors), str(scratch / "model.safetensors"))
             self._run_blocking(self._reload_on_loop(int(update.version), "reload_weights", {"weights_path": str(scratch)}))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
 
     def _load_adapters(self, update: Any) -> None:
         """A LoRA update: the adapters merged into the base weights of their modules, the model
@@ -442,15 +441,12 @@ class VLLMEngine:
         from longhorizon.actor.engines.hf import load_weights_update
 
         merged = merge_adapters(self._lora_base, load_weights_update(update), self._lora.scale)
-        scratch = Path(tempfile.mkdtemp(prefix="longhorizon-vllm-lora-", dir=_scratch_root(sum(t.nbytes for t in merged.values()))))
-        try:
+        with _scratch_folder("longhorizon-vllm-lora-", sum(t.nbytes for t in merged.values())) as scratch:
             save_file(merged, str(scratch / "merged.safetensors"))
             self._run_blocking(self._reload_on_loop(int(update.version), "longhorizon_reload_with_replacements", {
                 "base_folder": str(Path(self.settings.model_path).resolve()),
                 "replacements_file": str(scratch / "merged.safetensors"),
             }))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
 
     async def _reload_on_loop(self, version: int, method: str, kwargs: dict | None = None) -> None:
         """Close the gate, wait for the requests in flight, run the worker's reload `method`."""
@@ -507,6 +503,13 @@ async def _start_engine(engine_options: dict):
 
 async def _shutdown_engine(engine) -> None:
     engine.shutdown()
+
+
+@contextlib.contextmanager
+def _scratch_folder(prefix: str, needed_bytes: int):
+    """A temporary folder for weights on their way into vLLM, in RAM where it fits; removed after."""
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=_scratch_root(needed_bytes), ignore_cleanup_errors=True) as folder:
+        yield Path(folder)
 
 
 def _scratch_root(needed_bytes: int) -> str | None:
