@@ -105,6 +105,17 @@ def chosen_nll(policy_chosen: torch.Tensor, chosen_tokens: torch.Tensor) -> torc
     return -(policy_chosen / chosen_tokens.clamp(min=1)).mean()
 
 
+def last_epoch_means(records: Sequence[dict], keys: Sequence[str]) -> dict[str, float]:
+    """Each key's mean over the last epoch's steps, weighted by each step's pairs (`train_pairs`).
+
+    The summary's final figures: the epoch's last step alone can hold a couple of pairs (the
+    remainder of the epoch after full batches), too few for an accuracy or a margin to mean much.
+    """
+    last = [record for record in records if record["epoch"] == records[-1]["epoch"]]
+    pairs = sum(record["train_pairs"] for record in last)
+    return {key: sum(record[key] * record["train_pairs"] for record in last) / pairs for key in keys}
+
+
 def plan_pair_micro_batches(pair_lengths: Sequence[int], max_sequences: int, max_tokens: int) -> list[list[int]]:
     """Cut a step's pairs (indices into `pair_lengths`, each the longer side's tokens) into
     micro-batches of similar lengths that keep both sides of a pair together: at most
@@ -388,9 +399,10 @@ def run_dpo(config: Config, *, note: Callable[[str], None] = print, progress_str
     finally:
         bar.close()
         metrics.close()
+    last_epoch = last_epoch_means(records, ("dpo_loss", "reward_margin", "preference_accuracy"))
     summary.update({"steps": len(plan), "epochs": dpo.epochs, "first_loss": records[0]["dpo_loss"],
-                    "final_loss": records[-1]["dpo_loss"], "final_reward_margin": records[-1]["reward_margin"],
-                    "final_preference_accuracy": records[-1]["preference_accuracy"],
+                    "final_loss": last_epoch["dpo_loss"], "final_reward_margin": last_epoch["reward_margin"],
+                    "final_preference_accuracy": last_epoch["preference_accuracy"],
                     "train_seconds": time.perf_counter() - started, "checkpoint": str(checkpoint)})
     note(f"checkpoint: {checkpoint} (model.path of an RL run, or eval --checkpoint)")
     del model, optimizer  # the evaluation engine loads its own copy
