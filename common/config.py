@@ -215,7 +215,8 @@ class LearnerConfig:
     """Most sequences per forward/backward pass (gradients are accumulated); see also
     `max_tokens_per_micro_batch`."""
     broadcast_every: int = 1
-    """Broadcast weights and horizon every N learner steps."""
+    """Broadcast weights and horizon every N learner steps (when the weights changed since the last
+    broadcast; a new horizon stage goes out at once)."""
     weights_transport: str = "inline"
     """`inline` (tensors over the broadcast socket: works across hosts), `path` (a safetensors
     folder on a filesystem every actor can read) or `collective` (a torch.distributed group between

@@ -1,4 +1,5 @@
-"""Plots of a training run from its metrics.jsonl: reward, success, horizon, staleness, throughput.
+"""Plots of a training run from its metrics.jsonl: reward, success, horizon, staleness, throughput,
+and the groups that carried signal.
 
 Run as ``longhorizon plot RUN_DIR``; the PNGs go to ``RUN_DIR/plots/``.
 """
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "plot_run", "read_metrics", "summed_staleness_histogram"]
+__all__ = ["main", "moving_average", "plot_run", "read_metrics", "summed_staleness_histogram"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,15 @@ _LINE_PLOTS = (
     ("episodes_per_s", "throughput.png", "episodes / s"),
 )
 _STALENESS_HISTOGRAM_KEY = "staleness_hist"
+# Lines whose per-step values are a handful of groups' outcomes, so noisy: a moving average is
+# drawn over them once a run has MOVING_AVERAGE_FROM steps.
+_SMOOTHED = {"reward_mean", "success_rate"}
+MOVING_AVERAGE_WINDOW = 8
+MOVING_AVERAGE_FROM = 16
+# How each step's groups were used (signal.png), bottom to top.
+_GROUP_KEYS = (("groups_used", "used (reward spread)", "tab:green"),
+               ("groups_skipped_zero_variance", "flat (one reward)", "tab:gray"),
+               ("groups_skipped_too_small", "too small", "tab:red"))
 
 
 def read_metrics(metrics_path: Path) -> list[dict[str, Any]]:
@@ -76,6 +86,19 @@ def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], l
         steps.append(step if _is_number(step) else index)
         values.append(value)
     return steps, values
+
+
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """The mean of each value and the up to ``window - 1`` values before it (shorter at the start)."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    averages, total = [], 0.0
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        averages.append(total / min(index + 1, window))
+    return averages
 
 
 def summed_staleness_histogram(records: Sequence[dict[str, Any]]) -> Counter[int]:
@@ -129,13 +152,40 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         axes = figure.add_subplot()
         # The horizon cap changes in stages: a step line shows where each stage starts.
         drawstyle = "steps-post" if key == "horizon_cap" else "default"
-        axes.plot(steps, values, drawstyle=drawstyle, marker="." if len(values) < 50 else None)
+        axes.plot(steps, values, drawstyle=drawstyle, marker="." if len(values) < 50 else None,
+                  alpha=0.4 if key in _SMOOTHED and len(values) >= MOVING_AVERAGE_FROM else 1.0)
+        if key in _SMOOTHED and len(values) >= MOVING_AVERAGE_FROM:
+            axes.plot(steps, moving_average(values, MOVING_AVERAGE_WINDOW), color="black",
+                      label=f"mean of the last {MOVING_AVERAGE_WINDOW} steps")
+            axes.legend(loc="best", fontsize=8)
         if key == "horizon_cap":
             axes.yaxis.set_major_locator(MaxNLocator(integer=True))
         axes.set_xlabel("learner step")
         axes.set_ylabel(label)
         axes.grid(alpha=0.3)
         save(figure, file_name)
+
+    group_series = [(_series(records, key), label, colour) for key, label, colour in _GROUP_KEYS]
+    if group_series[0][0][1]:
+        # Which groups of each step's batch carried a gradient: a flat group (every member the
+        # same reward) has zero advantage everywhere.
+        figure = Figure(figsize=(6, 4), layout="tight")
+        axes = figure.add_subplot()
+        bottom: dict[float, float] = {}
+        for (steps, values), label, colour in group_series:
+            if values:
+                axes.bar(steps, values, bottom=[bottom.get(step, 0.0) for step in steps], width=1.0,
+                         label=label, color=colour)
+                for step, value in zip(steps, values):
+                    bottom[step] = bottom.get(step, 0.0) + value
+        axes.set_ylim(0, max(bottom.values(), default=1.0) * 1.35 or 1.0)  # room for the legend
+        axes.yaxis.set_major_locator(MaxNLocator(integer=True))
+        axes.set_xlabel("learner step")
+        axes.set_ylabel("groups in the step's batch")
+        axes.legend(loc="best", fontsize=8)
+        save(figure, "signal.png")
+    else:
+        logger.warning("no 'groups_used' in %s: signal.png not drawn", run_dir / "metrics.jsonl")
 
     histogram = summed_staleness_histogram(records)
     if histogram:

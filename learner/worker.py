@@ -569,13 +569,19 @@ class Learner:
             train_metrics: dict = {}
             if scored.examples:
                 train_metrics = await trio.to_thread.run_sync(self._update, scored.examples)
-            # Every step advances the version, with or without an update, so a version always
-            # names one learner step (and staleness counts steps).
+            # A version names a set of weights. A step whose batch carried no signal (every group
+            # flat) leaves the weights as they were, so in async mode it keeps the version: the
+            # trajectories in flight stay as fresh as they were, and nothing is rebuilt or sent.
+            # Sync-mode actors generate one batch per version and wait for the next, so there
+            # every step makes a version.
+            trained_version = self.version
             self.step += 1
-            self.version += 1
+            if scored.examples or self.sync:
+                self.version += 1
+            cap_before = self.horizon.cap, self.horizon.stage
             decision = self._advance_horizon(groups)
             now = time.monotonic()
-            record = self._record(groups, scored, train_metrics, now - last_step_time, self.version - 1)
+            record = self._record(groups, scored, train_metrics, now - last_step_time, trained_version)
             if decision:
                 record["horizon_decision"] = decision
             last_step_time = now
@@ -585,9 +591,12 @@ class Learner:
             with trio.CancelScope(shield=True):
                 if self.step % learner.sample_episodes_every == 0:
                     self._write_sample(groups)
-                if self.sync or self.step % learner.broadcast_every == 0 or self.step == self.config.run.total_steps:
+                due = self.sync or self.step % learner.broadcast_every == 0 or self.step == self.config.run.total_steps
+                if due and self.version != self.latest_weights.version:
                     await self._rebuild_weights()
                     await self._publish()
+                elif (self.horizon.cap, self.horizon.stage) != cap_before:
+                    await self._publish(weights=False)  # a new stage goes out now, not at the next repeat
                 # The record goes out before the checkpoint: a learner killed between the two
                 # resumes from the older checkpoint, which cuts the record and trains the step
                 # again. The other order would leave a checkpoint whose step has no record.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from longhorizon.launch.plot import main, plot_run, read_metrics, summed_staleness_histogram
+from longhorizon.launch.plot import main, moving_average, plot_run, read_metrics, summed_staleness_histogram
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -29,6 +29,8 @@ def synthetic_records(steps: int = 6) -> list[dict]:
             "horizon_stage": 0 if step < 3 else 1,
             "staleness_hist": {"0": 4, "1": step},
             "episodes_per_s": 2.0 + step,
+            "groups_used": step % 3,
+            "groups_skipped_zero_variance": 2 - step % 3,
             "loss": 0.5,
         }
         for step in range(steps)
@@ -47,10 +49,18 @@ def test_plot_run_writes_every_plot(tmp_path):
     write_metrics(tmp_path, synthetic_records())
     written = plot_run(tmp_path)
     names = sorted(path.name for path in written)
-    assert names == ["horizon.png", "reward.png", "staleness.png", "success.png", "throughput.png"]
+    assert names == ["horizon.png", "reward.png", "signal.png", "staleness.png", "success.png", "throughput.png"]
     for path in written:
         assert path.parent == tmp_path / "plots"
         assert_valid_png(path)
+
+
+def test_moving_average_by_hand():
+    # Window 3: 1; (1+2)/2; (1+2+6)/3; (2+6+4)/3.
+    assert moving_average([1.0, 2.0, 6.0, 4.0], 3) == pytest.approx([1.0, 1.5, 3.0, 4.0])
+    assert moving_average([5.0], 8) == [5.0]
+    with pytest.raises(ValueError, match="window"):
+        moving_average([1.0], 0)
 
 
 def test_missing_keys_are_skipped_with_a_note(tmp_path, caplog):
@@ -67,7 +77,7 @@ def test_cut_off_last_line_is_skipped(tmp_path, caplog):
     write_metrics(tmp_path, synthetic_records(3), tail='{"step": 3, "reward_me')
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 3
     with caplog.at_level(logging.WARNING, logger="longhorizon.launch.plot"):
-        assert len(plot_run(tmp_path)) == 5
+        assert len(plot_run(tmp_path)) == 6
     assert "not JSON" in caplog.text
 
 
@@ -85,7 +95,7 @@ def test_main_reports_errors_and_paths(tmp_path, capsys):
     write_metrics(tmp_path, synthetic_records())
     assert main([str(tmp_path)]) == 0
     printed = capsys.readouterr().out.split()
-    assert len(printed) == 5 and all(Path(line).is_file() for line in printed)
+    assert len(printed) == 6 and all(Path(line).is_file() for line in printed)
 
 
 def test_importing_the_module_does_not_import_matplotlib():

@@ -144,10 +144,40 @@ def test_resume_continues_step_version_and_horizon(tmp_path, byte_model):
     assert second.returncode == 0, output
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert [r["version"] for r in records[4:]] == [5, 6, 7, 8]
+    assert [r["version"] for r in records] == versions_after_each_step(records)
     # Each record carries the cap in force after its step; stages last 3 steps, across the resume too.
     assert [r["horizon_cap"] for r in records] == [2, 2, 3, 3, 3, 4, 4, 4]
     assert "resumed from" in (run_dir / "logs" / "learner.log").read_text()
+
+
+def versions_after_each_step(records) -> list[int]:
+    """The version each async-mode record should carry: one more than the last whenever the step
+    trained on any group, the same when every group was flat (the weights did not change)."""
+    versions, version = [], 0
+    for record in records:
+        version += record["groups_used"] > 0
+        versions.append(version)
+    return versions
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_step_without_signal_makes_a_version_only_in_sync_mode(tmp_path, byte_model, mode):
+    """The oracle wins every episode, so every group is flat and no step changes the weights. In
+    async mode the version stays 0: nothing goes stale (max_staleness is 4, so the old rule, a
+    version per step, shows staleness 1-4 here) and no weights are rebuilt or sent; the new stage
+    still reaches the actors. Sync-mode actors play one batch per version, so there each step
+    makes one."""
+    process = _start(_overrides(tmp_path, byte_model, mode, 7, ["actor.scripted_policy='oracle'", f"run.mode={mode!r}"]))
+    output, _ = process.communicate(timeout=180)
+    assert process.returncode == 0, output
+    records = read_metrics(tmp_path / mode)
+    assert all(r["groups_used"] == 0 for r in records)
+    assert [r["version"] for r in records] == ([0] * 7 if mode == "async" else list(range(1, 8)))
+    assert all(r["staleness_max"] == 0 and r["groups_dropped_stale"] == 0 for r in records)
+    # Stages of 3 steps: the cap rises after steps 3 and 6. The groups of the last step began
+    # after the first rise (at most 4 were in flight then), so they played all 3 turns.
+    assert [r["horizon_cap"] for r in records] == [2, 2, 3, 3, 3, 4, 4]
+    assert records[-1]["episode_turns_mean"] == 3
 
 
 def test_sync_mode_trains_only_on_the_current_version(tmp_path, byte_model):
@@ -179,7 +209,7 @@ def test_a_killed_learner_is_restarted_and_actors_follow_it_back(tmp_path, byte_
     records = read_metrics(run_dir)
     # Steps after the (here: absent) checkpoint were trained again and recorded once.
     assert [r["step"] for r in records] == list(range(1, 13))
-    assert [r["version"] for r in records] == list(range(1, 13))
+    assert [r["version"] for r in records] == versions_after_each_step(records)
     # The actors were ahead of the restarted learner and went back to its version.
     assert "went back" in "".join((run_dir / "logs" / f"actor-{i}.log").read_text() for i in range(2))
     table = json.loads((run_dir / "processes.json").read_text())
