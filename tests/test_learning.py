@@ -83,7 +83,8 @@ def test_tiny_model_learns_codebook_through_real_processes(tmp_path, tiny_codebo
         assert len(held_out) >= 5 and not held_out & trained_on
     if num_ranks == 2:
         assert (config.run_dir / "logs" / "learner-rank1.log").is_file()
-        assert records[-1]["train_sequences"] > 0
+        # Summed over the ranks; a step whose groups were all flat (near the end) trains nothing.
+        assert max(r.get("train_sequences", 0) for r in records) > 0
 
 
 @pytest.mark.slow
