@@ -152,9 +152,10 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         axes = figure.add_subplot()
         # The horizon cap changes in stages: a step line shows where each stage starts.
         drawstyle = "steps-post" if key == "horizon_cap" else "default"
+        smoothed = key in _SMOOTHED and len(values) >= MOVING_AVERAGE_FROM
         axes.plot(steps, values, drawstyle=drawstyle, marker="." if len(values) < 50 else None,
-                  alpha=0.4 if key in _SMOOTHED and len(values) >= MOVING_AVERAGE_FROM else 1.0)
-        if key in _SMOOTHED and len(values) >= MOVING_AVERAGE_FROM:
+                  alpha=0.4 if smoothed else 1.0)
+        if smoothed:
             axes.plot(steps, moving_average(values, MOVING_AVERAGE_WINDOW), color="black",
                       label=f"mean of the last {MOVING_AVERAGE_WINDOW} steps")
             axes.legend(loc="best", fontsize=8)
@@ -165,20 +166,19 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         axes.grid(alpha=0.3)
         save(figure, file_name)
 
-    group_series = [(_series(records, key), label, colour) for key, label, colour in _GROUP_KEYS]
-    if group_series[0][0][1]:
+    steps, _ = _series(records, "groups_used")
+    if steps:
         # Which groups of each step's batch carried a gradient: a flat group (every member the
         # same reward) has zero advantage everywhere.
+        counted = [record for record in records if _is_number(record.get("groups_used"))]
         figure = Figure(figsize=(6, 4), layout="tight")
         axes = figure.add_subplot()
-        bottom: dict[float, float] = {}
-        for (steps, values), label, colour in group_series:
-            if values:
-                axes.bar(steps, values, bottom=[bottom.get(step, 0.0) for step in steps], width=1.0,
-                         label=label, color=colour)
-                for step, value in zip(steps, values):
-                    bottom[step] = bottom.get(step, 0.0) + value
-        axes.set_ylim(0, max(bottom.values(), default=1.0) * 1.35 or 1.0)  # room for the legend
+        bottom = [0.0] * len(counted)
+        for key, label, colour in _GROUP_KEYS:
+            values = [record.get(key, 0) if _is_number(record.get(key)) else 0 for record in counted]
+            axes.bar(steps, values, bottom=bottom, width=1.0, label=label, color=colour)
+            bottom = [below + value for below, value in zip(bottom, values)]
+        axes.set_ylim(0, max(max(bottom), 1.0) * 1.35)  # room for the legend
         axes.yaxis.set_major_locator(MaxNLocator(integer=True))
         axes.set_xlabel("learner step")
         axes.set_ylabel("groups in the step's batch")
