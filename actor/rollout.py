@@ -170,6 +170,7 @@ def to_trajectory(
         reward=result.reward,
         turn_rewards=list(result.turn_rewards),
         num_turns=result.num_turns,
+        invalid_actions=result.invalid_actions,
         horizon_cap=horizon_cap,
         terminated=result.terminated,
         truncated=result.truncated,

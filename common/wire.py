@@ -108,7 +108,8 @@ class Trajectory:
     """One finished episode: everything the learner needs to use it in an update."""
 
     TYPE_TAG: ClassVar[str] = "trajectory"
-    SCHEMA_VERSION: ClassVar[int] = 1
+    # 2: invalid_actions added.
+    SCHEMA_VERSION: ClassVar[int] = 2
 
     # Unique per episode, so the learner can drop a trajectory that arrives twice.
     trajectory_id: str
@@ -140,6 +141,9 @@ class Trajectory:
     turn_rewards: list[float]
     # Turns taken; compared with the horizon cap to see how often episodes hit it.
     num_turns: int
+    # Turns whose reply the env could not read as an action (a garbled format), so the learner can
+    # tell a policy that fails the task from one that fails the format.
+    invalid_actions: int = 0
     # Horizon cap in force when the episode ran; the learner's curriculum watches it.
     horizon_cap: int
     # The environment ended the episode (success or failure).
@@ -396,7 +400,9 @@ _TOKEN_ARRAYS = ("token_ids", "loss_mask", "behaviour_logprobs", "policy_version
 def _check_trajectory(values: dict[str, Any], limits: WireLimits | None) -> None:
     _require_nonempty(values, "Trajectory", "trajectory_id", "actor_id", "group_id")
     _require_at_least(values, "Trajectory", 1, "group_size")
-    _require_at_least(values, "Trajectory", 0, "num_turns", "horizon_cap")
+    _require_at_least(values, "Trajectory", 0, "num_turns", "horizon_cap", "invalid_actions")
+    if values["invalid_actions"] > values["num_turns"]:
+        _fail(f"Trajectory.invalid_actions {values['invalid_actions']} is more than its {values['num_turns']} turns")
     for name in _TOKEN_ARRAYS:
         if values[name].ndim != 1:
             _fail(f"Trajectory.{name} must be 1-D, got shape {values[name].shape}")

@@ -27,7 +27,15 @@ def _train(args: argparse.Namespace) -> int:
         from longhorizon.launch.launcher import launch
 
         code = launch(config)
-    if code == 0 and not args.no_plots:
+    if code != 0:
+        return code
+    from longhorizon.launch.report import format_report, load_summary
+
+    try:
+        print(format_report(load_summary(config.run_dir)))
+    except (FileNotFoundError, ValueError) as error:  # a run of 0 steps has nothing to report
+        print(f"no report: {error}")
+    if not args.no_plots:
         from longhorizon.launch.plot import plot_run
 
         written = plot_run(config.run_dir)
@@ -52,6 +60,12 @@ def _plot(args: argparse.Namespace) -> int:
     from longhorizon.launch.plot import main
 
     return main([args.run_dir])
+
+
+def _report(args: argparse.Namespace) -> int:
+    from longhorizon.launch.report import main
+
+    return main(args.rest)
 
 
 def _env(args: argparse.Namespace) -> int:
@@ -219,6 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     plot = commands.add_parser("plot", help="write PNG curves for a run directory")
     plot.add_argument("run_dir")
     plot.set_defaults(handler=_plot)
+
+    report = commands.add_parser(
+        "report", help="what a run's metrics say about why it learned or did not", add_help=False)
+    report.add_argument("rest", nargs=argparse.REMAINDER)
+    report.set_defaults(handler=_report)
 
     env = commands.add_parser("env", help="environments: list, play in the terminal, check, serve")
     env_commands = env.add_subparsers(dest="env_command", required=True)

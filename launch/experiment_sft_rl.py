@@ -149,6 +149,7 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
     if settings.rl:
         from longhorizon.launch.launcher import launch
         from longhorizon.launch.plot import plot_run
+        from longhorizon.launch.report import format_report, load_summary
 
         began = time.perf_counter()
         rl_config = _phase_config(config, run_dir, "rl", model=dataclasses.replace(config.model, path=policy))
@@ -158,6 +159,7 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
             raise RuntimeError(f"the RL run ended with exit code {code}; see {rl_config.run_dir / 'logs'}")
         train_seconds = time.perf_counter() - began
         plot_run(rl_config.run_dir)
+        note(format_report(load_summary(rl_config.run_dir)))
         checkpoint = latest_checkpoint(rl_config.run_dir)
         evaluate("rl", str(checkpoint), {"train_seconds": train_seconds, "rl_steps": config.run.total_steps})
     save()

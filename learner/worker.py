@@ -442,6 +442,7 @@ class Learner:
             "failed_episodes": scored.failed_trajectories,
             "episode_turns_mean": float(np.mean([t.num_turns for t in trajectories])) if trajectories else 0.0,
             "truncated_rate": float(np.mean([t.truncated for t in trajectories])) if trajectories else 0.0,
+            **outcome_figures(groups),
             # Where data went, counted over the whole run (a resumed run continues the counts):
             # received = accepted + the refusals below; accepted = trained + dropped with their
             # group + held. Episodes the actors reported sending, minus those received, were in
@@ -658,6 +659,21 @@ class Learner:
         if lost:
             log.warning("%d of %d actors seen were gone or unreachable at the end", lost, len(self.peers))
         return stopped
+
+
+def outcome_figures(groups) -> dict[str, float]:
+    """A step's groups by outcome, whatever the algorithm made of them, and how often the policy
+    garbled the action format. A group in which no episode (or every episode) succeeded teaches
+    the task nothing, even where format penalties spread its rewards; many of them mean the
+    tasks are out of the policy's reach (or mastered), not that the update is wrong."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    turns = sum(t.num_turns for t in trajectories)
+    return {
+        "groups_none_succeeded": sum(not any(t.success for t in g.trajectories) for g in groups),
+        "groups_all_succeeded": sum(all(t.success for t in g.trajectories) for g in groups),
+        # Replies the env could not read as an action, per turn played.
+        "invalid_action_rate": sum(t.invalid_actions for t in trajectories) / turns if turns else 0.0,
+    }
 
 
 def weights_payload_bytes(update) -> int:

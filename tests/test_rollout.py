@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from longhorizon.actor.engines.base import EngineSettings, GenerationResult, make_engine
-from longhorizon.actor.rollout import EnvPool, run_episode, run_group
+from longhorizon.actor.rollout import EnvPool, run_episode, run_group, to_trajectory
+from longhorizon.common.wire import decode, encode
 from longhorizon.envs.base import list_tasks, make_env
 
 
@@ -74,6 +75,8 @@ async def test_garbled_reply_becomes_an_error_observation():
     assert "Invalid reply: no action found" in result.conversation.messages[3]["content"]
     versions = np.array(result.conversation.policy_versions)
     assert set(versions[np.array(result.conversation.loss_mask) == 1]) == {3}
+    trajectory = decode(encode(to_trajectory(result, actor_id="a", task=task, group_id="g", group_size=1, horizon_cap=3)))
+    assert trajectory.invalid_actions == 3 and trajectory.num_turns == 3  # the learner's format figure
 
 
 class _BrokenEnv:

@@ -106,6 +106,7 @@ def test_each_phase_improves_on_held_out_sequences_it_never_trained_on(tmp_path,
     assert rl_config.model.path == phases["sft"]["model"] and rl_config.env.train_split == "train"
     table = format_table(summary)
     assert table.count("\n") == 4 and "| rl |" in table
+    assert any(line.startswith("steps 4 (last 4)") for line in lines)  # the RL run's report
 
 
 @pytest.mark.slow

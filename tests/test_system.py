@@ -179,6 +179,12 @@ def test_a_step_without_signal_makes_a_version_only_in_sync_mode(tmp_path, byte_
     # after the first rise (at most 4 were in flight then), so they played all 3 turns.
     assert [r["horizon_cap"] for r in records] == [2, 2, 3, 3, 3, 4, 4]
     assert records[-1]["episode_turns_mean"] == 3
+    # By outcome: cut at 2 turns, the first step's groups all failed; the last step's all won.
+    assert records[0]["groups_none_succeeded"] == records[0]["groups_skipped_zero_variance"] > 0
+    assert records[-1]["groups_all_succeeded"] == records[-1]["groups_skipped_zero_variance"] > 0
+    assert all(r["invalid_action_rate"] == 0 for r in records)
+    # The train command ends with the run's report.
+    assert "steps 7 (last 7)" in output and "of the groups were flat" in output
 
 
 def test_sync_mode_trains_only_on_the_current_version(tmp_path, byte_model):

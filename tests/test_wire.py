@@ -49,6 +49,7 @@ def make_trajectory(tokens: int = 12, **overrides) -> Trajectory:
         reward=1.0,
         turn_rewards=[0.0, 1.0],
         num_turns=2,
+        invalid_actions=1,
         horizon_cap=10,
         terminated=True,
         truncated=False,
@@ -105,7 +106,7 @@ def test_trajectory_round_trip_keeps_every_field() -> None:
     assert decoded.token_ids.tolist() == list(range(100, 112))
     assert decoded.policy_versions.tolist() == [-1] * 4 + [3] * 8
     for name in ("trajectory_id", "actor_id", "env_name", "task_id", "group_id", "group_size",
-                 "prompt_length", "reward", "turn_rewards", "num_turns", "horizon_cap",
+                 "prompt_length", "reward", "turn_rewards", "num_turns", "invalid_actions", "horizon_cap",
                  "terminated", "truncated", "success", "generation_seconds", "env_seconds",
                  "text", "error"):
         assert getattr(decoded, name) == getattr(original, name), name
@@ -123,7 +124,7 @@ def test_small_messages_round_trip_as_one_frame(message) -> None:
 def test_every_message_type_has_a_distinct_tag_and_a_schema_version() -> None:
     tags = [cls.TYPE_TAG for cls in MESSAGE_TYPES]
     assert len(set(tags)) == len(MESSAGE_TYPES) == 8
-    assert all(cls.SCHEMA_VERSION == 1 for cls in MESSAGE_TYPES)
+    assert all(type(cls.SCHEMA_VERSION) is int and cls.SCHEMA_VERSION >= 1 for cls in MESSAGE_TYPES)
 
 
 def test_large_token_arrays_share_one_frame_and_small_ones_ride_inline() -> None:
@@ -239,6 +240,8 @@ def test_non_contiguous_and_big_endian_arrays_are_sent_correctly() -> None:
         (make_trajectory(turn_rewards=[0.0, "1"]), "turn_rewards[1] must be a number"),
         (make_trajectory(trajectory_id=""), "trajectory_id must not be empty"),
         (make_trajectory(prompt_length=13), "prompt_length 13 is outside 0..12"),
+        (make_trajectory(invalid_actions=-1), "invalid_actions must be >= 0"),
+        (make_trajectory(invalid_actions=3), "invalid_actions 3 is more than its 2 turns"),
         (WeightsUpdate(version=1), "exactly one of tensors and path"),
         (WeightsUpdate(version=1, path="/x", tensors={"w": np.ones(2, np.float32)}), "exactly one"),
         (WeightsUpdate(version=1, tensors={"mask": np.ones(2, dtype=bool)}), "booleans as uint8"),
@@ -288,7 +291,7 @@ def test_rejects_unknown_type_and_wrong_schema_version() -> None:
     header = header_of(frames)
     assert_rejected(with_header(frames, {**header, "type": "trajectorie"}), "unknown message type")
     assert_rejected(with_header(frames, {**header, "type": 7}), "unknown message type")
-    assert_rejected(with_header(frames, {**header, "schema": 2}), "schema version 2 is not supported")
+    assert_rejected(with_header(frames, {**header, "schema": 1}), "schema version 1 is not supported")
     assert_rejected(with_header(frames, {**header, "schema": True}), "schema version True")
 
 

@@ -1,0 +1,201 @@
+"""What a training run's metrics say about whether and why it learned: signal per group, outcomes,
+exploration, staleness, the format, the update, and success by horizon stage.
+
+Run as ``longhorizon report RUN_DIR`` (``--json`` for the figures alone); ``longhorizon train``
+prints it at the end. The figures are pure functions of the records in ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from longhorizon.launch.plot import read_metrics
+
+__all__ = ["diagnose", "format_report", "load_summary", "main", "summarise_run"]
+
+# Thresholds of the diagnoses: where a figure starts to explain a run that does not learn.
+FLAT_SHARE_WARNING = 0.5
+LOW_ENTROPY_NATS = 0.1
+STALE_SHARE_WARNING = 0.1
+INVALID_RATE_WARNING = 0.1
+# The windows at the start and end of a run whose mean training success is compared.
+SUCCESS_WINDOW = 8
+
+
+def _values(records: Sequence[dict[str, Any]], key: str, where=None) -> list[float]:
+    return [float(r[key]) for r in records
+            if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)
+            and (where is None or where(r))]
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _last(records: Sequence[dict[str, Any]], key: str) -> float:
+    """A run-wide counter's final value (the learner counts these over the whole run)."""
+    values = _values(records, key)
+    return values[-1] if values else 0.0
+
+
+def summarise_run(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The run's figures from its per-step records. Per-step counts are summed; run-wide counters
+    (stale drops, trajectories received) are read from the last record; means of the update's
+    figures are over steps that made an update."""
+    if not records:
+        raise ValueError("the run has no step records yet")
+    updated = [r for r in records if r.get("train_sequences", 0)]
+    groups_used = sum(_values(records, "groups_used"))
+    groups_flat = sum(_values(records, "groups_skipped_zero_variance"))
+    groups_too_small = sum(_values(records, "groups_skipped_too_small"))
+    groups_stale = _last(records, "groups_dropped_stale")
+    groups_scored = groups_used + groups_flat + groups_too_small
+    by_cap: dict[int, list[float]] = {}
+    for record in records:
+        if "horizon_cap" in record and "success_rate" in record:
+            by_cap.setdefault(int(record["horizon_cap"]), []).append(float(record["success_rate"]))
+    success = _values(records, "success_rate")
+    summary: dict[str, Any] = {
+        "steps": len(records),
+        "last_step": int(records[-1].get("step", len(records))),
+        "wall_s": float(records[-1].get("time", 0.0)),
+        "versions": int(records[-1].get("version", 0)),
+        "steps_with_update": len(updated),
+        "groups_scored": int(groups_scored),
+        "groups_used": int(groups_used),
+        "groups_flat": int(groups_flat),
+        "groups_too_small": int(groups_too_small),
+        "flat_share": groups_flat / groups_scored if groups_scored else None,
+        "groups_resampled": int(_last(records, "groups_resampled")),
+        "groups_dropped_stale": int(groups_stale),
+        "stale_share": groups_stale / (groups_scored + groups_stale) if groups_scored + groups_stale else None,
+        "trajectories_received": int(_last(records, "trajectories_received")),
+        "success_mean": _mean(success),
+        "success_first_window": _mean(success[:SUCCESS_WINDOW]),
+        "success_last_window": _mean(success[-SUCCESS_WINDOW:]),
+        "success_by_cap": {cap: _mean(values) for cap, values in sorted(by_cap.items())},
+        "entropy_mean": _mean(_values(updated, "entropy_estimate")),
+        "entropy_min": min(_values(updated, "entropy_estimate"), default=None),
+        "entropy_max": max(_values(updated, "entropy_estimate"), default=None),
+        "grad_norm_mean": _mean(_values(updated, "grad_norm")),
+        "grad_norm_max": max(_values(updated, "grad_norm"), default=None),
+        "clip_fraction_mean": _mean(_values(updated, "clip_fraction")),
+        "update_seconds_mean": _mean(_values(updated, "learner_step_seconds")),
+        "episodes_per_s_mean": _mean(_values(records, "episodes_per_s")),
+        "truncated_rate_mean": _mean(_values(records, "truncated_rate")),
+    }
+    # Figures that older runs did not record: None when absent, so a report still reads.
+    outcome_keys = ("groups_none_succeeded", "groups_all_succeeded")
+    if all(any(key in r for r in records) for key in outcome_keys):
+        summary.update({key: int(sum(_values(records, key))) for key in outcome_keys})
+    else:
+        summary.update({key: None for key in outcome_keys})
+    summary["invalid_action_rate_mean"] = _mean(_values(records, "invalid_action_rate"))
+    return summary
+
+
+def diagnose(summary: dict[str, Any]) -> list[str]:
+    """Plain findings from the figures, each naming the figure and a lever; empty when nothing
+    stands out."""
+    findings: list[str] = []
+    flat_share = summary["flat_share"]
+    if flat_share is not None and flat_share >= FLAT_SHARE_WARNING:
+        finding = (f"{flat_share:.0%} of the groups were flat (one reward for every episode), so they "
+                   f"gave no gradient; {summary['steps'] - summary['steps_with_update']} of "
+                   f"{summary['steps']} steps made no update.")
+        none, every = summary["groups_none_succeeded"], summary["groups_all_succeeded"]
+        if none is not None and none + every:
+            finding += (f" By outcome, {none} groups had no success and {every} only successes: "
+                        + ("the tasks are mostly out of reach (easier tasks, a warm start, a shorter "
+                           "cap first)" if none >= every else
+                           "the tasks are mostly mastered (harder tasks, a longer cap)")
+                        + ", or larger groups and more exploration.")
+        else:
+            finding += " Larger groups, more exploration or tasks nearer the policy's reach help."
+        findings.append(finding)
+    entropy = summary["entropy_mean"]
+    if entropy is not None and entropy < LOW_ENTROPY_NATS:
+        findings.append(f"The sampled tokens' entropy averaged {entropy:.3f} nats: the policy hardly "
+                        "explores, so a group's episodes mostly repeat one another (a higher "
+                        "actor.sampling.temperature, a lighter warm start).")
+    stale_share = summary["stale_share"]
+    if stale_share is not None and stale_share >= STALE_SHARE_WARNING:
+        findings.append(f"{summary['groups_dropped_stale']} groups ({stale_share:.0%}) were dropped as "
+                        "stale before training (learner.max_staleness, or faster updates).")
+    invalid = summary["invalid_action_rate_mean"]
+    if invalid is not None and invalid >= INVALID_RATE_WARNING:
+        findings.append(f"{invalid:.0%} of the turns were replies the env could not read as an action: "
+                        "the format, not the task, is failing (see the sample episodes).")
+    first, last = summary["success_first_window"], summary["success_last_window"]
+    if first is not None and last is not None and summary["steps"] >= 2 * SUCCESS_WINDOW:
+        # No verdict: a window holds only a few groups' outcomes, and a few points either way is noise.
+        findings.append(f"Training success was {first:.1%} over the first {SUCCESS_WINDOW} steps and "
+                        f"{last:.1%} over the last {SUCCESS_WINDOW}.")
+    return findings
+
+
+def _number(value: Any, spec: str, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def format_report(summary: dict[str, Any]) -> str:
+    """The summary and its findings as text for a terminal."""
+    lines = [
+        f"steps {summary['steps']} (last {summary['last_step']}), {summary['wall_s'] / 60:.1f} min; "
+        f"an update in {summary['steps_with_update']} of them; policy version {summary['versions']}",
+        f"groups: {summary['groups_scored']} scored: {summary['groups_used']} used, {summary['groups_flat']} "
+        f"flat ({_number(summary['flat_share'], '.0%')}), {summary['groups_too_small']} too small; "
+        f"{summary['groups_dropped_stale']} dropped stale ({_number(summary['stale_share'], '.0%')}); "
+        f"{summary['groups_resampled']} resampled",
+        f"outcomes: {_number(summary['groups_none_succeeded'], 'd')} groups without a success, "
+        f"{_number(summary['groups_all_succeeded'], 'd')} all successes",
+        f"training success: mean {_number(summary['success_mean'], '.1%')}, first {SUCCESS_WINDOW} steps "
+        f"{_number(summary['success_first_window'], '.1%')}, last {SUCCESS_WINDOW} "
+        f"{_number(summary['success_last_window'], '.1%')}; by cap: "
+        + (", ".join(f"{cap}: {_number(value, '.1%')}" for cap, value in summary["success_by_cap"].items())
+           or "n/a"),
+        f"episodes cut by the cap: {_number(summary['truncated_rate_mean'], '.0%')}; invalid replies per "
+        f"turn: {_number(summary['invalid_action_rate_mean'], '.1%')}",
+        f"exploration: entropy {_number(summary['entropy_mean'], '.3f')} nats (min "
+        f"{_number(summary['entropy_min'], '.3f')}, max {_number(summary['entropy_max'], '.3f')})",
+        f"updates: grad norm mean {_number(summary['grad_norm_mean'], '.2f')} (max "
+        f"{_number(summary['grad_norm_max'], '.2f')}), clip fraction {_number(summary['clip_fraction_mean'], '.3f')}, "
+        f"{_number(summary['update_seconds_mean'], '.1f', ' s')} each; actors "
+        f"{_number(summary['episodes_per_s_mean'], '.2f')} episodes/s",
+    ]
+    findings = diagnose(summary)
+    if findings:
+        lines.append("findings:")
+        lines += [f"  - {finding}" for finding in findings]
+    return "\n".join(lines)
+
+
+def load_summary(run_dir: str | Path) -> dict[str, Any]:
+    """The figures of the run in ``run_dir``. Raises FileNotFoundError without metrics, ValueError
+    when no step has been recorded."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}: is it a training run's directory?")
+    return summarise_run(read_metrics(metrics))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: ``report RUN_DIR [--json]``. Returns the process exit status."""
+    parser = argparse.ArgumentParser(
+        prog="longhorizon report", description="Summarise a training run: signal, outcomes, exploration, staleness."
+    )
+    parser.add_argument("run_dir")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = parser.parse_args(argv)
+    try:
+        summary = load_summary(args.run_dir)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=1) if args.json else format_report(summary))
+    return 0
