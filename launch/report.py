@@ -105,19 +105,19 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
     findings: list[str] = []
     flat_share = summary["flat_share"]
     if flat_share is not None and flat_share >= FLAT_SHARE_WARNING:
-        finding = (f"{flat_share:.0%} of the groups were flat (one reward for every episode), so they "
-                   f"gave no gradient; {summary['steps'] - summary['steps_with_update']} of "
-                   f"{summary['steps']} steps made no update.")
-        none, every = summary["groups_none_succeeded"], summary["groups_all_succeeded"]
-        if none is not None and none + every:
-            finding += (f" By outcome, {none} groups had no success and {every} only successes: "
-                        + ("the tasks are mostly out of reach (easier tasks, a warm start, a shorter "
-                           "cap first)" if none >= every else
-                           "the tasks are mostly mastered (harder tasks, a longer cap)")
-                        + ", or larger groups and more exploration.")
-        else:
-            finding += " Larger groups, more exploration or tasks nearer the policy's reach help."
-        findings.append(finding)
+        findings.append(f"{flat_share:.0%} of the groups were flat (one reward for every episode), so they "
+                        f"gave no gradient; {summary['steps'] - summary['steps_with_update']} of "
+                        f"{summary['steps']} steps made no update.")
+    none, every, scored = summary["groups_none_succeeded"], summary["groups_all_succeeded"], summary["groups_scored"]
+    if none is not None and scored and (none + every) / scored >= FLAT_SHARE_WARNING:
+        # Outcomes, not rewards: a group without a success can still spread its rewards through
+        # format penalties, and then it costs an update that teaches the format alone.
+        findings.append(
+            f"Only {scored - none - every} of {scored} groups set a success against a failure (the task's "
+            f"signal): {none} had no success and {every} only successes. "
+            + ("The tasks are mostly out of the policy's reach: easier tasks, a warm start, a shorter cap "
+               "first, larger groups or more exploration." if none >= every else
+               "The tasks are mostly mastered: harder tasks or a longer cap."))
     entropy = summary["entropy_mean"]
     if entropy is not None and entropy < LOW_ENTROPY_NATS:
         findings.append(f"The sampled tokens' entropy averaged {entropy:.3f} nats: the policy hardly "

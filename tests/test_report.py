@@ -59,7 +59,8 @@ def test_findings_name_flat_groups_by_outcome_low_entropy_stale_drops_and_the_fo
     findings = diagnose(summarise_run(records))
     text = "\n".join(findings)
     assert "83% of the groups were flat" in text and "2 of 3 steps made no update" in text
-    assert "5 groups had no success and 0 only successes" in text and "out of reach" in text
+    assert "Only 1 of 6 groups set a success against a failure" in text
+    assert "5 had no success and 0 only successes" in text and "out of the policy's reach" in text
     assert "entropy averaged 0.050 nats" in text
     assert "2 groups (25%) were dropped as stale" in text
     assert "13% of the turns were replies the env could not read" in text
@@ -81,7 +82,7 @@ def test_runs_recorded_before_the_outcome_figures_still_report():
     assert summary["groups_none_succeeded"] is None and summary["invalid_action_rate_mean"] is None
     text = format_report(summary)
     assert "outcomes: n/a groups without a success" in text and "invalid replies per turn: n/a" in text
-    assert "Larger groups, more exploration" in text
+    assert "50% of the groups were flat" in text and "set a success against" not in text
 
 
 def test_the_command_prints_the_report_or_json_and_refuses_a_folder_without_metrics(tmp_path, capsys):
