@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "moving_average", "plot_run", "read_metrics", "summed_staleness_histogram"]
+__all__ = ["main", "moving_average", "plot_run", "read_metrics", "signal_bars", "summed_staleness_histogram"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,8 @@ _SMOOTHED = {"reward_mean", "success_rate"}
 MOVING_AVERAGE_WINDOW = 8
 MOVING_AVERAGE_FROM = 16
 # How each step's groups were used (signal.png), bottom to top.
+_USED_BY_OUTCOME = (("used: a success and a failure", "tab:green"),
+                    ("used: one outcome, rewards spread by penalties", "yellowgreen"))
 _GROUP_KEYS = (("groups_used", "used (reward spread)", "tab:green"),
                ("groups_skipped_zero_variance", "flat (one reward)", "tab:gray"),
                ("groups_skipped_too_small", "too small", "tab:red"))
@@ -119,6 +121,25 @@ def summed_staleness_histogram(records: Sequence[dict[str, Any]]) -> Counter[int
     return total
 
 
+def _count(record: dict[str, Any], key: str) -> float:
+    return record[key] if _is_number(record.get(key)) else 0
+
+
+def signal_bars(record: dict[str, Any]) -> list[tuple[str, str, float]]:
+    """(label, colour, groups) of one step's batch, bottom to top: groups used, flat and too small.
+    Where the record has the outcome counts, the used groups are split into those that set a
+    success against a failure (the task's signal) and those whose episodes all had one outcome,
+    their rewards spread only by penalties such as invalid replies (the format's signal)."""
+    used = _count(record, "groups_used")
+    rest = [(label, colour, _count(record, key)) for key, label, colour in _GROUP_KEYS[1:]]
+    if not all(_is_number(record.get(key)) for key in ("groups_none_succeeded", "groups_all_succeeded")):
+        return [(_GROUP_KEYS[0][1], _GROUP_KEYS[0][2], used), *rest]
+    groups = used + sum(value for _, _, value in rest)
+    mixed = min(used, max(0, groups - record["groups_none_succeeded"] - record["groups_all_succeeded"]))
+    (task_label, task_colour), (format_label, format_colour) = _USED_BY_OUTCOME
+    return [(task_label, task_colour, mixed), (format_label, format_colour, used - mixed), *rest]
+
+
 def plot_run(run_dir: str | Path) -> list[Path]:
     """Write the run's plots into ``run_dir/plots/`` and return their paths.
 
@@ -170,12 +191,15 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     if steps:
         # Which groups of each step's batch carried a gradient: a flat group (every member the
         # same reward) has zero advantage everywhere.
-        counted = [record for record in records if _is_number(record.get("groups_used"))]
+        bars = [signal_bars(record) for record in records if _is_number(record.get("groups_used"))]
         figure = Figure(figsize=(6, 4), layout="tight")
         axes = figure.add_subplot()
-        bottom = [0.0] * len(counted)
-        for key, label, colour in _GROUP_KEYS:
-            values = [record.get(key, 0) if _is_number(record.get(key)) else 0 for record in counted]
+        bottom = [0.0] * len(bars)
+        # A run recorded before the outcome counts draws one kind of used group; a resumed run
+        # can mix both, so the union of labels is drawn, each 0 where a step lacks it.
+        labels = list(dict.fromkeys((label, colour) for step_bars in bars for label, colour, _ in step_bars))
+        for label, colour in labels:
+            values = [sum(value for name, _, value in step_bars if name == label) for step_bars in bars]
             axes.bar(steps, values, bottom=bottom, width=1.0, label=label, color=colour)
             bottom = [below + value for below, value in zip(bottom, values)]
         axes.set_ylim(0, max(max(bottom), 1.0) * 1.35)  # room for the legend

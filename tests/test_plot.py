@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from longhorizon.launch.plot import main, moving_average, plot_run, read_metrics, summed_staleness_histogram
+from longhorizon.launch.plot import (
+    main, moving_average, plot_run, read_metrics, signal_bars, summed_staleness_histogram,
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -116,3 +118,18 @@ def test_staleness_histogram_is_summed_over_the_run(caplog):
     # eta 0: 4 per step over steps 0..5; eta 1: 0 + 1 + ... + 5; eta 2: 3 from step 6.
     assert histogram == {0: 24, 1: 15, 2: 3}
     assert "'bad'" in caplog.text
+
+
+def test_signal_bars_split_used_groups_by_outcome_where_the_record_has_outcomes():
+    # 4 groups: 2 used, 1 flat, 1 too small. Without outcome counts the used groups are one bar;
+    # with 1 group without a success and 1 of only successes, the other 2 (both used) were mixed.
+    record = {"groups_used": 2, "groups_skipped_zero_variance": 1, "groups_skipped_too_small": 1}
+    assert [value for _, _, value in signal_bars(record)] == [2, 1, 1]
+    assert [value for _, _, value in signal_bars({**record, "groups_none_succeeded": 1, "groups_all_succeeded": 1})] \
+        == [2, 0, 1, 1]
+    # 3 groups without a success: of the 2 used, only 1 can have set a success against a failure;
+    # the other spread its rewards through penalties alone.
+    bars = signal_bars({**record, "groups_none_succeeded": 3, "groups_all_succeeded": 0})
+    assert [(label.split(":")[0], value) for label, _, value in bars] == [
+        ("used", 1), ("used", 1), ("flat (one reward)", 1), ("too small", 1)]
+    assert "one outcome" in bars[1][0]
