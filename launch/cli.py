@@ -65,7 +65,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from longhorizon.launch.report import main
 
-    return main(args.rest)
+    return main([args.run_dir, *(["--json"] if args.json else [])])
 
 
 def _env(args: argparse.Namespace) -> int:
@@ -234,9 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir")
     plot.set_defaults(handler=_plot)
 
-    report = commands.add_parser(
-        "report", help="what a run's metrics say about why it learned or did not", add_help=False)
-    report.add_argument("rest", nargs=argparse.REMAINDER)
+    report = commands.add_parser("report", help="what a run's metrics say about why it learned or did not")
+    report.add_argument("run_dir")
+    report.add_argument("--json", action="store_true", help="print the figures as JSON")
     report.set_defaults(handler=_report)
 
     env = commands.add_parser("env", help="environments: list, play in the terminal, check, serve")

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from longhorizon.launch.cli import main as cli_main
 from longhorizon.launch.report import diagnose, format_report, main, summarise_run
 from longhorizon.learner.worker import outcome_figures
 
@@ -93,6 +94,8 @@ def test_the_command_prints_the_report_or_json_and_refuses_a_folder_without_metr
     assert json.loads(capsys.readouterr().out)["groups_used"] == 2
     assert main([str(tmp_path / "missing")]) == 1
     assert "no metrics.jsonl" in capsys.readouterr().err
+    assert cli_main(["report", str(tmp_path), "--json"]) == 0  # the command line's wiring
+    assert json.loads(capsys.readouterr().out)["steps"] == 2
     (tmp_path / "metrics.jsonl").write_text("")
     assert main([str(tmp_path)]) == 1
     assert "holds no metric records" in capsys.readouterr().err
