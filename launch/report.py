@@ -27,10 +27,9 @@ INVALID_RATE_WARNING = 0.1
 SUCCESS_WINDOW = 8
 
 
-def _values(records: Sequence[dict[str, Any]], key: str, where=None) -> list[float]:
-    return [float(r[key]) for r in records
-            if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)
-            and (where is None or where(r))]
+def _values(records: Sequence[dict[str, Any]], key: str) -> list[float]:
+    """The numeric values of ``key``, in step order, from the records that have one."""
+    return [float(r[key]) for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
 
 
 def _mean(values: Sequence[float]) -> float | None:
