@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -149,7 +150,10 @@ def prepare_run_dir(config: Config, *, progress=print) -> Path:
         progress(f"an earlier run was in {run_dir}; moved it to {kept} (run.resume=true continues a run)")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
-    (run_dir / "config.toml").write_text(dump_toml(config))
+    # Whole or absent: the workers, and anyone watching the run, read it while the launcher runs.
+    partial = run_dir / "config.toml.partial"
+    partial.write_text(dump_toml(config))
+    os.replace(partial, run_dir / "config.toml")
     return run_dir
 
 
