@@ -78,6 +78,7 @@ class EpisodeRecord:
     reward: float
     turns: int
     error: str
+    cut_by: str = ""  # as EpisodeResult.cut_by
 
 
 async def play_tasks(
@@ -109,6 +110,7 @@ async def play_tasks(
             pool.release(env, broken=bool(result.error))
             records.append(EpisodeRecord(
                 task.task_id, task.category, bool(result.success), result.reward, result.num_turns, result.error,
+                result.cut_by,
             ))
 
     try:
@@ -150,6 +152,8 @@ def summarise(records: list[EpisodeRecord], samples: int, ks: list[int]) -> dict
         f"avg@{samples}": avg,
         f"avg@{samples}_ci95": [avg_low, avg_high],
         "mean_turns": sum(r.turns for r in played) / len(played),
+        "cut_by_horizon": sum(r.cut_by == "horizon" for r in played),
+        "cut_by_context": sum(r.cut_by == "context" for r in played),
         "per_category": {
             category: {"episodes": len(runs), "success_rate": sum(r.success for r in runs) / len(runs),
                        "mean_score": sum(r.reward for r in runs) / len(runs)}

@@ -34,6 +34,9 @@ class EpisodeResult:
     num_turns: int = 0
     terminated: bool = False
     truncated: bool = False
+    cut_by: str = ""
+    """Why a truncated episode stopped: "env" (the env's own limit), "horizon" (the turn cap) or
+    "context" (the next turn would not fit max_context_tokens); "" when it was not cut."""
     success: bool = False
     invalid_actions: int = 0
     generation_seconds: float = 0.0
@@ -112,13 +115,14 @@ async def run_episode(
             result.turn_rewards.append(float(reward))
             if terminated or truncated:
                 result.terminated, result.truncated = bool(terminated), bool(truncated)
+                result.cut_by = "env" if truncated and not terminated else ""
                 break
             if result.num_turns >= horizon_cap:
-                result.truncated = True
+                result.truncated, result.cut_by = True, "horizon"
                 break
             conversation.add_observation(observation, stopped_on_eos=generation.stopped_on_eos)
             if len(conversation) + max_new_tokens > max_context_tokens:
-                result.truncated = True  # the next turn would not fit the context budget
+                result.truncated, result.cut_by = True, "context"  # the next turn would not fit
                 break
         result.reward = float(sum(result.turn_rewards))
     except trio.Cancelled:

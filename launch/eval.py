@@ -155,7 +155,8 @@ def run_eval(args: argparse.Namespace) -> dict:
 
     records = trio.run(play_all)
     header = {"env": config.env.name, "split": config.env.eval_split, "engine": config.actor.engine,
-              "model": model_path or None, "samples_per_task": args.samples}
+              "model": model_path or None, "samples_per_task": args.samples,
+              "max_context_tokens": config.actor.max_context_tokens}
     episodes = [{"horizon_cap": cap, **dataclasses.asdict(r)} for cap, rs in records.items() for r in rs]
     if args.sweep == "horizon":
         points = [{"horizon_cap": cap, **summarise(records[cap], args.samples, ks)} for cap in caps]
@@ -169,6 +170,17 @@ def run_eval(args: argparse.Namespace) -> dict:
     return {**header, "horizon_cap": horizon_cap, **summary, "_records": episodes}
 
 
+def context_warning(cut_by_context: int, max_context_tokens: int) -> str:
+    """A line for episodes that stopped at the context limit ("" when none did): their figures
+    measure the limit, not the policy (a byte-level scripted engine fills it about four times
+    as fast as a model's tokenizer)."""
+    if not cut_by_context:
+        return ""
+    return (f"warning: {cut_by_context} episodes stopped because their next turn would not fit "
+            f"actor.max_context_tokens = {max_context_tokens} (prompt and replies, in the engine's tokens); "
+            f"raise it to measure the policy rather than the limit")
+
+
 def print_summary(summary: dict, samples: int) -> None:
     print(f"{summary['env']} {summary['split']}: {summary['tasks']} tasks x {samples} samples, "
           f"horizon {summary['horizon_cap']}")
@@ -178,6 +190,12 @@ def print_summary(summary: dict, samples: int) -> None:
     for key, value in summary.items():
         if key.startswith("pass@"):
             print(f"{key} {value:.1%}")
+    played = summary["episodes"] - summary["failed_episodes"]
+    print(f"episodes cut by the horizon cap {summary['cut_by_horizon']} of {played}, by the context limit "
+          f"{summary['cut_by_context']}")
+    warning = context_warning(summary["cut_by_context"], summary["max_context_tokens"])
+    if warning:
+        print(warning)
     for category, figures in summary["per_category"].items():
         print(f"  {category:24} {figures['success_rate']:6.1%} of {figures['episodes']}")
 
@@ -226,6 +244,10 @@ def main(argv: list[str]) -> int:
         print(f"{document['env']} {document['split']}: {document['tasks']} tasks x {args.samples} samples, "
               f"{sweep} sweep")
         print(plot_eval.horizon_table(document) if sweep == "horizon" else plot_eval.pass_at_k_table(document), end="")
+        results = document["points"] if sweep == "horizon" else [document["summary"]]
+        warning = context_warning(sum(r["cut_by_context"] for r in results), document["max_context_tokens"])
+        if warning:
+            print(warning)
     if sweep is not None or args.output_dir:
         from longhorizon.common.config import load_config
 

@@ -40,6 +40,7 @@ def test_codebook_oracle_succeeds_exactly_from_the_third_turn(tmp_path, capsys):
     # always succeeds once it has it.
     assert [p["success_rate"] for p in points] == [0.0, 0.0, 1.0, 1.0]
     assert [p["mean_turns"] for p in points] == [1.0, 2.0, 3.0, 3.0]
+    assert [(p["cut_by_horizon"], p["cut_by_context"]) for p in points] == [(30, 0), (30, 0), (0, 0), (0, 0)]
     assert all(p["episodes"] == 30 and p["failed_episodes"] == 0 for p in points)
     assert points[0]["success_rate_ci95"][0] == 0.0 < points[0]["success_rate_ci95"][1]
     table = (output_dir / "horizon-sweep.md").read_text()
@@ -81,6 +82,33 @@ def test_textcraft_oracle_needs_the_budget_deep_recipes_take(tmp_path, capsys):
     # A depth-4 item needs at least four crafts, so two turns can never reach it.
     assert short["per_category"]["depth-4"]["success_rate"] == 0.0
     assert short["success_rate"] < long["success_rate"]
+
+
+def test_episodes_stopped_by_the_context_limit_are_counted_and_named(tmp_path, capsys):
+    """The oracle succeeds on every codebook task, unless the context cannot hold its third turn:
+    then the summary says which limit the figures measure."""
+    def args(max_context_tokens):
+        return ["--tasks", "20", "--output-dir", str(tmp_path / "eval"), str(CONFIGS / "codebook.toml"), SCRIPTED,
+                "actor.scripted_policy='oracle'", f"actor.max_context_tokens={max_context_tokens}"]
+
+    assert eval_main(args(70)) == 0
+    output = capsys.readouterr().out
+    cut = json.loads(output.strip().splitlines()[-1])
+    assert "warning: 20 episodes stopped" in output and "actor.max_context_tokens = 70" in output
+    assert eval_main(args(4096)) == 0
+    output = capsys.readouterr().out
+    whole = json.loads(output.strip().splitlines()[-1])
+    assert (whole["success_rate"], whole["cut_by_context"], whole["cut_by_horizon"]) == (1.0, 0, 0)
+    assert "warning" not in output
+    assert cut["success_rate"] == 0.0 and cut["cut_by_context"] == 20 and cut["mean_turns"] < 3
+    assert cut["max_context_tokens"] == 70
+
+
+def test_the_context_warning_names_the_limit():
+    from longhorizon.launch.eval import context_warning
+
+    assert context_warning(0, 2048) == ""
+    assert "3 episodes" in context_warning(3, 2048) and "actor.max_context_tokens = 2048" in context_warning(3, 2048)
 
 
 def test_pass_at_k_curve_on_hand_built_records():

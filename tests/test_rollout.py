@@ -43,7 +43,7 @@ async def test_horizon_cap_truncates():
     result = await run_episode(
         make_env("textcraft"), engine, task, horizon_cap=2, max_context_tokens=100_000, max_new_tokens=256, seed=0,
     )
-    assert result.num_turns == 2 and result.truncated and not result.terminated
+    assert result.num_turns == 2 and result.truncated and not result.terminated and result.cut_by == "horizon"
     assert result.error == ""
 
 
@@ -133,7 +133,7 @@ async def test_context_budget_truncates():
     result = await run_episode(
         make_env("codebook"), engine, task, horizon_cap=10, max_context_tokens=40, max_new_tokens=4
     )
-    assert result.truncated and result.num_turns < 3
+    assert result.truncated and result.num_turns < 3 and result.cut_by == "context"
 
 
 async def test_invalid_reply_reward_is_added_per_garbled_reply():
