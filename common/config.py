@@ -191,6 +191,12 @@ class LearnerConfig:
     value_clip: float = 0.2
     """ppo: the new value may move at most this far from the old one in the clipped value loss
     (0 turns the clip off)."""
+    advantage_std_scaling: bool = False
+    """ppo: also divide the centred GAE advantages by their std over the step (whitening). Off by
+    default: whitening keeps the update's size whatever the rewards' spread, so near convergence,
+    when a step's rewards are (nearly) all equal, it scales the critic's errors up to the size of
+    real advantages, and on the codebook env such updates undid a converged policy in its last
+    steps (docs/algorithms.md)."""
     loss_normaliser_tokens: float = 1024.0
     """dr_grpo: each sequence's summed token loss is divided by this constant (the generation
     budget) instead of its own length."""
@@ -202,7 +208,11 @@ class LearnerConfig:
     """Loss aggregation of grpo, rloo and reinforce_pp: token (mean over all tokens) or sequence
     (mean of per-sequence means); the other algorithms fix their own."""
     learning_rate: float = 1e-6
-    """Adam learning rate."""
+    """Adam learning rate, after the warm-up."""
+    warmup_steps: int = 0
+    """Optimiser steps over which the learning rate rises linearly from learning_rate / N. Adam's
+    first steps move every parameter by about the full learning rate whatever the gradient's
+    size, which on a fine-tuned policy (RL after SFT) can undo in a few steps what it learned."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0

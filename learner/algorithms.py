@@ -30,7 +30,7 @@ from longhorizon.learner.losses import LossOutput, cispo_loss, gspo_loss, policy
 ALGORITHM_KEYS = (
     "clip_eps", "clip_eps_low", "clip_eps_high", "loss", "weight_level", "aggregation",
     "behaviour_weight_cap", "overlong_max_tokens", "overlong_buffer_tokens", "loss_normaliser_tokens",
-    "critic", "gamma", "lam", "value_coef", "value_clip",
+    "critic", "gamma", "lam", "value_coef", "value_clip", "advantage_std_scaling",
 )
 _CLIPPED_FAMILY = frozenset({"clip_eps", "loss", "weight_level", "aggregation", "behaviour_weight_cap"})
 
@@ -74,7 +74,8 @@ ALGORITHMS: dict[str, Algorithm] = {
                   aggregation="sequence", default_clip=(3e-4, 4e-4)),
         Algorithm("ppo", "a learned critic and GAE over generated tokens, turn rewards at turn ends "
                   "(Schulman et al. 2017; Ouyang et al. 2022)",
-                  _CLIPPED_FAMILY | {"critic", "gamma", "lam", "value_coef", "value_clip"}, advantages="critic"),
+                  _CLIPPED_FAMILY | {"critic", "gamma", "lam", "value_coef", "value_clip", "advantage_std_scaling"},
+                  advantages="critic"),
         Algorithm("cispo", "clipped importance weight with stop-gradient, every token kept (MiniMax 2025)",
                   frozenset({"clip_eps_low", "clip_eps_high"}), aggregation="token", default_clip=(1.0, 1.0)),
     )

@@ -56,9 +56,11 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return advantages, returns
 
 
-def whiten(values: torch.Tensor, mask: torch.Tensor, mean: float, std: float, eps: float = 1e-6) -> torch.Tensor:
-    """(x - mean) / (std + eps) on counted positions, 0 elsewhere (mean and std of the whole step)."""
-    return torch.where(mask > 0, (values - mean) / (std + eps), torch.zeros_like(values))
+def whiten(values: torch.Tensor, mask: torch.Tensor, mean: float, std: float | None, eps: float = 1e-6) -> torch.Tensor:
+    """(x - mean) / (std + eps) on counted positions, 0 elsewhere (mean and std of the whole step);
+    std None only centres."""
+    scale = 1.0 if std is None else std + eps
+    return torch.where(mask > 0, (values - mean) / scale, torch.zeros_like(values))
 
 
 def value_loss(values, old_values, returns, mask, *, value_clip: float, aggregation: str = "token"):

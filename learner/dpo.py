@@ -36,12 +36,13 @@ from longhorizon.learner.sft import (
     conversation_example,
     evaluate_model,
     fresh_run_dir,
-    learning_rate_at,
     load_model_for_training,
     plan_steps,
     save_model_folder,
 )
-from longhorizon.learner.trainer import PRECISIONS, Example, chunked_logprobs_match, pad_examples, token_logprobs
+from longhorizon.learner.trainer import (
+    PRECISIONS, Example, chunked_logprobs_match, learning_rate_at, pad_examples, token_logprobs,
+)
 
 
 @dataclass

@@ -44,6 +44,7 @@ from longhorizon.learner.trainer import (
     PRECISIONS,
     Example,
     chunked_logprobs_match,
+    learning_rate_at,
     pad_examples,
     plan_micro_batches,
     token_logprobs,
@@ -91,13 +92,6 @@ def plan_steps(
     if current:
         steps.append(current)
     return steps
-
-
-def learning_rate_at(step: int, base: float, warmup_steps: int) -> float:
-    """Learning rate of optimiser step `step` (0-based): a linear rise over the warm-up, then flat."""
-    if warmup_steps <= 0:
-        return base
-    return base * min(1.0, (step + 1) / warmup_steps)
 
 
 # ---------------------------------------------------------------- data

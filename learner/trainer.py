@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,6 +36,26 @@ class Example:
     token_rewards: np.ndarray | None = None
 
 
+def learning_rate_at(step: int, base: float, warmup_steps: int) -> float:
+    """Learning rate of optimiser step `step` (0-based): a linear rise over the warm-up, then flat."""
+    if warmup_steps <= 0:
+        return base
+    return base * min(1.0, (step + 1) / warmup_steps)
+
+
+@dataclass(frozen=True)
+class FlatShare:
+    """What the batch's flat groups would have added to the loss's denominator: their members'
+    generated tokens and their number. They are not passed through the model (every advantage is
+    0, so their policy gradient is 0), but they still count, so a batch that is mostly flat makes
+    a proportionally small update, the policy gradient of the whole batch. Without this, the few
+    groups with signal near convergence (or from a fine-tuned policy) carry an update as large as a
+    batch full of signal, made of their noise."""
+
+    tokens: float = 0.0
+    sequences: int = 0
+
+
 @dataclass
 class ScoredBatch:
     examples: list[Example]
@@ -43,6 +63,7 @@ class ScoredBatch:
     groups_skipped_zero_variance: int
     groups_skipped_too_small: int
     failed_trajectories: int
+    flat: FlatShare = field(default_factory=FlatShare)
 
 
 def usable_members(group) -> list:
@@ -76,6 +97,7 @@ def score_groups(groups, config: LearnerConfig | None = None) -> ScoredBatch:
     algorithm = algorithms.get_algorithm(config.algorithm)
     scored: list[tuple[list, np.ndarray]] = []
     used = zero_variance = too_small = failed = 0
+    flat_tokens, flat_sequences = 0.0, 0
     for group in groups:
         members = usable_members(group)
         failed += len(group.trajectories) - len(members)
@@ -89,6 +111,8 @@ def score_groups(groups, config: LearnerConfig | None = None) -> ScoredBatch:
             continue
         if algorithm.advantages == "group" and not group_has_signal(rewards):
             zero_variance += 1
+            flat_tokens += float(sum(np.sum(t.loss_mask) for t in members))
+            flat_sequences += len(members)
             continue
         used += 1
         scored.append((members, rewards))
@@ -114,7 +138,7 @@ def score_groups(groups, config: LearnerConfig | None = None) -> ScoredBatch:
                                    if algorithm.advantages == "critic" else None),
                 )
             )
-    return ScoredBatch(examples, used, zero_variance, too_small, failed)
+    return ScoredBatch(examples, used, zero_variance, too_small, failed, FlatShare(flat_tokens, flat_sequences))
 
 
 @dataclass
@@ -387,9 +411,11 @@ class Trainer:
         ):
             return policy(micro)
 
-    def _shares(self, micro_batches: list[PaddedBatch]) -> list[float]:
+    def _shares(self, micro_batches: list[PaddedBatch], flat: FlatShare) -> list[float]:
         """Weight of each micro-batch's mean loss so that accumulated gradients equal the full
-        batch's; with several ranks, the full batch is every rank's examples together."""
+        batch's; with several ranks, the full batch is every rank's examples together, and the
+        flat groups' tokens (or sequences) count in the whole (`FlatShare`: every rank is given
+        the same)."""
         if self.aggregation == "token":
             counts = [float(micro.loss_mask.sum()) for micro in micro_batches]
         else:
@@ -397,6 +423,7 @@ class Trainer:
         total = sum(counts)
         if self.ranks.distributed:
             total = distributed.all_reduce_sum([total])[0]
+        total += flat.tokens if self.aggregation == "token" else flat.sequences
         return [count / (total or 1.0) for count in counts]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -427,12 +454,13 @@ class Trainer:
             state = merged_from_peft_state(state, self.lora.scale)
         return {name: state[name] for name in self.exported_names}
 
-    def step(self, examples: list[Example]) -> dict[str, float]:
-        """Apply `optimizer_steps_per_batch` updates on one batch; returns metrics."""
+    def step(self, examples: list[Example], flat: FlatShare = FlatShare()) -> dict[str, float]:
+        """Apply `optimizer_steps_per_batch` updates on one batch (`flat`: what the batch's flat
+        groups, not passed, add to the loss's denominator); returns metrics."""
         config = self.config
         started = time.perf_counter()
         micro_batches = self._micro_batches(examples)
-        shares = self._shares(micro_batches)
+        shares = self._shares(micro_batches, flat)
         # The proximal policy is the parameters at the start of this update, evaluated as the
         # actors sample (eval mode: no dropout). With one optimiser step and no dropout it
         # equals the current policy, so it is taken from the training forward pass (detached).
@@ -500,6 +528,9 @@ class Trainer:
                         totals[key] = totals.get(key, 0.0) + value * share
             norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), config.grad_clip)
             grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            learning_rate = learning_rate_at(self.optimizer_steps_taken(), config.learning_rate, config.warmup_steps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = learning_rate
             self.optimizer.step()
         self.policy.eval()
         steps = max(1, config.optimizer_steps_per_batch)
@@ -510,8 +541,18 @@ class Trainer:
         metrics = {key: value / steps for key, value in totals.items()}
         metrics.update(maxima)
         metrics["grad_norm"] = grad_norm
+        metrics["learning_rate"] = learning_rate
         metrics["learner_step_seconds"] = time.perf_counter() - started
         return metrics
+
+    def optimizer_steps_taken(self) -> int:
+        """Optimiser steps so far, from Adam's own count, so a resumed run continues its warm-up
+        where the checkpoint left it."""
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                step = state["step"]
+                return int(step.full_tensor() if hasattr(step, "full_tensor") else step)
+        return 0
 
     def _values(self, micro: PaddedBatch) -> torch.Tensor:
         with torch.autocast(
@@ -520,9 +561,10 @@ class Trainer:
             return self.value_model(micro.input_ids, micro.attention_mask)
 
     def _critic_advantages(self, micro_batches: list[PaddedBatch], old_values: list) -> tuple[list, list]:
-        """ppo: GAE from the critic's values at the start of the update, whitened over the step's
-        generated tokens; the micro-batches come back with per-token advantages, and the value
-        targets (returns) beside them."""
+        """ppo: GAE from the critic's values at the start of the update, centred over the step's
+        generated tokens (and scaled to unit std there unless `advantage_std_scaling` is off); the
+        micro-batches come back with per-token advantages, and the value targets (returns) beside
+        them."""
         config = self.config
         estimates = [
             gae(micro.token_rewards, values, micro.loss_mask, config.gamma, config.lam)
@@ -539,7 +581,8 @@ class Trainer:
             std = float(counted.std(unbiased=False)) if counted.numel() else 1.0
         with_advantages = [
             PaddedBatch(micro.input_ids, micro.attention_mask, micro.loss_mask, micro.behaviour_logprobs,
-                        whiten(adv, micro.loss_mask, mean, std), micro.token_rewards)
+                        whiten(adv, micro.loss_mask, mean, std if config.advantage_std_scaling else None),
+                        micro.token_rewards)
             for (adv, _), micro in zip(estimates, micro_batches)
         ]
         return with_advantages, [ret for _, ret in estimates]

@@ -26,7 +26,7 @@ from longhorizon.learner.buffer import GroupBuffer, staleness
 from longhorizon.learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from longhorizon.learner.curriculum import AdaptiveState, make_schedule
 from longhorizon.learner.distributed import Ranks
-from longhorizon.learner.trainer import Trainer, group_carries_signal, score_groups
+from longhorizon.learner.trainer import ScoredBatch, Trainer, group_carries_signal, score_groups
 
 log = logging.getLogger(__name__)
 
@@ -512,16 +512,18 @@ class Learner:
             send_command(command, payload)
             self.last_rank_command = time.monotonic()
 
-    def _update(self, examples: list) -> dict:
-        """One update step over every rank: rank 0 deals the examples out by tokens."""
+    def _update(self, scored: ScoredBatch) -> dict:
+        """One update step over every rank: rank 0 deals the examples out by tokens (and every
+        rank gets the flat groups' share of the denominator)."""
         if not self.ranks.distributed:
-            return self.trainer.step(examples)
+            return self.trainer.step(scored.examples, scored.flat)
         from longhorizon.learner.distributed import scatter_objects, split_by_tokens
 
         self._command_ranks("step")
+        examples = scored.examples
         shares = split_by_tokens([len(e.token_ids) for e in examples], self.ranks.world_size)
-        mine = scatter_objects([[examples[i] for i in share] for share in shares], self.ranks)
-        return self.trainer.step(mine)
+        mine, flat = scatter_objects([([examples[i] for i in share], scored.flat) for share in shares], self.ranks)
+        return self.trainer.step(mine, flat)
 
     def _weights_state_dict(self) -> dict:
         """What the actors need: the whole model's parameters (gathered from the ranks), or with
@@ -544,7 +546,7 @@ class Learner:
         while True:
             command, payload = receive_command()
             if command == "step":
-                self.trainer.step(scatter_objects(None, self.ranks))
+                self.trainer.step(*scatter_objects(None, self.ranks))
             elif command == "weights":
                 self.trainer.actor_weights()
             elif command == "checkpoint":
@@ -569,7 +571,7 @@ class Learner:
             scored = score_groups(groups, learner)
             train_metrics: dict = {}
             if scored.examples:
-                train_metrics = await trio.to_thread.run_sync(self._update, scored.examples)
+                train_metrics = await trio.to_thread.run_sync(self._update, scored)
             # A version names a set of weights. A step whose batch carried no signal (every group
             # flat) leaves the weights as they were, so in async mode it keeps the version: the
             # trajectories in flight stay as fresh as they were, and nothing is rebuilt or sent.

@@ -59,6 +59,9 @@ def test_reinforce_pp_normalises_over_the_batch_and_keeps_flat_groups():
     # Per-group algorithms skip the flat group.
     grpo = score_groups([_group(1.0, 1.0), _group(0.0, 1.0)], LearnerConfig(algorithm="grpo"))
     assert grpo.groups_used == 1 and grpo.groups_skipped_zero_variance == 1
+    # ... but keep its generated tokens and members for the loss's denominator.
+    assert (grpo.flat.tokens, grpo.flat.sequences) == (6.0, 2) and len(grpo.examples) == 2
+    assert (scored.flat.tokens, scored.flat.sequences) == (0.0, 0)
 
 
 def test_overlong_penalty_by_hand():
@@ -213,6 +216,15 @@ def test_gae_over_a_two_turn_episode_by_hand():
     a1 = d1 + 0.9 * 0.5 * a2          # 0.529
     torch.testing.assert_close(advantages, torch.tensor([[0, a1, a2, 0, a4]]))
     torch.testing.assert_close(returns, torch.tensor([[0, a1 + 0.2, a2 + 0.4, 0, a4 + 0.6]]))
+
+
+def test_whitening_centres_and_scales_counted_positions_or_only_centres():
+    from longhorizon.learner.critic import whiten
+
+    values, mask = torch.tensor([[9.0, 0.1, 0.3, 9.0]]), torch.tensor([[0, 1, 1, 0.0]])
+    # The step's mean 0.2 and std 0.1 (over counted positions; uncounted ones come out 0).
+    torch.testing.assert_close(whiten(values, mask, 0.2, 0.1, eps=0.0), torch.tensor([[0, -1.0, 1.0, 0]]))
+    torch.testing.assert_close(whiten(values, mask, 0.2, None), torch.tensor([[0, -0.1, 0.1, 0]]))
 
 
 def test_the_value_loss_is_clipped_around_the_old_values():

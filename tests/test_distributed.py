@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from longhorizon.common.config import ConfigError, LearnerConfig, load_config
 from longhorizon.learner.distributed import Ranks, RanksError, ranks_from_environment, split_by_tokens
+from longhorizon.learner.trainer import FlatShare
 
 CONFIG = dict(optimizer_steps_per_batch=2, learning_rate=1e-3, micro_batch_size=2, clip_eps=0.2)
 
@@ -102,7 +103,7 @@ def _trainer(model_folder, ranks, settings=None):
     return Trainer(load_causal_lm(model_folder), LearnerConfig(**{**CONFIG, **(settings or {})}), ranks=ranks)
 
 
-def _rank_main(rank, world_size, port, model_folder, out_dir, lengths, checkpoint, settings):
+def _rank_main(rank, world_size, port, model_folder, out_dir, lengths, checkpoint, settings, flat):
     """One rank: a step on its share of the examples, then the gathered weights (and optionally a
     sharded checkpoint), saved by rank 0 for the test to compare."""
     from longhorizon.learner.checkpoint import save_checkpoint
@@ -117,7 +118,7 @@ def _rank_main(rank, world_size, port, model_folder, out_dir, lengths, checkpoin
         trainer = _trainer(model_folder, ranks, settings)
         examples = _examples(lengths)
         share = split_by_tokens([len(e.token_ids) for e in examples], world_size)[rank]
-        metrics = trainer.step([examples[i] for i in share])
+        metrics = trainer.step([examples[i] for i in share], FlatShare(*flat))
         state = trainer.full_state_dict()
         sent = trainer.actor_weights()
         if checkpoint:
@@ -137,8 +138,10 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _run_ranks(world_size, model_folder, out_dir, lengths=(9, 14, 6, 11, 7), checkpoint=False, settings=None):
-    mp.spawn(_rank_main, args=(world_size, _free_port(), str(model_folder), str(out_dir), lengths, checkpoint, settings),
+def _run_ranks(world_size, model_folder, out_dir, lengths=(9, 14, 6, 11, 7), checkpoint=False, settings=None,
+               flat=(0.0, 0)):
+    mp.spawn(_rank_main, args=(world_size, _free_port(), str(model_folder), str(out_dir), lengths, checkpoint, settings,
+                               flat),
              nprocs=world_size, join=True)
     return torch.load(os.path.join(out_dir, "ranks.pt"))
 
@@ -149,23 +152,25 @@ def _relative_error(a: dict, b: dict) -> float:
     return difference / sum(float(a[k].float().norm() ** 2) for k in a) ** 0.5
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "ppo-separate-critic"])
+@pytest.mark.parametrize("algorithm", ["grpo", "grpo-flat-groups", "ppo", "ppo-separate-critic"])
 def test_two_ranks_train_exactly_as_one(tmp_path, tiny_codebook_model, algorithm):
     """fp32, decoupled PPO with a separate proximal pass (two optimiser steps on one batch); for
-    ppo, the critic too (its GAE advantages whitened over both ranks' tokens), on the policy's
-    backbone or as a separate model sharded like the policy."""
-    settings = {"grpo": {}, "ppo": {"algorithm": "ppo"},
+    ppo, the critic too (its GAE advantages centred, and for "ppo" also whitened, over both ranks'
+    tokens), on the policy's backbone or as a separate model sharded like the policy; flat
+    groups' share of the denominator is counted once, not once per rank."""
+    settings = {"grpo": {}, "grpo-flat-groups": {}, "ppo": {"algorithm": "ppo", "advantage_std_scaling": True},
                 "ppo-separate-critic": {"algorithm": "ppo", "critic": str(tiny_codebook_model)}}[algorithm]
+    flat = (30.0, 4) if algorithm == "grpo-flat-groups" else (0.0, 0)
     one = _trainer(tiny_codebook_model, Ranks.single(), settings)
     before = {k: v.clone() for k, v in one.full_state_dict().items()}
-    one_metrics = one.step(_examples())
+    one_metrics = one.step(_examples(), FlatShare(*flat))
     after_one = one.full_state_dict()
-    two = _run_ranks(2, tiny_codebook_model, tmp_path, settings=settings)
+    two = _run_ranks(2, tiny_codebook_model, tmp_path, settings=settings, flat=flat)
 
     assert _relative_error(after_one, before) > 1e-3  # the step moved the weights
     assert _relative_error(after_one, two["state"]) <= 1e-5
     names = ["loss", "train_tokens", "train_sequences", "grad_norm", "ratio_max", "clip_fraction"]
-    for name in names + (["value_loss"] if algorithm != "grpo" else []):
+    for name in names + (["value_loss"] if algorithm.startswith("ppo") else []):
         assert two["metrics"][name] == pytest.approx(one_metrics[name], rel=1e-4, abs=1e-6), name
 
 

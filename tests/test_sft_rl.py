@@ -14,10 +14,15 @@ HELD_OUT = "env.options={num_turns = 3, num_symbols = 4, num_actions = 4, held_o
 
 
 def _config(tmp_path, model, *overrides):
+    """RL after SFT at a tenth of SFT's learning rate, warmed up: at the codebook config's 2e-3
+    (made to learn from scratch), training success from the SFT checkpoint fell within 4-8 steps
+    in 3 of 7 runs of 16 steps (to 74%, 72% and 20%; held out once 46% after 4 steps), at 3e-4
+    with a 4-step warm-up it stayed at 91% or more in 4 of 4 (2026-12-02)."""
     return load_config(REPO_ROOT / "configs" / "codebook.toml", [
         f"run.output_dir={str(tmp_path)!r}", "run.name='sft-rl'", f"model.path={str(model)!r}", HELD_OUT,
         "sft_rl.oracle_episodes=256", "sft_rl.eval_episodes=100", "sft.epochs=3", "sft.learning_rate=3e-3",
-        "sft.batch_sequences=16", "run.total_steps=4", "learner.checkpoint_every=2", *overrides,
+        "sft.batch_sequences=16", "run.total_steps=4", "learner.checkpoint_every=2",
+        "learner.learning_rate=3e-4", "learner.warmup_steps=4", *overrides,
     ])
 
 

@@ -54,11 +54,12 @@ def _on_policy_examples(model, seed: int = 0) -> list[Example]:
     return examples
 
 
-def _gradient(model_folder, config: LearnerConfig, examples: list[Example]) -> list[torch.Tensor]:
+def _gradient(model_folder, config: LearnerConfig, examples: list[Example],
+              flat: trainer_module.FlatShare = trainer_module.FlatShare()) -> list[torch.Tensor]:
     """The gradient of one update step (left on the parameters after the step), whose scale,
     unlike an Adam step's, follows the loss's."""
     model = load_causal_lm(model_folder)
-    Trainer(model, config).step(examples)
+    Trainer(model, config).step(examples, flat)
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
@@ -84,6 +85,30 @@ def test_behaviour_logprobs_that_differ_from_the_proximal_ones_weight_the_update
         update = _gradient(tiny_codebook_model, config, off_policy)
         for delta, reference in zip(update, on_policy):
             torch.testing.assert_close(delta, reference * float(np.exp(shift)), rtol=1e-3, atol=_noise(on_policy))
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "gspo", "dr_grpo"], ids=["token", "sequence", "sum"])
+def test_flat_groups_left_out_count_as_if_trained_on_with_zero_advantage(tiny_codebook_model, algorithm):
+    """Flat groups never reach the model, but their share of the denominator does: the gradient
+    equals that of the whole batch with the flat members at advantage 0: the signal examples' own
+    gradient scaled by their share of the tokens (token level) or sequences (the others)."""
+    signal = _on_policy_examples(load_causal_lm(tiny_codebook_model))
+    flat = [dataclasses.replace(e, advantage=0.0) for e in _on_policy_examples(load_causal_lm(tiny_codebook_model), seed=1)]
+    flat += flat[:6]
+    share = trainer_module.FlatShare(tokens=float(sum(e.loss_mask.sum() for e in flat)), sequences=len(flat))
+    if algorithm == "grpo":
+        signal_tokens = float(sum(e.loss_mask.sum() for e in signal))
+        signal_share = signal_tokens / (signal_tokens + share.tokens)
+    else:
+        signal_share = 1 / 3  # 6 sequences of 18
+    config = LearnerConfig(algorithm=algorithm, grad_clip=1e9)
+    whole = _gradient(tiny_codebook_model, config, signal + flat)
+    alone = _gradient(tiny_codebook_model, config, signal)
+    left_out = _gradient(tiny_codebook_model, config, signal, share)
+    assert any(grad.abs().max() > 0 for grad in whole), "no gradient at all"
+    for with_flat, reference, without in zip(left_out, whole, alone):
+        torch.testing.assert_close(with_flat, reference, rtol=1e-4, atol=_noise(whole))
+        torch.testing.assert_close(with_flat, without * signal_share, rtol=1e-3, atol=_noise(whole))
 
 
 def test_the_behaviour_weight_is_truncated_at_the_cap(tiny_codebook_model):
@@ -188,3 +213,30 @@ def test_a_model_that_does_not_split_falls_back_to_whole_logits(tiny_codebook_mo
     model.forward = scaled_forward
     assert not chunked_logprobs_match(model)
     assert Trainer(model, LearnerConfig(logprob_chunk_tokens=512)).chunk_tokens == 0
+
+
+def test_the_learning_rate_warms_up_over_optimiser_steps_and_resumes_where_it_was(tiny_codebook_model):
+    """Two optimiser steps per batch: the warm-up counts optimiser steps, and a trainer given the
+    saved optimiser state (as a resumed run is) carries on from the count in it."""
+    examples = _on_policy_examples(load_causal_lm(tiny_codebook_model))
+    config = LearnerConfig(learning_rate=1e-2, warmup_steps=6, optimizer_steps_per_batch=2)
+    first = Trainer(load_causal_lm(tiny_codebook_model), config)
+    assert first.step(examples)["learning_rate"] == pytest.approx(1e-2 * 2 / 6)  # steps 1 and 2: the last one's
+    assert first.step(examples)["learning_rate"] == pytest.approx(1e-2 * 4 / 6)
+    assert first.optimizer_steps_taken() == 4
+    resumed = Trainer(load_causal_lm(tiny_codebook_model), config)
+    resumed.optimizer.load_state_dict(first.optimizer.state_dict())
+    assert resumed.step(examples)["learning_rate"] == pytest.approx(1e-2)
+    assert resumed.step(examples)["learning_rate"] == pytest.approx(1e-2)  # flat after the warm-up
+    assert Trainer(load_causal_lm(tiny_codebook_model), LearnerConfig(learning_rate=3e-4)).step(examples)["learning_rate"] == 3e-4
+
+
+def test_the_warm_up_sets_the_size_of_the_first_adam_step(tiny_codebook_model):
+    """Adam's first step moves each parameter that has a gradient by the learning rate itself
+    (its update is the gradient's sign): with a warm-up of 5 steps, by a fifth of it."""
+    examples = _on_policy_examples(load_causal_lm(tiny_codebook_model))
+    model = load_causal_lm(tiny_codebook_model)
+    before = [p.detach().clone() for p in model.parameters()]
+    Trainer(model, LearnerConfig(learning_rate=1e-2, warmup_steps=5)).step(examples)
+    largest = max(float((p.detach() - b).abs().max()) for p, b in zip(model.parameters(), before))
+    assert largest == pytest.approx(1e-2 / 5, rel=1e-3)
