@@ -411,11 +411,12 @@ class Trainer:
         ):
             return policy(micro)
 
-    def _shares(self, micro_batches: list[PaddedBatch], flat: FlatShare) -> list[float]:
+    def _shares(self, micro_batches: list[PaddedBatch], flat: FlatShare) -> tuple[list[float], float]:
         """Weight of each micro-batch's mean loss so that accumulated gradients equal the full
-        batch's; with several ranks, the full batch is every rank's examples together, and the
-        flat groups' tokens (or sequences) count in the whole (`FlatShare`: every rank is given
-        the same)."""
+        batch's (with several ranks, the full batch is every rank's examples together), and the
+        fraction of the batch those examples are once the flat groups' tokens (or sequences) are
+        counted too (`FlatShare`: every rank is given the same). The loss is scaled by both; the
+        logged figures by the shares alone, so they stay means over what was trained on."""
         if self.aggregation == "token":
             counts = [float(micro.loss_mask.sum()) for micro in micro_batches]
         else:
@@ -423,8 +424,8 @@ class Trainer:
         total = sum(counts)
         if self.ranks.distributed:
             total = distributed.all_reduce_sum([total])[0]
-        total += flat.tokens if self.aggregation == "token" else flat.sequences
-        return [count / (total or 1.0) for count in counts]
+        left_out = flat.tokens if self.aggregation == "token" else flat.sequences
+        return [count / (total or 1.0) for count in counts], total / ((total + left_out) or 1.0)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters as a model folder stores them (a tied output layer once).
@@ -460,7 +461,7 @@ class Trainer:
         config = self.config
         started = time.perf_counter()
         micro_batches = self._micro_batches(examples)
-        shares = self._shares(micro_batches, flat)
+        shares, signal_fraction = self._shares(micro_batches, flat)
         # The proximal policy is the parameters at the start of this update, evaluated as the
         # actors sample (eval mode: no dropout). With one optimiser step and no dropout it
         # equals the current policy, so it is taken from the training forward pass (detached).
@@ -515,7 +516,7 @@ class Trainer:
                     )
                     loss = loss + config.value_coef * critic
                     totals["value_loss"] = totals.get("value_loss", 0.0) + critic.item() * share
-                (loss * share).backward()
+                (loss * (share * signal_fraction)).backward()
                 totals["loss"] = totals.get("loss", 0.0) + loss.item() * share
                 entropy = sampled_entropy(logprobs, micro.loss_mask, aggregation=self._monitor_level)
                 totals["entropy_estimate"] = totals.get("entropy_estimate", 0.0) + float(entropy) * share
@@ -542,6 +543,7 @@ class Trainer:
         metrics.update(maxima)
         metrics["grad_norm"] = grad_norm
         metrics["learning_rate"] = learning_rate
+        metrics["signal_fraction"] = signal_fraction
         metrics["learner_step_seconds"] = time.perf_counter() - started
         return metrics
 

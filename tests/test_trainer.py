@@ -109,6 +109,12 @@ def test_flat_groups_left_out_count_as_if_trained_on_with_zero_advantage(tiny_co
     for with_flat, reference, without in zip(left_out, whole, alone):
         torch.testing.assert_close(with_flat, reference, rtol=1e-4, atol=_noise(whole))
         torch.testing.assert_close(with_flat, without * signal_share, rtol=1e-3, atol=_noise(whole))
+    # The logged figures stay means over the examples trained on; the fraction is logged beside them.
+    logged_alone = Trainer(load_causal_lm(tiny_codebook_model), config).step(signal)
+    logged = Trainer(load_causal_lm(tiny_codebook_model), config).step(signal, share)
+    for name in ("loss", "entropy_estimate", "ratio_mean"):
+        assert logged[name] == pytest.approx(logged_alone[name], rel=1e-5), name
+    assert logged["signal_fraction"] == pytest.approx(signal_share) and logged_alone["signal_fraction"] == 1.0
 
 
 def test_the_behaviour_weight_is_truncated_at_the_cap(tiny_codebook_model):
