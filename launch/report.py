@@ -84,6 +84,8 @@ def summarise_run(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "grad_norm_mean": _mean(_values(updated, "grad_norm")),
         "grad_norm_max": max(_values(updated, "grad_norm"), default=None),
         "clip_fraction_mean": _mean(_values(updated, "clip_fraction")),
+        # The update's size relative to a batch full of signal (flat groups count, untrained).
+        "signal_fraction_mean": _mean(_values(updated, "signal_fraction")),
         "update_seconds_mean": _mean(_values(updated, "learner_step_seconds")),
         "episodes_per_s_mean": _mean(_values(records, "episodes_per_s")),
         "truncated_rate_mean": _mean(_values(records, "truncated_rate")),
@@ -164,6 +166,7 @@ def format_report(summary: dict[str, Any]) -> str:
         f"{_number(summary['entropy_min'], '.3f')}, max {_number(summary['entropy_max'], '.3f')})",
         f"updates: grad norm mean {_number(summary['grad_norm_mean'], '.2f')} (max "
         f"{_number(summary['grad_norm_max'], '.2f')}), clip fraction {_number(summary['clip_fraction_mean'], '.3f')}, "
+        f"scaled to {_number(summary['signal_fraction_mean'], '.0%')} by flat groups, "
         f"{_number(summary['update_seconds_mean'], '.1f', ' s')} each; actors "
         f"{_number(summary['episodes_per_s_mean'], '.2f')} episodes/s",
     ]

@@ -30,7 +30,7 @@ def updated(step, **fields):
 
 def test_summary_sums_per_step_counts_reads_run_wide_counters_and_averages_updates():
     records = [
-        updated(1, success_rate=0.25, entropy_estimate=0.02, grad_norm=0.5),
+        updated(1, success_rate=0.25, entropy_estimate=0.02, grad_norm=0.5, signal_fraction=0.2),
         record(2, groups_dropped_stale=1),
         updated(3, success_rate=0.5, horizon_cap=6, entropy_estimate=0.08, grad_norm=1.5,
                 groups_dropped_stale=3, invalid_action_rate=0.5),
@@ -50,6 +50,7 @@ def test_summary_sums_per_step_counts_reads_run_wide_counters_and_averages_updat
     assert (summary["entropy_min"], summary["entropy_max"]) == (0.02, 0.08)
     assert summary["grad_norm_mean"] == pytest.approx(1.0) and summary["grad_norm_max"] == 1.5
     assert summary["update_seconds_mean"] == 100.0
+    assert summary["signal_fraction_mean"] == pytest.approx(0.2)  # the one update that logged it
     assert summary["success_by_cap"] == {4: pytest.approx(0.125), 6: pytest.approx(0.25)}
     assert summary["success_mean"] == pytest.approx(0.1875)
     assert summary["invalid_action_rate_mean"] == pytest.approx(0.125)
