@@ -284,3 +284,24 @@ def test_ppo_with_a_separate_critic_model(tiny_codebook_model):
     trainer.step(examples)
     assert any(not torch.equal(a, b) for a, b in zip(critic_before, trainer.value_model.decoder.parameters()))
     assert any(not torch.equal(a, b) for a, b in zip(policy_before, trainer.model.parameters()))
+
+
+@pytest.mark.parametrize("std_scaling", [False, True], ids=["centred", "whitened"])
+def test_ppo_advantages_are_centred_and_scaled_only_when_asked(tiny_codebook_model, std_scaling):
+    """The zero-initialised critic values every token 0, so with gamma 1 each generated token's GAE
+    advantage is its episode's reward (1, 1, 1, 1 and 0, 0, 0, 0): the step's mean 0.5 and std 0.5."""
+    from longhorizon.common.models import load_causal_lm
+    from longhorizon.learner.trainer import Trainer
+
+    config = LearnerConfig(algorithm="ppo", gamma=1.0, lam=1.0, advantage_std_scaling=std_scaling)
+    trainer = Trainer(load_causal_lm(tiny_codebook_model), config)
+    trajectories = [_trajectory(1.0, generated=4), _trajectory(0.0, generated=4)]
+    for trajectory in trajectories:
+        trajectory.turn_rewards = [trajectory.reward]
+    micro_batches = trainer._micro_batches(score_groups([SimpleNamespace(trajectories=trajectories)], config).examples)
+    with torch.no_grad():
+        values = [trainer._values(micro) for micro in micro_batches]
+    scored, _ = trainer._critic_advantages(micro_batches, values)
+    advantages = torch.cat([micro.advantages[micro.loss_mask > 0] for micro in scored])
+    expected = torch.tensor([0.5] * 4 + [-0.5] * 4) / (0.5 if std_scaling else 1.0)
+    torch.testing.assert_close(advantages, expected, atol=1e-4, rtol=1e-4)
