@@ -269,7 +269,8 @@ class HorizonConfig:
     """adaptive: success that stopped rising ends a stage only once the last window's mean success
     rate reaches this; a policy that has not begun to succeed at a cap has not plateaued there."""
     truncation_threshold: float = 0.5
-    """adaptive: ... or when this share of episodes, over the last window, was cut by the cap."""
+    """adaptive: ... or when this share of episodes, over the last window, was cut by the cap
+    (truncated on the cap's turn; not episodes the env or the context budget ended sooner)."""
     min_stage_steps: int = 20
     """adaptive: a stage lasts at least this many steps (at least two windows)."""
     max_stage_steps: int = 200

@@ -89,6 +89,8 @@ def summarise_run(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "update_seconds_mean": _mean(_values(updated, "learner_step_seconds")),
         "episodes_per_s_mean": _mean(_values(records, "episodes_per_s")),
         "truncated_rate_mean": _mean(_values(records, "truncated_rate")),
+        # Runs recorded before cut_by_cap_rate existed: every truncation counted as the cap's.
+        "cut_by_cap_rate_mean": _mean(_values(records, "cut_by_cap_rate") or _values(records, "truncated_rate")),
     }
     # Figures that older runs did not record: None when absent, so a report still reads.
     outcome_keys = ("groups_none_succeeded", "groups_all_succeeded")
@@ -160,7 +162,8 @@ def format_report(summary: dict[str, Any]) -> str:
         f"{_number(summary['success_last_window'], '.1%')}; by cap: "
         + (", ".join(f"{cap}: {_number(value, '.1%')}" for cap, value in summary["success_by_cap"].items())
            or "n/a"),
-        f"episodes cut by the cap: {_number(summary['truncated_rate_mean'], '.0%')}; invalid replies per "
+        f"episodes cut by the cap: {_number(summary['cut_by_cap_rate_mean'], '.0%')} (truncated for any reason: "
+        f"{_number(summary['truncated_rate_mean'], '.0%')}); invalid replies per "
         f"turn: {_number(summary['invalid_action_rate_mean'], '.1%')}",
         f"exploration: entropy {_number(summary['entropy_mean'], '.3f')} nats (min "
         f"{_number(summary['entropy_min'], '.3f')}, max {_number(summary['entropy_max'], '.3f')})",

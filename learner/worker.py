@@ -395,9 +395,10 @@ class Learner:
             return ""
         trajectories = [t for g in groups for t in g.trajectories]
         success = float(np.mean([t.success for t in trajectories])) if trajectories else 0.0
-        truncated = float(np.mean([t.truncated for t in trajectories])) if trajectories else 0.0
+        # Only the cap's cuts: a larger cap does nothing for episodes the env or the context ended.
+        cut = float(np.mean([cut_by_cap(t) for t in trajectories])) if trajectories else 0.0
         stage_before = self.horizon.stage
-        self.horizon = self.schedule.observe(self.step, success, truncated)
+        self.horizon = self.schedule.observe(self.step, success, cut)
         if self.horizon.stage == stage_before:
             return ""
         decision = self.schedule.state.last_decision
@@ -442,6 +443,7 @@ class Learner:
             "failed_episodes": scored.failed_trajectories,
             "episode_turns_mean": float(np.mean([t.num_turns for t in trajectories])) if trajectories else 0.0,
             "truncated_rate": float(np.mean([t.truncated for t in trajectories])) if trajectories else 0.0,
+            "cut_by_cap_rate": float(np.mean([cut_by_cap(t) for t in trajectories])) if trajectories else 0.0,
             **outcome_figures(groups),
             # Where data went, counted over the whole run (a resumed run continues the counts):
             # received = accepted + the refusals below; accepted = trained + dropped with their
@@ -661,6 +663,12 @@ class Learner:
         if lost:
             log.warning("%d of %d actors seen were gone or unreachable at the end", lost, len(self.peers))
         return stopped
+
+
+def cut_by_cap(trajectory) -> bool:
+    """Whether the horizon cap ended the episode: truncated on the cap's turn. Truncated earlier,
+    the env's own limit or the context budget ended it (truncated_rate counts those too)."""
+    return bool(trajectory.truncated and not trajectory.terminated and trajectory.num_turns >= trajectory.horizon_cap)
 
 
 def outcome_figures(groups) -> dict[str, float]:

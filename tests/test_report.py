@@ -8,7 +8,7 @@ import pytest
 
 from longhorizon.launch.cli import main as cli_main
 from longhorizon.launch.report import diagnose, format_report, main, summarise_run
-from longhorizon.learner.worker import outcome_figures
+from longhorizon.learner.worker import cut_by_cap, outcome_figures
 
 
 def record(step, **fields):
@@ -54,6 +54,9 @@ def test_summary_sums_per_step_counts_reads_run_wide_counters_and_averages_updat
     assert summary["success_by_cap"] == {4: pytest.approx(0.125), 6: pytest.approx(0.25)}
     assert summary["success_mean"] == pytest.approx(0.1875)
     assert summary["invalid_action_rate_mean"] == pytest.approx(0.125)
+    # Records from before cut_by_cap_rate: every truncation is taken as the cap's.
+    assert summary["cut_by_cap_rate_mean"] == summary["truncated_rate_mean"] == 1.0
+    assert summarise_run([updated(1, truncated_rate=0.5, cut_by_cap_rate=0.25)])["cut_by_cap_rate_mean"] == 0.25
 
 
 def test_findings_name_flat_groups_by_outcome_low_entropy_stale_drops_and_the_format():
@@ -116,3 +119,13 @@ def test_outcome_figures_count_groups_by_success_and_invalid_replies_per_turn():
         "groups_none_succeeded": 1, "groups_all_succeeded": 1, "invalid_action_rate": 3 / 24,
     }
     assert outcome_figures([]) == {"groups_none_succeeded": 0, "groups_all_succeeded": 0, "invalid_action_rate": 0.0}
+
+
+def test_only_a_truncation_on_the_caps_turn_is_the_caps_cut():
+    def episode(turns, cap=4, truncated=True, terminated=False):
+        return SimpleNamespace(num_turns=turns, horizon_cap=cap, truncated=truncated, terminated=terminated)
+
+    assert cut_by_cap(episode(4))
+    assert not cut_by_cap(episode(3))  # the context budget or the env's own limit, before the cap
+    assert not cut_by_cap(episode(4, truncated=False, terminated=True))  # finished on the last turn
+    assert not cut_by_cap(episode(2, truncated=False))

@@ -267,3 +267,4 @@ def test_the_adaptive_horizon_moves_through_its_stages_and_resumes_in_the_same_s
     assert decisions[8].startswith("step 8: ")  # the stay counted from step 4, across the resume
     # The actors played under each cap: 3-turn episodes are all cut at cap 1, none at cap 3.
     assert records[0]["truncated_rate"] == 1.0 and records[-1]["truncated_rate"] == 0.0
+    assert [r["cut_by_cap_rate"] for r in records] == [r["truncated_rate"] for r in records]  # the cap's cuts only
