@@ -217,6 +217,12 @@ class LearnerConfig:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Gradient norm clip."""
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus: the mean entropy of the whole next-token distribution at each
+    generated position, computed from the logits (the sampled tokens' log-probs give no usable
+    gradient for it), is subtracted from the loss. With it on, flat groups are trained on too, at
+    advantage 0, so that a policy sharp enough to play every member of a group alike (every group
+    flat, nothing left to learn from) is pushed to explore again. 0 turns it off."""
     kl_coef: float = 0.0
     """Weight of the k3 KL penalty to the initial (reference) model; 0 disables it and the reference copy."""
     optimizer_steps_per_batch: int = 1

@@ -21,7 +21,7 @@ from longhorizon.learner import algorithms, distributed
 from longhorizon.learner.advantages import group_has_signal
 from longhorizon.learner.critic import build_value_model, gae, per_token_rewards, value_loss, whiten
 from longhorizon.learner.distributed import Ranks
-from longhorizon.learner.losses import kl_penalty, sampled_entropy
+from longhorizon.learner.losses import aggregate, kl_penalty, sampled_entropy
 
 
 @dataclass
@@ -111,6 +111,11 @@ def score_groups(groups, config: LearnerConfig | None = None) -> ScoredBatch:
             continue
         if algorithm.advantages == "group" and not group_has_signal(rewards):
             zero_variance += 1
+            if config.entropy_coef > 0:
+                # Trained on at advantage 0 for the entropy bonus alone: a policy so sharp that
+                # every member plays alike (flat at any success rate) is pushed to explore again.
+                scored.append((members, rewards))
+                continue
             flat_tokens += float(sum(np.sum(t.loss_mask) for t in members))
             flat_sequences += len(members)
             continue
@@ -187,9 +192,10 @@ def pad_examples(examples: list[Example], pad_token_id: int) -> PaddedBatch:
 
 
 def token_logprobs(
-    model, batch: PaddedBatch, temperature: float = 1.0, chunk_tokens: int = 0
-) -> torch.Tensor:
-    """Log-prob of each next token under `model` at the sampling temperature: [B, L-1].
+    model, batch: PaddedBatch, temperature: float = 1.0, chunk_tokens: int = 0, with_entropy: bool = False,
+):
+    """Log-prob of each next token under `model` at the sampling temperature: [B, L-1]; with
+    `with_entropy`, (log-probs, entropy of each position's whole next-token distribution).
 
     With `chunk_tokens` > 0 the output layer runs over about that many positions of the batch at
     a time, and in training its logits are recomputed in the backward pass: only one chunk's
@@ -201,7 +207,7 @@ def token_logprobs(
     parts = split_output_layer(model) if chunk_tokens > 0 else None
     if parts is None:
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-        return _logprobs_from_logits(logits, targets, temperature)
+        return _logprobs_from_logits(logits, targets, temperature, with_entropy)
     decoder, output_layer = parts
     hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state[:, :-1]
     positions = max(1, chunk_tokens // max(1, hidden.shape[0]))
@@ -210,23 +216,31 @@ def token_logprobs(
         chunk, chunk_targets = hidden[:, start:start + positions], targets[:, start:start + positions]
         if torch.is_grad_enabled() and chunk.requires_grad:
             pieces.append(torch.utils.checkpoint.checkpoint(
-                _output_logprobs, output_layer, chunk, chunk_targets, temperature, use_reentrant=False,
+                _output_logprobs, output_layer, chunk, chunk_targets, temperature, with_entropy, use_reentrant=False,
             ))
         else:
-            pieces.append(_output_logprobs(output_layer, chunk, chunk_targets, temperature))
+            pieces.append(_output_logprobs(output_layer, chunk, chunk_targets, temperature, with_entropy))
+    if with_entropy:
+        return torch.cat([p[0] for p in pieces], dim=1), torch.cat([p[1] for p in pieces], dim=1)
     return torch.cat(pieces, dim=1)
 
 
-def _output_logprobs(output_layer, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    return _logprobs_from_logits(output_layer(hidden), targets, temperature)
+def _output_logprobs(output_layer, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                     with_entropy: bool = False):
+    return _logprobs_from_logits(output_layer(hidden), targets, temperature, with_entropy)
 
 
-def _logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+def _logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool = False):
     logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return chosen - torch.logsumexp(logits, dim=-1)
+    normaliser = torch.logsumexp(logits, dim=-1)
+    chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normaliser
+    if not with_entropy:
+        return chosen
+    # H = log Z - sum_v p_v * logit_v, from the same logits (no second softmax over the vocabulary).
+    entropy = normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return chosen, entropy
 
 
 def split_output_layer(model):
@@ -312,8 +326,8 @@ class PolicyLogprobs(torch.nn.Module):
         self.temperature = temperature
         self.chunk_tokens = chunk_tokens
 
-    def forward(self, batch: PaddedBatch) -> torch.Tensor:
-        return token_logprobs(self.model, batch, self.temperature, self.chunk_tokens)
+    def forward(self, batch: PaddedBatch, with_entropy: bool = False):
+        return token_logprobs(self.model, batch, self.temperature, self.chunk_tokens, with_entropy)
 
 
 def idle_micro_batch(pad_token_id: int, device) -> PaddedBatch:
@@ -403,13 +417,14 @@ class Trainer:
             micro_batches += [idle_micro_batch(self.pad_token_id, self.device)] * (most - len(micro_batches))
         return micro_batches
 
-    def _logprobs(self, policy: PolicyLogprobs, micro: PaddedBatch) -> torch.Tensor:
-        """Log-probs of a micro-batch; under bf16-mixed the model computes in bfloat16 while its
-        weights stay fp32, and the log-probs come out in fp32."""
+    def _logprobs(self, policy: PolicyLogprobs, micro: PaddedBatch, with_entropy: bool = False):
+        """Log-probs of a micro-batch (and with `with_entropy` each position's entropy); under
+        bf16-mixed the model computes in bfloat16 while its weights stay fp32, and the log-probs
+        come out in fp32."""
         with torch.autocast(
             device_type=self.device.type, dtype=torch.bfloat16, enabled=self.config.precision == "bf16-mixed",
         ):
-            return policy(micro)
+            return policy(micro, with_entropy=with_entropy)
 
     def _shares(self, micro_batches: list[PaddedBatch], flat: FlatShare) -> tuple[list[float], float]:
         """Weight of each micro-batch's mean loss so that accumulated gradients equal the full
@@ -498,13 +513,21 @@ class Trainer:
                             idle = idle + self._values(micro).sum() * 0.0
                         idle.backward()
                     continue
-                logprobs = self._logprobs(self.policy, micro)
+                entropy_bonus = config.entropy_coef > 0
+                if entropy_bonus:
+                    logprobs, entropy = self._logprobs(self.policy, micro, with_entropy=True)
+                else:
+                    logprobs = self._logprobs(self.policy, micro)
                 prox = proximal[index] if proximal[index] is not None else logprobs.detach()
                 output = algorithms.algorithm_loss(
                     config, logprobs, prox, micro.behaviour_logprobs, micro.advantages, micro.loss_mask,
                 )
                 loss = output.loss
                 share = shares[index]
+                if entropy_bonus:
+                    mean_entropy = aggregate(entropy, micro.loss_mask, self._monitor_level)
+                    loss = loss - config.entropy_coef * mean_entropy
+                    totals["entropy"] = totals.get("entropy", 0.0) + mean_entropy.item() * share
                 if reference[index] is not None:
                     kl = kl_penalty(logprobs, reference[index], micro.loss_mask, aggregation=self._monitor_level)
                     loss = loss + config.kl_coef * kl.loss

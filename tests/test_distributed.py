@@ -152,13 +152,15 @@ def _relative_error(a: dict, b: dict) -> float:
     return difference / sum(float(a[k].float().norm() ** 2) for k in a) ** 0.5
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "grpo-flat-groups", "ppo", "ppo-separate-critic"])
+@pytest.mark.parametrize("algorithm", ["grpo", "grpo-flat-groups", "grpo-entropy-bonus", "ppo", "ppo-separate-critic"])
 def test_two_ranks_train_exactly_as_one(tmp_path, tiny_codebook_model, algorithm):
     """fp32, decoupled PPO with a separate proximal pass (two optimiser steps on one batch); for
     ppo, the critic too (its GAE advantages centred, and for "ppo" also whitened, over both ranks'
     tokens), on the policy's backbone or as a separate model sharded like the policy; flat
-    groups' share of the denominator is counted once, not once per rank."""
-    settings = {"grpo": {}, "grpo-flat-groups": {}, "ppo": {"algorithm": "ppo", "advantage_std_scaling": True},
+    groups' share of the denominator is counted once, not once per rank; the entropy bonus's
+    full-distribution entropy is computed on each rank's positions like the log-probs."""
+    settings = {"grpo": {}, "grpo-flat-groups": {}, "grpo-entropy-bonus": {"entropy_coef": 0.05},
+                "ppo": {"algorithm": "ppo", "advantage_std_scaling": True},
                 "ppo-separate-critic": {"algorithm": "ppo", "critic": str(tiny_codebook_model)}}[algorithm]
     flat = (30.0, 4) if algorithm == "grpo-flat-groups" else (0.0, 0)
     one = _trainer(tiny_codebook_model, Ranks.single(), settings)
@@ -170,7 +172,8 @@ def test_two_ranks_train_exactly_as_one(tmp_path, tiny_codebook_model, algorithm
     assert _relative_error(after_one, before) > 1e-3  # the step moved the weights
     assert _relative_error(after_one, two["state"]) <= 1e-5
     names = ["loss", "train_tokens", "train_sequences", "grad_norm", "ratio_max", "clip_fraction"]
-    for name in names + (["value_loss"] if algorithm.startswith("ppo") else []):
+    extra = ["value_loss"] if algorithm.startswith("ppo") else ["entropy"] if algorithm == "grpo-entropy-bonus" else []
+    for name in names + extra:
         assert two["metrics"][name] == pytest.approx(one_metrics[name], rel=1e-4, abs=1e-6), name
 
 

@@ -21,6 +21,8 @@ from longhorizon.launch.local import format_progress, validate_config
         ("actor.engine=nonexistent", "unknown engine 'nonexistent'"),
         ("actor.group_size=1", "group_size"),
         ("run.mode=fast", "run.mode"),
+        ("learner.warmup_steps=-1", "learner.warmup_steps must be >= 0"),
+        ("learner.entropy_coef=-0.01", "learner.entropy_coef must be >= 0"),
     ],
 )
 def test_validate_config_names_the_problem(override, message):

@@ -205,6 +205,80 @@ def test_chunked_logprobs_equal_whole_ones_in_value_and_gradient(tiny_codebook_m
             torch.testing.assert_close(grad, reference, atol=1e-5, rtol=1e-4)
 
 
+def test_the_entropy_of_each_position_by_hand():
+    # Probabilities 1/4 and 3/4: H = -(1/4 ln 1/4 + 3/4 ln 3/4); four equal logits: ln 4.
+    logits = torch.tensor([[[0.0, float(np.log(3.0))], [5.0, 5.0]]])
+    targets = torch.tensor([[1, 0]])
+    logprobs, entropy = trainer_module._logprobs_from_logits(logits, targets, 1.0, with_entropy=True)
+    torch.testing.assert_close(logprobs, torch.tensor([[np.log(0.75), np.log(0.5)]], dtype=torch.float32))
+    torch.testing.assert_close(entropy, torch.tensor([[-(0.25 * np.log(0.25) + 0.75 * np.log(0.75)), np.log(2)]],
+                                                     dtype=torch.float32))
+    # At temperature 2 the logits are halved before anything else: probabilities 1/(1+sqrt 3), ...
+    _, tempered = trainer_module._logprobs_from_logits(logits, targets, 2.0, with_entropy=True)
+    p = 1 / (1 + np.sqrt(3.0))
+    assert float(tempered[0, 0]) == pytest.approx(-(p * np.log(p) + (1 - p) * np.log(1 - p)), rel=1e-5)
+
+
+def test_chunked_entropy_equals_whole_in_value_and_gradient(tiny_codebook_model):
+    model = load_causal_lm(tiny_codebook_model)
+    batch = pad_examples(_on_policy_examples(model), pad_token_id=0)
+    results = []
+    for chunk_tokens in (0, 5):
+        model.zero_grad(set_to_none=True)
+        logprobs, entropy = token_logprobs(model, batch, 0.7, chunk_tokens=chunk_tokens, with_entropy=True)
+        (entropy * batch.loss_mask).sum().backward()
+        results.append((logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]))
+    (logprobs, whole, grads), (chunked_logprobs, chunked, chunked_grads) = results
+    torch.testing.assert_close(chunked_logprobs, logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
+    assert float(whole.max()) <= np.log(model.config.vocab_size) + 1e-4 and float(whole.min()) > 0
+    for grad, reference in zip(chunked_grads, grads):
+        torch.testing.assert_close(grad, reference, atol=1e-5, rtol=1e-4)
+
+
+def test_the_entropy_bonus_alone_makes_the_policy_less_certain(tiny_codebook_model):
+    """Zero advantages everywhere: without the bonus nothing moves; with it, each step raises the
+    entropy at the generated positions, and the step logs it."""
+    examples = [dataclasses.replace(e, advantage=0.0) for e in _on_policy_examples(load_causal_lm(tiny_codebook_model))]
+    batch = pad_examples(examples, pad_token_id=0)
+
+    def mean_entropy(model):
+        with torch.no_grad():
+            _, entropy = token_logprobs(model, batch, with_entropy=True)
+        return float((entropy * batch.loss_mask).sum() / batch.loss_mask.sum())
+
+    still = load_causal_lm(tiny_codebook_model)
+    before = mean_entropy(still)
+    Trainer(still, LearnerConfig(learning_rate=1e-2)).step(examples)
+    assert mean_entropy(still) == pytest.approx(before, abs=1e-6)
+    model = load_causal_lm(tiny_codebook_model)
+    trainer = Trainer(model, LearnerConfig(learning_rate=1e-3, entropy_coef=0.1))
+    logged = trainer.step(examples)["entropy"]
+    assert logged == pytest.approx(before, rel=1e-4)  # measured before the step
+    after = mean_entropy(model)
+    trainer.step(examples)
+    assert before < after < mean_entropy(model)
+
+
+def test_flat_groups_are_trained_on_at_advantage_zero_under_an_entropy_bonus():
+    from types import SimpleNamespace
+
+    from longhorizon.learner.trainer import score_groups
+
+    def member(reward):
+        return SimpleNamespace(reward=reward, error="", token_ids=np.arange(5), loss_mask=np.r_[0, 0, 1, 1, 1],
+                               behaviour_logprobs=np.zeros(5, np.float32))
+
+    groups = [SimpleNamespace(trajectories=[member(1.0), member(1.0)]),
+              SimpleNamespace(trajectories=[member(0.0), member(1.0)])]
+    plain = score_groups(groups, LearnerConfig())
+    assert len(plain.examples) == 2 and plain.flat.sequences == 2
+    bonus = score_groups(groups, LearnerConfig(entropy_coef=0.01))
+    assert len(bonus.examples) == 4 and bonus.flat.sequences == 0
+    assert [e.advantage for e in bonus.examples[:2]] == [0.0, 0.0]
+    assert (bonus.groups_used, bonus.groups_skipped_zero_variance) == (1, 1)  # still counted as flat
+
+
 def test_a_model_that_does_not_split_falls_back_to_whole_logits(tiny_codebook_model):
     from longhorizon.learner.trainer import chunked_logprobs_match
 
