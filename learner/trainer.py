@@ -501,6 +501,7 @@ class Trainer:
         totals: dict[str, float] = {}
         maxima: dict[str, float] = {}
         grad_norm = 0.0
+        entropy_bonus = config.entropy_coef > 0
         for _ in range(max(1, config.optimizer_steps_per_batch)):
             self.optimizer.zero_grad(set_to_none=True)
             for index, micro in enumerate(micro_batches):
@@ -513,7 +514,6 @@ class Trainer:
                             idle = idle + self._values(micro).sum() * 0.0
                         idle.backward()
                     continue
-                entropy_bonus = config.entropy_coef > 0
                 if entropy_bonus:
                     logprobs, entropy = self._logprobs(self.policy, micro, with_entropy=True)
                 else:
