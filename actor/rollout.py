@@ -16,7 +16,7 @@ from typing import Awaitable, Callable
 import numpy as np
 import trio
 
-from longhorizon.actor.agent import ActionParseError, error_observation, parse_action
+from longhorizon.envs.agents import ActionParseError, error_observation, parse_action
 from longhorizon.actor.engines.base import Engine, GenerationRequest
 from longhorizon.common.chat import TokenConversation
 from longhorizon.common.wire import Trajectory, pack_arrays

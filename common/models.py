@@ -192,6 +192,18 @@ def load_causal_lm(folder: str | Path, dtype: str = "float32"):
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 
 
+def load_state_into(model, state: dict) -> None:
+    """Copy a state dict into a model, tolerating only the tied output embedding being absent."""
+    result = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = set(result.missing_keys) - tied
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"weights do not match the model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(result.unexpected_keys)[:5]}"
+        )
+
+
 def resolve_device(name: str):
     """The torch device a setting names: `auto` is the first CUDA GPU when one is visible, else
     the CPU; asking for CUDA where there is none is an error that says so."""

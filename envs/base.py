@@ -197,7 +197,7 @@ def make_policy(env_name: str, policy_name: str, **options: Any) -> ScriptedPoli
 
 def action_from_reply(reply: str, prompt_format: str) -> str:
     """The action inside a reply, read exactly as the actor reads it (one parser for both)."""
-    from longhorizon.actor.agent import parse_action
+    from longhorizon.envs.agents import parse_action
 
     return parse_action(reply, prompt_format)
 

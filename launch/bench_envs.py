@@ -15,7 +15,7 @@ from typing import Any
 
 import trio
 
-from longhorizon.actor.agent import ActionParseError, parse_action
+from longhorizon.envs.agents import ActionParseError, parse_action
 
 DEFAULT_ENVS = ("codebook", "textcraft", "babyai")
 

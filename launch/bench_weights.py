@@ -211,7 +211,8 @@ class ModelTarget:
                 parameter.zero_()
 
     def load(self, update) -> None:
-        from longhorizon.actor.engines.hf import load_state_into, load_weights_update
+        from longhorizon.actor.engines.hf import load_weights_update
+        from longhorizon.common.models import load_state_into
 
         load_state_into(self.model, load_weights_update(update))
 
@@ -367,7 +368,7 @@ def _send_collective(link: SenderLink, source, version: int) -> Sent:
 def _load_collective(message, target) -> None:
     """Receive the buckets the announcement names (actor/engines/weight_receiver.py) and load the
     tensors as the hf engine does (or into the synthetic payload's tensors)."""
-    from longhorizon.actor.engines.hf import load_state_into
+    from longhorizon.common.models import load_state_into
     from longhorizon.actor.engines.weight_receiver import CollectiveReceiver
 
     receiver = _collective_ends.setdefault("receiver", CollectiveReceiver())

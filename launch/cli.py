@@ -51,7 +51,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _serve_model(args: argparse.Namespace) -> int:
-    from longhorizon.launch.serve_model import main
+    from longhorizon.actor.model_server import main
 
     return main(args.rest)
 
@@ -160,7 +160,7 @@ def _sft(args: argparse.Namespace) -> int:
     import json
 
     from longhorizon.common.config import load_config
-    from longhorizon.learner.sft import run_sft
+    from longhorizon.launch.sft import run_sft
 
     summary = run_sft(load_config(args.config, args.overrides))
     print(json.dumps(summary, sort_keys=True))
@@ -171,7 +171,7 @@ def _dpo(args: argparse.Namespace) -> int:
     import json
 
     from longhorizon.common.config import load_config
-    from longhorizon.learner.dpo import run_dpo
+    from longhorizon.launch.dpo import run_dpo
 
     summary = run_dpo(load_config(args.config, args.overrides))
     print(json.dumps(summary, sort_keys=True))
@@ -182,7 +182,7 @@ def _rft(args: argparse.Namespace) -> int:
     import json
 
     from longhorizon.common.config import load_config
-    from longhorizon.learner.rft import run_rft
+    from longhorizon.launch.rft import run_rft
 
     summary = run_rft(load_config(args.config, args.overrides))
     print(json.dumps(summary, sort_keys=True))

@@ -139,7 +139,7 @@ def _check_lora(config: Config) -> None:
     """learner.lora: its keys, and that each target names modules of the model (checked on the
     architecture alone, without loading weights)."""
     from longhorizon.common.models import resolve_model_path
-    from longhorizon.learner.lora import LoraError, check_targets_of_model_folder, lora_settings
+    from longhorizon.common.lora import LoraError, check_targets_of_model_folder, lora_settings
 
     try:
         settings = lora_settings(config.learner.lora)

@@ -148,7 +148,7 @@ def load_checkpoint(path: Path, *, trainer) -> dict:
     else:
         from safetensors.torch import load_file
 
-        from longhorizon.actor.engines.hf import load_state_into
+        from longhorizon.common.models import load_state_into
 
         load_state_into(trainer.model, load_file(path / "model.safetensors"))
         trainer.optimizer.load_state_dict(state["optimizer"])

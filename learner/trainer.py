@@ -352,7 +352,7 @@ class Trainer:
         ranks: Ranks | None = None,
     ) -> None:
         from longhorizon.learner.broadcast import unique_state_dict
-        from longhorizon.learner.lora import apply_lora, lora_settings
+        from longhorizon.common.lora import apply_lora, lora_settings
 
         self.config = config
         self.ranks = ranks or Ranks.single()
@@ -465,7 +465,7 @@ class Trainer:
             prefix = "model."
             state = {name[len(prefix):]: tensor for name, tensor in gathered.items() if name.startswith(prefix)}
         if self.lora is not None:
-            from longhorizon.learner.lora import merged_from_peft_state
+            from longhorizon.common.lora import merged_from_peft_state
 
             state = merged_from_peft_state(state, self.lora.scale)
         return {name: state[name] for name in self.exported_names}
@@ -616,7 +616,7 @@ class Trainer:
         """What the actors need of the policy after an update: the adapters alone with LoRA, else
         the whole model (a collective with several ranks, as `full_state_dict`)."""
         if self.lora is not None:
-            from longhorizon.learner.lora import adapter_name
+            from longhorizon.common.lora import adapter_name
 
             # As `adapter_state_dict` names them; with several ranks each adapter is gathered, one
             # tensor at a time, in the same order on every rank.

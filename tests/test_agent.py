@@ -2,7 +2,7 @@
 
 import pytest
 
-from longhorizon.actor.agent import ActionParseError, error_observation, parse_action
+from longhorizon.envs.agents import ActionParseError, error_observation, parse_action
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import torch
 
 from longhorizon.common.config import ConfigError, LearnerConfig, load_config
 from longhorizon.common.models import load_causal_lm
-from longhorizon.learner.lora import (
+from longhorizon.common.lora import (
     LoraError,
     LoraSettings,
     adapter_state_dict,
@@ -194,7 +194,7 @@ def test_lora_learns_codebook_and_only_adapters_cross_the_wire(tmp_path):
     held out; how much rarer a freeze is at 2e-3, two runs cannot say."""
     from longhorizon.common.models import build_tiny_model
     from longhorizon.learner.broadcast import unique_state_dict
-    from longhorizon.learner.lora import adapter_state_dict, apply_lora
+    from longhorizon.common.lora import adapter_state_dict, apply_lora
     from tests.test_learning import _train_and_evaluate
 
     model = build_tiny_model(tmp_path / "untied-codebook", words=CODEBOOK_WORDS, tie_word_embeddings=False)

@@ -26,7 +26,7 @@ SERVER = pytest.mark.slow
 
 def _start_server(model_folder, ready_file):
     process = subprocess.Popen(
-        [sys.executable, "-m", "longhorizon.launch.serve_model", str(model_folder), "--port", "0",
+        [sys.executable, "-m", "longhorizon.actor.model_server", str(model_folder), "--port", "0",
          "--ready-file", str(ready_file), "--max-batch-size", "8"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )

@@ -17,7 +17,8 @@ from longhorizon.common.config import ConfigError, load_config
 from longhorizon.common.conversations import ConversationFileError, tokenize_conversation, tokenizer_fingerprint
 from longhorizon.common.models import load_tokenizer
 from longhorizon.launch.cli import main as cli_main
-from longhorizon.learner.sft import load_sft_data, plan_steps, run_sft, sft_loss
+from longhorizon.launch.sft import run_sft
+from longhorizon.learner.sft import load_sft_data, plan_steps, sft_loss
 from longhorizon.learner.trainer import learning_rate_at
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -250,7 +250,7 @@ async def test_lora_adapters_are_merged_into_the_engines_weights(default_model_p
     """With learner.lora only adapters arrive; the engine then generates as the learner's
     peft model does (greedy tokens equal, sampled tokens' log-probs within tolerance), over
     inline and path updates, and refuses a set of adapters that does not fit, keeping its version."""
-    from longhorizon.learner.lora import adapter_state_dict, apply_lora, lora_settings
+    from longhorizon.common.lora import adapter_state_dict, apply_lora, lora_settings
 
     lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
     adapted = apply_lora(load_causal_lm(default_model_path), lora_settings(lora)).eval()

@@ -75,7 +75,7 @@ class EngineSettings:
     """actor.engine_options: settings only this engine understands (it rejects unknown ones)."""
     lora: dict = field(default_factory=dict)
     """learner.lora: when set, the learner sends only LoRA adapters, and an engine that takes
-    them wraps its model with the same adapters (learner/lora.py)."""
+    them wraps its model with the same adapters (common/lora.py)."""
 
 
 class Engine(Protocol):

@@ -26,6 +26,7 @@ from longhorizon.actor.engines.base import (
     tokens_through_stop_string,
 )
 from longhorizon.common.chat import HFChatTokenizer
+from longhorizon.common.models import load_state_into
 from longhorizon.common.wire import CollectiveWeights
 
 log = logging.getLogger(__name__)
@@ -57,18 +58,6 @@ def load_weights_update(update: Any) -> dict:
     return {name: torch.from_numpy(array.copy()) for name, array in update.tensors.items()}
 
 
-def load_state_into(model, state: dict) -> None:
-    """Copy a state dict into a model, tolerating only the tied output embedding being absent."""
-    result = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    missing = set(result.missing_keys) - tied
-    if missing or result.unexpected_keys:
-        raise ValueError(
-            f"weights do not match the model: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(result.unexpected_keys)[:5]}"
-        )
-
-
 HF_ENGINE_OPTIONS = {
     "device": "where the model runs: auto (a CUDA GPU when present, else the CPU), cpu, cuda or cuda:N",
 }
@@ -96,7 +85,7 @@ class HFEngine:
         self.settings = settings
         self.sampling = settings.sampling
         self.model = load_causal_lm(settings.model_path, settings.dtype).to(self.device).eval()
-        from longhorizon.learner.lora import apply_lora, lora_settings
+        from longhorizon.common.lora import apply_lora, lora_settings
 
         # With learner.lora the updates are adapters: the model gets the learner's LoRA layers
         # (a zero update until the first weights arrive).
@@ -237,7 +226,7 @@ class HFEngine:
             state = load_weights_update(update)
         with self._model_lock:
             if self.lora is not None:
-                from longhorizon.learner.lora import load_adapters
+                from longhorizon.common.lora import load_adapters
 
                 load_adapters(self.model, state)
             else:

@@ -267,7 +267,7 @@ class _LocalServer:
         ready = Path(self._folder.name) / "url"
         self.log_path = Path(self._folder.name) / "server.log"
         command = [
-            sys.executable, "-m", "longhorizon.launch.serve_model", settings.model_path, "--port", "0",
+            sys.executable, "-m", "longhorizon.actor.model_server", settings.model_path, "--port", "0",
             "--dtype", settings.dtype, "--max-batch-size", str(max(1, settings.max_batch_size)),
             "--seed", str(settings.seed), "--torch-threads", str(max(1, settings.torch_threads)),
             "--ready-file", str(ready), "--exit-with-parent",

@@ -59,7 +59,7 @@ from longhorizon.actor.engines.base import (
 from longhorizon.common.chat import HFChatTokenizer
 from longhorizon.common.collective import CollectiveError
 from longhorizon.common.wire import CollectiveWeights
-from longhorizon.learner.lora import lora_settings, merge_adapters, target_weights_of_model_folder
+from longhorizon.common.lora import lora_settings, merge_adapters, target_weights_of_model_folder
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,201 @@
+"""Supervised fine-tuning on conversation files (`longhorizon sft CONFIG`).
+
+Reads the JSONL that `longhorizon collect` writes (common/conversations.py), trains model.path on
+the assistant tokens only (mean negative log-likelihood over them), evaluates the result greedily
+on the env's held-out split, and writes Hugging Face folders an RL run starts from
+(`model.path = "<run dir>/checkpoints/step_N"`).
+
+- Tokens: a conversation's stored token ids are used when the file's tokenizer fingerprint is the
+  model's; otherwise its messages are tokenized with the model's tokenizer, in the layout the actor
+  builds for RL (`tokenize_conversation`). Either way SFT trains on the format RL will sample in.
+- Batches: each epoch shuffles the conversations and cuts them into optimiser steps of at most
+  `sft.batch_sequences` conversations (and `sft.batch_tokens` tokens); a step is split into
+  micro-batches of similar lengths by the learner's own `plan_micro_batches` (bucketing: each
+  micro-batch is padded only to its longest), whose gradients add up to the step's token mean.
+- Checkpoints hold the model only (no optimiser, no `state.pt`): an SFT checkpoint is where a new
+  RL run starts, at step 0 with a fresh optimiser, and an RL run sharing the run folder cannot
+  mistake it for one of its own to resume.
+- Every input is checked before training starts, and a fresh run moves an earlier one in the same
+  folder aside, so a bad line or a typo never costs a finished run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from longhorizon.common.config import Config, dump_toml
+from longhorizon.common.conversations import tokenizer_fingerprint
+from longhorizon.learner.sft import (
+    check_sft_config,
+    load_model_for_training,
+    load_sft_data,
+    plan_steps,
+    save_model_folder,
+    sft_loss,
+)
+from longhorizon.learner.trainer import (
+    chunked_logprobs_match,
+    learning_rate_at,
+    pad_examples,
+    plan_micro_batches,
+    token_logprobs,
+)
+
+
+def evaluate_model(config: Config, model_folder: str | Path, episodes: int) -> dict:
+    """Greedy held-out success of a model folder on env.eval_split (first `episodes` tasks)."""
+    import trio
+
+    from longhorizon.actor.engines.base import make_engine
+    from longhorizon.actor.evaluate import evaluate, greedy
+    from longhorizon.actor.worker import engine_settings
+
+    # The engine that plays is a model engine whatever actor.engine says (a scripted oracle or an
+    # endpoint played the data); its options travel only to the engine they were written for.
+    name = "vllm" if config.actor.engine == "vllm" else "hf"
+    settings = greedy(engine_settings(config, str(model_folder)))
+    if config.actor.engine != name:
+        settings = dataclasses.replace(settings, engine_options={})
+    engine = make_engine(name, settings)
+
+    async def play():
+        try:
+            return await evaluate(
+                engine, config.env.name, dict(config.env.options), split=config.env.eval_split, episodes=episodes,
+                horizon_cap=max(config.horizon.stages), max_new_tokens=config.actor.sampling.max_new_tokens,
+                max_context_tokens=config.actor.max_context_tokens, seed=config.run.seed,
+            )
+        finally:
+            await engine.close()
+
+    result = trio.run(play)
+    return {"split": config.env.eval_split, "episodes": result.episodes, "success_rate": result.success_rate,
+            "mean_reward": result.mean_reward, "failed_episodes": result.failed_episodes}
+
+
+def fresh_run_dir(run_dir: Path, note: Callable[[str], None], markers: Sequence[str] = ("metrics.jsonl", "checkpoints")
+                  ) -> Path:
+    """`run_dir`, ready for a new run: when it holds one of `markers` (an earlier run's outputs),
+    that run is moved aside under a time stamp."""
+    if any((run_dir / marker).exists() for marker in markers):
+        stamp = time.strftime('%Y%m%d-%H%M%S')
+        kept = run_dir.with_name(f"{run_dir.name}.{stamp}")
+        count = 1
+        while kept.exists():  # runs within the same second
+            count += 1
+            kept = run_dir.with_name(f"{run_dir.name}.{stamp}-{count}")
+        run_dir.rename(kept)
+        note(f"an earlier run was in {run_dir}; moved it to {kept}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def run_sft(config: Config, *, note: Callable[[str], None] = print, progress_stream=None) -> dict:
+    """Check everything, train, checkpoint, evaluate; returns the summary (also written to
+    `<run dir>/sft_summary.json`)."""
+    from longhorizon.common.metrics import MetricsWriter
+    from longhorizon.common.progress import ProgressBar
+    from longhorizon.learner.checkpoint import checkpoint_dir
+
+    check_sft_config(config)
+    sft, learner = config.sft, config.learner
+    model_folder, hf_tokenizer, chat_tokenizer, model, device = load_model_for_training(config)
+    data = load_sft_data(
+        sft.data, chat_tokenizer, tokenizer_fingerprint(hf_tokenizer),
+        vocab_size=model.get_input_embeddings().num_embeddings, max_tokens=config.actor.max_context_tokens,
+        only_successful=sft.only_successful,
+    )
+    note(f"{len(data.examples)} conversations ({data.tokens} tokens, {data.assistant_tokens} trained on) from "
+         f"{len(sft.data)} file(s); {data.retokenized} tokenized from their messages for this model"
+         + (f"; {data.left_out_unsuccessful} unsuccessful left out" if sft.only_successful else ""))
+
+    run_dir = fresh_run_dir(config.run_dir, note)
+    (run_dir / "config.toml").write_text(dump_toml(config))
+    summary: dict = {"model": str(model_folder), "data": list(sft.data), "conversations": len(data.examples),
+                     "retokenized": data.retokenized, "tokens": data.tokens, "assistant_tokens": data.assistant_tokens}
+    if sft.eval_before and sft.eval_episodes > 0:
+        summary["eval_before"] = evaluate_model(config, model_folder, sft.eval_episodes)
+        note(f"before: held-out success {summary['eval_before']['success_rate']:.1%} "
+             f"on {summary['eval_before']['episodes']} {config.env.eval_split} episodes")
+
+    # Every epoch's steps are planned up front: the warm-up and the progress bar know the total.
+    rng = np.random.default_rng(config.run.seed)
+    lengths = [len(example.token_ids) for example in data.examples]
+    plan = [(epoch, step) for epoch in range(sft.epochs)
+            for step in plan_steps(lengths, rng.permutation(len(lengths)), sft.batch_sequences, sft.batch_tokens)]
+    if learner.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # Chunked log-probs only where they reproduce the model's own logits (as in RL).
+    chunked = learner.logprob_chunk_tokens > 0 and chunked_logprobs_match(model)
+    chunk_tokens = learner.logprob_chunk_tokens if chunked else 0
+    pad_token_id = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else chat_tokenizer.eos_token_id
+    optimizer = torch.optim.AdamW(model.parameters(), lr=sft.learning_rate, weight_decay=sft.weight_decay)
+    metrics = MetricsWriter(run_dir)
+    bar = ProgressBar("sft", len(plan), stream=progress_stream)
+    started = time.perf_counter()
+    losses: list[float] = []
+    checkpoint = None
+
+    def save(step: int, epoch: int) -> Path:
+        return save_model_folder(model, model_folder, checkpoint_dir(run_dir, step), provenance={
+            "base_model": str(model_folder), "step": step, "epoch": epoch + 1, "data": list(sft.data),
+            "conversations": len(data.examples)})
+
+    try:
+        model.train()
+        for step_index, (epoch, indices) in enumerate(plan):
+            step_started = time.perf_counter()
+            learning_rate = learning_rate_at(step_index, sft.learning_rate, sft.warmup_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate
+            chunks = plan_micro_batches([data.examples[i] for i in indices], learner.micro_batch_size,
+                                        learner.max_tokens_per_micro_batch)
+            micro_batches = [pad_examples(chunk, pad_token_id).to(device) for chunk in chunks]
+            step_tokens = sum(float(micro.loss_mask.sum()) for micro in micro_batches)
+            sequence_tokens = sum(len(data.examples[i].token_ids) for i in indices)
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = 0.0
+            for micro in micro_batches:
+                # Each micro-batch's mean weighted by its share of the step's tokens: the
+                # accumulated gradient is the gradient of the whole step's token mean.
+                share = float(micro.loss_mask.sum()) / step_tokens
+                with torch.autocast(device_type=device.type, dtype=torch.bfloat16,
+                                    enabled=learner.precision == "bf16-mixed"):
+                    logprobs = token_logprobs(model, micro, 1.0, chunk_tokens)
+                loss = sft_loss(logprobs, micro.loss_mask)
+                (loss * share).backward()
+                step_loss += loss.item() * share
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), sft.grad_clip)
+            optimizer.step()
+            losses.append(step_loss)
+            seconds = time.perf_counter() - step_started
+            metrics.write({"step": step_index + 1, "epoch": epoch + 1, "sft_loss": step_loss,
+                           "learning_rate": learning_rate, "grad_norm": float(norm), "train_tokens": step_tokens,
+                           "sequence_tokens": sequence_tokens, "train_sequences": len(indices),
+                           "learner_step_seconds": seconds})
+            bar.update(step_index + 1, f"| epoch {epoch + 1}/{sft.epochs} | loss {step_loss:.4f} | "
+                                       f"{sequence_tokens / max(seconds, 1e-9):.0f} tok/s")
+            if sft.checkpoint_every and (step_index + 1) % sft.checkpoint_every == 0 and step_index + 1 < len(plan):
+                save(step_index + 1, epoch)
+        model.eval()
+        checkpoint = save(len(plan), sft.epochs - 1)
+    finally:
+        bar.close()
+        metrics.close()
+    summary.update({"steps": len(plan), "epochs": sft.epochs, "first_loss": losses[0], "final_loss": losses[-1],
+                    "train_seconds": time.perf_counter() - started, "checkpoint": str(checkpoint)})
+    note(f"checkpoint: {checkpoint} (model.path of an RL run, or eval --checkpoint)")
+    del model, optimizer  # the evaluation engine loads its own copy
+    if sft.eval_episodes > 0:
+        summary["eval_after"] = evaluate_model(config, checkpoint, sft.eval_episodes)
+        note(f"after: held-out success {summary['eval_after']['success_rate']:.1%} "
+             f"on {summary['eval_after']['episodes']} {config.env.eval_split} episodes")
+    (run_dir / "sft_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
