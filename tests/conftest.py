@@ -22,3 +22,40 @@ def default_model_path() -> Path:
     from longhorizon.common.models import DEFAULT_MODEL, resolve_model_path
 
     return resolve_model_path(DEFAULT_MODEL, REPO_ROOT / ".cache" / "models")
+
+
+@pytest.fixture
+def install_plugin(tmp_path, monkeypatch):
+    """Install a package outside `longhorizon` for this test: install_plugin(name, source,
+    entry_points) writes `name/__init__.py` holding `source`, and a distribution whose
+    entry_points.txt declares `entry_points` ({group: {plug-in name: "module:attribute"}}), on a
+    fresh folder at the front of sys.path: importlib.metadata finds it exactly as it finds a
+    pip-installed package. Returns the folder (also usable for dotted paths)."""
+    import importlib
+    import sys
+    import textwrap
+
+    folder = tmp_path / "site"
+    folder.mkdir()
+    monkeypatch.syspath_prepend(str(folder))
+    installed: list[str] = []
+
+    def install(name: str, source: str, entry_points: dict | None = None) -> Path:
+        (folder / name).mkdir()
+        (folder / name / "__init__.py").write_text(textwrap.dedent(source))
+        dist = folder / f"{name}-0.1.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+        lines = []
+        for group, points in (entry_points or {}).items():
+            lines.append(f"[{group}]")
+            lines += [f"{point} = {target}" for point, target in points.items()]
+        (dist / "entry_points.txt").write_text("\n".join(lines) + "\n")
+        importlib.invalidate_caches()
+        installed.append(name)
+        return folder
+
+    yield install
+    for name in installed:
+        for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[module]
