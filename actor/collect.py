@@ -17,7 +17,6 @@ interrupted collection leaves the partial file and never a truncated file under 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Callable
 
 import trio
 
+from longhorizon.actor.engines.base import capabilities_of, engine_class
 from longhorizon.actor.rollout import EnvPool, run_episode
 from longhorizon.common.config import Config
 from longhorizon.common.conversations import (
@@ -57,27 +57,10 @@ class CollectSummary:
 
 def make_play_engine(config: Config, engine_options: dict | None = None):
     """The config's engine, ready to play; returns (engine, model folder or "")."""
-    from longhorizon.actor.engines.base import load_engine_class
-    from longhorizon.actor.worker import engine_settings
-    from longhorizon.common.models import ModelError, resolve_model_path
+    from longhorizon.actor.engines.factory import plan_engine
 
-    name = config.actor.engine
-    engine_class = load_engine_class(name)
-    options = {**config.actor.engine_options, **(engine_options or {})}
-    model_path = ""
-    if name != "scripted":
-        try:
-            model_path = str(resolve_model_path(config.model.path, config.model.cache_dir))
-        except ModelError:
-            # A hosted endpoint takes model.path as the name of the model it serves.
-            if getattr(engine_class, "needs_model", True):
-                raise
-            if name == "openai":
-                options.setdefault("model", config.model.path)
-    if name == "openai":
-        options.setdefault("require_token_logprobs", False)  # collecting needs the text only
-    settings = dataclasses.replace(engine_settings(config, model_path), engine_options=options)
-    return engine_class(settings), model_path
+    engine_class, settings = plan_engine(config, "collect", engine_options=engine_options)
+    return engine_class(settings), settings.model_path
 
 
 def target_tokenizer(config: Config, model: str | None):
@@ -147,7 +130,7 @@ async def collect_episodes(
                     max_context_tokens=config.actor.max_context_tokens,
                     max_new_tokens=config.actor.sampling.max_new_tokens, seed=seed,
                     episode_id=f"collect-{index}", invalid_reply_reward=config.actor.invalid_reply_reward,
-                    env_call_timeout_s=config.actor.env_call_timeout_s,
+                    env_call_timeout_s=config.actor.env_call_timeout_s, agent=config.actor.agent,
                 )
                 pool.release(env, broken=bool(result.error))
             counts["done"] += 1
@@ -236,15 +219,16 @@ def run_collect(
     if tokenizer is None:
         on_note(f"model.path {config.model.path!r} is no local model: writing messages without token ids "
                 f"(pass --model FOLDER to add them; sft tokenizes messages itself)")
+    capabilities = capabilities_of(engine_class(config.actor.engine))
     model_path = ""
     if engine is None:
         engine, model_path = make_play_engine(config, engine_options)
-        if config.actor.engine == "scripted" and tokenizer is not None:
+        if not capabilities.uses_model and tokenizer is not None:
             # Context budgets (actor.max_context_tokens) count the tokens of the model the data
             # is for, not the scripted engine's bytes, which are 3-4 times as many.
             engine.tokenizer = tokenizer
     name = config.actor.engine
-    engine_label = f"scripted:{config.actor.scripted_policy}" if name == "scripted" else (
+    engine_label = f"{name}:{config.actor.scripted_policy}" if not capabilities.uses_model else (
         f"{name}:{model_path or config.model.path}")
     output.parent.mkdir(parents=True, exist_ok=True)
 

@@ -31,8 +31,10 @@ async def evaluate(
     max_context_tokens: int = 4096,
     concurrency: int = 32,
     seed: int = 0,
+    agent: str = "",
 ) -> EvalResult:
-    """Play the first `episodes` tasks of `split` (cycling if there are fewer) with `engine`."""
+    """Play the first `episodes` tasks of `split` (cycling if there are fewer) with `engine`;
+    `agent` names the agent loop (empty: the env's own prompt format)."""
     from longhorizon.envs.base import list_tasks, make_env
 
     tasks = list_tasks(env_name, split, **env_options)
@@ -46,7 +48,7 @@ async def evaluate(
             result = await run_episode(
                 env, engine, tasks[index % len(tasks)], horizon_cap=horizon_cap,
                 max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens,
-                seed=seed + index, episode_id=f"eval-{index}",
+                seed=seed + index, episode_id=f"eval-{index}", agent=agent,
             )
             pool.release(env, broken=bool(result.error))
             results.append(result)
@@ -92,8 +94,10 @@ async def play_tasks(
     max_new_tokens: int,
     max_context_tokens: int = 4096,
     concurrency: int = 32,
+    agent: str = "",
 ) -> list[EpisodeRecord]:
-    """`samples` episodes of every task (for Pass@k), run concurrently; one record per episode."""
+    """`samples` episodes of every task (for Pass@k), run concurrently; one record per episode.
+    `agent` names the agent loop (empty: the env's own prompt format)."""
     from longhorizon.envs.base import make_env
 
     pool = EnvPool(lambda: make_env(env_name, **env_options))
@@ -106,6 +110,7 @@ async def play_tasks(
             result = await run_episode(
                 env, engine, task, horizon_cap=horizon_cap, max_context_tokens=max_context_tokens,
                 max_new_tokens=max_new_tokens, seed=0, episode_id=f"eval-{task.task_id}-{sample}",
+                agent=agent,
             )
             pool.release(env, broken=bool(result.error))
             records.append(EpisodeRecord(

@@ -541,11 +541,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_request:
-        return int(exit_request.code or 0)
+    from longhorizon.common.args import parse_args
+
+    args = parse_args(build_parser(), argv)
+    if isinstance(args, int):  # --help, or a usage error argparse has printed
+        return args
     # Read now: if the parent dies while the model loads, getppid() would already name init.
     parent_pid = os.getppid()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

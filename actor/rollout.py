@@ -2,7 +2,9 @@
 
 The horizon cap is applied here, outside the env, like a time limit: an episode that reaches the
 cap without terminating is marked truncated. Each generated turn keeps its exact tokens, its
-behaviour log-probs and the version of the weights that produced it.
+behaviour log-probs and the version of the weights that produced it. The agent loop
+(envs/agents.py) decides the first prompt, how a reply becomes an action and what the model sees
+of the history; the env's own prompt format names it unless `agent` picks another.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from typing import Awaitable, Callable
 import numpy as np
 import trio
 
-from longhorizon.envs.agents import ActionParseError, error_observation, parse_action
+from longhorizon.envs.agents import ActionParseError, AgentLoop, agent_loop_for
 from longhorizon.actor.engines.base import Engine, GenerationRequest
 from longhorizon.common.chat import TokenConversation
-from longhorizon.common.wire import Trajectory, pack_arrays
+from longhorizon.common.codec import pack_arrays
+from longhorizon.common.wire import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +59,12 @@ async def run_episode(
     episode_id: str | None = None,
     invalid_reply_reward: float = 0.0,
     env_call_timeout_s: float = DEFAULT_ENV_CALL_TIMEOUT_S,
+    agent: AgentLoop | str = "",
 ) -> EpisodeResult:
     """Play one episode. Env and engine failures are reported in `error`, never raised; an env
     reset or step that takes longer than `env_call_timeout_s` fails the episode (a hung browser
-    or simulator must not hold an episode slot for ever)."""
+    or simulator must not hold an episode slot for ever). `agent` is the agent loop or its name
+    ("": the one the env's prompt_format names)."""
     episode_id = episode_id or uuid.uuid4().hex
     result = EpisodeResult(conversation=None)
 
@@ -72,12 +77,8 @@ async def run_episode(
         started = time.perf_counter()
         observation, info = await env_call("reset", env.reset, task, seed=seed)
         result.env_seconds += time.perf_counter() - started
-        messages = []
-        instructions = env.instructions()
-        if instructions:
-            messages.append({"role": "system", "content": instructions})
-        messages.append({"role": "user", "content": observation})
-        conversation = TokenConversation.start(engine.tokenizer, messages)
+        loop = agent_loop_for(env, agent)
+        conversation = TokenConversation.start(engine.tokenizer, loop.first_messages(env.instructions(), observation))
         result.conversation = conversation
         if len(conversation) + max_new_tokens > max_context_tokens:
             # Nothing the model could write would fit; the learner would refuse it as too long.
@@ -86,12 +87,14 @@ async def run_episode(
                 f"per turn it does not fit actor.max_context_tokens = {max_context_tokens}"
             )
         while True:
+            # The loop picks what the model sees; the conversation (the trajectory) keeps everything.
+            view = loop.model_view(conversation)
             started = time.perf_counter()
             generation = await engine.generate(
                 GenerationRequest(
-                    token_ids=list(conversation.token_ids),
+                    token_ids=list(view.token_ids),
                     episode_id=episode_id,
-                    messages=conversation.messages,
+                    messages=view.messages,
                     task=task,
                     stop_strings=tuple(getattr(env, "stop_strings", ())),
                 )
@@ -102,9 +105,9 @@ async def run_episode(
             )
             result.num_turns += 1
             try:
-                action = parse_action(generation.text, env.prompt_format)
+                action = loop.parse_action(generation.text)
             except ActionParseError as exc:
-                observation, terminated, truncated = error_observation(exc, env.prompt_format), False, False
+                observation, terminated, truncated = loop.error_observation(exc), False, False
                 reward = invalid_reply_reward
                 result.invalid_actions += 1
             else:
@@ -269,8 +272,10 @@ async def run_group(
     on_trajectory: Callable[[Trajectory], Awaitable[None]],
     invalid_reply_reward: float = 0.0,
     env_call_timeout_s: float = DEFAULT_ENV_CALL_TIMEOUT_S,
+    agent: AgentLoop | str = "",
 ) -> list[Trajectory]:
-    """Run G episodes of one task concurrently; each trajectory is handed over as soon as it ends."""
+    """Run G episodes of one task concurrently; each trajectory is handed over as soon as it ends.
+    `agent` as in run_episode."""
     trajectories: list[Trajectory] = []
 
     async def one(member: int) -> None:
@@ -287,6 +292,7 @@ async def run_group(
             episode_id=f"{group_id}-{member}",
             invalid_reply_reward=invalid_reply_reward,
             env_call_timeout_s=env_call_timeout_s,
+            agent=agent,
         )
         env_pool.release(env, broken=bool(result.error))
         trajectory = to_trajectory(

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 import trio
 
-from longhorizon.actor.engines.base import Engine, EngineSettings, make_engine
+from longhorizon.actor.engines.base import Engine
+# engine_settings is re-exported: recipes and tests import it from here.
+from longhorizon.actor.engines.factory import build_engine, engine_settings  # noqa: F401
 from longhorizon.actor.rollout import EnvPool, run_group
 from longhorizon.common.config import Config
 from longhorizon.common.collective import CollectiveError
@@ -34,24 +36,6 @@ def sync_share(groups_per_step: int, num_actors: int, actor_index: int) -> int:
     """Groups actor `actor_index` generates per learner step in sync mode (the batch split evenly)."""
     base, extra = divmod(groups_per_step, num_actors)
     return base + (1 if actor_index < extra else 0)
-
-
-def engine_settings(config: Config, model_path: str, actor_index: int = 0) -> EngineSettings:
-    actor = config.actor
-    return EngineSettings(
-        model_path=model_path,
-        dtype=config.model.dtype,
-        sampling=actor.sampling,
-        max_batch_size=actor.max_batch_size,
-        env_name=config.env.name,
-        env_options=dict(config.env.options),
-        scripted_policy=actor.scripted_policy,
-        simulated_token_latency_s=actor.simulated_token_latency_s,
-        seed=config.run.seed * 1000 + actor_index,  # actors must not sample identical streams
-        torch_threads=actor.torch_threads,
-        engine_options=dict(actor.engine_options),
-        lora=dict(config.learner.lora),
-    )
 
 
 @dataclass
@@ -233,6 +217,7 @@ class Actor:
             max_context_tokens=self.config.actor.max_context_tokens,
             max_new_tokens=self.config.actor.sampling.max_new_tokens,
             seed=self.rng.randrange(2**31),
+            agent=self.config.actor.agent,
             on_trajectory=self._send,
             invalid_reply_reward=self.config.actor.invalid_reply_reward,
             env_call_timeout_s=self.config.actor.env_call_timeout_s,
@@ -281,13 +266,7 @@ class Actor:
 async def run_actor(config: Config, actor_index: int, endpoints, *, engine: Engine | None = None) -> str:
     """Build the engine (unless given) and run an actor until the learner stops it."""
     if engine is None:
-        from longhorizon.common.models import resolve_model_path
-
-        model_path = ""
-        if config.actor.engine != "scripted":
-            model_path = str(resolve_model_path(config.model.path, config.model.cache_dir))
-        settings = engine_settings(config, model_path, actor_index)
-        engine = await trio.to_thread.run_sync(make_engine, config.actor.engine, settings)
+        engine = await trio.to_thread.run_sync(lambda: build_engine(config, "train", actor_index=actor_index))
     actor = Actor(config, actor_index, endpoints, engine)
     try:
         return await actor.run()

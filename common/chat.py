@@ -126,9 +126,23 @@ class ByteChatTokenizer:
         return bytes(t for t in token_ids if t < 256).decode(errors="replace")
 
 
+@dataclass(frozen=True)
+class ConversationView:
+    """What the model is shown for its next turn: pieces of a TokenConversation, as tokens and as
+    the same messages. Views only select whole pieces, so the model's own tokens are never
+    re-tokenised. The lists may be the conversation's own: read them before it grows."""
+
+    token_ids: list[int]
+    messages: list[dict]
+
+
 @dataclass
 class TokenConversation:
-    """A conversation held as tokens (what the model saw and wrote) and as messages (for text)."""
+    """A conversation held as tokens (what the model saw and wrote) and as messages (for text).
+
+    Laid out as the first prompt, then one piece per turn: the model's reply followed by the
+    template tokens of the observation after it, ending with the next assistant prompt.
+    """
 
     tokenizer: ChatTokenizer
     messages: list[dict]
@@ -137,12 +151,17 @@ class TokenConversation:
     behaviour_logprobs: list[float] = field(default_factory=list)
     policy_versions: list[int] = field(default_factory=list)
     prompt_length: int = 0
+    prompt_messages: int = 0
+    """Messages in the first prompt (system and first observation)."""
+    turn_starts: list[int] = field(default_factory=list)
+    """Where each turn (a reply and the observation after it) begins in token_ids."""
 
     @classmethod
     def start(cls, tokenizer: ChatTokenizer, messages: Sequence[dict]) -> "TokenConversation":
         conversation = cls(tokenizer=tokenizer, messages=[dict(m) for m in messages])
         conversation._append(tokenizer.prompt_tokens(messages), generated=False)
         conversation.prompt_length = len(conversation.token_ids)
+        conversation.prompt_messages = len(conversation.messages)
         return conversation
 
     def _append(
@@ -169,6 +188,7 @@ class TokenConversation:
         self, token_ids: Sequence[int], logprobs: Sequence[float], policy_version: int, text: str
     ) -> None:
         """Append the model's turn exactly as sampled, tagged with the weights version that wrote it."""
+        self.turn_starts.append(len(self.token_ids))
         self._append(token_ids, generated=True, logprobs=logprobs, policy_version=policy_version)
         self.messages.append({"role": "assistant", "content": text})
 
@@ -179,6 +199,24 @@ class TokenConversation:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def full_view(self) -> ConversationView:
+        """Everything so far: what the model sees by default."""
+        return ConversationView(self.token_ids, self.messages)
+
+    def last_turns_view(self, turns: int) -> ConversationView:
+        """The first prompt and only the last `turns` turns (older replies and observations left
+        out). Each kept piece already starts where an assistant prompt ends, so joining them
+        gives a well-formed conversation without tokenising anything again."""
+        if turns < 1:
+            raise ValueError(f"a view keeps at least the last turn (it holds the latest observation), got {turns}")
+        first_kept = max(0, len(self.turn_starts) - turns)
+        if first_kept == 0:
+            return self.full_view()
+        token_ids = self.token_ids[: self.prompt_length] + self.token_ids[self.turn_starts[first_kept]:]
+        # Every turn before the kept ones is complete: its reply and its observation.
+        messages = self.messages[: self.prompt_messages] + self.messages[self.prompt_messages + 2 * first_kept:]
+        return ConversationView(token_ids, messages)
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {

@@ -1,7 +1,7 @@
 """Pair process groups for the `collective` weights transport, and the bucket layout of a model.
 
 Both ends use this module: the learner (learner/weight_sync.py) and each actor's engine
-(actor/engines/weight_receiver.py). torch.distributed usually joins a fixed set of processes into
+(actor/weights.py). torch.distributed usually joins a fixed set of processes into
 one world with `init_process_group`; actors come and go, so instead the learner serves one
 rendezvous store (a `TCPStore`) and forms a separate two-member group with each actor on a key
 prefix of it, building the process group object directly. A group that fails is dropped and a new

@@ -81,9 +81,13 @@ class ActorConfig:
     num_actors: int = 1
     """Actor processes started by the local launcher."""
     engine: str = "hf"
-    """Actor type: `hf`, `scripted`, or a name registered under the `longhorizon.engines` entry point."""
+    """Actor type: `hf`, `vllm`, `openai`, `scripted`, a `longhorizon.engines` entry point, or
+    `package.module:Class` (docs/actor-types.md)."""
     scripted_policy: str = "oracle"
     """With the scripted engine: which of the env's scripted policies acts."""
+    agent: str = ""
+    """Agent loop (prompt format, action parsing, history shown): "" for the env's own prompt
+    format, `react`, `bare`, a `longhorizon.agents` entry point or `package.module:attribute`."""
     engine_options: dict = field(default_factory=dict)
     """Settings of the chosen engine, which checks them (vllm: load_format, gpu_memory_utilization,
     ...; openai: base_url, api_key_env, model, mode, ...; see docs/actor-types.md)."""
@@ -161,8 +165,10 @@ class LearnerConfig:
     """Sync mode: when no trajectory has arrived for this long, the step goes ahead with the groups
     that are ready (a batch that lost a group would otherwise wait for ever)."""
     algorithm: str = "grpo"
-    """The RL algorithm: grpo, rloo, reinforce_pp, dr_grpo, dapo, gspo, ppo or cispo (docs/algorithms.md).
-    Keys below that only some algorithms read are refused with the others."""
+    """The RL algorithm: grpo, rloo, reinforce_pp, dr_grpo, dapo, gspo, ppo or cispo (docs/algorithms.md),
+    one an installed package offers under the `longhorizon.algorithms` entry point, or
+    `package.module:Class` for one on the Python path. Keys below that only some algorithms read
+    are refused with the others."""
     loss: str = "decoupled_ppo"
     """Off-policy correction: decoupled_ppo, truncated_is, or none (plain PPO against the behaviour policy)."""
     clip_eps: float = 0.2
@@ -237,7 +243,7 @@ class LearnerConfig:
     """`inline` (tensors over the broadcast socket: works across hosts), `path` (a safetensors
     folder on a filesystem every actor can read) or `collective` (a torch.distributed group between
     the learner and each actor's engine, gloo or NCCL: no disk, no copy through ZeroMQ; engines hf
-    and vllm)."""
+    and vllm), a `longhorizon.weights` entry point, or `package.module:Class` (learner/weights/)."""
     weights_backend: str = "auto"
     """`collective`: the process-group backend. auto (nccl when the learner trains on a CUDA GPU,
     else gloo), gloo (buffers in CPU memory) or nccl (GPU buffers; the engines must be on GPUs)."""

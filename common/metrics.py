@@ -1,4 +1,6 @@
-"""Metrics out: one JSON line per learner step (the record plots and progress read) and TensorBoard."""
+"""A run's metrics: one JSON line per learner step in `metrics.jsonl` (and TensorBoard), written
+here and read back here, whole (`read_metrics`: reports, plots, benchmarks, tests) or as it
+grows (`MetricsFollower`: the launcher's progress line)."""
 
 from __future__ import annotations
 
@@ -45,18 +47,35 @@ def _jsonable(value):
     return str(value)
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
+def read_metrics(run_dir: Path, *, required: bool = False) -> list[dict]:
+    """The run's per-step records from `run_dir/metrics.jsonl`, in the order they were written.
+
+    A line that is not a JSON object is skipped with a logged note: a run killed mid-write leaves a
+    cut-off last line (and a running one is writing its last line right now), which should not
+    cost the rest. Without the file, or without a record in it, the result is empty; with
+    `required` (a report or plot of a finished run) that raises FileNotFoundError or ValueError.
+    """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
+        if required:
+            raise FileNotFoundError(f"no metrics file at {path}")
         return []
     records = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line:
+    with path.open(encoding="utf-8") as metrics_file:
+        for line_number, line in enumerate(metrics_file, start=1):
+            if not line.strip():
+                continue
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line being written right now
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                log.warning("%s:%d: skipped, not JSON (%s)", path, line_number, error)
+                continue
+            if not isinstance(record, dict):
+                log.warning("%s:%d: skipped, not a JSON object", path, line_number)
+                continue
+            records.append(record)
+    if required and not records:
+        raise ValueError(f"{path} holds no metric records")
     return records
 
 

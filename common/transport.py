@@ -39,16 +39,16 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import trio
 import zmq
 
-from longhorizon.common.wire import (
+from longhorizon.common.codec import (
     CONTROL_LIMITS,
     DEFAULT_LIMITS,
     WEIGHTS_LIMITS,
-    Message,
     WireError,
     WireLimits,
     decode,
     encode,
 )
+from longhorizon.common.wire import Message
 
 if TYPE_CHECKING:
     from longhorizon.common.curve import CurveGate, CurveKeys

@@ -1,17 +1,31 @@
-"""Prompt formats and action parsing: turn a model's reply into one environment action.
+"""Agent loops: how a model and an environment talk, turn by turn.
 
-Two formats:
+An agent loop owns the three things between the model's tokens and the env's text:
+- the prompt format: the first messages, built from the env's instructions and the task's first
+  observation;
+- action parsing: the one env action inside a reply, or an ActionParseError whose error
+  observation tells the model how to answer (the turn still counts, the env is not stepped);
+- what the model sees of the history for its next turn (everything, by default).
+
+Two built-in loops, named after the prompt formats the envs declare (`Env.prompt_format`):
 - `react`: the model writes `Thought:` ... `Action:` ...; the action is the first non-empty line
   after `Action:`. More than one `Action:` is an error (the reference counts it as one too).
 - `bare`: the whole reply, stripped, is the action.
 
-A reply that cannot be parsed never reaches the environment and never crashes the actor: it
-becomes an error observation that tells the model how to answer, and the turn still counts.
+Loops are found by name like every other part (common/plugins.py): the built-ins, parts
+registered in this process, the `longhorizon.agents` entry-point group, or a dotted path
+`package.module:attribute`. `actor.agent` picks one; left empty, each env gets the loop named by
+its own `prompt_format`. A reply that cannot be parsed never reaches the environment and never
+crashes the actor.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
+
+from longhorizon.common.chat import ConversationView, TokenConversation
+from longhorizon.common.plugins import PluginError, Registry
 
 PROMPT_FORMATS = ("react", "bare")
 
@@ -26,15 +40,48 @@ class ActionParseError(ValueError):
     """The reply holds no usable action; the message is shown to the model."""
 
 
-def parse_action(reply: str, prompt_format: str) -> str:
-    """Extract the action from a model reply, or raise ActionParseError with a helpful message."""
-    if prompt_format == "bare":
-        action = reply.strip()
-        if not action:
-            raise ActionParseError("empty reply: write the action")
-        return action[:_MAX_BARE_REPLY_CHARS]
-    if prompt_format != "react":
-        raise ValueError(f"unknown prompt format {prompt_format!r}; valid: {', '.join(PROMPT_FORMATS)}")
+class AgentLoopError(ValueError):
+    """An agent loop cannot be found or loaded; the message says which loops exist."""
+
+
+class AgentLoop:
+    """The interface of an agent loop, with the behaviour the built-ins share as defaults.
+
+    Subclass it and override what differs (at least `parse_action`). One loop object serves
+    every episode of a run at once, so it keeps no per-episode state: what it needs of an
+    episode is in the conversation it is given.
+    """
+
+    name: str = ""
+
+    def first_messages(self, instructions: str, observation: str) -> list[dict]:
+        """The messages that open an episode: the env's instructions as the system message (none
+        when empty) and the task's first observation as the user message."""
+        messages = []
+        if instructions:
+            messages.append({"role": "system", "content": instructions})
+        messages.append({"role": "user", "content": observation})
+        return messages
+
+    def parse_action(self, reply: str) -> str:
+        """The env action inside the model's reply; raise ActionParseError when there is none."""
+        raise NotImplementedError
+
+    def error_observation(self, error: ActionParseError) -> str:
+        """What the model is told instead of an env step when its reply could not be parsed."""
+        return f"Invalid reply: {error}."
+
+    def model_view(self, conversation: TokenConversation) -> ConversationView:
+        """What the model sees for its next turn. Build it only from the conversation's own views
+        (`full_view`, `last_turns_view`): the model's tokens must never be decoded and
+        tokenised again. The trajectory the learner trains on is always the whole conversation,
+        so a loop that shows less makes the learner score replies in a longer context than the
+        one they were sampled in (an off-policy gap its importance ratios will see)."""
+        return conversation.full_view()
+
+
+def parse_react_reply(reply: str) -> str:
+    """The action after the single `Action:` marker of a react reply."""
     markers = list(_ACTION_MARKER.finditer(reply))
     if not markers:
         raise ActionParseError(
@@ -50,8 +97,95 @@ def parse_action(reply: str, prompt_format: str) -> str:
     raise ActionParseError("'Action:' is followed by nothing: write one command after it")
 
 
+class ReactLoop(AgentLoop):
+    """Thought, then one Action line; garbled replies are told the expected layout."""
+
+    name = "react"
+
+    def parse_action(self, reply: str) -> str:
+        return parse_react_reply(reply)
+
+    def error_observation(self, error: ActionParseError) -> str:
+        return f"Invalid reply: {error}. Answer as:\nThought:\n<your reasoning>\n\nAction:\n<one command>"
+
+
+class BareLoop(AgentLoop):
+    """The whole reply is the action."""
+
+    name = "bare"
+
+    def parse_action(self, reply: str) -> str:
+        action = reply.strip()
+        if not action:
+            raise ActionParseError("empty reply: write the action")
+        return action[:_MAX_BARE_REPLY_CHARS]
+
+
+_LOOP_METHODS = ("first_messages", "parse_action", "error_observation", "model_view")
+
+
+def _check_agent_loop(name: str, part: Any) -> None:
+    # A class is instantiated with no arguments on lookup; an object is used as it is.
+    missing = [method for method in _LOOP_METHODS if not callable(getattr(part, method, None))]
+    if missing:
+        raise TypeError(
+            f"agent loop {name!r} ({part!r}) lacks {', '.join(missing)}: subclass "
+            "longhorizon.envs.agents.AgentLoop (or give it every method of that interface)"
+        )
+
+
+AGENT_LOOPS: Registry = Registry(
+    "agent loop",
+    "longhorizon.agents",
+    {"react": "longhorizon.envs.agents:ReactLoop", "bare": "longhorizon.envs.agents:BareLoop"},
+    check=_check_agent_loop,
+)
+
+
+def register_agent_loop(name: str, loop: AgentLoop | type, *, replace: bool = False) -> None:
+    """Make an agent loop (an object, or a class made with no arguments) available by name in
+    this process; `unregister_agent_loop` forgets it."""
+    AGENT_LOOPS.register(name, loop, replace=replace)
+
+
+def unregister_agent_loop(name: str) -> None:
+    AGENT_LOOPS.unregister(name)
+
+
+def agent_loop_names() -> list[str]:
+    """Every agent loop name get_agent_loop accepts (dotted paths aside)."""
+    return AGENT_LOOPS.names()
+
+
+def get_agent_loop(name: str) -> AgentLoop:
+    """The agent loop called `name` (or found at the dotted path `name`), ready to use."""
+    try:
+        part = AGENT_LOOPS.get(name)
+    except PluginError as error:
+        raise AgentLoopError(str(error)) from error
+    return part() if isinstance(part, type) else part
+
+
+def agent_loop_for(env: Any, agent: AgentLoop | str = "") -> AgentLoop:
+    """The loop an episode of `env` runs: `agent` when given (a loop or its name), else the loop
+    named by the env's own prompt format."""
+    if isinstance(agent, str):
+        return get_agent_loop(agent or env.prompt_format)
+    return agent
+
+
+def parse_action(reply: str, prompt_format: str) -> str:
+    """Extract the action from a model reply, or raise ActionParseError with a helpful message."""
+    return _loop_for_format(prompt_format).parse_action(reply)
+
+
 def error_observation(error: ActionParseError, prompt_format: str) -> str:
     """The observation shown instead of an environment step when the reply could not be parsed."""
-    if prompt_format == "react":
-        return f"Invalid reply: {error}. Answer as:\nThought:\n<your reasoning>\n\nAction:\n<one command>"
-    return f"Invalid reply: {error}."
+    return _loop_for_format(prompt_format).error_observation(error)
+
+
+def _loop_for_format(prompt_format: str) -> AgentLoop:
+    try:
+        return get_agent_loop(prompt_format)
+    except AgentLoopError as error:
+        raise ValueError(f"unknown prompt format {prompt_format!r} ({error})") from error

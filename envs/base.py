@@ -1,12 +1,19 @@
-"""The async text environment protocol, scripted policies and the registry of environments."""
+"""The async text environment protocol, scripted policies and the registry of environments.
+
+Envs are found by name like every other part (common/plugins.py): the built-ins below, envs
+registered in this process (`register_env`), the `longhorizon.envs` entry-point group (naming an
+EnvSpec or a function returning one), or a dotted path `package.module:attribute` used as the
+name (`env.name = "my_envs.maze:SPEC"`) for code on the Python path that is not installed.
+"""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+
+from longhorizon.common.plugins import PluginError, Registry
 
 SPLITS = ("train", "test")
 
@@ -37,7 +44,9 @@ class Env(Protocol):
 
     name: str
     prompt_format: str
-    """"react" (the model writes Thought:/Action:) or "bare" (the whole reply is the action)."""
+    """The agent loop the env's instructions are written for, used unless `actor.agent` picks
+    another: "react" (the model writes Thought:/Action:), "bare" (the whole reply is the action)
+    or a plug-in loop's name (envs/agents.py)."""
 
     def instructions(self) -> str:
         """System prompt: what the env is and the action syntax ("" for none)."""
@@ -76,8 +85,9 @@ class EnvSpec:
     policies: Mapping[str, Callable[..., ScriptedPolicy]] = field(default_factory=dict)
 
 
-# Built-in envs register themselves when their module is imported; importing them lazily keeps
-# `import longhorizon.envs.base` cheap (TextCraft parses ~860 recipe files on first use).
+# Each built-in env's module holds its EnvSpec as `SPEC`; the registry imports a module only when
+# its env is first asked for, which keeps `import longhorizon.envs.base` cheap (TextCraft parses
+# ~860 recipe files on first use).
 BUILTIN_ENV_MODULES: Mapping[str, str] = {
     "babyai": "longhorizon.envs.babyai.env",
     "codebook": "longhorizon.envs.toy.codebook",
@@ -92,19 +102,40 @@ BUILTIN_ENV_MODULES: Mapping[str, str] = {
     "weblocal": "longhorizon.envs.web.local",
 }
 
-_registry: dict[str, EnvSpec] = {}
+def _check_env_part(name: str, part: Any) -> None:
+    if not isinstance(part, EnvSpec) and not callable(part):
+        raise TypeError(f"env {name!r} must be an EnvSpec or a function returning one, got {type(part).__name__}")
 
 
-def register_env(spec: EnvSpec, *, replace: bool = False) -> None:
+# Looked up in the order of common/plugins.py: registered in this process, built-in, the
+# `longhorizon.envs` entry points (an EnvSpec or a function returning one), a dotted path.
+ENVS: Registry = Registry(
+    "env",
+    "longhorizon.envs",
+    {name: f"{module}:SPEC" for name, module in BUILTIN_ENV_MODULES.items()},
+    check=_check_env_part,
+)
+
+# Specs built by calling a plug-in's function, once per name.
+_built_specs: dict[str, EnvSpec] = {}
+
+
+def register_env(spec: EnvSpec, *, replace: bool = False) -> EnvSpec:
     """Make an environment available by name; re-registering a name needs replace=True."""
     if not isinstance(spec, EnvSpec):
         raise TypeError(f"register_env expects an EnvSpec, got {type(spec).__name__}")
     if not spec.name or not isinstance(spec.name, str):
         raise ValueError("an EnvSpec needs a non-empty string name")
-    existing = _registry.get(spec.name)
-    if existing is not None and not replace and not _same_origin(existing, spec):
-        raise ValueError(f"env {spec.name!r} is already registered (pass replace=True to override)")
-    _registry[spec.name] = spec
+    if not replace and spec.name in env_names():
+        try:
+            existing = get_env_spec(spec.name)
+        except (ValueError, TypeError):
+            existing = None  # a plug-in of that name that does not load
+        if existing is None or not _same_origin(existing, spec):
+            raise ValueError(f"env {spec.name!r} is already registered (pass replace=True to override)")
+    ENVS.register(spec.name, spec, replace=True)
+    _built_specs.pop(spec.name, None)
+    return spec
 
 
 def _same_origin(first: EnvSpec, second: EnvSpec) -> bool:
@@ -116,22 +147,35 @@ def _same_origin(first: EnvSpec, second: EnvSpec) -> bool:
 
 
 def unregister_env(name: str) -> None:
-    """Remove a registered env (tests register throwaway envs and clean up after themselves)."""
-    _registry.pop(name, None)
+    """Forget an env registered or loaded in this process (tests add throwaway envs and clean up
+    after themselves); a built-in that was replaced comes back."""
+    ENVS.unregister(name)
+    _built_specs.pop(name, None)
 
 
 def env_names() -> list[str]:
-    """Every env name that get_env_spec accepts, built-in or registered."""
-    return sorted(set(_registry) | set(BUILTIN_ENV_MODULES))
+    """Every env name that get_env_spec accepts: built-in, registered or installed (dotted paths aside)."""
+    return ENVS.names()
 
 
 def get_env_spec(name: str) -> EnvSpec:
-    """The spec registered under `name`, importing a built-in env's module on first use."""
-    if name not in _registry and name in BUILTIN_ENV_MODULES:
-        importlib.import_module(BUILTIN_ENV_MODULES[name])
-    spec = _registry.get(name)
-    if spec is None:
-        raise ValueError(f"unknown env {name!r}; known envs: {', '.join(env_names())}")
+    """The env called `name`, or found at the dotted path `name` ("package.module:attribute")."""
+    try:
+        part = ENVS.get(name)
+    except PluginError as error:  # callers (config checks, the CLI) report ValueErrors as bad input
+        raise ValueError(str(error)) from error
+    if isinstance(part, EnvSpec):
+        spec = part
+    else:
+        spec = _built_specs.get(name)
+        if spec is None:
+            spec = part()
+            if not isinstance(spec, EnvSpec):
+                raise TypeError(f"env {name!r}: {part!r} returned {type(spec).__name__}, not an EnvSpec")
+            _built_specs[name] = spec
+    if spec.name != name and ":" not in name:  # a dotted path may name the spec anything
+        # Tasks and trajectories carry the spec's name: it must find the same env again.
+        raise ValueError(f"env {name!r} is an EnvSpec named {spec.name!r}; the two names must match")
     return spec
 
 

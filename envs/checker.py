@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from longhorizon.envs.agents import AgentLoopError, get_agent_loop
 from longhorizon.envs.base import Env, Task, action_from_reply, get_env_spec, list_tasks, make_env, make_policy
 
 
@@ -100,10 +101,10 @@ async def _step(env: Env, action: str, context: str) -> _StepRecord:
 
 
 async def _play(
-    env: Env, task: Task, seed: int, policy_name: str, options: dict, max_steps: int, context: str
+    env_name: str, env: Env, task: Task, seed: int, policy_name: str, options: dict, max_steps: int, context: str
 ) -> _Episode:
     """One episode driven by a fresh scripted policy whose randomness comes from `seed`."""
-    policy = make_policy(task.env_name, policy_name, **options)
+    policy = make_policy(env_name, policy_name, **options)
     observation = await _reset(env, task, seed, context)
     first_observation = observation
     policy.reset(task, observation, random.Random(seed))
@@ -191,7 +192,8 @@ async def check_env(
         raise EnvCheckError(f"{env_name}: the {split} split has no tasks")
     seen_ids = set()
     for task in tasks:
-        if not isinstance(task, Task) or task.env_name != env_name or task.split != split:
+        # Tasks carry the spec's name, which a dotted path (`my_envs.maze:SPEC`) does not spell.
+        if not isinstance(task, Task) or task.env_name != spec.name or task.split != split:
             raise EnvCheckError(f"{env_name}: task {task!r} is not a Task of this env and split")
         if task.task_id in seen_ids:
             raise EnvCheckError(f"{env_name}: task id {task.task_id!r} appears twice in the {split} split")
@@ -200,8 +202,10 @@ async def check_env(
     first_env = make_env(env_name, **options)
     second_env = make_env(env_name, **options)
     for env in (first_env, second_env):
-        if env.prompt_format not in ("react", "bare"):
-            raise EnvCheckError(f"{env_name}: prompt_format must be 'react' or 'bare', got {env.prompt_format!r}")
+        try:
+            get_agent_loop(env.prompt_format)
+        except AgentLoopError as error:
+            raise EnvCheckError(f"{env_name}: prompt_format must name an agent loop: {error}") from error
         if not isinstance(env.instructions(), str):
             raise EnvCheckError(f"{env_name}: instructions() must return a str")
     saw_termination = False
@@ -209,7 +213,7 @@ async def check_env(
         for task_index, task in enumerate(tasks[:num_tasks]):
             task_seed = seed + task_index
             context = f"{env_name} task {task.task_id!r} seed {task_seed}"
-            episode = await _play(first_env, task, task_seed, policy, options, max_steps, context)
+            episode = await _play(env_name, first_env, task, task_seed, policy, options, max_steps, context)
             if episode.terminated:
                 saw_termination = True
                 await _check_finished_episode_refuses_steps(first_env, episode, context)
@@ -220,7 +224,7 @@ async def check_env(
             _compare(episode, reused, f"{context}, same instance after reset")
         if not saw_termination and "oracle" in spec.policies and policy != "oracle":
             context = f"{env_name} task {tasks[0].task_id!r} seed {seed} (oracle)"
-            episode = await _play(first_env, tasks[0], seed, "oracle", options, max_steps, context)
+            episode = await _play(env_name, first_env, tasks[0], seed, "oracle", options, max_steps, context)
             if not episode.terminated:
                 raise _fail(context, f"the oracle did not finish within {max_steps} steps")
             await _check_finished_episode_refuses_steps(first_env, episode, context)

@@ -90,7 +90,8 @@ def _parse_option(text: str) -> tuple[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """`longhorizon env play NAME [--split S] [--task I] [--seed N] [--option KEY=VALUE ...]`."""
     parser = argparse.ArgumentParser(prog="longhorizon env play", description="Play an environment in the terminal.")
-    parser.add_argument("env", help=f"environment name ({', '.join(env_names())})")
+    parser.add_argument("env", help=f"environment name ({', '.join(env_names())}) or the dotted path "
+                                    "package.module:attribute of an EnvSpec")
     parser.add_argument("--split", default="test", choices=SPLITS, help="task split (default: test)")
     parser.add_argument("--task", type=int, default=0, help="index of the task in the split (default: 0)")
     parser.add_argument("--seed", type=int, default=0, help="reset seed (default: 0)")

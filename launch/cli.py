@@ -94,7 +94,8 @@ def _env(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import json
 
-    from longhorizon.envs.server import ServiceSettings, serve
+    from longhorizon.envs.server import serve
+    from longhorizon.envs.service import ServiceSettings
 
     options = {}
     for item in args.option:
@@ -199,7 +200,7 @@ def _experiment(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from longhorizon.launch.bench import main
+    from longhorizon.launch.bench.cli import main
 
     return main(args.rest)
 
@@ -316,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     sft_rl.add_argument("rest", nargs=argparse.REMAINDER)
     experiment.set_defaults(handler=_experiment)
 
-    bench = commands.add_parser("bench", help="benchmarks: transport, async-vs-sync", add_help=False)
+    bench = commands.add_parser(
+        "bench", help="benchmarks, each a table then one line of JSON (`longhorizon bench --help`)", add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(handler=_bench)
     return parser

@@ -23,7 +23,8 @@ from longhorizon.learner.dpo import (
     sequence_logprobs,
 )
 from longhorizon.learner.sft import load_model_for_training, plan_steps, save_model_folder
-from longhorizon.learner.trainer import chunked_logprobs_match, learning_rate_at, pad_examples, token_logprobs
+from longhorizon.learner.logprobs import chunked_logprobs_match, pad_examples, token_logprobs
+from longhorizon.learner.trainer import learning_rate_at
 
 
 def run_dpo(config: Config, *, note: Callable[[str], None] = print, progress_stream=None) -> dict:

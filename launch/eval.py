@@ -72,34 +72,14 @@ def _engine_options(pairs: list[str]) -> dict[str, Any]:
 
 def make_eval_engine(config, args: argparse.Namespace):
     """Build the configured engine for evaluation; returns (engine, model path or "")."""
-    from longhorizon.actor.engines.base import load_engine_class
-    from longhorizon.actor.worker import engine_settings
-    from longhorizon.common.models import ModelError, resolve_model_path
+    from longhorizon.actor.engines.factory import plan_engine
 
-    name = config.actor.engine
-    engine_class = load_engine_class(name)
-    options = _engine_options(args.engine_option)
-    model_path = ""
-    if args.checkpoint:
-        model_path = str(args.checkpoint)
-    elif name != "scripted":
-        try:
-            model_path = str(resolve_model_path(config.model.path, config.model.cache_dir))
-        except ModelError:
-            # Engines that can run without a local model (a hosted endpoint) take model.path as
-            # the model's name instead.
-            if getattr(engine_class, "needs_model", True):
-                raise
-            if name == "openai":
-                options.setdefault("model", config.model.path)
-    if name == "openai":
-        # Evaluation only needs text, so text-only (chat) endpoints are fine here.
-        options.setdefault("require_token_logprobs", False)
-    settings = engine_settings(config, model_path)
     # Command-line options add to (and override) actor.engine_options; the engine checks them.
-    settings = dataclasses.replace(settings, engine_options={**settings.engine_options, **options})
-    engine = engine_class(settings)
-    return engine, model_path
+    engine_class, settings = plan_engine(
+        config, "eval", model_path=str(args.checkpoint) if args.checkpoint else None,
+        engine_options=_engine_options(args.engine_option),
+    )
+    return engine_class(settings), settings.model_path
 
 
 async def _play(engine, config, tasks, *, samples: int, horizon_cap: int):
@@ -108,6 +88,7 @@ async def _play(engine, config, tasks, *, samples: int, horizon_cap: int):
     return await play_tasks(
         engine, config.env.name, dict(config.env.options), tasks, samples=samples, horizon_cap=horizon_cap,
         max_new_tokens=config.actor.sampling.max_new_tokens, max_context_tokens=config.actor.max_context_tokens,
+        agent=config.actor.agent,
     )
 
 
@@ -225,11 +206,11 @@ def main(argv: list[str]) -> int:
     from longhorizon.common.config import ConfigError
     from longhorizon.common.models import ModelError
 
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_request:  # --help, or a usage error already printed by argparse
-        return int(exit_request.code or 0)
+    from longhorizon.common.args import parse_args
+
+    args = parse_args(build_parser(), argv)
+    if isinstance(args, int):  # --help, or a usage error argparse has printed
+        return args
     try:
         document = run_eval(args)
     except (ConfigError, EngineError, ModelError, ValueError) as exc:

@@ -257,16 +257,16 @@ def evaluate_model(config, model_folder: Path, cap: int) -> dict:
     """Greedy play of every held-out task once at `cap`: success overall, on easy and on hard tasks."""
     import trio
 
-    from longhorizon.actor.engines.base import make_engine
-    from longhorizon.actor.evaluate import greedy, play_tasks
-    from longhorizon.actor.worker import engine_settings
+    from longhorizon.actor.engines.factory import build_engine
+    from longhorizon.actor.evaluate import play_tasks
     from longhorizon.envs.base import list_tasks
 
-    engine = make_engine("hf", greedy(engine_settings(config, str(model_folder))))
+    engine = build_engine(config, "checkpoint", model_path=str(model_folder), greedy=True)
     tasks = list_tasks(config.env.name, config.env.eval_split, **config.env.options)
     records = trio.run(lambda: play_tasks(
         engine, config.env.name, dict(config.env.options), tasks, samples=1, horizon_cap=cap,
         max_new_tokens=config.actor.sampling.max_new_tokens, max_context_tokens=config.actor.max_context_tokens,
+        agent=config.actor.agent,
     ))
     failed = [record for record in records if record.error]
     if failed:

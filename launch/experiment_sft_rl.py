@@ -61,8 +61,17 @@ def check_sft_rl_config(config: Config) -> None:
     if leaked:
         raise ConfigError(f"{len(leaked)} task(s) of env.eval_split {config.env.eval_split!r} are also in "
                           f"env.train_split {config.env.train_split!r} (first: {leaked[0]}): choose disjoint splits")
-    if settings.rl and config.actor.engine not in ("hf", "vllm"):
-        raise ConfigError(f"the RL phase trains a model: set actor.engine to hf or vllm (got {config.actor.engine!r})")
+    if settings.rl:
+        from longhorizon.actor.engines.base import EngineError, engine_class
+        from longhorizon.actor.engines.factory import plays_local_weights
+
+        try:
+            trains_a_model = plays_local_weights(engine_class(config.actor.engine))
+        except EngineError as error:
+            raise ConfigError(f"actor.engine: {error}") from None
+        if not trains_a_model:
+            raise ConfigError(f"the RL phase trains a model: set actor.engine to an engine that samples from a "
+                              f"local model and takes its weight updates (got {config.actor.engine!r})")
     if settings.oracle_episodes:
         from longhorizon.envs.base import get_env_spec
 

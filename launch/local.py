@@ -28,9 +28,11 @@ from longhorizon.launch.launcher import (  # noqa: F401
 def validate_config(config: Config) -> None:
     """Cheap checks before any process starts, so a wrong name fails once with a clear message
     instead of crashing every actor in a restart loop."""
-    from longhorizon.actor.engines.base import load_engine_class
+    from longhorizon.actor.engines.base import EngineError, capabilities_of, check_engine_settings, engine_class
+    from longhorizon.actor.engines.factory import engine_settings
     from longhorizon.envs.base import get_env_spec, list_tasks
-    from longhorizon.learner.broadcast import WEIGHTS_TRANSPORTS
+    from longhorizon.common.plugins import PluginError
+    from longhorizon.learner.weights import publisher_class
     from longhorizon.learner.buffer import PARTIAL_GROUP_POLICIES
     from longhorizon.learner.curriculum import make_schedule
     from longhorizon.common.models import ModelError, resolve_device
@@ -48,17 +50,19 @@ def validate_config(config: Config) -> None:
     require(config.actor.group_size >= 2, "actor.group_size must be at least 2 (GRPO compares episodes)")
     require(config.learner.loss in POLICY_LOSS_NAMES,
             f"learner.loss {config.learner.loss!r} is not one of {', '.join(POLICY_LOSS_NAMES)}")
-    from longhorizon.learner.algorithms import AlgorithmError, check_algorithm_settings
+    from longhorizon.learner.algorithms import AlgorithmError, make_algorithm
 
     try:
-        algorithm = check_algorithm_settings(config.learner)
+        algorithm = make_algorithm(config.learner)
     except AlgorithmError as error:
         raise ConfigError(str(error)) from None
     require(not (algorithm.resamples_flat_groups and config.run.mode == "sync"),
             f"learner.algorithm = {algorithm.name!r} replaces groups without signal by new ones, which "
             "sync mode (one batch per version) cannot: use run.mode = \"async\"")
-    require(config.learner.weights_transport in WEIGHTS_TRANSPORTS,
-            f"learner.weights_transport must be one of {', '.join(WEIGHTS_TRANSPORTS)}")
+    try:
+        publisher = publisher_class(config.learner.weights_transport)
+    except (PluginError, TypeError) as error:
+        raise ConfigError(f"learner.weights_transport: {error}") from None
     require(config.learner.partial_groups in PARTIAL_GROUP_POLICIES,
             f"learner.partial_groups must be one of {', '.join(PARTIAL_GROUP_POLICIES)}")
     require(config.learner.max_tokens_per_micro_batch > 0, "learner.max_tokens_per_micro_batch must be positive")
@@ -71,7 +75,11 @@ def validate_config(config: Config) -> None:
     except ModelError as error:
         raise ConfigError(f"learner.device: {error}") from None
     _check_learner_ranks(config, learner_device)
-    _check_lora(config)
+    try:
+        engine_cls = engine_class(config.actor.engine)
+    except EngineError as error:
+        raise ConfigError(f"actor.engine: {error}") from None
+    _check_lora(config, capabilities_of(engine_cls), publisher)
     require(config.actor.max_context_tokens > config.actor.sampling.max_new_tokens,
             "actor.max_context_tokens must be larger than actor.sampling.max_new_tokens")
     try:
@@ -79,21 +87,20 @@ def validate_config(config: Config) -> None:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     get_env_spec(config.env.name)
-    if not list_tasks(config.env.name, config.env.train_split, **dict(config.env.options)):
-        raise ConfigError(f"env {config.env.name!r} has no {config.env.train_split!r} tasks")
-    engine_class = load_engine_class(config.actor.engine)
-    if config.learner.weights_transport == "collective":
-        from longhorizon.learner.weight_sync import check_collective_settings
+    if config.actor.agent:
+        from longhorizon.envs.agents import AgentLoopError, get_agent_loop
 
         try:
-            check_collective_settings(config, learner_device, engine_class)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-    if config.actor.engine == "scripted" and config.actor.scripted_policy not in get_env_spec(config.env.name).policies:
-        raise ConfigError(
-            f"env {config.env.name!r} has no scripted policy {config.actor.scripted_policy!r}; "
-            f"available: {', '.join(sorted(get_env_spec(config.env.name).policies))}"
-        )
+            get_agent_loop(config.actor.agent)
+        except AgentLoopError as error:
+            raise ConfigError(f"actor.agent: {error}") from None
+    if not list_tasks(config.env.name, config.env.train_split, **dict(config.env.options)):
+        raise ConfigError(f"env {config.env.name!r} has no {config.env.train_split!r} tasks")
+    try:
+        publisher.check(config, learner_device, capabilities_of(engine_cls))
+        check_engine_settings(engine_cls, engine_settings(config, ""))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     try:
         make_schedule(config.horizon)
     except ValueError as error:
@@ -114,8 +121,15 @@ def _check_learner_ranks(config: Config, device) -> None:
         raise ConfigError("learner.rank_timeout_s must be positive")
     if num_ranks == 1:
         return
-    if config.learner.algorithm == "ppo":
-        raise ConfigError("learner.algorithm = \"ppo\" (its critic) runs on one rank for now: set learner.num_ranks = 1")
+    from longhorizon.learner.algorithms import AlgorithmError, algorithm_class
+
+    try:
+        several_ranks = algorithm_class(config.learner.algorithm).runs_on_several_ranks
+    except AlgorithmError as error:
+        raise ConfigError(str(error)) from None
+    if not several_ranks:
+        raise ConfigError(f"learner.algorithm = {config.learner.algorithm!r} runs on one rank for now: "
+                          "set learner.num_ranks = 1")
     import torch.distributed
 
     if not torch.distributed.is_available():
@@ -135,9 +149,10 @@ def _check_learner_ranks(config: Config, device) -> None:
             )
 
 
-def _check_lora(config: Config) -> None:
-    """learner.lora: its keys, and that each target names modules of the model (checked on the
-    architecture alone, without loading weights)."""
+def _check_lora(config: Config, capabilities, publisher) -> None:
+    """learner.lora: its keys, that the engine takes adapters the way the transport sends them, and
+    that each target names modules of the model (checked on the architecture alone, without loading
+    weights)."""
     from longhorizon.common.models import resolve_model_path
     from longhorizon.common.lora import LoraError, check_targets_of_model_folder, lora_settings
 
@@ -145,14 +160,17 @@ def _check_lora(config: Config) -> None:
         settings = lora_settings(config.learner.lora)
         if settings is None:
             return
-        if config.actor.engine not in ("hf", "vllm", "scripted"):
+        if not capabilities.takes_lora:
             raise LoraError(
                 f"learner.lora sends adapters only, which the {config.actor.engine!r} engine cannot take: "
-                "use actor.engine = \"hf\" or \"vllm\", or full fine-tuning"
+                "use an engine that takes LoRA adapters (capabilities.takes_lora), or full fine-tuning"
             )
-        if config.actor.engine == "vllm" and config.learner.weights_transport == "collective":
-            raise LoraError("learner.lora with the vllm engine takes adapters inline or through a path, not "
-                            "over a collective: set learner.weights_transport to 'inline' or 'path'")
+        if publisher.sends not in capabilities.lora_transports():
+            raise LoraError(
+                f"learner.lora with the {config.actor.engine!r} engine takes adapters only as "
+                f"{' or '.join(capabilities.lora_transports())} updates, not {publisher.sends!r} ones "
+                f"(learner.weights_transport = {config.learner.weights_transport!r}): choose a transport that sends those"
+            )
         check_targets_of_model_folder(settings, resolve_model_path(config.model.path, config.model.cache_dir))
     except LoraError as error:
         raise ConfigError(str(error)) from None

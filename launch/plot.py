@@ -7,7 +7,6 @@ Run as ``longhorizon plot RUN_DIR``; the PNGs go to ``RUN_DIR/plots/``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import sys
@@ -16,7 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "moving_average", "plot_run", "read_metrics", "signal_bars", "summed_staleness_histogram"]
+from longhorizon.common.metrics import read_metrics
+
+__all__ = ["main", "moving_average", "plot_run", "signal_bars", "summed_staleness_histogram"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,32 +40,6 @@ _USED_BY_OUTCOME = (("used: a success and a failure", "tab:green"),
 _GROUP_KEYS = (("groups_used", "used (reward spread)", "tab:green"),
                ("groups_skipped_zero_variance", "flat (one reward)", "tab:gray"),
                ("groups_skipped_too_small", "too small", "tab:red"))
-
-
-def read_metrics(metrics_path: Path) -> list[dict[str, Any]]:
-    """The run's per-step records; unreadable lines are skipped with a note.
-
-    A run killed mid-write can leave a cut-off last line, which should not cost the whole plot.
-    """
-    if not metrics_path.is_file():
-        raise FileNotFoundError(f"no metrics file at {metrics_path}")
-    records: list[dict[str, Any]] = []
-    with metrics_path.open(encoding="utf-8") as metrics_file:
-        for line_number, line in enumerate(metrics_file, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                logger.warning("%s:%d: skipped, not JSON (%s)", metrics_path, line_number, error)
-                continue
-            if not isinstance(record, dict):
-                logger.warning("%s:%d: skipped, not a JSON object", metrics_path, line_number)
-                continue
-            records.append(record)
-    if not records:
-        raise ValueError(f"{metrics_path} holds no metric records")
-    return records
 
 
 def _is_number(value: object) -> bool:
@@ -153,7 +128,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     from matplotlib.ticker import MaxNLocator
 
     run_dir = Path(run_dir)
-    records = read_metrics(run_dir / "metrics.jsonl")
+    records = read_metrics(run_dir, required=True)
     plots_dir = run_dir / "plots"
     plots_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []

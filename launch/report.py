@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from longhorizon.launch.plot import read_metrics
+from longhorizon.common.metrics import read_metrics
 
 __all__ = ["diagnose", "format_report", "load_summary", "main", "summarise_run"]
 
@@ -186,7 +186,7 @@ def load_summary(run_dir: str | Path) -> dict[str, Any]:
     metrics = Path(run_dir) / "metrics.jsonl"
     if not metrics.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir}: is it a training run's directory?")
-    return summarise_run(read_metrics(metrics))
+    return summarise_run(read_metrics(run_dir, required=True))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

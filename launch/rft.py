@@ -29,9 +29,6 @@ from typing import Callable, Sequence
 
 from longhorizon.common.config import Config, ConfigError, RFTConfig, dump_toml
 
-SAMPLING_ENGINES = ("hf", "vllm")
-
-
 def keep_episodes(records: Sequence[dict], *, min_reward: float | None, deduplicate: bool) -> list[dict]:
     """The records (conversation-file lines) to fine-tune on: those whose `success` is true, or
     with `min_reward` set those whose `reward` is at least it; with `deduplicate`, only the first
@@ -67,9 +64,16 @@ def check_rft_config(config: Config) -> None:
     for key in ("rounds", "episodes_per_round"):
         if getattr(rft, key) < 1:
             raise ConfigError(f"rft.{key} must be at least 1, got {getattr(rft, key)}")
-    if config.actor.engine not in SAMPLING_ENGINES:
-        raise ConfigError(f"rft samples with the model it trains: set actor.engine to one of "
-                          f"{', '.join(SAMPLING_ENGINES)} (got {config.actor.engine!r})")
+    from longhorizon.actor.engines.base import EngineError, engine_class
+    from longhorizon.actor.engines.factory import plays_local_weights
+
+    try:
+        engine_cls = engine_class(config.actor.engine)
+    except EngineError as error:
+        raise ConfigError(f"actor.engine: {error}") from None
+    if not plays_local_weights(engine_cls):
+        raise ConfigError(f"rft samples with the model it trains: set actor.engine to an engine that samples "
+                          f"from a local model and loads its checkpoints (got {config.actor.engine!r})")
     if config.actor.sampling.temperature <= 0:
         raise ConfigError("rft needs varied episodes to select from: set actor.sampling.temperature above 0 "
                           "(e.g. 1.0)")

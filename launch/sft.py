@@ -21,17 +21,17 @@ on the env's held-out split, and writes Hugging Face folders an RL run starts fr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 import torch
 
 from longhorizon.common.config import Config, dump_toml
 from longhorizon.common.conversations import tokenizer_fingerprint
+from longhorizon.launch.launcher import fresh_run_dir
 from longhorizon.learner.sft import (
     check_sft_config,
     load_model_for_training,
@@ -40,37 +40,27 @@ from longhorizon.learner.sft import (
     save_model_folder,
     sft_loss,
 )
-from longhorizon.learner.trainer import (
-    chunked_logprobs_match,
-    learning_rate_at,
-    pad_examples,
-    plan_micro_batches,
-    token_logprobs,
-)
+from longhorizon.learner.logprobs import chunked_logprobs_match, pad_examples, plan_micro_batches, token_logprobs
+from longhorizon.learner.trainer import learning_rate_at
 
 
 def evaluate_model(config: Config, model_folder: str | Path, episodes: int) -> dict:
     """Greedy held-out success of a model folder on env.eval_split (first `episodes` tasks)."""
     import trio
 
-    from longhorizon.actor.engines.base import make_engine
-    from longhorizon.actor.evaluate import evaluate, greedy
-    from longhorizon.actor.worker import engine_settings
+    from longhorizon.actor.engines.factory import build_engine
+    from longhorizon.actor.evaluate import evaluate
 
     # The engine that plays is a model engine whatever actor.engine says (a scripted oracle or an
-    # endpoint played the data); its options travel only to the engine they were written for.
-    name = "vllm" if config.actor.engine == "vllm" else "hf"
-    settings = greedy(engine_settings(config, str(model_folder)))
-    if config.actor.engine != name:
-        settings = dataclasses.replace(settings, engine_options={})
-    engine = make_engine(name, settings)
+    # endpoint played the data): the factory's `checkpoint` purpose picks it.
+    engine = build_engine(config, "checkpoint", model_path=str(model_folder), greedy=True)
 
     async def play():
         try:
             return await evaluate(
                 engine, config.env.name, dict(config.env.options), split=config.env.eval_split, episodes=episodes,
                 horizon_cap=max(config.horizon.stages), max_new_tokens=config.actor.sampling.max_new_tokens,
-                max_context_tokens=config.actor.max_context_tokens, seed=config.run.seed,
+                max_context_tokens=config.actor.max_context_tokens, seed=config.run.seed, agent=config.actor.agent,
             )
         finally:
             await engine.close()
@@ -78,23 +68,6 @@ def evaluate_model(config: Config, model_folder: str | Path, episodes: int) -> d
     result = trio.run(play)
     return {"split": config.env.eval_split, "episodes": result.episodes, "success_rate": result.success_rate,
             "mean_reward": result.mean_reward, "failed_episodes": result.failed_episodes}
-
-
-def fresh_run_dir(run_dir: Path, note: Callable[[str], None], markers: Sequence[str] = ("metrics.jsonl", "checkpoints")
-                  ) -> Path:
-    """`run_dir`, ready for a new run: when it holds one of `markers` (an earlier run's outputs),
-    that run is moved aside under a time stamp."""
-    if any((run_dir / marker).exists() for marker in markers):
-        stamp = time.strftime('%Y%m%d-%H%M%S')
-        kept = run_dir.with_name(f"{run_dir.name}.{stamp}")
-        count = 1
-        while kept.exists():  # runs within the same second
-            count += 1
-            kept = run_dir.with_name(f"{run_dir.name}.{stamp}-{count}")
-        run_dir.rename(kept)
-        note(f"an earlier run was in {run_dir}; moved it to {kept}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
 
 
 def run_sft(config: Config, *, note: Callable[[str], None] = print, progress_stream=None) -> dict:

@@ -72,7 +72,7 @@ async def _run_role(role: str, config: Config, index: int, curve_keys=None) -> N
     import dataclasses
 
     from longhorizon.common.transport import zmq_actor_endpoints, zmq_learner_endpoints
-    from longhorizon.common.wire import DEFAULT_LIMITS, WEIGHTS_LIMITS
+    from longhorizon.common.codec import DEFAULT_LIMITS, WEIGHTS_LIMITS
 
     addresses = transport_addresses(config)
     transport = config.transport

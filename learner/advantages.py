@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-from typing import Callable
-
 import numpy as np
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
     "group_has_signal",
     "grpo_advantages",
     "overlong_penalty",
@@ -99,11 +95,3 @@ def group_has_signal(rewards: np.ndarray | list[float], *, tol: float = 1e-8) ->
     """
     reward_vector = _as_reward_vector(rewards)
     return bool(reward_vector.max() - reward_vector.min() > tol)
-
-
-# Per-group estimators by config name. REINFORCE++ is absent on purpose: it needs the whole batch.
-ADVANTAGE_ESTIMATORS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "grpo": grpo_advantages,
-    "dr_grpo": functools.partial(grpo_advantages, scale_by_std=False),
-    "rloo": rloo_advantages,
-}

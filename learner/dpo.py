@@ -34,9 +34,8 @@ from longhorizon.common.preference_pairs import prompt_messages, read_preference
 from longhorizon.learner.sft import (
     conversation_example,
 )
-from longhorizon.learner.trainer import (
-    PRECISIONS, Example,
-)
+from longhorizon.learner.logprobs import Example
+from longhorizon.learner.trainer import PRECISIONS
 
 
 @dataclass
@@ -50,7 +49,7 @@ class PreferencePair:
 def pairs_from_groups(groups) -> list[PreferencePair]:
     """One pair per group whose usable members' rewards differ: its best against its worst
     (the first of equals, so the choice is deterministic)."""
-    from longhorizon.learner.trainer import usable_members
+    from longhorizon.learner.scoring import usable_members
 
     pairs = []
     for group in groups:

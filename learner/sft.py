@@ -19,10 +19,8 @@ from longhorizon.common.conversations import (
     read_conversations,
     tokenize_conversation,
 )
-from longhorizon.learner.trainer import (
-    PRECISIONS,
-    Example,
-)
+from longhorizon.learner.logprobs import Example
+from longhorizon.learner.trainer import PRECISIONS
 
 # Files that make a checkpoint a self-contained model folder besides the weights and config (the
 # same set the RL checkpoints copy): the tokenizer, its chat template, the tiny models' marker.

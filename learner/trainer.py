@@ -1,8 +1,10 @@
-"""The learner's update step: groups of trajectories in, one (or a few) optimiser steps out.
+"""The learner's update step: scored examples in, one (or a few) optimiser steps out.
 
-Read top to bottom: filter and score the groups (advantages), pad micro-batches, compute the
-proximal log-probs, then for each optimiser step run micro-batches through the model, form the
-off-policy-corrected policy loss (plus an optional KL term) and step.
+Read `Trainer.step` top to bottom: pad micro-batches, compute the proximal log-probs (and, for an
+algorithm with a critic, its values and advantages), then for each optimiser step run
+micro-batches through the model, add the algorithm's loss (plus optional entropy bonus, KL and
+value terms) and step. How groups become examples, and what the loss is, belongs to the algorithm
+(learner/algorithms/); the log-prob helpers are in learner/logprobs.py.
 """
 
 from __future__ import annotations
@@ -10,30 +12,22 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
-
-import numpy as np
 import torch
-import torch.utils.checkpoint
 
 from longhorizon.common.config import LearnerConfig
-from longhorizon.learner import algorithms, distributed
-from longhorizon.learner.advantages import group_has_signal
-from longhorizon.learner.critic import build_value_model, gae, per_token_rewards, value_loss, whiten
+from longhorizon.learner import distributed
+from longhorizon.learner.algorithms import make_algorithm
 from longhorizon.learner.distributed import Ranks
+from longhorizon.learner.logprobs import (
+    Example,
+    PaddedBatch,
+    chunked_logprobs_match,
+    pad_examples,
+    plan_micro_batches,
+    token_logprobs,
+)
 from longhorizon.learner.losses import aggregate, kl_penalty, sampled_entropy
-
-
-@dataclass
-class Example:
-    """One trajectory prepared for training."""
-
-    token_ids: np.ndarray
-    loss_mask: np.ndarray
-    behaviour_logprobs: np.ndarray
-    advantage: float
-    # ppo: each token's reward (turn rewards at the turn's last token); None for the others.
-    token_rewards: np.ndarray | None = None
+from longhorizon.learner.scoring import FlatShare, ScoredBatch
 
 
 def learning_rate_at(step: int, base: float, warmup_steps: int) -> float:
@@ -43,261 +37,15 @@ def learning_rate_at(step: int, base: float, warmup_steps: int) -> float:
     return base * min(1.0, (step + 1) / warmup_steps)
 
 
-@dataclass(frozen=True)
-class FlatShare:
-    """What the batch's flat groups would have added to the loss's denominator: their members'
-    generated tokens and their number. They are not passed through the model (every advantage is
-    0, so their policy gradient is 0), but they still count, so a batch that is mostly flat makes
-    a proportionally small update, the policy gradient of the whole batch. Without this, the few
-    groups with signal near convergence (or from a fine-tuned policy) carry an update as large as a
-    batch full of signal, made of their noise."""
-
-    tokens: float = 0.0
-    sequences: int = 0
-
-
-@dataclass
-class ScoredBatch:
-    examples: list[Example]
-    groups_used: int
-    groups_skipped_zero_variance: int
-    groups_skipped_too_small: int
-    failed_trajectories: int
-    flat: FlatShare = field(default_factory=FlatShare)
-
-
-def usable_members(group) -> list:
-    """The members a group can be scored on: episodes that ended without an env or engine error
-    and generated at least one token (a failed episode says nothing about the policy)."""
-    return [t for t in group.trajectories if not t.error and int(np.sum(t.loss_mask)) > 0]
-
-
-def shaped_rewards(config: LearnerConfig, members) -> np.ndarray:
-    return np.array([
-        algorithms.shaped_reward(config, t.reward, int(np.sum(t.loss_mask))) for t in members
-    ], dtype=np.float64)
+def score_groups(groups, config: LearnerConfig | None = None) -> ScoredBatch:
+    """Score groups as `config.algorithm` does (a running learner asks its trainer's algorithm)."""
+    return make_algorithm(config or LearnerConfig()).score(groups)
 
 
 def group_carries_signal(config: LearnerConfig, group) -> bool:
-    """Whether a group would contribute to a group-relative update: two usable members whose
-    (shaped) rewards differ."""
-    members = usable_members(group)
-    return len(members) >= 2 and group_has_signal(shaped_rewards(config, members))
-
-
-def score_groups(groups, config: LearnerConfig | None = None) -> ScoredBatch:
-    """Turn groups into examples with advantages, as `config.algorithm` scores them.
-
-    Trajectories whose episode failed leave their group, and a group left with fewer than two
-    members is skipped. Algorithms that score per group skip (and count) groups whose rewards are
-    all equal: every advantage would be 0. REINFORCE++ normalises over the whole batch instead,
-    so a flat group still counts there.
-    """
-    config = config or LearnerConfig()
-    algorithm = algorithms.get_algorithm(config.algorithm)
-    scored: list[tuple[list, np.ndarray]] = []
-    used = zero_variance = too_small = failed = 0
-    flat_tokens, flat_sequences = 0.0, 0
-    for group in groups:
-        members = usable_members(group)
-        failed += len(group.trajectories) - len(members)
-        if len(members) < 2:
-            too_small += 1
-            continue
-        rewards = shaped_rewards(config, members)
-        if algorithm.advantages == "critic":  # ppo: the critic is the baseline, flat groups teach it too
-            used += 1
-            scored.append((members, rewards))
-            continue
-        if algorithm.advantages == "group" and not group_has_signal(rewards):
-            zero_variance += 1
-            if config.entropy_coef > 0:
-                # Trained on at advantage 0 for the entropy bonus alone: a policy so sharp that
-                # every member plays alike (flat at any success rate) is pushed to explore again.
-                scored.append((members, rewards))
-                continue
-            flat_tokens += float(sum(np.sum(t.loss_mask) for t in members))
-            flat_sequences += len(members)
-            continue
-        used += 1
-        scored.append((members, rewards))
-    if algorithm.advantages == "batch" and scored:
-        values = algorithms.batch_advantages(np.concatenate([rewards for _, rewards in scored]))
-        offsets = np.cumsum([0] + [len(members) for members, _ in scored])
-        advantages = [values[offsets[i]:offsets[i + 1]] for i in range(len(scored))]
-    elif algorithm.advantages == "critic":  # computed in the update step, from the critic's values
-        advantages = [np.zeros(len(members)) for members, _ in scored]
-    else:
-        advantages = [algorithms.group_advantages(config, rewards) for _, rewards in scored]
-    examples: list[Example] = []
-    for (members, _), values in zip(scored, advantages):
-        for trajectory, value in zip(members, values):
-            loss_mask = np.asarray(trajectory.loss_mask, dtype=np.float32)
-            examples.append(
-                Example(
-                    token_ids=np.asarray(trajectory.token_ids, dtype=np.int64),
-                    loss_mask=loss_mask,
-                    behaviour_logprobs=np.asarray(trajectory.behaviour_logprobs, dtype=np.float32),
-                    advantage=float(value),
-                    token_rewards=(per_token_rewards(loss_mask, trajectory.turn_rewards)
-                                   if algorithm.advantages == "critic" else None),
-                )
-            )
-    return ScoredBatch(examples, used, zero_variance, too_small, failed, FlatShare(flat_tokens, flat_sequences))
-
-
-@dataclass
-class PaddedBatch:
-    input_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, L]
-    loss_mask: torch.Tensor  # [B, L-1], aligned with the predicted tokens input_ids[:, 1:]
-    behaviour_logprobs: torch.Tensor  # [B, L-1]
-    advantages: torch.Tensor  # [B], or [B, L-1] per token (ppo)
-    token_rewards: torch.Tensor | None = None  # [B, L-1] (ppo)
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def to(self, device) -> "PaddedBatch":
-        return PaddedBatch(*(None if tensor is None else tensor.to(device) for tensor in (
-            self.input_ids, self.attention_mask, self.loss_mask, self.behaviour_logprobs, self.advantages,
-            self.token_rewards,
-        )))
-
-
-def pad_examples(examples: list[Example], pad_token_id: int) -> PaddedBatch:
-    longest = max(len(e.token_ids) for e in examples)
-    count = len(examples)
-    input_ids = torch.full((count, longest), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((count, longest), dtype=torch.long)
-    loss_mask = torch.zeros((count, longest), dtype=torch.float32)
-    behaviour = torch.zeros((count, longest), dtype=torch.float32)
-    for row, example in enumerate(examples):
-        length = len(example.token_ids)
-        input_ids[row, :length] = torch.as_tensor(np.array(example.token_ids))
-        attention_mask[row, :length] = 1
-        loss_mask[row, :length] = torch.as_tensor(np.array(example.loss_mask))
-        behaviour[row, :length] = torch.as_tensor(np.array(example.behaviour_logprobs))
-    advantages = torch.tensor([e.advantage for e in examples], dtype=torch.float32)
-    token_rewards = None
-    if any(e.token_rewards is not None for e in examples):
-        token_rewards = torch.zeros((count, longest), dtype=torch.float32)
-        for row, example in enumerate(examples):
-            if example.token_rewards is not None:
-                token_rewards[row, :len(example.token_ids)] = torch.as_tensor(np.array(example.token_rewards))
-        token_rewards = token_rewards[:, 1:]
-    # Token t is predicted from the tokens before it, so targets, masks, behaviour log-probs and
-    # rewards drop their first position.
-    return PaddedBatch(input_ids, attention_mask, loss_mask[:, 1:], behaviour[:, 1:], advantages, token_rewards)
-
-
-def token_logprobs(
-    model, batch: PaddedBatch, temperature: float = 1.0, chunk_tokens: int = 0, with_entropy: bool = False,
-):
-    """Log-prob of each next token under `model` at the sampling temperature: [B, L-1]; with
-    `with_entropy`, (log-probs, entropy of each position's whole next-token distribution).
-
-    With `chunk_tokens` > 0 the output layer runs over about that many positions of the batch at
-    a time, and in training its logits are recomputed in the backward pass: only one chunk's
-    `[B, chunk, vocabulary]` logits exist at once, never the whole micro-batch's (for a
-    vocabulary of 49k, 4,096 positions of fp32 logits are 0.8 GB, and the backward pass keeps
-    several copies). The model must split into a decoder and an output layer (`split_output_layer`).
-    """
-    targets = batch.input_ids[:, 1:]
-    parts = split_output_layer(model) if chunk_tokens > 0 else None
-    if parts is None:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-        return _logprobs_from_logits(logits, targets, temperature, with_entropy)
-    decoder, output_layer = parts
-    hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state[:, :-1]
-    positions = max(1, chunk_tokens // max(1, hidden.shape[0]))
-    pieces = []
-    for start in range(0, hidden.shape[1], positions):
-        chunk, chunk_targets = hidden[:, start:start + positions], targets[:, start:start + positions]
-        if torch.is_grad_enabled() and chunk.requires_grad:
-            pieces.append(torch.utils.checkpoint.checkpoint(
-                _output_logprobs, output_layer, chunk, chunk_targets, temperature, with_entropy, use_reentrant=False,
-            ))
-        else:
-            pieces.append(_output_logprobs(output_layer, chunk, chunk_targets, temperature, with_entropy))
-    if with_entropy:
-        return torch.cat([p[0] for p in pieces], dim=1), torch.cat([p[1] for p in pieces], dim=1)
-    return torch.cat(pieces, dim=1)
-
-
-def _output_logprobs(output_layer, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                     with_entropy: bool = False):
-    return _logprobs_from_logits(output_layer(hidden), targets, temperature, with_entropy)
-
-
-def _logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool = False):
-    logits = logits.float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    normaliser = torch.logsumexp(logits, dim=-1)
-    chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normaliser
-    if not with_entropy:
-        return chosen
-    # H = log Z - sum_v p_v * logit_v, from the same logits (no second softmax over the vocabulary).
-    entropy = normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return chosen, entropy
-
-
-def split_output_layer(model):
-    """(decoder, output layer) of a Hugging Face causal LM whose logits are exactly
-    output_layer(decoder(...).last_hidden_state), or None for a model that does more (logit
-    soft-capping or scaling, say): `chunked_logprobs_match` checks it on a real forward pass."""
-    get_decoder = getattr(model, "get_decoder", None)
-    get_output = getattr(model, "get_output_embeddings", None)
-    if get_decoder is None or get_output is None:
-        return None
-    decoder, output_layer = get_decoder(), get_output()
-    if decoder is None or output_layer is None or decoder is model:
-        return None
-    return decoder, output_layer
-
-
-def chunked_logprobs_match(model, tolerance: float = 1e-4) -> bool:
-    """Whether chunked log-probs equal the model's own logits' on a short input."""
-    if split_output_layer(model) is None:
-        return False
-    vocabulary = model.get_input_embeddings().num_embeddings
-    ids = torch.arange(9, dtype=torch.long).remainder(vocabulary).unsqueeze(0)
-    probe = PaddedBatch(ids, torch.ones_like(ids), torch.ones(1, 8), torch.zeros(1, 8), torch.zeros(1))
-    probe = probe.to(next(model.parameters()).device)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            whole = token_logprobs(model, probe)
-            chunked = token_logprobs(model, probe, chunk_tokens=3)
-    except Exception:  # a decoder with another calling convention: use the whole logits
-        return False
-    finally:
-        model.train(was_training)
-    return bool(torch.allclose(whole, chunked, atol=tolerance, rtol=0))
-
-
-def plan_micro_batches(examples: list[Example], max_sequences: int, max_tokens: int) -> list[list[Example]]:
-    """Split a step's examples into micro-batches of similar lengths.
-
-    Each micro-batch is padded only to its own longest sequence, so it is sorted by length and
-    cut where adding the next sequence would pass ``max_sequences`` or make (sequences x
-    longest length) pass ``max_tokens``: a step's peak memory follows the budget, not the
-    longest episode times the batch. A sequence longer than the budget is a micro-batch alone.
-    """
-    max_sequences, max_tokens = max(1, max_sequences), max(1, max_tokens)
-    chunks: list[list[Example]] = []
-    current: list[Example] = []
-    for example in sorted(examples, key=lambda e: len(e.token_ids)):
-        length = len(example.token_ids)  # the longest so far, as the list is sorted
-        if current and (len(current) + 1 > max_sequences or (len(current) + 1) * length > max_tokens):
-            chunks.append(current)
-            current = []
-        current.append(example)
-    if current:
-        chunks.append(current)
-    return chunks
+    """Whether `config.algorithm` would find a learning signal in the group (two usable members
+    whose shaped rewards differ)."""
+    return make_algorithm(config).carries_signal(group)
 
 
 def has_dropout(model) -> bool:
@@ -367,8 +115,8 @@ class Trainer:
         self.pad_token_id = pad_token_id
         self.reference_model = reference_model
         self.device = next(model.parameters()).device
-        self.algorithm = algorithms.check_algorithm_settings(config)
-        self.aggregation = algorithms.aggregation_level(config)
+        self.algorithm = make_algorithm(config)
+        self.aggregation = self.algorithm.aggregation
         # The KL penalty and the entropy estimate are means, weighted like the loss ("sum" is a
         # per-sequence weighting, so they take per-sequence means there).
         self._monitor_level = "token" if self.aggregation == "token" else "sequence"
@@ -386,11 +134,12 @@ class Trainer:
             )
             self.chunk_tokens = 0
         self.policy = PolicyLogprobs(model, self.temperature, self.chunk_tokens)
-        self.value_model = None
-        if self.algorithm.advantages == "critic":
-            # A submodule of the policy wrapper: trained by the same optimiser and saved in the
-            # same sharded checkpoint, so the critic resumes with the policy.
-            self.value_model = build_value_model(model, config.critic).to(self.device)
+        # An algorithm with a learned critic brings its value model: a submodule of the policy
+        # wrapper, trained by the same optimiser and saved in the same sharded checkpoint, so the
+        # critic resumes with the policy.
+        self.value_model = self.algorithm.build_value_model(model)
+        if self.value_model is not None:
+            self.value_model = self.value_model.to(self.device)
             self.policy.value_model = self.value_model
         self.reference = (
             PolicyLogprobs(reference_model, self.temperature, self.chunk_tokens) if reference_model is not None else None
@@ -399,8 +148,10 @@ class Trainer:
             # Each rank keeps a shard of the parameters, gradients and optimiser state; the
             # reference model (no gradients, no optimiser) is kept whole on every rank.
             units = distributed.decoder_layers(base_model)
-            if self.value_model is not None and config.critic != "shared":
-                units += distributed.decoder_layers(self.value_model.decoder)  # a separate critic's own layers
+            if self.value_model is not None:  # a separate critic's own layers (a shared one has none)
+                policy_layers = {id(unit) for unit in units}
+                units += [unit for unit in distributed.decoder_layers(self.value_model.decoder)
+                          if id(unit) not in policy_layers]
             distributed.shard_model(self.policy, units)
         # Only what trains has optimiser state (with LoRA, the adapters alone).
         self.optimizer = torch.optim.AdamW(
@@ -496,7 +247,9 @@ class Trainer:
                     if self.value_model is not None:
                         old_values[index] = self._values(micro)
         if self.value_model is not None:
-            micro_batches, returns = self._critic_advantages(micro_batches, old_values)
+            micro_batches, returns = self.algorithm.advantages_from_values(
+                micro_batches, old_values, distributed.all_reduce_sum if self.ranks.distributed else None,
+            )
         self.policy.train()
         totals: dict[str, float] = {}
         maxima: dict[str, float] = {}
@@ -519,10 +272,9 @@ class Trainer:
                 else:
                     logprobs = self._logprobs(self.policy, micro)
                 prox = proximal[index] if proximal[index] is not None else logprobs.detach()
-                output = algorithms.algorithm_loss(
-                    config, logprobs, prox, micro.behaviour_logprobs, micro.advantages, micro.loss_mask,
-                )
+                output = self.algorithm.loss(logprobs, prox, micro.behaviour_logprobs, micro.advantages, micro.loss_mask)
                 loss = output.loss
+                loss_metrics = dict(output.metrics)
                 share = shares[index]
                 if entropy_bonus:
                     mean_entropy = aggregate(entropy, micro.loss_mask, self._monitor_level)
@@ -533,17 +285,15 @@ class Trainer:
                     loss = loss + config.kl_coef * kl.loss
                     totals["kl"] = totals.get("kl", 0.0) + kl.loss.item() * share
                 if self.value_model is not None:
-                    critic = value_loss(
-                        self._values(micro), old_values[index], returns[index], micro.loss_mask,
-                        value_clip=config.value_clip, aggregation=self.aggregation,
-                    )
-                    loss = loss + config.value_coef * critic
-                    totals["value_loss"] = totals.get("value_loss", 0.0) + critic.item() * share
+                    critic = self.algorithm.value_loss(self._values(micro), old_values[index], returns[index],
+                                                       micro.loss_mask)
+                    loss = loss + critic.loss
+                    loss_metrics.update(critic.metrics)
                 (loss * (share * signal_fraction)).backward()
                 totals["loss"] = totals.get("loss", 0.0) + loss.item() * share
                 entropy = sampled_entropy(logprobs, micro.loss_mask, aggregation=self._monitor_level)
                 totals["entropy_estimate"] = totals.get("entropy_estimate", 0.0) + float(entropy) * share
-                for key, value in output.metrics.items():
+                for key, value in loss_metrics.items():
                     if key == "tokens" or not math.isfinite(value):
                         continue
                     if key.endswith("_max"):  # the largest over the step, not an average
@@ -584,33 +334,6 @@ class Trainer:
             device_type=self.device.type, dtype=torch.bfloat16, enabled=self.config.precision == "bf16-mixed",
         ):
             return self.value_model(micro.input_ids, micro.attention_mask)
-
-    def _critic_advantages(self, micro_batches: list[PaddedBatch], old_values: list) -> tuple[list, list]:
-        """ppo: GAE from the critic's values at the start of the update, centred over the step's
-        generated tokens (and scaled to unit std there unless `advantage_std_scaling` is off); the
-        micro-batches come back with per-token advantages, and the value targets (returns) beside
-        them."""
-        config = self.config
-        estimates = [
-            gae(micro.token_rewards, values, micro.loss_mask, config.gamma, config.lam)
-            for micro, values in zip(micro_batches, old_values)
-        ]
-        counted = torch.cat([adv[micro.loss_mask > 0] for (adv, _), micro in zip(estimates, micro_batches)])
-        if self.ranks.distributed:  # the mean and std of every rank's tokens together
-            count, total, squares = distributed.all_reduce_sum(
-                [float(counted.numel()), float(counted.double().sum()), float((counted.double() ** 2).sum())])
-            mean = total / count if count else 0.0
-            std = max(squares / count - mean * mean, 0.0) ** 0.5 if count else 1.0
-        else:
-            mean = float(counted.mean()) if counted.numel() else 0.0
-            std = float(counted.std(unbiased=False)) if counted.numel() else 1.0
-        with_advantages = [
-            PaddedBatch(micro.input_ids, micro.attention_mask, micro.loss_mask, micro.behaviour_logprobs,
-                        whiten(adv, micro.loss_mask, mean, std if config.advantage_std_scaling else None),
-                        micro.token_rewards)
-            for (adv, _), micro in zip(estimates, micro_batches)
-        ]
-        return with_advantages, [ret for _, ret in estimates]
 
     def actor_weights(self) -> dict[str, torch.Tensor]:
         """What the actors need of the policy after an update: the adapters alone with LoRA, else

@@ -84,8 +84,9 @@ def resolve_backend(setting: str, learner_device) -> str:
     return "nccl" if on_gpu and dist.is_nccl_available() else "gloo"
 
 
-def check_collective_settings(config, learner_device: str, engine_class: type) -> None:
-    """Refuse a `collective` setting that cannot work, before any process starts (ValueError)."""
+def check_collective_settings(config, learner_device: str) -> None:
+    """Refuse a `collective` setting that cannot work, before any process starts (ValueError).
+    Whether the engine takes collective updates is asked of its capabilities (learner/weights)."""
     import torch.distributed as dist
 
     from longhorizon.common.transport import is_loopback_host
@@ -115,12 +116,6 @@ def check_collective_settings(config, learner_device: str, engine_class: type) -
         raise ValueError("learner.weights_bucket_mb must be positive")
     if not learner_config.weights_timeout_s > 0:
         raise ValueError("learner.weights_timeout_s must be positive")
-    transports = getattr(engine_class, "WEIGHT_TRANSPORTS", ("inline", "path"))
-    if "collective" not in transports:
-        raise ValueError(
-            f"actor.engine {config.actor.engine!r} cannot take weights over a collective (it takes "
-            f"{', '.join(transports)}); set learner.weights_transport to one of those"
-        )
     host = config.transport.host
     if not is_loopback_host(host) and not getattr(config.transport, "insecure", False):
         raise ValueError(

@@ -20,13 +20,15 @@ import trio
 from longhorizon.common.config import Config
 from longhorizon.common.metrics import MetricsWriter, truncate_metrics
 from longhorizon.common.transport import UnknownPeer
-from longhorizon.common.wire import ActorStats, Heartbeat, Hello, Stop
-from longhorizon.learner.broadcast import broadcast, horizon_update, make_weights_update
+from longhorizon.common.wire import Heartbeat, Hello, Stop
+from longhorizon.learner.broadcast import horizon_update
 from longhorizon.learner.buffer import GroupBuffer, staleness
 from longhorizon.learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from longhorizon.learner.curriculum import AdaptiveState, make_schedule
 from longhorizon.learner.distributed import Ranks
-from longhorizon.learner.trainer import ScoredBatch, Trainer, group_carries_signal, score_groups
+from longhorizon.learner.peers import PeerTable
+from longhorizon.learner.trainer import ScoredBatch, Trainer
+from longhorizon.learner.weights import PublisherContext, build_publisher
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +146,7 @@ class Learner:
         self.metrics = MetricsWriter(self.run_dir) if self.ranks.is_main else None
         self.weights_bytes = 0
         self.last_rank_command = time.monotonic()
-        self.peers: dict[str, dict] = {}
-        self.episodes_reported: dict[tuple, int] = {}
+        self.peers = PeerTable(config.learner.peer_timeout_s, self.counters)
         self.latest_weights = None
         self.last_weights_broadcast = -math.inf
         self._publish_lock = trio.Lock()
@@ -154,7 +155,12 @@ class Learner:
         self.received_since_step = 0
         self.generated_tokens_since_step = 0
         self.started = time.monotonic()
-        self.weight_sync = None  # the collective transport's sender, started on first use
+        # learner.weights_transport: how each version reaches the actors (learner/weights/).
+        self.publisher = build_publisher(config.learner.weights_transport, PublisherContext(
+            weights_dir=self.run_dir / "weights", host=config.transport.host, device=self.device,
+            learner=config.learner, announce=self._announce_from_thread,
+        ))
+        self._trio_token = None  # set when run() starts: the publisher's threads call into the loop
 
     def _restore_counters(self, saved: dict) -> None:
         if isinstance(saved.get("learner"), dict):
@@ -208,49 +214,20 @@ class Learner:
     async def _control(self) -> None:
         while True:
             peer, message = await self.endpoints.control.receive()
-            info = self.peers.setdefault(peer, {})
-            info["last_seen"] = time.monotonic()
+            self.peers.heard_from(peer, message)
             if isinstance(message, Hello):
                 log.info("actor %s joined (pid %s on %s, engine %s)", peer, message.pid, message.hostname, message.engine)
-                info["version"] = message.policy_version
-                info["incarnation"] = (message.hostname, message.pid)
-                info.pop("lost", None)
-                if self.config.learner.weights_transport == "collective":
-                    # A new process: a new group (the old one, if any, died with its process).
-                    self._collective_sender().join(peer, message.policy_version)
+                self.publisher.actor_joined(peer, message.policy_version)
                 # A new or restarted actor needs the current horizon at once, and the weights if
                 # it does not hold them; whole weights go out at most once per interval however
                 # many actors join (each re-send reaches every subscriber).
                 await self._publish_horizon()
                 await self._republish_weights_if_behind(message.policy_version)
             elif isinstance(message, Heartbeat):
-                info["version"] = message.policy_version
-                # Episodes each actor process says it sent, kept per process: a restarted actor
-                # counts from zero again.
-                self.episodes_reported[(peer, info.get("incarnation"))] = message.episodes_done
-                info.pop("lost", None)
                 await self._republish_weights_if_behind(message.policy_version)
-            elif isinstance(message, ActorStats):
-                info["stats"] = message
-
-    def live_peers(self) -> list[str]:
-        """Actors heard from within `learner.peer_timeout_s`; the others are reported lost once."""
-        now = time.monotonic()
-        live = []
-        for peer, info in self.peers.items():
-            if now - info.get("last_seen", 0.0) <= self.config.learner.peer_timeout_s:
-                live.append(peer)
-            elif not info.get("lost"):
-                info["lost"] = True
-                self.counters["actors_lost"] += 1
-                log.warning(
-                    "actor %s silent for %.0fs: counted as lost (a restarted actor rejoins with Hello)",
-                    peer, now - info.get("last_seen", 0.0),
-                )
-        return live
 
     async def _republish_weights_if_behind(self, actor_version: int) -> None:
-        if self.config.learner.weights_transport == "collective":
+        if self.publisher.needs_control_channel:
             self._keep_actors_current()  # per actor, with its own bounds: nothing goes to all
             return
         if self.latest_weights is None or actor_version == self.latest_weights.version:
@@ -266,64 +243,35 @@ class Learner:
     async def _rebuild_weights(self) -> None:
         """The weights message of the current version. Called by the training loop only, between
         updates: the copy must never overlap an optimiser step changing the parameters."""
-        if self.config.learner.weights_transport == "collective":
-            # Copied into owned buckets: the actors' transfers read those, never the parameters.
-            sender = self._collective_sender()
-            self.latest_weights = await trio.to_thread.run_sync(
-                lambda: sender.snapshot(self._weights_state_dict(), self.version)
-            )
-            self.weights_bytes = sum(bucket.numel() * bucket.element_size() for bucket in self.latest_weights.buckets)
-            return
         self.latest_weights = await trio.to_thread.run_sync(
-            lambda: make_weights_update(
-                self._weights_state_dict(), self.version, self.config.learner.weights_transport,
-                self.run_dir / "weights",
-            )
+            lambda: self.publisher.build(self._weights_state_dict(), self.version)
         )
-        self.weights_bytes = weights_payload_bytes(self.latest_weights)
+        self.weights_bytes = self.publisher.payload_bytes(self.latest_weights)
 
     async def _publish(self, *, weights: bool = True) -> None:
         # One broadcast at a time: a re-send for a latecomer must not interleave its horizon and
         # weights with the training loop's newer ones.
         async with self._publish_lock:
-            if self.weight_sync is not None and self.latest_weights is not None:
-                # Collective: the horizon on the broadcast socket, then a transfer to each actor
-                # that lacks this version, in the background (training goes on meanwhile). The
-                # starting version too: actors that hold it are sent nothing.
-                await broadcast(self.endpoints.broadcast, self.horizon, None)
+            # The horizon first: an actor that sees a new version already knows its cap.
+            await self._publish_horizon()
+            if self.latest_weights is None:
+                return
+            if self.publisher.needs_control_channel:
+                # Per actor, in the background (training goes on meanwhile): every actor that
+                # lacks this version gets it. The starting version too: actors that hold it are
+                # sent nothing.
                 if weights:
                     self.last_weights_broadcast = time.monotonic()
-                self.weight_sync.publish(self.latest_weights)
+                await self.publisher.publish(self.latest_weights, self.endpoints.broadcast)
                 self._keep_actors_current()
-            elif weights and self.latest_weights is not None:
+            elif weights:
                 self.last_weights_broadcast = time.monotonic()
-                await broadcast(self.endpoints.broadcast, self.horizon, self.latest_weights)
-            else:
-                await broadcast(self.endpoints.broadcast, self.horizon, None)
+                await self.publisher.publish(self.latest_weights, self.endpoints.broadcast)
 
-    def _collective_sender(self):
-        """The `collective` transport's sender, started on first use from the trio loop: its
-        threads announce each transfer on the actor's control socket through this loop."""
-        if self.weight_sync is None:
-            from longhorizon.learner.weight_sync import CollectiveSender, resolve_backend
-
-            learner = self.config.learner
-            trio_token = trio.lowlevel.current_trio_token()
-
-            def announce(peer: str, message) -> None:
-                trio.from_thread.run(self._send_announcement, peer, message, trio_token=trio_token)
-
-            self.weight_sync = CollectiveSender(
-                host=self.config.transport.host, backend=resolve_backend(learner.weights_backend, self.device),
-                timeout_s=learner.weights_timeout_s, bucket_bytes=learner.weights_bucket_mb << 20,
-                announce=announce, device=self.device,
-            )
-            log.info(
-                "collective weights: store at %s:%d, backend %s, buckets of %d MiB, timeout %.0f s",
-                self.weight_sync.server.host, self.weight_sync.server.port, self.weight_sync.backend,
-                learner.weights_bucket_mb, learner.weights_timeout_s,
-            )
-        return self.weight_sync
+    def _announce_from_thread(self, peer: str, message) -> None:
+        """For transports that serve each actor from threads of their own: send `message` on
+        `peer`'s control socket through the trio loop."""
+        trio.from_thread.run(self._send_announcement, peer, message, trio_token=self._trio_token)
 
     async def _send_announcement(self, peer: str, message) -> None:
         """Send a collective update's announcement to one actor, bounded like every wait of the
@@ -332,13 +280,10 @@ class Learner:
             await self.endpoints.control.send(peer, message)
 
     def _keep_actors_current(self) -> None:
-        """Collective: every live actor that lacks the latest version gets it over its own group
-        (the sender skips actors that failed and have not been heard from since)."""
-        if self.weight_sync is None:
-            return
-        for peer in self.live_peers():
-            info = self.peers[peer]
-            self.weight_sync.keep_current(peer, info.get("version"), info.get("last_seen", 0.0))
+        """Per-actor transports: every live actor that lacks the latest version gets it (the
+        transport skips actors that failed and have not been heard from since)."""
+        for peer in self.peers.live():
+            self.publisher.keep_current(peer, self.peers.version_of(peer), self.peers.last_seen(peer))
 
     async def _repeat_horizon(self) -> None:
         """Publish the horizon every few seconds: a subscriber that joined after the last
@@ -361,14 +306,14 @@ class Learner:
                     "waiting %.0fs for groups: %d/%d ready, %d trajectories pending in %d groups, "
                     "actors live: %s",
                     last_report - waiting_since, len(groups), wanted, len(self.buffer), self.buffer.pending_groups,
-                    ", ".join(sorted(self.live_peers())) or "none",
+                    ", ".join(sorted(self.peers.live())) or "none",
                 )
             give_up = self.sync and self._sync_batch_is_over(len(groups), wanted, waiting_since)
             ready = self.buffer.pop_ready(wanted - len(groups), learner_version=self.version, give_up_waiting=give_up)
             if self.trainer.algorithm.resamples_flat_groups:
                 # Dynamic sampling (dapo): a group without signal is set aside and another
                 # awaited in its place, so every step trains on a full batch of signal.
-                kept = [group for group in ready if group_carries_signal(self.config.learner, group)]
+                kept = [group for group in ready if self.trainer.algorithm.carries_signal(group)]
                 self.counters["groups_resampled"] += len(ready) - len(kept)
                 ready = kept
             groups += ready
@@ -422,7 +367,7 @@ class Learner:
         etas = [staleness(trained_version, t.policy_versions, t.loss_mask) for t in trajectories]
         rewards = [t.reward for t in trajectories]
         buffer_counters = self.buffer.counters
-        live = self.live_peers()
+        live = self.peers.live()
         record = {
             "step": self.step,
             "version": self.version,
@@ -449,7 +394,7 @@ class Learner:
             # received = accepted + the refusals below; accepted = trained + dropped with their
             # group + held. Episodes the actors reported sending, minus those received, were in
             # flight (or died with a killed actor).
-            "actor_episodes_reported": sum(self.episodes_reported.values()),
+            "actor_episodes_reported": self.peers.episodes_reported_total(),
             "trajectories_received": buffer_counters["received"],
             "trajectories_accepted": buffer_counters["accepted"],
             "trajectories_trained": buffer_counters["returned_trajectories"],
@@ -570,7 +515,7 @@ class Learner:
         last_step_time = time.monotonic()
         while self.step < self.config.run.total_steps:
             groups = await self._collect_batch()
-            scored = score_groups(groups, learner)
+            scored = self.trainer.algorithm.score(groups)
             train_metrics: dict = {}
             if scored.examples:
                 train_metrics = await trio.to_thread.run_sync(self._update, scored)
@@ -622,6 +567,7 @@ class Learner:
         Cancelled (SIGTERM, Ctrl-C), it first writes a checkpoint of the last finished step, so
         `run.resume=true` (or the launcher restarting it) continues from there.
         """
+        self._trio_token = trio.lowlevel.current_trio_token()
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._receive_trajectories)
@@ -642,15 +588,14 @@ class Learner:
             # gone (their collectives lose rank 0), and the launcher restarts them all.
             raise
         finally:
-            if self.weight_sync is not None:
-                self.weight_sync.close()
+            self.publisher.close()
             self.metrics.close()
 
     async def stop_actors(self, reason: str) -> int:
         """Send Stop to every live actor; returns how many took it. One gone or hung peer is
         logged and skipped, never allowed to break the shutdown of the others."""
         stopped = 0
-        for peer in self.live_peers():
+        for peer in self.peers.live():
             with trio.move_on_after(_STOP_SEND_TIMEOUT_S) as scope:
                 try:
                     await self.endpoints.control.send(peer, Stop(reason=reason))
@@ -684,13 +629,6 @@ def outcome_figures(groups) -> dict[str, float]:
         # Replies the env could not read as an action, per turn played.
         "invalid_action_rate": sum(t.invalid_actions for t in trajectories) / turns if turns else 0.0,
     }
-
-
-def weights_payload_bytes(update) -> int:
-    """Tensor bytes a WeightsUpdate carries (inline) or points at (path)."""
-    if update.tensors is not None:
-        return int(sum(array.nbytes for array in update.tensors.values()))
-    return int(sum(file.stat().st_size for file in Path(update.path).glob("*.safetensors")))
 
 
 def _only_cancellation(error: BaseException) -> bool:

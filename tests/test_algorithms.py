@@ -1,5 +1,5 @@
-"""The algorithm registry: each algorithm's advantages and loss against hand-computed values, and
-the settings it refuses."""
+"""The built-in algorithms: each one's advantages and loss against hand-computed values, and the
+settings it refuses."""
 
 import math
 from types import SimpleNamespace
@@ -10,14 +10,7 @@ import torch
 
 from longhorizon.common.config import ConfigError, LearnerConfig, load_config
 from longhorizon.learner.advantages import overlong_penalty
-from longhorizon.learner.algorithms import (
-    ALGORITHMS,
-    AlgorithmError,
-    algorithm_loss,
-    check_algorithm_settings,
-    clip_range,
-    group_advantages,
-)
+from longhorizon.learner.algorithms import BUILTINS, Algorithm, AlgorithmError, make_algorithm
 from longhorizon.learner.losses import cispo_loss, gspo_loss
 from longhorizon.learner.trainer import score_groups
 
@@ -31,6 +24,14 @@ def _trajectory(reward, generated=3, error=""):
 
 def _group(*rewards, generated=3):
     return SimpleNamespace(trajectories=[_trajectory(r, generated) for r in rewards])
+
+
+def group_advantages(config, rewards):
+    return make_algorithm(config).group_advantages(rewards)
+
+
+def algorithm_loss(config, *tensors):
+    return make_algorithm(config).loss(*tensors)
 
 
 # -- advantages ----------------------------------------------------------------------------------
@@ -121,7 +122,7 @@ def test_dapo_clips_higher_above_than_below():
     grpo = algorithm_loss(LearnerConfig(algorithm="grpo"), logprobs, proximal, proximal, advantages, mask)
     assert float(dapo.loss) == pytest.approx(-1.25)  # inside 1 + 0.28
     assert float(grpo.loss) == pytest.approx(-1.2)  # clipped at 1 + 0.2
-    assert clip_range(LearnerConfig(algorithm="dapo", clip_eps_high=0.4)) == (0.2, 0.4)
+    assert make_algorithm(LearnerConfig(algorithm="dapo", clip_eps_high=0.4)).clip_range == (0.2, 0.4)
 
 
 def test_gspo_uses_one_length_normalised_ratio_per_sequence():
@@ -156,21 +157,49 @@ def test_cispo_keeps_the_gradient_of_tokens_outside_the_clip():
 # -- settings ------------------------------------------------------------------------------------
 
 def test_every_algorithm_builds_with_its_defaults():
-    for name in ALGORITHMS:
-        assert check_algorithm_settings(LearnerConfig(algorithm=name)).name == name
+    for name in BUILTINS:
+        algorithm = make_algorithm(LearnerConfig(algorithm=name))
+        assert algorithm.name == name and algorithm.summary
+        assert algorithm.reads() == frozenset(vars(algorithm.settings))  # its typed view holds what it reads
+
+
+def test_how_each_algorithm_scores_and_aggregates():
+    def built(name, **settings):
+        return make_algorithm(LearnerConfig(algorithm=name, **settings))
+
+    assert [name for name in BUILTINS if built(name).resamples_flat_groups] == ["dapo"]
+    assert [name for name in BUILTINS if not built(name).runs_on_several_ranks] == ["ppo"]
+    assert {name: built(name).aggregation for name in BUILTINS} == {
+        "grpo": "token", "rloo": "token", "reinforce_pp": "token", "dr_grpo": "sum", "dapo": "token",
+        "gspo": "sequence", "ppo": "token", "cispo": "token",
+    }
+    assert built("grpo", aggregation="sequence").aggregation == "sequence"
+    # Only ppo brings a critic.
+    assert [name for name in BUILTINS if type(built(name)).build_value_model is not Algorithm.build_value_model] == ["ppo"]
 
 
 def test_unknown_algorithms_and_foreign_keys_are_refused():
     with pytest.raises(AlgorithmError, match="valid: grpo, rloo, reinforce_pp, dr_grpo, dapo, gspo, ppo, cispo"):
-        check_algorithm_settings(LearnerConfig(algorithm="ppo2"))
+        make_algorithm(LearnerConfig(algorithm="ppo2"))
     with pytest.raises(AlgorithmError, match="clip_eps_high is not used by .*'grpo'.*read by dapo, gspo, cispo"):
-        check_algorithm_settings(LearnerConfig(clip_eps_high=0.28))
+        make_algorithm(LearnerConfig(clip_eps_high=0.28))
     with pytest.raises(AlgorithmError, match="learner.clip_eps is not used by .*'gspo'"):
-        check_algorithm_settings(LearnerConfig(algorithm="gspo", clip_eps=0.3))
+        make_algorithm(LearnerConfig(algorithm="gspo", clip_eps=0.3))
     with pytest.raises(AlgorithmError, match="aggregation is not used by .*'dr_grpo'"):
-        check_algorithm_settings(LearnerConfig(algorithm="dr_grpo", aggregation="sequence"))
+        make_algorithm(LearnerConfig(algorithm="dr_grpo", aggregation="sequence"))
     with pytest.raises(AlgorithmError, match="overlong_buffer_tokens must be between"):
-        check_algorithm_settings(LearnerConfig(algorithm="dapo", overlong_max_tokens=10, overlong_buffer_tokens=10))
+        make_algorithm(LearnerConfig(algorithm="dapo", overlong_max_tokens=10, overlong_buffer_tokens=10))
+    with pytest.raises(AlgorithmError, match="overlong_buffer_tokens needs learner.overlong_max_tokens"):
+        make_algorithm(LearnerConfig(algorithm="dapo", overlong_buffer_tokens=10))
+    with pytest.raises(AlgorithmError, match="value_coef must be positive"):
+        make_algorithm(LearnerConfig(algorithm="ppo", value_coef=0.0))
+    with pytest.raises(AlgorithmError, match="clip range must have"):
+        make_algorithm(LearnerConfig(algorithm="cispo", clip_eps_low=1.5))
+    # Values no loss knows fail here, not at the first update ("sum" is dr_grpo's own).
+    with pytest.raises(AlgorithmError, match="learner.aggregation must be one of token, sequence, got 'sum'"):
+        make_algorithm(LearnerConfig(aggregation="sum"))
+    with pytest.raises(AlgorithmError, match="learner.weight_level must be one of"):
+        make_algorithm(LearnerConfig(algorithm="dapo", weight_level="tokens"))
 
 
 def test_the_launcher_refuses_bad_algorithm_settings_before_starting():
@@ -183,6 +212,12 @@ def test_the_launcher_refuses_bad_algorithm_settings_before_starting():
         validate_config(load_config(None, [*base, "learner.algorithm='dapo'", "run.mode='sync'"]))
     with pytest.raises(ConfigError, match="unknown config key learner.advantage"):
         load_config(None, ["learner.advantage='rloo'"])
+    # An algorithm that does not run on several ranks says so; the launcher asks it.
+    from longhorizon.launch.local import _check_learner_ranks
+
+    with pytest.raises(ConfigError, match="'ppo' runs on one rank"):
+        _check_learner_ranks(load_config(None, ["learner.algorithm='ppo'", "learner.num_ranks=2"]), torch.device("cpu"))
+    _check_learner_ranks(load_config(None, ["learner.algorithm='dapo'", "learner.num_ranks=2"]), torch.device("cpu"))
 
 
 # -- ppo: turn rewards, GAE, value loss ----------------------------------------------------------
@@ -301,7 +336,11 @@ def test_ppo_advantages_are_centred_and_scaled_only_when_asked(tiny_codebook_mod
     micro_batches = trainer._micro_batches(score_groups([SimpleNamespace(trajectories=trajectories)], config).examples)
     with torch.no_grad():
         values = [trainer._values(micro) for micro in micro_batches]
-    scored, _ = trainer._critic_advantages(micro_batches, values)
+    scored, _ = trainer.algorithm.advantages_from_values(micro_batches, values)
     advantages = torch.cat([micro.advantages[micro.loss_mask > 0] for micro in scored])
     expected = torch.tensor([0.5] * 4 + [-0.5] * 4) / (0.5 if std_scaling else 1.0)
     torch.testing.assert_close(advantages, expected, atol=1e-4, rtol=1e-4)
+    # The several-ranks path (sums of count, total and squares) on one rank gives the same.
+    summed, _ = trainer.algorithm.advantages_from_values(micro_batches, values, sum_over_ranks=lambda sums: sums)
+    torch.testing.assert_close(torch.cat([micro.advantages[micro.loss_mask > 0] for micro in summed]), expected,
+                               atol=1e-4, rtol=1e-4)

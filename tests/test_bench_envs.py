@@ -2,7 +2,7 @@
 
 import json
 
-from longhorizon.launch.bench import main
+from longhorizon.launch.bench.cli import main
 
 
 def test_env_bench_reports_both_paths(capsys):

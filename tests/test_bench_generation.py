@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from longhorizon.launch.bench import main as bench_main
-from longhorizon.launch.bench_generation import (
+from longhorizon.launch.bench.cli import main as bench_main
+from longhorizon.launch.bench.generation import (
     MODEL_SHAPES,
     logprob_mismatch,
     main,

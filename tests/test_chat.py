@@ -55,3 +55,31 @@ def test_byte_tokenizer_round_trip():
     assert tokenizer.decode(tokenizer.encode("héllo")) == "héllo"
     conversation = _play_two_turns(tokenizer, tokenizer.encode("a0") + [tokenizer.eos_token_id])
     assert conversation.token_ids == tokenizer.prompt_tokens(conversation.messages)
+
+
+def test_a_last_turns_view_is_the_first_prompt_and_the_exact_tokens_of_the_last_turns(tiny_codebook_model):
+    tokenizer = HFChatTokenizer(load_tokenizer(tiny_codebook_model))
+    conversation = TokenConversation.start(
+        tokenizer, [{"role": "system", "content": "rules"}, {"role": "user", "content": "s1"}]
+    )
+    replies = [tokenizer.encode("a0") + [tokenizer.eos_token_id], tokenizer.encode("a1"),  # a1 hit max_new_tokens
+               tokenizer.encode("a2") + [tokenizer.eos_token_id]]
+    for turn, reply in enumerate(replies):
+        conversation.add_generation(reply, [-0.1] * len(reply), turn, f"a{turn}")
+        conversation.add_observation(f"s{turn + 2}", stopped_on_eos=reply[-1] == tokenizer.eos_token_id)
+    assert conversation.turn_starts[0] == conversation.prompt_length and len(conversation.turn_starts) == 3
+
+    last_two = conversation.last_turns_view(2)
+    assert [m["content"] for m in last_two.messages] == ["rules", "s1", "a1", "s3", "a2", "s4"]
+    # The kept replies are the sampled tokens themselves, the cut one with its added end-of-turn.
+    start = conversation.turn_starts[1]
+    assert last_two.token_ids == conversation.token_ids[: conversation.prompt_length] + conversation.token_ids[start:]
+    assert last_two.token_ids == tokenizer.prompt_tokens(last_two.messages)  # what the template renders
+    last_one = conversation.last_turns_view(1)
+    assert [m["content"] for m in last_one.messages] == ["rules", "s1", "a2", "s4"]
+    assert last_one.token_ids == tokenizer.prompt_tokens(last_one.messages)
+
+    everything = conversation.last_turns_view(5)
+    assert everything.token_ids == conversation.token_ids and everything.messages == conversation.messages
+    with pytest.raises(ValueError, match="at least the last turn"):
+        conversation.last_turns_view(0)

@@ -39,6 +39,8 @@ class FakeEnv:
         self.flaw = flaw
         self.turn = 0
         self.closed = False
+        if flaw == "unknown_prompt_format":
+            self.prompt_format = "json"
 
     def instructions(self) -> str:
         return ""
@@ -105,6 +107,7 @@ async def test_a_well_behaved_fake_passes(fake_env):
         ("bool_reward", "reward must be a finite number"),
         ("steps_after_end", "step after termination must raise RuntimeError"),
         ("close_twice", "close must be idempotent"),
+        ("unknown_prompt_format", "prompt_format must name an agent loop: unknown agent loop 'json'"),
     ],
 )
 async def test_each_flaw_is_caught(fake_env, flaw, message):

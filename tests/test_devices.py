@@ -9,7 +9,8 @@ import trio
 from longhorizon.actor.engines.base import EngineSettings, GenerationRequest, make_engine
 from longhorizon.common.config import LearnerConfig, SamplingConfig
 from longhorizon.common.models import ModelError, load_causal_lm, resolve_device
-from longhorizon.learner.trainer import Example, Trainer, pad_examples, token_logprobs
+from longhorizon.learner.logprobs import Example, pad_examples, token_logprobs
+from longhorizon.learner.trainer import Trainer
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

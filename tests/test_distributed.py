@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from longhorizon.common.config import ConfigError, LearnerConfig, load_config
 from longhorizon.learner.distributed import Ranks, RanksError, ranks_from_environment, split_by_tokens
-from longhorizon.learner.trainer import FlatShare
+from longhorizon.learner.scoring import FlatShare
 
 CONFIG = dict(optimizer_steps_per_batch=2, learning_rate=1e-3, micro_batch_size=2, clip_eps=0.2)
 
@@ -74,7 +74,7 @@ def test_wrong_rank_settings_fail_before_any_process_starts():
 # -- ranks in processes -------------------------------------------------------------------------
 
 def _examples(lengths=(9, 14, 6, 11, 7), vocabulary=15, seed=0):
-    from longhorizon.learner.trainer import Example
+    from longhorizon.learner.logprobs import Example
 
     rng = np.random.default_rng(seed)
     examples = []

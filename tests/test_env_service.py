@@ -1,4 +1,4 @@
-"""The env service (envs/server.py) and RemoteEnv (envs/remote.py) over real loopback sockets."""
+"""The env service (envs/service.py, served over HTTP by envs/server.py) and RemoteEnv (envs/remote.py) over real loopback sockets."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ from longhorizon.envs.remote import (
     make_remote_env,
 )
 from longhorizon.envs.sciworld.catalog import SCIENCEWORLD_TASKS
-from longhorizon.envs.server import EnvServer, ServiceSettings, build_task_table
+from longhorizon.envs.server import EnvServer
+from longhorizon.envs.service import ServiceSettings, build_task_table
 
 
 def _request(port: int, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None):

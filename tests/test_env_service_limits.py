@@ -11,15 +11,8 @@ import threading
 import time
 
 import pytest
-from longhorizon.envs.server import (
-    EnvServer,
-    EnvService,
-    ServiceError,
-    ServiceSettings,
-    _HTTPServer,
-    _LostClientLog,
-    build_task_table,
-)
+from longhorizon.envs.server import EnvServer, _HTTPServer, _LostClientLog
+from longhorizon.envs.service import EnvService, ServiceError, ServiceSettings, build_task_table
 
 # Generous bounds: they only catch a service that never recovers, not a slow machine.
 WAIT_S = 20.0

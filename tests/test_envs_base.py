@@ -127,6 +127,19 @@ def test_register_custom_env_and_reject_silent_override():
     assert "echo-test" not in env_names()
 
 
+def test_a_replaced_builtin_comes_back_when_the_replacement_is_unregistered():
+    original = get_env_spec("codebook")
+    other = EnvSpec(name="codebook", factory=_EchoEnv, tasks=_echo_tasks)
+    with pytest.raises(ValueError, match="already registered"):
+        register_env(other)
+    register_env(other, replace=True)
+    try:
+        assert get_env_spec("codebook") is other
+    finally:
+        unregister_env("codebook")
+    assert get_env_spec("codebook") is original
+
+
 def test_register_env_rejects_non_specs():
     with pytest.raises(TypeError, match="EnvSpec"):
         register_env({"name": "x"})

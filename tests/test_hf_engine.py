@@ -11,7 +11,7 @@ from longhorizon.common.config import SamplingConfig
 from longhorizon.common.models import load_causal_lm
 from longhorizon.common.wire import WeightsUpdate
 from longhorizon.learner.broadcast import make_weights_update
-from longhorizon.learner.trainer import Example, pad_examples, token_logprobs
+from longhorizon.learner.logprobs import Example, pad_examples, token_logprobs
 
 
 def _engine(model_folder, **sampling):

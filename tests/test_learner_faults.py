@@ -88,12 +88,12 @@ async def test_silent_actors_are_counted_lost_once_and_not_sent_to(tmp_path, byt
     learner = await _make_learner(_config(tmp_path, byte_model), network.learner_endpoints(), byte_model)
     live = network.actor_endpoints("actor-0")
     now = time.monotonic()
-    learner.peers = {
+    learner.peers.known = {
         "actor-0": {"last_seen": now},
         "silent": {"last_seen": now - 10 * learner.config.learner.peer_timeout_s},
     }
-    assert learner.live_peers() == ["actor-0"]
-    assert learner.live_peers() == ["actor-0"]
+    assert learner.peers.live() == ["actor-0"]
+    assert learner.peers.live() == ["actor-0"]
     assert learner.counters["actors_lost"] == 1  # reported once, not at every look
     assert await learner.stop_actors("done") == 1
     assert isinstance(await live.control.receive(), Stop)

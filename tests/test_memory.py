@@ -12,7 +12,7 @@ from longhorizon.common import memory
 _RECEIVER = """
 import resource, sys
 from longhorizon.common.memory import keep_freed_message_memory
-from longhorizon.launch.bench_transport import _measure
+from longhorizon.launch.bench.transport import _measure
 
 if __name__ == "__main__":
     keep = sys.argv[1] == "keep"

@@ -1,6 +1,9 @@
-"""Metrics files: following a growing metrics.jsonl, and cutting it back on resume."""
+"""Metrics files: reading and following a growing metrics.jsonl, and cutting it back on resume."""
 
 import json
+import logging
+
+import pytest
 
 from longhorizon.common.metrics import MetricsFollower, read_metrics, truncate_metrics
 
@@ -40,3 +43,18 @@ def test_truncate_keeps_the_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp
     assert [record["step"] for record in read_metrics(tmp_path)] == [1, 2, 3, 4]
     assert truncate_metrics(tmp_path, last_step=4) == 0
     assert truncate_metrics(tmp_path / "absent", last_step=0) == 0
+
+
+def test_read_metrics_skips_lines_that_are_not_records_and_can_require_some(tmp_path, caplog):
+    assert read_metrics(tmp_path) == []  # a run that has not stepped yet
+    with pytest.raises(FileNotFoundError, match="no metrics file"):
+        read_metrics(tmp_path, required=True)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="no metric records"):
+        read_metrics(tmp_path, required=True)
+    path.write_text(json.dumps({"step": 1}) + "\n[1, 2]\n\n" + json.dumps({"step": 2}) + "\n" + '{"step": 3, "lo')
+    with caplog.at_level(logging.WARNING, logger="longhorizon.common.metrics"):
+        assert read_metrics(tmp_path, required=True) == [{"step": 1}, {"step": 2}]
+    assert "metrics.jsonl:2: skipped, not a JSON object" in caplog.text
+    assert "metrics.jsonl:5: skipped, not JSON" in caplog.text

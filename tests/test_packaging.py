@@ -42,3 +42,16 @@ def test_wheel_installs_under_one_import_name(tmp_path):
         "assert importlib.util.find_spec('common') is None and importlib.util.find_spec('launch') is None"
     )
     subprocess.run([str(venv / "bin" / "python"), "-c", probe], check=True, cwd=tmp_path)
+
+
+def test_every_package_folder_is_listed_for_the_wheel():
+    # The editable install finds any folder; a built wheel holds only the packages pyproject lists.
+    import tomllib
+
+    listed = set(tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {
+        ".".join(("longhorizon", *init.parent.relative_to(REPO_ROOT).parts))
+        for top in ("actor", "common", "envs", "learner", "launch")
+        for init in (REPO_ROOT / top).rglob("__init__.py")
+    }
+    assert folders - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"

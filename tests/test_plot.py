@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from longhorizon.launch.plot import (
-    main, moving_average, plot_run, read_metrics, signal_bars, summed_staleness_histogram,
-)
+from longhorizon.common.metrics import read_metrics
+from longhorizon.launch.plot import main, moving_average, plot_run, signal_bars, summed_staleness_histogram
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -77,8 +76,8 @@ def test_missing_keys_are_skipped_with_a_note(tmp_path, caplog):
 
 def test_cut_off_last_line_is_skipped(tmp_path, caplog):
     write_metrics(tmp_path, synthetic_records(3), tail='{"step": 3, "reward_me')
-    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 3
-    with caplog.at_level(logging.WARNING, logger="longhorizon.launch.plot"):
+    assert len(read_metrics(tmp_path)) == 3
+    with caplog.at_level(logging.WARNING, logger="longhorizon.common.metrics"):
         assert len(plot_run(tmp_path)) == 6
     assert "not JSON" in caplog.text
 

@@ -5,7 +5,7 @@ import pytest
 
 from longhorizon.actor.engines.base import EngineSettings, GenerationResult, make_engine
 from longhorizon.actor.rollout import EnvPool, run_episode, run_group, to_trajectory
-from longhorizon.common.wire import decode, encode
+from longhorizon.common.codec import decode, encode
 from longhorizon.envs.base import list_tasks, make_env
 
 

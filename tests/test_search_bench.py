@@ -6,7 +6,7 @@ import pytest
 
 from longhorizon.envs.search.corpus import iter_corpus
 from longhorizon.envs.search.retriever import BM25Retriever
-from longhorizon.launch import bench_search
+from longhorizon.launch.bench import search as bench_search
 
 
 def test_generated_corpus_is_deterministic_and_searchable(tmp_path):

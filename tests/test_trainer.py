@@ -9,8 +9,16 @@ import torch
 
 from longhorizon.common.config import Config, LearnerConfig, RunConfig
 from longhorizon.common.models import load_causal_lm
-from longhorizon.learner import trainer as trainer_module
-from longhorizon.learner.trainer import Example, Trainer, has_dropout, pad_examples, plan_micro_batches, token_logprobs
+from longhorizon.learner.logprobs import (
+    Example,
+    chunked_logprobs_match,
+    logprobs_from_logits,
+    pad_examples,
+    plan_micro_batches,
+    token_logprobs,
+)
+from longhorizon.learner.scoring import FlatShare
+from longhorizon.learner.trainer import Trainer, has_dropout, score_groups
 from longhorizon.learner.worker import build_buffer, build_trainer
 
 
@@ -55,7 +63,7 @@ def _on_policy_examples(model, seed: int = 0) -> list[Example]:
 
 
 def _gradient(model_folder, config: LearnerConfig, examples: list[Example],
-              flat: trainer_module.FlatShare = trainer_module.FlatShare()) -> list[torch.Tensor]:
+              flat: FlatShare = FlatShare()) -> list[torch.Tensor]:
     """The gradient of one update step (left on the parameters after the step), whose scale,
     unlike an Adam step's, follows the loss's."""
     model = load_causal_lm(model_folder)
@@ -95,7 +103,7 @@ def test_flat_groups_left_out_count_as_if_trained_on_with_zero_advantage(tiny_co
     signal = _on_policy_examples(load_causal_lm(tiny_codebook_model))
     flat = [dataclasses.replace(e, advantage=0.0) for e in _on_policy_examples(load_causal_lm(tiny_codebook_model), seed=1)]
     flat += flat[:6]
-    share = trainer_module.FlatShare(tokens=float(sum(e.loss_mask.sum() for e in flat)), sequences=len(flat))
+    share = FlatShare(tokens=float(sum(e.loss_mask.sum() for e in flat)), sequences=len(flat))
     if algorithm == "grpo":
         signal_tokens = float(sum(e.loss_mask.sum() for e in signal))
         signal_share = signal_tokens / (signal_tokens + share.tokens)
@@ -140,14 +148,15 @@ def test_the_proximal_pass_runs_without_dropout(tiny_codebook_model, monkeypatch
     examples.sort(key=lambda e: len(e.token_ids))
     expected = token_logprobs(model.eval(), pad_examples(examples, 0)).detach()
     seen = []
-    real_loss = trainer_module.algorithms.algorithm_loss
+    trainer = Trainer(model, LearnerConfig(micro_batch_size=64, max_tokens_per_micro_batch=10_000))
+    real_loss = trainer.algorithm.loss
 
-    def recording_loss(config, logprobs, proximal, *args, **kwargs):
+    def recording_loss(logprobs, proximal, *args, **kwargs):
         seen.append(proximal.detach().clone())
-        return real_loss(config, logprobs, proximal, *args, **kwargs)
+        return real_loss(logprobs, proximal, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_module.algorithms, "algorithm_loss", recording_loss)
-    Trainer(model, LearnerConfig(micro_batch_size=64, max_tokens_per_micro_batch=10_000)).step(examples)
+    monkeypatch.setattr(trainer.algorithm, "loss", recording_loss)
+    trainer.step(examples)
     [proximal] = seen
     mask = pad_examples(examples, 0).loss_mask.bool()
     torch.testing.assert_close(proximal[mask], expected[mask])
@@ -158,8 +167,6 @@ def test_sync_mode_and_async_at_zero_staleness_build_the_same_update(tiny_codebo
     """The two modes as a run builds them (buffer and trainer from the config), fed the same
     on-policy batch: identical parameters, and equal to plain on-policy PPO."""
     from tests.test_sync_equivalence import _fixed_batch
-
-    from longhorizon.learner.trainer import score_groups
 
     version = 5
     trajectories = _fixed_batch(load_causal_lm(tiny_codebook_model), version)
@@ -187,8 +194,6 @@ def test_sync_mode_and_async_at_zero_staleness_build_the_same_update(tiny_codebo
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chunked_logprobs_equal_whole_ones_in_value_and_gradient(tiny_codebook_model, temperature):
-    from longhorizon.learner.trainer import chunked_logprobs_match
-
     model = load_causal_lm(tiny_codebook_model)
     assert chunked_logprobs_match(model)
     batch = pad_examples(_on_policy_examples(model), pad_token_id=0)
@@ -209,12 +214,12 @@ def test_the_entropy_of_each_position_by_hand():
     # Probabilities 1/4 and 3/4: H = -(1/4 ln 1/4 + 3/4 ln 3/4); four equal logits: ln 4.
     logits = torch.tensor([[[0.0, float(np.log(3.0))], [5.0, 5.0]]])
     targets = torch.tensor([[1, 0]])
-    logprobs, entropy = trainer_module._logprobs_from_logits(logits, targets, 1.0, with_entropy=True)
+    logprobs, entropy = logprobs_from_logits(logits, targets, 1.0, with_entropy=True)
     torch.testing.assert_close(logprobs, torch.tensor([[np.log(0.75), np.log(0.5)]], dtype=torch.float32))
     torch.testing.assert_close(entropy, torch.tensor([[-(0.25 * np.log(0.25) + 0.75 * np.log(0.75)), np.log(2)]],
                                                      dtype=torch.float32))
     # At temperature 2 the logits are halved before anything else: probabilities 1/(1+sqrt 3), ...
-    _, tempered = trainer_module._logprobs_from_logits(logits, targets, 2.0, with_entropy=True)
+    _, tempered = logprobs_from_logits(logits, targets, 2.0, with_entropy=True)
     p = 1 / (1 + np.sqrt(3.0))
     assert float(tempered[0, 0]) == pytest.approx(-(p * np.log(p) + (1 - p) * np.log(1 - p)), rel=1e-5)
 
@@ -263,8 +268,6 @@ def test_the_entropy_bonus_alone_makes_the_policy_less_certain(tiny_codebook_mod
 def test_flat_groups_are_trained_on_at_advantage_zero_under_an_entropy_bonus():
     from types import SimpleNamespace
 
-    from longhorizon.learner.trainer import score_groups
-
     def member(reward):
         return SimpleNamespace(reward=reward, error="", token_ids=np.arange(5), loss_mask=np.r_[0, 0, 1, 1, 1],
                                behaviour_logprobs=np.zeros(5, np.float32))
@@ -280,8 +283,6 @@ def test_flat_groups_are_trained_on_at_advantage_zero_under_an_entropy_bonus():
 
 
 def test_a_model_that_does_not_split_falls_back_to_whole_logits(tiny_codebook_model):
-    from longhorizon.learner.trainer import chunked_logprobs_match
-
     model = load_causal_lm(tiny_codebook_model)
     real_forward = model.forward
 

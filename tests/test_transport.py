@@ -25,6 +25,7 @@ from longhorizon.common.transport import (
     zmq_actor_endpoints,
     zmq_learner_endpoints,
 )
+from longhorizon.common.codec import WireLimits, encode
 from longhorizon.common.wire import (
     Heartbeat,
     Hello,
@@ -32,10 +33,8 @@ from longhorizon.common.wire import (
     Stop,
     Trajectory,
     WeightsUpdate,
-    WireLimits,
-    encode,
 )
-from longhorizon.launch.bench_transport import bench_transport, print_table
+from longhorizon.launch.bench.transport import bench_transport, print_report
 
 LOOPBACK = "tcp://127.0.0.1:0"
 TRANSPORT_LOGGER = "longhorizon.common.transport"
@@ -459,7 +458,7 @@ def test_bench_transport_reports_every_figure(capsys) -> None:
         "keep_freed_memory",
     }
     assert expected <= set(result)
-    print_table(result)
+    print_report(result)
     lines = capsys.readouterr().out.strip().splitlines()
     assert json.loads(lines[-1]) == json.loads(json.dumps(result))
     assert len(lines) > 2

@@ -172,7 +172,7 @@ async def test_rollout_reports_a_killed_browser_as_a_failed_episode_and_goes_on(
 def test_bench_web_prints_a_table_then_json(capsys):
     import json
 
-    from longhorizon.launch.bench_web import main
+    from longhorizon.launch.bench.web import main
 
     assert main(["--contexts", "0"]) == 2
     assert main(["--contexts", "1,2", "--seconds", "0.5", "--resets", "1", "--steps", "3"]) == 0

@@ -1,4 +1,4 @@
-"""Tests for the wire codec: round trips, zero-copy framing, and rejection of every kind of bad input."""
+"""Tests for the message codec (common/codec.py): round trips, zero-copy framing, and rejection of every kind of bad input."""
 
 import dataclasses
 import math
@@ -9,12 +9,19 @@ import numpy as np
 import pytest
 import zmq
 
-from longhorizon.common.wire import (
+from longhorizon.common.codec import (
     CONTROL_LIMITS,
     DEFAULT_LIMITS,
     INLINE_ARRAY_BYTES,
-    MESSAGE_TYPES,
     WEIGHTS_LIMITS,
+    WireError,
+    WireLimits,
+    decode,
+    encode,
+    pack_arrays,
+)
+from longhorizon.common.wire import (
+    MESSAGE_TYPES,
     ActorStats,
     Heartbeat,
     Hello,
@@ -22,11 +29,6 @@ from longhorizon.common.wire import (
     Stop,
     Trajectory,
     WeightsUpdate,
-    WireError,
-    WireLimits,
-    decode,
-    encode,
-    pack_arrays,
 )
 
 
@@ -184,7 +186,7 @@ def test_weights_update_with_tensors_of_many_dtypes() -> None:
         "step": np.array(12, dtype=np.int64),  # 0-d
         "empty": np.zeros((0, 3), dtype=np.float32),
     }
-    update = WeightsUpdate(version=4, tensors=tensors, dtype_note="bf16.weight: bfloat16 as uint16")
+    update = WeightsUpdate(version=4, tensors=tensors, bfloat16_tensors=["bf16.weight"])
     frames = encode(update)
     assert len(frames) == 2  # only the 160,000-byte embedding is large
     decoded = decode(frames, limits=WEIGHTS_LIMITS)
@@ -194,7 +196,7 @@ def test_weights_update_with_tensors_of_many_dtypes() -> None:
         assert decoded.tensors[name].dtype == tensor.dtype
         assert decoded.tensors[name].shape == tensor.shape
         np.testing.assert_array_equal(decoded.tensors[name], tensor)
-    assert decoded.dtype_note == "bf16.weight: bfloat16 as uint16"
+    assert decoded.bfloat16_tensors == ["bf16.weight"]
 
 
 def test_encode_converts_lists_bools_and_numpy_scalars() -> None:
@@ -246,6 +248,8 @@ def test_non_contiguous_and_big_endian_arrays_are_sent_correctly() -> None:
         (WeightsUpdate(version=1, path="/x", tensors={"w": np.ones(2, np.float32)}), "exactly one"),
         (WeightsUpdate(version=1, tensors={"mask": np.ones(2, dtype=bool)}), "booleans as uint8"),
         (WeightsUpdate(version=1, tensors={"names": np.array(["a", "b"])}), "cannot travel"),
+        (WeightsUpdate(version=1, tensors={"w": np.ones(2, np.float32)}, bfloat16_tensors=["w"]), "not a uint16 tensor"),
+        (WeightsUpdate(version=1, path="/x", bfloat16_tensors=["w"]), "not a uint16 tensor"),
         (HorizonUpdate(horizon_cap=0, stage=0, learner_step=0), "horizon_cap must be >= 1"),
     ],
 )

@@ -1,28 +1,74 @@
-"""The engine interface every actor type implements, and lookup of engines by name.
+"""The engine interface every actor type implements, its declared capabilities, and the engine registry.
 
 An engine turns token ids into new token ids with the log-prob of each sampled token, loads new
-weights in place, and reports the version of the weights it holds. Engines are found by name:
-the built-ins below, then anything registered under the `longhorizon.engines` entry point group.
+weights in place, and reports the version of the weights it holds. What it can do is declared on
+its class (`capabilities`, an `EngineCapabilities`): the launchers and recipes ask that, never the
+engine's name. Engines are found through `ENGINES` (common/plugins.py): the built-ins below, then
+the `longhorizon.engines` entry points, then a dotted path `package.module:Class` as the name.
+`actor/engines/factory.py` builds the configured engine for a purpose (train, eval, collect, ...).
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any, Callable, Protocol, Sequence
 
 from longhorizon.common.chat import ChatTokenizer
 from longhorizon.common.config import SamplingConfig
+from longhorizon.common.plugins import PluginError, Registry
 
-ENTRY_POINT_GROUP = "longhorizon.engines"
 
-_BUILTIN_ENGINES = {
-    "hf": "longhorizon.actor.engines.hf:HFEngine",
-    "scripted": "longhorizon.actor.engines.scripted:ScriptedEngine",
-    "vllm": "longhorizon.actor.engines.vllm:VLLMEngine",
-    "openai": "longhorizon.actor.engines.openai:OpenAIEngine",
-}
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do; set as the class attribute `capabilities` of each engine."""
+
+    uses_model: bool = True
+    """Plays a language model (model.path is resolved for it); False for scripted policies."""
+    needs_local_model: bool = True
+    """Cannot run without a local model folder (False: it may play a hosted model by name)."""
+    accepts_weights: bool = True
+    """Takes weight updates from the learner, so a training run can improve what it plays."""
+    takes_lora: bool = False
+    """With learner.lora, takes updates of the LoRA adapters alone."""
+    samples: bool = True
+    """Samples with the configured temperature, recording the behaviour log-prob of each token."""
+    weight_transports: tuple[str, ...] = ("inline", "path")
+    """The weights messages it loads: `inline` tensors, a `path` to a safetensors folder, a
+    `collective` announcement (a transport's `sends`, learner/weights/)."""
+    lora_weight_transports: tuple[str, ...] | None = None
+    """The messages LoRA adapters may come as, when fewer than `weight_transports` (None: the same)."""
+
+    def lora_transports(self) -> tuple[str, ...]:
+        return self.weight_transports if self.lora_weight_transports is None else self.lora_weight_transports
+
+
+def capabilities_of(engine_class: type) -> EngineCapabilities:
+    """An engine class's declared capabilities (the defaults for a class that declares none; an
+    older plug-in's `needs_model = False` still reads as not needing a local model)."""
+    declared = getattr(engine_class, "capabilities", None)
+    if isinstance(declared, EngineCapabilities):
+        return declared
+    return EngineCapabilities(needs_local_model=bool(getattr(engine_class, "needs_model", True)))
+
+
+def _check_engine(name: str, part: Any) -> None:
+    if not isinstance(part, type):
+        raise TypeError(f"engine {name!r} must be a class taking EngineSettings, got {part!r}")
+    declared = getattr(part, "capabilities", None)
+    if declared is not None and not isinstance(declared, EngineCapabilities):
+        raise TypeError(f"engine {name!r}: `capabilities` must be an EngineCapabilities, got {declared!r}")
+
+
+ENGINES: Registry[type] = Registry(
+    "engine", "longhorizon.engines",
+    {
+        "hf": "longhorizon.actor.engines.hf:HFEngine",
+        "scripted": "longhorizon.actor.engines.scripted:ScriptedEngine",
+        "vllm": "longhorizon.actor.engines.vllm:VLLMEngine",
+        "openai": "longhorizon.actor.engines.openai:OpenAIEngine",
+    },
+    check=_check_engine,
+)
 
 
 @dataclass
@@ -86,7 +132,8 @@ class Engine(Protocol):
         """Generate one assistant turn; many calls may be in flight at once."""
 
     def update_weights(self, update: Any) -> None:
-        """Load a `WeightsUpdate` in place (blocking; the actor calls it from a worker thread)."""
+        """Load a weights message in place (blocking; the actor calls it from a worker thread);
+        `actor.weights.WeightsReceiver` turns any of them into a state dict."""
 
     def end_episode(self, episode_id: str) -> None:
         """Forget per-episode state."""
@@ -100,21 +147,15 @@ class EngineError(ValueError):
 
 
 def engine_names() -> list[str]:
-    names = set(_BUILTIN_ENGINES)
-    names.update(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
-    return sorted(names)
+    return ENGINES.names()
 
 
-def load_engine_class(name: str) -> type:
-    """Find an engine class by name: built-ins first, then the entry point group."""
-    target = _BUILTIN_ENGINES.get(name)
-    if target is None:
-        matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
-        if not matches:
-            raise EngineError(f"unknown engine {name!r}; available: {', '.join(engine_names())}")
-        return matches[0].load()
-    module_name, _, attribute = target.partition(":")
-    return getattr(importlib.import_module(module_name), attribute)
+def engine_class(name: str) -> type:
+    """The engine class `actor.engine` names (EngineError if there is none)."""
+    try:
+        return ENGINES.get(name)
+    except (PluginError, TypeError) as error:
+        raise EngineError(str(error)) from None
 
 
 def tokens_through_stop_string(
@@ -155,5 +196,14 @@ def reject_engine_options(engine_name: str, settings: EngineSettings) -> None:
         )
 
 
+def check_engine_settings(engine_cls: type, settings: EngineSettings) -> None:
+    """The engine's own check of its settings before any process starts (ValueError), when it
+    has one (`check_settings`, a classmethod): e.g. the scripted engine's policy exists."""
+    check = getattr(engine_cls, "check_settings", None)
+    if check is not None:
+        check(settings)
+
+
 def make_engine(name: str, settings: EngineSettings) -> Engine:
-    return load_engine_class(name)(settings)
+    """The engine called `name`, started with `settings` (build_engine starts the configured one)."""
+    return engine_class(name)(settings)

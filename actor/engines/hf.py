@@ -14,12 +14,12 @@ import logging
 import math
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import trio
 
 from longhorizon.actor.engines.base import (
+    EngineCapabilities,
     EngineSettings,
     GenerationRequest,
     GenerationResult,
@@ -27,7 +27,6 @@ from longhorizon.actor.engines.base import (
 )
 from longhorizon.common.chat import HFChatTokenizer
 from longhorizon.common.models import load_state_into
-from longhorizon.common.wire import CollectiveWeights
 
 log = logging.getLogger(__name__)
 
@@ -40,24 +39,6 @@ class _Slot:
     error: BaseException | None = None
 
 
-def load_weights_update(update: Any) -> dict:
-    """Tensors of a WeightsUpdate as a torch state dict (from its inline arrays or its folder)."""
-    import torch
-
-    if getattr(update, "path", None):
-        from safetensors.torch import load_file
-
-        state: dict = {}
-        for file in sorted(Path(update.path).glob("*.safetensors")):
-            state.update(load_file(file))
-        if not state:
-            raise FileNotFoundError(f"no safetensors files in {update.path}")
-        return state
-    # Arrays decoded from the wire are read-only views of the receive buffer; torch wants
-    # writable memory, and load_state_dict copies into the parameters anyway.
-    return {name: torch.from_numpy(array.copy()) for name, array in update.tensors.items()}
-
-
 HF_ENGINE_OPTIONS = {
     "device": "where the model runs: auto (a CUDA GPU when present, else the CPU), cpu, cuda or cuda:N",
 }
@@ -66,7 +47,7 @@ HF_ENGINE_OPTIONS = {
 class HFEngine:
     """Token-in / token-out generation with per-token log-probs using transformers."""
 
-    WEIGHT_TRANSPORTS = ("inline", "path", "collective")
+    capabilities = EngineCapabilities(takes_lora=True, weight_transports=("inline", "path", "collective"))
 
     def __init__(self, settings: EngineSettings) -> None:
         import torch
@@ -99,7 +80,9 @@ class HFEngine:
         self.policy_version = 0
         self.max_batch_size = max(1, settings.max_batch_size)
         self._model_lock = threading.Lock()
-        self._receiver = None  # the collective transport's end in this process, made on first use
+        from longhorizon.actor.weights import WeightsReceiver
+
+        self._weights = WeightsReceiver(self.device)  # every transport's end in this process
         self._pending: list[_Slot] = []
         self._busy = False
 
@@ -215,15 +198,9 @@ class HFEngine:
         return results
 
     def update_weights(self, update: Any) -> None:
-        if isinstance(update, CollectiveWeights):
-            # Received while generation goes on with the old weights; swapped in between batches.
-            if self._receiver is None:
-                from longhorizon.actor.engines.weight_receiver import CollectiveReceiver
-
-                self._receiver = CollectiveReceiver(self.device)
-            state = self._receiver.receive(update)
-        else:
-            state = load_weights_update(update)
+        # Received (a collective's bytes too) while generation goes on with the old weights;
+        # swapped in between batches.
+        state = self._weights.receive(update)
         with self._model_lock:
             if self.lora is not None:
                 from longhorizon.common.lora import load_adapters
@@ -237,8 +214,7 @@ class HFEngine:
         pass
 
     async def close(self) -> None:
-        if self._receiver is not None:
-            self._receiver.close()
+        self._weights.close()
         self.model = None
 
 

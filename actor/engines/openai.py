@@ -39,6 +39,7 @@ from typing import Any, Mapping
 import trio
 
 from longhorizon.actor.engines.base import (
+    EngineCapabilities,
     EngineError,
     EngineSettings,
     GenerationRequest,
@@ -305,8 +306,23 @@ def _stop_process(process: subprocess.Popen) -> None:
 class OpenAIEngine:
     """Generation over an OpenAI-compatible endpoint; see the module docstring for modes and weights."""
 
-    needs_model = False
-    """`longhorizon eval` may run it without a local model (chat mode against a hosted model)."""
+    capabilities = EngineCapabilities(
+        # It may run without a local model (chat mode against a hosted model); with one, it
+        # serves it itself and takes weights through the server's /v1/load_weights route.
+        needs_local_model=False,
+        weight_transports=("inline", "path"),
+    )
+
+    @classmethod
+    def options_for(cls, options: dict, *, purpose: str, hosted_model: str | None) -> dict:
+        """A hosted model is named by model.path; playing for a score or for data needs the text
+        only, so endpoints without token log-probs (chat) are fine there."""
+        options = dict(options)
+        if hosted_model is not None:
+            options.setdefault("model", hosted_model)
+        if purpose in ("eval", "collect"):
+            options.setdefault("require_token_logprobs", False)
+        return options
 
     def __init__(self, settings: EngineSettings, options: OpenAIOptions | Mapping[str, Any] | None = None) -> None:
         import httpx
@@ -537,12 +553,12 @@ class OpenAIEngine:
         """Inline tensors go to a local safetensors folder the (local) server can read."""
         from safetensors.torch import save_file
 
-        from longhorizon.actor.engines.hf import load_weights_update
+        from longhorizon.actor.weights import WeightsReceiver
 
         if self._weights_folder is None:
             self._weights_folder = tempfile.TemporaryDirectory(prefix="longhorizon-weights-")
         folder = Path(self._weights_folder.name)
-        state = {name: tensor.contiguous() for name, tensor in load_weights_update(update).items()}
+        state = {name: tensor.contiguous() for name, tensor in WeightsReceiver().receive(update).items()}
         save_file(state, str(folder / "model.safetensors"))
         return folder
 

@@ -12,11 +12,39 @@ from typing import Any
 
 import trio
 
-from longhorizon.actor.engines.base import EngineSettings, GenerationRequest, GenerationResult, reject_engine_options
+from longhorizon.actor.engines.base import (
+    EngineCapabilities,
+    EngineSettings,
+    GenerationRequest,
+    GenerationResult,
+    reject_engine_options,
+)
 from longhorizon.common.chat import ByteChatTokenizer
 
 
 class ScriptedEngine:
+    capabilities = EngineCapabilities(
+        uses_model=False,
+        needs_local_model=False,
+        # Updates only move its version (training runs test the system with it), adapters too.
+        accepts_weights=True,
+        takes_lora=True,
+        samples=False,
+        weight_transports=("inline", "path"),
+    )
+
+    @classmethod
+    def check_settings(cls, settings: EngineSettings) -> None:
+        """The env must have the scripted policy asked for (ValueError)."""
+        from longhorizon.envs.base import get_env_spec
+
+        policies = get_env_spec(settings.env_name).policies
+        if settings.scripted_policy not in policies:
+            raise ValueError(
+                f"env {settings.env_name!r} has no scripted policy {settings.scripted_policy!r}; "
+                f"available: {', '.join(sorted(policies))}"
+            )
+
     def __init__(self, settings: EngineSettings) -> None:
         from longhorizon.envs.base import get_env_spec
 
@@ -24,13 +52,8 @@ class ScriptedEngine:
         self.settings = settings
         self.tokenizer = ByteChatTokenizer()
         self.policy_version = 0
-        spec = get_env_spec(settings.env_name)
-        if settings.scripted_policy not in spec.policies:
-            raise ValueError(
-                f"env {settings.env_name!r} has no scripted policy {settings.scripted_policy!r}; "
-                f"available: {', '.join(sorted(spec.policies))}"
-            )
-        self._policy_factory = spec.policies[settings.scripted_policy]
+        self.check_settings(settings)
+        self._policy_factory = get_env_spec(settings.env_name).policies[settings.scripted_policy]
         self._policies: dict[str, Any] = {}
         self._rng = random.Random(settings.seed)
 

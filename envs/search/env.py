@@ -20,7 +20,7 @@ from typing import Mapping
 
 import trio
 
-from longhorizon.envs.base import EnvSpec, Task, register_env
+from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.search.data import BUILTIN, QAItem, SearchData, resolve_data
 from longhorizon.envs.search.policies import OraclePolicy, RandomPolicy
 from longhorizon.envs.search.pytool import PythonLimits, format_result, run_python
@@ -216,5 +216,6 @@ def _strip_code_fence(code: str) -> str:
     return code
 
 
-register_env(EnvSpec(name=ENV_NAME, factory=SearchEnv, tasks=tasks,
-                     policies={"oracle": OraclePolicy, "random": RandomPolicy}))
+# The registry (envs/base.py) finds this env here by name.
+SPEC = EnvSpec(name=ENV_NAME, factory=SearchEnv, tasks=tasks,
+               policies={"oracle": OraclePolicy, "random": RandomPolicy})

@@ -30,7 +30,7 @@ import random
 import re
 from typing import Mapping
 
-from longhorizon.envs.base import EnvSpec, Task, register_env
+from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.textcraft.policies import OraclePolicy, RandomPolicy
 from longhorizon.envs.textcraft.recipes import RecipeBook, count_items, display_name, load_recipe_book
 
@@ -266,11 +266,10 @@ class TextCraftEnv:
         return f"Crafted {made} {result}"
 
 
-register_env(
-    EnvSpec(
-        name=ENV_NAME,
-        factory=TextCraftEnv,
-        tasks=tasks,
-        policies={"oracle": OraclePolicy, "random": RandomPolicy},
-    )
+# The registry (envs/base.py) finds this env here by name.
+SPEC = EnvSpec(
+    name=ENV_NAME,
+    factory=TextCraftEnv,
+    tasks=tasks,
+    policies={"oracle": OraclePolicy, "random": RandomPolicy},
 )

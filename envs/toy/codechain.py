@@ -22,11 +22,10 @@ a hash of its symbols falls in the test bucket, and train tasks are drawn from t
 
 from __future__ import annotations
 
-import hashlib
 import random
 from typing import Mapping
 
-from longhorizon.envs.base import EnvSpec, Task, register_env
+from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.toy.codebook import MAX_SPLIT_DRAWS, action_words
 from longhorizon.envs.toy.codebook import is_test_sequence as is_test_chain
 
@@ -238,12 +237,11 @@ class CodechainRandomPolicy:
         return self._rng.choice(self.actions)
 
 
-register_env(
-    EnvSpec(
-        name=ENV_NAME,
-        factory=CodechainEnv,
-        tasks=tasks,
-        policies={"oracle": CodechainOraclePolicy, "basic-only": CodechainBasicOnlyPolicy,
-                  "random": CodechainRandomPolicy},
-    )
+# The registry (envs/base.py) finds this env here by name.
+SPEC = EnvSpec(
+    name=ENV_NAME,
+    factory=CodechainEnv,
+    tasks=tasks,
+    policies={"oracle": CodechainOraclePolicy, "basic-only": CodechainBasicOnlyPolicy,
+              "random": CodechainRandomPolicy},
 )

@@ -19,7 +19,7 @@ import random
 import re
 from typing import Mapping, Sequence
 
-from longhorizon.envs.base import EnvSpec, Task, register_env
+from longhorizon.envs.base import EnvSpec, Task
 
 ENV_NAME = "longtail"
 COLOURS = ("red", "green", "blue", "amber")
@@ -254,11 +254,10 @@ class LongTailRandomPolicy:
         return "let me think about this"
 
 
-register_env(
-    EnvSpec(
-        name=ENV_NAME,
-        factory=LongTailEnv,
-        tasks=tasks,
-        policies={"oracle": LongTailPolicy, "longtail": LongTailPolicy, "random": LongTailRandomPolicy},
-    )
+# The registry (envs/base.py) finds this env here by name.
+SPEC = EnvSpec(
+    name=ENV_NAME,
+    factory=LongTailEnv,
+    tasks=tasks,
+    policies={"oracle": LongTailPolicy, "longtail": LongTailPolicy, "random": LongTailRandomPolicy},
 )

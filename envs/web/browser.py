@@ -1,13 +1,11 @@
 """Chromium through Playwright for trio code: an asyncio thread, a pool of browsers, isolated sessions.
 
 Playwright's async API runs on asyncio, the rest of longhorizon on trio. We keep Playwright on one
-dedicated asyncio event loop in a daemon thread per process (owned by a BrowserPool) and hand work
-to it with `asyncio.run_coroutine_threadsafe`; a trio task waits for the result without holding a
-worker thread (the future's done-callback wakes trio through its token). We chose the thread over
-trio-asyncio because trio-asyncio replaces the process's asyncio event-loop policy, which would
-also change the loop of anything else in the actor process that uses asyncio (HTTP clients,
-vLLM's async engine), while the thread keeps both loops private. Playwright objects never leave
-the asyncio thread: trio code holds handles and calls coroutine functions through the pool.
+dedicated asyncio event loop in a daemon thread per process (common/asyncio_thread.py, owned by a
+BrowserPool): trio awaits the pool's calls without holding a worker thread, and the process's
+asyncio policy is left alone for anything else that uses asyncio (HTTP clients, vLLM's async
+engine). Playwright objects never leave the asyncio thread: trio code holds handles and calls
+coroutine functions through the pool.
 
 A pool launches `num_browsers` Chromium processes lazily and gives every episode its own browser
 context (separate cookies, storage and cache). Every request of a context is routed: anything whose
@@ -31,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import logging
 import os
 import threading
@@ -41,6 +38,8 @@ from typing import Any, Awaitable, Callable, Iterable, TypeVar
 from urllib.parse import urlsplit
 
 import trio
+
+from longhorizon.common.asyncio_thread import AsyncioThread
 
 log = logging.getLogger(__name__)
 
@@ -123,64 +122,6 @@ class BrowserSettings:
     viewport: tuple[int, int] = (1280, 720)
 
 
-class AsyncioThread:
-    """One asyncio event loop running in a daemon thread; coroutines are submitted from other threads."""
-
-    def __init__(self, name: str = "playwright-asyncio") -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_forever()
-        self._loop.close()
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive() and not self._loop.is_closed()
-
-    def submit(self, coroutine: Awaitable[T]) -> concurrent.futures.Future[T]:
-        if not self.running:
-            raise RuntimeError("the browser's asyncio thread has been stopped")
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)  # type: ignore[arg-type]
-
-    def call_blocking(self, coroutine: Awaitable[T], timeout: float | None = None) -> T:
-        """Run a coroutine on the loop and wait for it from a plain (non-asyncio) thread."""
-        if threading.current_thread() is self._thread:
-            raise RuntimeError("call_blocking from the asyncio thread itself would deadlock")
-        return self.submit(coroutine).result(timeout)
-
-    async def call(self, coroutine: Awaitable[T]) -> T:
-        """Run a coroutine on the loop and await it from trio without occupying a worker thread."""
-        future = self.submit(coroutine)
-        token = trio.lowlevel.current_trio_token()
-        finished = trio.Event()
-
-        def wake(_: concurrent.futures.Future) -> None:
-            try:
-                token.run_sync_soon(finished.set)
-            except trio.RunFinishedError:
-                pass  # the trio run that waited is gone; nobody needs the result
-
-        future.add_done_callback(wake)
-        try:
-            await finished.wait()
-        except BaseException:
-            future.cancel()  # cancels the asyncio task: trio was cancelled, the work is unwanted
-            raise
-        return future.result()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout)
-
-
 def _chromium_descendants() -> dict[int, int]:
     """pid -> parent pid of this process's Chromium descendants (Playwright's driver spawns them)."""
     import psutil
@@ -252,7 +193,7 @@ class BrowserPool:
             if self._closed:
                 raise RuntimeError("this BrowserPool has been closed")
             if self._thread is None or not self._thread.running:
-                self._thread = AsyncioThread()
+                self._thread = AsyncioThread("playwright-asyncio")
             return self._thread
 
     async def _ensure_playwright(self) -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from longhorizon.envs.base import EnvSpec, Task, register_env
+from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.web.apps.tasks import SITE_NAMES, load_tasks
 
 ENV_NAME = "weblocal"
@@ -75,5 +75,6 @@ def random_policy(**options: Any) -> Any:
     return RandomClickerPolicy(**options)
 
 
-register_env(EnvSpec(name=ENV_NAME, factory=make_local_env, tasks=local_tasks,
-                     policies={"oracle": oracle_policy, "random": random_policy}))
+# The registry (envs/base.py) finds this env here by name.
+SPEC = EnvSpec(name=ENV_NAME, factory=make_local_env, tasks=local_tasks,
+               policies={"oracle": oracle_policy, "random": random_policy})

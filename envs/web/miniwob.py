@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping
 
-from longhorizon.envs.base import EnvSpec, Task, register_env
+from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.web.actions import action_help
 from longhorizon.envs.web.browser import BrowserSession
 from longhorizon.envs.web.env import INSTRUCTIONS, BrowserEnv, Episode
@@ -264,12 +264,13 @@ def _oracle_policy(**options: Any) -> MiniWobOraclePolicy:
     return MiniWobOraclePolicy()
 
 
-register_env(EnvSpec(
+# The registry (envs/base.py) finds this env here by name.
+SPEC = EnvSpec(
     name=ENV_NAME,
     factory=MiniWobEnv,
     tasks=tasks,
     policies={"oracle": _oracle_policy, "random": _random_policy},
-))
+)
 
 ORACLE_TASKS = tuple(sorted(MINIWOB_SOLVERS))
 """The task types MiniWobOraclePolicy solves."""

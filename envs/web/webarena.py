@@ -35,7 +35,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
-from longhorizon.envs.base import EnvSpec, Task, register_env
+from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.web.browser import origin_of
 from longhorizon.envs.web.env import PLACEHOLDER, BrowserEnv, placeholder
 from longhorizon.envs.web.evaluators import unsupported_features
@@ -250,9 +250,10 @@ def _random(**options: Any) -> RandomClickerPolicy:
     return RandomClickerPolicy()
 
 
-register_env(EnvSpec(
+# The registry (envs/base.py) finds this env here by name.
+SPEC = EnvSpec(
     name=ENV_NAME,
     factory=WebArenaEnv,
     tasks=tasks,
     policies={"oracle": _plan_oracle, "random": _random},
-))
+)

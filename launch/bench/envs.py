@@ -4,11 +4,12 @@ Each env plays episodes with its `random` scripted policy (the policy's replies 
 actions as the actor does; only env calls are timed). Then the same episodes run through
 `longhorizon env serve` (started here on 127.0.0.1) and a RemoteEnv, so the difference is what the
 service costs per step.
+
+Run: `longhorizon bench envs [--env NAME ...] [--env-seconds S]`; prints a table, then one line of JSON.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import trio
 
 from longhorizon.envs.agents import ActionParseError, parse_action
+from longhorizon.launch.bench.tables import Column, print_json, print_table
 
 DEFAULT_ENVS = ("codebook", "textcraft", "babyai")
 
@@ -58,7 +60,8 @@ def bench_env_steps(env_names=DEFAULT_ENVS, *, seconds: float = 5.0, max_turns: 
     """Steps/s (env calls only, resets included in the time) per env, in-process and over HTTP."""
     from longhorizon.envs.base import list_tasks, make_env
     from longhorizon.envs.remote import RemoteEnv
-    from longhorizon.envs.server import EnvServer, ServiceSettings
+    from longhorizon.envs.server import EnvServer
+    from longhorizon.envs.service import ServiceSettings
 
     result: dict[str, Any] = {"seconds_per_run": seconds}
     for name in env_names:
@@ -83,13 +86,13 @@ def bench_env_steps(env_names=DEFAULT_ENVS, *, seconds: float = 5.0, max_turns: 
     return result
 
 
-def print_table(result: dict) -> None:
+def print_report(result: dict) -> None:
     """A table for people, then the result as one line of JSON."""
     print(f"env calls (reset + step) per second, random policy, {result['seconds_per_run']:.0f} s per run")
-    print(f"{'env':10} {'in-process/s':>13} {'ms/call':>8} {'http/s':>9} {'ms/call':>8}")
-    for name in result["envs"]:
-        print(
-            f"{name:10} {result[f'{name}_in_process_steps_per_s']:>13.1f} {result[f'{name}_in_process_ms_per_call']:>8.3f}"
-            f" {result[f'{name}_http_steps_per_s']:>9.1f} {result[f'{name}_http_ms_per_call']:>8.3f}"
-        )
-    print(json.dumps(result, sort_keys=True))
+    print_table(
+        [Column("env", 10, left=True), Column("in-process/s", 13, ".1f"), Column("ms/call", 8, ".3f"),
+         Column("http/s", 9, ".1f"), Column("ms/call", 8, ".3f")],
+        [[name, result[f"{name}_in_process_steps_per_s"], result[f"{name}_in_process_ms_per_call"],
+          result[f"{name}_http_steps_per_s"], result[f"{name}_http_ms_per_call"]] for name in result["envs"]],
+    )
+    print_json(result)

@@ -6,23 +6,23 @@ random policy's reference JVM and of this Python process every `sample_every` ep
 before a recycle, when the env's JVM is at its largest). Steps/s counts env steps over the whole
 run; env_steps_per_second counts only time spent inside env.step.
 
-Run: `python -m longhorizon.launch.bench_sciworld [--episodes N] [--steps-per-episode N]
+Run: `longhorizon bench sciworld-memory [--episodes N]`, or for every option
+`python -m longhorizon.launch.bench.sciworld [--episodes N] [--steps-per-episode N]
 [--recycle-after-episodes N] [--time-limit-s S]`; prints a table, then one line of JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import psutil
 import trio
 
-_MB = 2**20
+from longhorizon.launch.bench.memory import MIB, memory_use
+from longhorizon.launch.bench.tables import Column, print_json, print_table
 
 
 async def _run(episodes: int, steps_per_episode: int, recycle_after_episodes: int, sample_every: int,
@@ -39,7 +39,6 @@ async def _run(episodes: int, steps_per_episode: int, recycle_after_episodes: in
     tasks = list_tasks("sciworld", "train", **options)
     env = make_env("sciworld", **options)
     rng = random.Random(seed)
-    python_process = psutil.Process()
     samples: list[dict[str, Any]] = []
     steps = invalid_actions = episodes_done = 0
     env_seconds = reset_seconds = 0.0
@@ -69,9 +68,9 @@ async def _run(episodes: int, steps_per_episode: int, recycle_after_episodes: in
                     "episode": episodes_done,
                     "seconds": round(time.perf_counter() - started, 1),
                     "jvm_pid": env.jvm_pid,
-                    "jvm_rss_mb": round(env.jvm_rss_bytes() / _MB, 1),
-                    "reference_jvm_rss_mb": round(shared_reference().rss_bytes() / _MB, 1),
-                    "python_rss_mb": round(python_process.memory_info().rss / _MB, 1),
+                    "jvm_rss_mb": round(env.jvm_rss_bytes() / MIB, 1),
+                    "reference_jvm_rss_mb": round(shared_reference().rss_bytes() / MIB, 1),
+                    "python_rss_mb": round(memory_use().rss_bytes / MIB, 1),
                 })
     finally:
         await env.close()
@@ -116,16 +115,15 @@ def bench_sciworld_memory(
                     time_limit_s)
 
 
-def print_table(result: dict[str, Any]) -> None:
+def print_report(result: dict[str, Any]) -> None:
     """The samples as a table, a summary line, then the whole result as one line of JSON."""
     columns = ("episode", "seconds", "jvm_pid", "jvm_rss_mb", "reference_jvm_rss_mb", "python_rss_mb")
-    print("  ".join(f"{column:>20}" for column in columns))
-    for sample in result["samples"]:
-        print("  ".join(f"{sample[column]!s:>20}" for column in columns))
+    print_table([Column(name, 20) for name in columns],
+                [[sample[name] for name in columns] for sample in result["samples"]], separator="  ")
     print(f"{result['episodes']} episodes, {result['steps']} steps in {result['seconds']} s: "
           f"{result['steps_per_second']} steps/s overall, {result['env_steps_per_second']} env steps/s, "
           f"reset {result['mean_reset_ms']} ms, {result['jvms_started']} JVMs started")
-    print(json.dumps(result))
+    print_json(result)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sample-every", type=int, default=50)
     parser.add_argument("--time-limit-s", type=float, default=None)
     arguments = parser.parse_args(argv)
-    print_table(bench_sciworld_memory(
+    print_report(bench_sciworld_memory(
         arguments.episodes, steps_per_episode=arguments.steps_per_episode,
         recycle_after_episodes=arguments.recycle_after_episodes, sample_every=arguments.sample_every,
         time_limit_s=arguments.time_limit_s,

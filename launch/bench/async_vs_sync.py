@@ -1,25 +1,18 @@
-"""`longhorizon bench NAME`: benchmarks that print a table for people and, last, one line of JSON.
+"""`longhorizon bench async-vs-sync`: one workload trained twice, mode=async then mode=sync.
 
-NAME is one of:
-- `transport`: raw ZeroMQ frames against Trajectory messages over tcp loopback
-  (launch/bench_transport.py).
-- `async-vs-sync`: one workload trained twice, mode=async then mode=sync, with everything else
-  identical: the same actor processes (launched by launch_local over real ZMQ), the same number of
-  concurrent episodes, the long-tailed `longtail` env played by the scripted engine with a simulated
-  per-token latency, a tiny model trained by the learner, the same groups_per_step and steps.
-  Throughput is episodes consumed by the learner per second over the steady state (from the first
-  learner step's time to the last, so process start-up is excluded).
-- `all`: both, one after the other; the last line is the JSON of both.
+Everything else is identical: the same actor processes (launched by launch_local over real ZMQ),
+the same number of concurrent episodes, the long-tailed `longtail` env played by the scripted
+engine with a simulated per-token latency, a tiny model trained by the learner, the same
+groups_per_step and steps. Throughput is episodes consumed by the learner per second over the
+steady state (from the first learner step's time to the last, so process start-up is excluded).
 
 Run: `longhorizon bench async-vs-sync [--steps N] [--token-latency-ms MS] [--actors N] ...`
-(`--help` lists the options). A default async-vs-sync run takes under two minutes on 2 CPU cores.
+(`longhorizon bench --help` lists the options). A default run takes under two minutes on 2 CPU
+cores.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import json
 import shutil
 import sys
 import tempfile
@@ -28,17 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-BENCHMARKS = ("transport", "async-vs-sync", "envs", "sciworld-memory", "all")
-STANDALONE_BENCHMARKS = {
-    "search": "longhorizon.launch.bench_search",
-    "web": "longhorizon.launch.bench_web",
-    "generation": "longhorizon.launch.bench_generation",
-    "learner": "longhorizon.launch.bench_learner",
-    "weights": "longhorizon.launch.bench_weights",
-    "soak": "longhorizon.launch.bench_soak",
-}
-"""Benchmarks with their own module and options: `longhorizon bench NAME ...` calls the module's
-`main(argv)`, which prints a table for people and, last, one line of JSON."""
+from longhorizon.launch.bench.tables import Column, print_json, print_table
+
 MODES = ("async", "sync")
 TARGET_SPEEDUP = 2.0
 """Async should consume episodes at least this many times faster than sync on this workload."""
@@ -238,7 +222,7 @@ def bench_async_vs_sync(
     output_dir: str | Path | None = None,
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
-    """Run the workload in async then sync mode; returns a flat dict of figures (see print_async_vs_sync).
+    """Run the workload in async then sync mode; returns a flat dict of figures (see print_report).
 
     Without `output_dir` the runs go to a temporary folder, removed afterwards unless a run
     failed (its logs are then kept and named in the error).
@@ -277,7 +261,7 @@ def bench_async_vs_sync(
     return result
 
 
-def print_async_vs_sync(result: dict[str, Any]) -> None:
+def print_report(result: dict[str, Any]) -> None:
     """A table for people, then the result as one line of JSON for machines."""
     print(
         f"async vs sync: {result['actors']} actors x {result['concurrent_groups']} groups x "
@@ -285,176 +269,20 @@ def print_async_vs_sync(result: dict[str, Any]) -> None:
         f"{result['steps']} steps, {result['token_latency_s'] * 1000:g} ms/token, "
         f"{result['long_fraction']:.0%} long episodes"
     )
-    columns = [
-        ("episodes/s", "episodes_per_s", "{:>11.2f}"),
-        ("s/step", "seconds_per_step", "{:>8.2f}"),
-        ("staleness", "staleness_mean", "{:>10.2f}"),
-        ("max stale", "staleness_max", "{:>10d}"),
-        ("dropped", "groups_dropped_stale", "{:>8d}"),
-        ("turns", "turns_mean", "{:>6.2f}"),
-        ("train s", "learner_step_seconds", "{:>8.2f}"),
-        ("wall s", "wall_seconds", "{:>7.1f}"),
+    figures = [
+        (Column("episodes/s", 11, ".2f"), "episodes_per_s"),
+        (Column("s/step", 8, ".2f"), "seconds_per_step"),
+        (Column("staleness", 10, ".2f"), "staleness_mean"),
+        (Column("max stale", 10, "d"), "staleness_max"),
+        (Column("dropped", 8, "d"), "groups_dropped_stale"),
+        (Column("turns", 6, ".2f"), "turns_mean"),
+        (Column("train s", 8, ".2f"), "learner_step_seconds"),
+        (Column("wall s", 7, ".1f"), "wall_seconds"),
     ]
-    widths = [11, 8, 10, 10, 8, 6, 8, 7]
-    print(f"{'mode':6} " + " ".join(f"{title:>{width}}" for (title, _, _), width in zip(columns, widths)))
-    for mode in MODES:
-        print(f"{mode:6} " + " ".join(fmt.format(result[f"{mode}_{key}"]) for _, key, fmt in columns))
+    print_table(
+        [Column("mode", 6, left=True), *(column for column, _ in figures)],
+        [[mode, *(result[f"{mode}_{key}"] for _, key in figures)] for mode in MODES],
+    )
     verdict = "meets" if result["meets_target"] else "misses"
     print(f"speed-up async / sync = {result['speedup']:.2f}x ({verdict} the target {result['target_speedup']:.1f}x)")
-    print(json.dumps(result, sort_keys=True))
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _run_transport(args: argparse.Namespace) -> dict[str, Any]:
-    from longhorizon.launch.bench_transport import bench_transport, print_table
-
-    result = bench_transport(
-        trajectory_bytes=args.trajectory_bytes,
-        messages=args.transport_messages,
-        rounds=args.transport_rounds,
-        keep_freed_memory=not args.glibc_allocator,
-    )
-    print_table(result)
-    return result
-
-
-def _settings_from(args: argparse.Namespace) -> AsyncVsSyncSettings:
-    return AsyncVsSyncSettings(
-        actors=args.actors,
-        concurrent_groups=args.concurrent_groups,
-        group_size=args.group_size,
-        groups_per_step=args.groups_per_step,
-        steps=args.steps,
-        token_latency_s=args.token_latency_ms / 1000,
-        long_fraction=args.long_fraction,
-        max_staleness=args.max_staleness,
-        seed=args.seed,
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    defaults = AsyncVsSyncSettings()
-    parser = argparse.ArgumentParser(
-        prog="longhorizon bench",
-        description="Benchmarks: a table for people, then one last line of JSON.",
-        epilog="Also: " + ", ".join(f"`longhorizon bench {name} --help`" for name in STANDALONE_BENCHMARKS) + ".",
-    )
-    parser.add_argument("name", choices=BENCHMARKS, help="which benchmark to run")
-    workload = parser.add_argument_group("async-vs-sync")
-    workload.add_argument("--steps", type=int, default=defaults.steps, help="learner steps per mode (default %(default)s)")
-    workload.add_argument(
-        "--token-latency-ms", type=float, default=defaults.token_latency_s * 1000,
-        help="simulated generation time per token, in ms (default %(default)s)",
-    )
-    workload.add_argument("--actors", type=int, default=defaults.actors, help="actor processes (default %(default)s)")
-    workload.add_argument(
-        "--concurrent-groups", type=int, default=defaults.concurrent_groups,
-        help="groups in flight per actor (default %(default)s)",
-    )
-    workload.add_argument("--group-size", type=int, default=defaults.group_size, help="episodes per group (default %(default)s)")
-    workload.add_argument(
-        "--groups-per-step", type=int, default=defaults.groups_per_step,
-        help="groups per learner step (default: actors x concurrent groups)",
-    )
-    workload.add_argument(
-        "--long-fraction", type=float, default=defaults.long_fraction,
-        help="share of long (15-30 turn) episodes (default %(default)s)",
-    )
-    workload.add_argument(
-        "--max-staleness", type=int, default=defaults.max_staleness,
-        help="async: largest policy lag accepted (default %(default)s)",
-    )
-    workload.add_argument("--seed", type=int, default=defaults.seed, help="run seed (default %(default)s)")
-    workload.add_argument(
-        "--output-dir", default=None,
-        help="keep the runs here (its async/ and sync/ folders are replaced; bench.json added) instead of a temporary folder",
-    )
-    transport = parser.add_argument_group("transport")
-    transport.add_argument(
-        "--trajectory-bytes", type=int, default=1 << 20, help="trajectory size in bytes (default %(default)s)"
-    )
-    transport.add_argument(
-        "--transport-messages", type=_at_least_one, default=500, help="messages timed per run (default %(default)s)"
-    )
-    transport.add_argument(
-        "--transport-rounds", type=_at_least_one, default=3,
-        help="alternating rounds of each kind (default %(default)s)",
-    )
-    transport.add_argument(
-        "--glibc-allocator", action="store_true",
-        help="run both sides with glibc's allocator defaults instead of the settings our learner and actors use",
-    )
-    envs = parser.add_argument_group("envs")
-    envs.add_argument(
-        "--env", action="append", dest="envs", default=None,
-        help="env to measure (repeatable; default codebook, textcraft, babyai)",
-    )
-    envs.add_argument("--env-seconds", type=float, default=5.0, help="seconds per env and mode (default %(default)s)")
-    sciworld = parser.add_argument_group("sciworld-memory (not part of 'all': about 10 minutes)")
-    sciworld.add_argument("--episodes", type=int, default=1000, help="SciWorld episodes (default %(default)s)")
-    return parser
-
-
-def _run_envs(args: argparse.Namespace) -> dict[str, Any]:
-    from longhorizon.launch.bench_envs import DEFAULT_ENVS, bench_env_steps, print_table
-
-    result = bench_env_steps(tuple(args.envs or DEFAULT_ENVS), seconds=args.env_seconds)
-    print_table(result)
-    return result
-
-
-def main(argv: list[str]) -> int:
-    if argv and argv[0] in STANDALONE_BENCHMARKS:
-        module = importlib.import_module(STANDALONE_BENCHMARKS[argv[0]])
-        return int(module.main(argv[1:]))
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_request:  # --help, or a usage error already printed by argparse
-        return int(exit_request.code or 0)
-    settings = _settings_from(args)
-    try:
-        settings.check()
-    except ValueError as error:
-        parser.print_usage(sys.stderr)
-        print(f"longhorizon bench: error: {error}", file=sys.stderr)
-        return 2
-    results: dict[str, Any] = {}
-    if args.name in ("transport", "all"):
-        results["transport"] = _run_transport(args)
-    if args.name in ("async-vs-sync", "all"):
-        try:
-            result = bench_async_vs_sync(settings, output_dir=args.output_dir)
-        except RuntimeError as error:
-            print(f"longhorizon bench: {error}", file=sys.stderr)
-            return 1
-        if args.output_dir is not None:
-            (Path(args.output_dir) / "bench.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-        results["async_vs_sync"] = result
-        print_async_vs_sync(result)
-    if args.name == "sciworld-memory":
-        from longhorizon.launch.bench_sciworld import bench_sciworld_memory, print_table
-
-        print_table(bench_sciworld_memory(args.episodes))
-    if args.name in ("envs", "all"):
-        try:
-            results["envs"] = _run_envs(args)
-        except ValueError as error:
-            print(f"longhorizon bench: error: {error}", file=sys.stderr)
-            return 2
-    if args.name == "all":
-        print(json.dumps(results, sort_keys=True))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    print_json(result)

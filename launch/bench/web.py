@@ -13,7 +13,6 @@ Run: `longhorizon bench web [--contexts 1,2,4,8] [--seconds 5] [--resets 10] [--
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -21,28 +20,17 @@ from typing import Any
 
 import trio
 
+from longhorizon.common.args import parse_args
+from longhorizon.launch.bench.memory import MIB, memory_use
+from longhorizon.launch.bench.tables import Column, print_json, print_table
+
 TASK = "click-checkboxes"
 
 
-def _memory(pids: list[int]) -> tuple[float, float]:
+def _memory_mib(pids: list[int]) -> tuple[float, float]:
     """(RSS, PSS) in MiB of the browser processes and their children."""
-    import psutil
-
-    rss = pss = 0
-    for pid in pids:
-        try:
-            root = psutil.Process(pid)
-            processes = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            continue
-        for process in processes:
-            try:
-                info = process.memory_full_info()
-            except psutil.Error:
-                continue
-            rss += info.rss
-            pss += getattr(info, "pss", info.rss)
-    return rss / 2**20, pss / 2**20
+    use = memory_use(pids, children=True, detailed=True)
+    return use.rss_bytes / MIB, use.pss_bytes / MIB
 
 
 def _checkbox(observation: str) -> str:
@@ -65,7 +53,7 @@ async def _bench(contexts: list[int], seconds: float, resets: int, steps: int, b
         started = time.perf_counter()
         await pool.launch()
         result["launch_s"] = (time.perf_counter() - started) / browsers
-        idle_rss, idle_pss = _memory(pool.browser_pids())
+        idle_rss, idle_pss = _memory_mib(pool.browser_pids())
         result["idle_browser_rss_mib"], result["idle_browser_pss_mib"] = idle_rss / browsers, idle_pss / browsers
 
         tasks = list_tasks("miniwob", "train", task_names=[TASK], instances_per_task=max(resets, 1))
@@ -93,7 +81,7 @@ async def _bench(contexts: list[int], seconds: float, resets: int, steps: int, b
             for index, env in enumerate(envs):
                 observation, _ = await env.reset(tasks[index % len(tasks)])
                 boxes.append(_checkbox(observation))
-            rss, pss = _memory(pool.browser_pids())
+            rss, pss = _memory_mib(pool.browser_pids())
             steps = [0] * count
             deadline = time.perf_counter() + seconds
 
@@ -120,17 +108,31 @@ async def _bench(contexts: list[int], seconds: float, resets: int, steps: int, b
     return result
 
 
-def print_table(result: dict[str, Any]) -> None:
+def print_report(result: dict[str, Any]) -> None:
     """A table for people, then the result as one line of JSON."""
     print(f"web env on MiniWoB {result['task']} ({result['browsers']} browser(s), system Chromium)")
     print(f"  browser launch      {result['launch_s']:8.2f} s   (idle browser: RSS {result['idle_browser_rss_mib']:.0f} MiB,"
           f" PSS {result['idle_browser_pss_mib']:.0f} MiB)")
     print(f"  reset (new context) {result['reset_ms_median']:8.0f} ms median, {result['reset_ms_mean']:.0f} ms mean")
     print(f"  step (click + tree) {result['step_ms_median']:8.0f} ms median, {result['step_ms_p90']:.0f} ms p90")
-    print(f"  {'contexts':>8} {'steps/s':>9} {'RSS/context MiB':>16} {'PSS/context MiB':>16}")
-    for row in result["parallel"]:
-        print(f"  {row['contexts']:>8} {row['steps_per_s']:>9.1f} {row['rss_per_context_mib']:>16.1f} {row['pss_per_context_mib']:>16.1f}")
-    print(json.dumps(result, sort_keys=True))
+    print_table(
+        [Column("contexts", 8), Column("steps/s", 9, ".1f"), Column("RSS/context MiB", 16, ".1f"),
+         Column("PSS/context MiB", 16, ".1f")],
+        [[row["contexts"], row["steps_per_s"], row["rss_per_context_mib"], row["pss_per_context_mib"]]
+         for row in result["parallel"]],
+        indent="  ",
+    )
+    print_json(result)
+
+
+def _contexts(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def _check(args: argparse.Namespace) -> None:
+    contexts = _contexts(args.contexts)  # a ValueError names a part that is not a number
+    if not contexts or min(contexts) < 1 or min(args.seconds, args.resets, args.steps, args.browsers) <= 0:
+        raise ValueError("contexts, seconds, resets, steps and browsers must be positive")
 
 
 def main(argv: list[str]) -> int:
@@ -140,23 +142,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--resets", type=int, default=10, help="resets timed (each a new task instance)")
     parser.add_argument("--steps", type=int, default=30, help="steps timed one after another in one context")
     parser.add_argument("--browsers", type=int, default=1, help="Chromium processes in the pool")
+    args = parse_args(parser, argv, check=_check)
+    if isinstance(args, int):
+        return args
     try:
-        args = parser.parse_args(argv)
-        contexts = [int(part) for part in args.contexts.split(",") if part.strip()]
-        if not contexts or min(contexts) < 1 or min(args.seconds, args.resets, args.steps, args.browsers) <= 0:
-            raise ValueError("contexts, seconds, resets, steps and browsers must be positive")
-    except SystemExit as exit_request:
-        return int(exit_request.code or 0)
-    except ValueError as error:
-        parser.print_usage(sys.stderr)
-        print(f"longhorizon bench web: error: {error}", file=sys.stderr)
-        return 2
-    try:
-        result = trio.run(_bench, contexts, args.seconds, args.resets, args.steps, args.browsers)
+        result = trio.run(_bench, _contexts(args.contexts), args.seconds, args.resets, args.steps, args.browsers)
     except RuntimeError as error:
         print(f"longhorizon bench web: {error}", file=sys.stderr)
         return 1
-    print_table(result)
+    print_report(result)
     return 0
 
 

@@ -33,11 +33,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from longhorizon.common.metrics import read_metrics
+from longhorizon.common.args import parse_args
+from longhorizon.launch.bench.memory import MIB, memory_use
+from longhorizon.launch.bench.tables import Column, print_json, print_table
+
 _REFUSALS = (
     "trajectories_duplicate", "trajectories_malformed", "trajectories_too_long", "trajectories_dropped_stale",
     "trajectories_future", "trajectories_late", "trajectories_overfull",
 )
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 _STARTUP_TIMEOUT_S = 600.0
 
 
@@ -57,12 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _rss_mb(pid: int) -> float | None:
-    import psutil
-
-    try:
-        return psutil.Process(pid).memory_info().rss / 2**20
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
+    """Resident memory of one process, or None once it has ended."""
+    use = memory_use([pid])
+    return use.rss_bytes / MIB if use.processes else None
 
 
 def _run_processes(run_dir: Path) -> dict[str, int]:
@@ -171,8 +173,6 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             launcher.kill()
             launcher.wait()
-    from longhorizon.common.metrics import read_metrics
-
     every_pid.update(_run_processes(run_dir).values())
     time.sleep(2)
     left_behind = sorted(pid for pid in every_pid if _rss_mb(pid) is not None)
@@ -186,11 +186,14 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_report(result: dict[str, Any]) -> None:
+    """A table for people, the data's account, then the result as one line of JSON."""
     print(f"soak: {result['minutes']:.0f} min, {result['steps']} learner steps, {result['kills']} actors killed")
-    print(f"{'process':>10} {'pid':>8} {'from s':>7} {'to s':>7} {'RSS start MB':>13} {'RSS end MB':>11} {'growth':>8}")
-    for row in result["memory"]:
-        print(f"{row['role']:>10} {row['pid']:>8} {row['from_s']:>7.0f} {row['to_s']:>7.0f} {row['rss_start_mb']:>13.0f} "
-              f"{row['rss_end_mb']:>11.0f} {row['growth_pct']:>7.1f}%")
+    print_table(
+        [Column("process", 10), Column("pid", 8), Column("from s", 7, ".0f"), Column("to s", 7, ".0f"),
+         Column("RSS start MB", 13, ".0f"), Column("RSS end MB", 11, ".0f"), Column("growth", 8)],
+        [[row["role"], row["pid"], row["from_s"], row["to_s"], row["rss_start_mb"], row["rss_end_mb"],
+          f"{row['growth_pct']:.1f}%"] for row in result["memory"]],
+    )
     data = result["data"]
     if data:
         print(f"trajectories: {data['received']} received = {data['accepted']} accepted + {data['refused']} refused "
@@ -199,26 +202,24 @@ def print_report(result: dict[str, Any]) -> None:
               f"({'adds up' if data['accepted_adds_up'] else 'DOES NOT ADD UP'}); actors reported "
               f"{data['actor_episodes_reported']} sent")
     print(f"processes left behind: {len(result['left_behind'])}")
+    print_json(result)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.minutes <= 0 or args.sample_every_s <= 0 or args.warmup_s < 0 or args.kill_every_s < 0:
+        raise ValueError("--minutes and --sample-every-s must be positive, --warmup-s and --kill-every-s not negative")
 
 
 def main(argv: list[str]) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_request:
-        return int(exit_request.code or 0)
-    if args.minutes <= 0 or args.sample_every_s <= 0 or args.warmup_s < 0 or args.kill_every_s < 0:
-        parser.print_usage(sys.stderr)
-        print("longhorizon bench soak: error: --minutes and --sample-every-s must be positive, "
-              "--warmup-s and --kill-every-s not negative", file=sys.stderr)
-        return 2
+    args = parse_args(build_parser(), argv, check=_check)
+    if isinstance(args, int):
+        return args
     try:
         result = run_soak(args)
     except RuntimeError as error:
         print(f"longhorizon bench soak: {error}", file=sys.stderr)
         return 1
     print_report(result)
-    print(json.dumps(result, sort_keys=True))
     return 0
 
 

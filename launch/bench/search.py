@@ -21,50 +21,21 @@ import json
 import random
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import trio
 
-_MB = 2**20
-
-
-class PeakRss:
-    """Samples this process's resident memory in a thread; the peak above the starting value."""
-
-    def __init__(self, interval_s: float = 0.05):
-        self._process = psutil.Process()
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self.start_bytes = self._process.memory_info().rss
-        self.peak_bytes = self.start_bytes
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            self.peak_bytes = max(self.peak_bytes, self._process.memory_info().rss)
-
-    def __enter__(self) -> "PeakRss":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak_bytes = max(self.peak_bytes, self._process.memory_info().rss)
-
-    @property
-    def added_mb(self) -> float:
-        return (self.peak_bytes - self.start_bytes) / _MB
+from longhorizon.common.args import parse_args
+from longhorizon.launch.bench.memory import MIB, PeakRss, memory_use
+from longhorizon.launch.bench.tables import Column, print_json, print_table
 
 
 def _folder_mb(path: Path) -> float:
-    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file()) / _MB
+    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file()) / MIB
 
 
 def _latency(search: Callable[[list[str], int], Any], queries: Sequence[str], k: int) -> dict[str, float]:
@@ -82,17 +53,16 @@ def _serve(corpus_path: str, index_dir: str, queries: list[str], k: int) -> dict
     """In a fresh process (as an actor would): open the index, time the queries, report memory."""
     from longhorizon.envs.search.retriever import BM25Retriever
 
-    process = psutil.Process()
-    before_open = process.memory_info().rss
+    before_open = memory_use().rss_bytes
     started = time.perf_counter()
     retriever = BM25Retriever(corpus_path, index_dir)
     figures: dict[str, Any] = {"open_s": time.perf_counter() - started,
-                               "open_added_rss_mb": (process.memory_info().rss - before_open) / _MB}
+                               "open_added_rss_mb": (memory_use().rss_bytes - before_open) / MIB}
     figures["latency"] = _latency(retriever.search, queries, k)
-    memory = process.memory_full_info()
+    memory = memory_use(detailed=True)
     # Index pages are mapped from the page cache and shared by every process serving this index.
-    figures["serving_rss_mb"] = memory.rss / _MB
-    figures["serving_private_mb"] = memory.uss / _MB
+    figures["serving_rss_mb"] = memory.rss_bytes / MIB
+    figures["serving_private_mb"] = memory.uss_bytes / MIB
     retriever.close()
     return figures
 
@@ -114,7 +84,7 @@ def _build(corpus_path: Path, index_dir: Path) -> dict[str, Any]:
         build_seconds = time.perf_counter() - started
     return {"passages": meta["num_passages"], "build_s": build_seconds,
             "build_peak_added_mb": build_memory.added_mb, "index_disk_mb": _folder_mb(index_dir),
-            "corpus_disk_mb": corpus_path.stat().st_size / _MB}
+            "corpus_disk_mb": corpus_path.stat().st_size / MIB}
 
 
 async def _oracle_steps(tasks: list, seconds_cap: float) -> dict[str, float]:
@@ -234,25 +204,35 @@ def bench_generated(passages: int, query_count: int) -> dict[str, Any]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def print_table(result: dict[str, Any]) -> None:
-    """A table for people, then the result as one line of JSON."""
-    rows = [("built-in", result["builtin"])] + ([("generated", result["generated"])] if "generated" in result else [])
-    print(f"{'corpus':10} {'passages':>9} {'build s':>8} {'build +MB':>9} {'index MB':>9} {'open s':>7} "
-          f"{'p50 ms':>7} {'p95 ms':>7} {'serve RSS MB':>12} {'private MB':>10}")
-    for name, figures in rows:
-        print(f"{name:10} {figures['passages']:>9} {figures['build_s']:>8.2f} {figures['build_peak_added_mb']:>9.0f} "
-              f"{figures['index_disk_mb']:>9.1f} {figures['open_s']:>7.3f} {figures['latency']['p50_ms']:>7.3f} "
-              f"{figures['latency']['p95_ms']:>7.3f} {figures['serving_rss_mb']:>12.0f} "
-              f"{figures['serving_private_mb']:>10.0f}")
+def print_report(result: dict[str, Any]) -> None:
+    """Tables for people, then the result as one line of JSON."""
+    corpora = [("built-in", result["builtin"])] + ([("generated", result["generated"])] if "generated" in result else [])
+    print_table(
+        [Column("corpus", 10, left=True), Column("passages", 9), Column("build s", 8, ".2f"),
+         Column("build +MB", 9, ".0f"), Column("index MB", 9, ".1f"), Column("open s", 7, ".3f"),
+         Column("p50 ms", 7, ".3f"), Column("p95 ms", 7, ".3f"), Column("serve RSS MB", 12, ".0f"),
+         Column("private MB", 10, ".0f")],
+        [[name, figures["passages"], figures["build_s"], figures["build_peak_added_mb"], figures["index_disk_mb"],
+          figures["open_s"], figures["latency"]["p50_ms"], figures["latency"]["p95_ms"], figures["serving_rss_mb"],
+          figures["serving_private_mb"]] for name, figures in corpora],
+    )
     recall = result["builtin"]["recall_at_3"]
     print("\nrecall@3 of gold passages, built-in test split")
-    print(f"{'category':10} {'count':>6} {'gold queries':>13} {'question only':>14}")
-    for category, figures in recall.items():
-        print(f"{category:10} {figures['count']:>6.0f} {figures['gold_queries']:>13.3f} {figures['question']:>14.3f}")
+    print_table(
+        [Column("category", 10, left=True), Column("count", 6, ".0f"), Column("gold queries", 13, ".3f"),
+         Column("question only", 14, ".3f")],
+        [[category, figures["count"], figures["gold_queries"], figures["question"]]
+         for category, figures in recall.items()],
+    )
     env = result["builtin"]["env"]
     print(f"\nenv (oracle, test split): {env['episodes']} episodes, success {env['oracle_success']:.3f}, "
           f"{env['env_calls_per_s']:.0f} env calls/s ({env['ms_per_call']:.3f} ms per call)")
-    print(json.dumps(result, sort_keys=True))
+    print_json(result)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.queries < 1 or args.generated < 0:
+        raise ValueError("--queries must be positive and --generated non-negative")
 
 
 def main(argv: list[str]) -> int:
@@ -261,17 +241,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--generated", type=int, default=0, metavar="N",
                         help="also bench a generated corpus of N passages (e.g. 1000000; minutes, GBs)")
     parser.add_argument("--env-seconds", type=float, default=30.0, help="cap on the oracle env run")
-    args = parser.parse_args(argv)
-    if args.queries < 1 or args.generated < 0:
-        parser.error("--queries must be positive and --generated non-negative")
+    args = parse_args(parser, argv, check=_check)
+    if isinstance(args, int):
+        return args
     result: dict[str, Any] = {"builtin": bench_builtin(args.queries, args.env_seconds)}
     if args.generated:
         result["generated"] = bench_generated(args.generated, args.queries)
-    print_table(result)
+    print_report(result)
     return 0
 
 
 if __name__ == "__main__":
     import sys
 
-    raise SystemExit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

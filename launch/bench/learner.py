@@ -36,6 +36,10 @@ import sys
 import time
 from typing import Any
 
+from longhorizon.common.args import parse_args
+from longhorizon.launch.bench.memory import MIB, PeakRss
+from longhorizon.launch.bench.tables import Column, print_json, print_table
+
 
 def _non_negative_list(text: str) -> list[int]:
     try:
@@ -117,7 +121,6 @@ def measure(args: argparse.Namespace, kind: str) -> dict[str, Any]:
 
     from longhorizon.common.config import LearnerConfig
     from longhorizon.common.models import load_causal_lm, resolve_device, resolve_model_path
-    from longhorizon.launch.bench_search import PeakRss
     from longhorizon.learner import distributed
     from longhorizon.learner.trainer import Trainer, pad_examples, plan_micro_batches
 
@@ -176,22 +179,20 @@ def measure(args: argparse.Namespace, kind: str) -> dict[str, Any]:
         "micro_batches": len(plan),
         "step_s": seconds,
         "tokens_per_s": args.sequences * args.tokens / seconds,
-        "peak_rss_mb": memory.peak_bytes / 2**20,
-        "peak_cuda_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+        "peak_rss_mb": memory.peak_bytes / MIB,
+        "peak_cuda_mb": torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else None,
     }
 
 
-def main(argv: list[str]) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_request:
-        return int(exit_request.code or 0)
+def _check(args: argparse.Namespace) -> None:
     if args.sequences < 1 or args.tokens < 2 or args.steps < 1 or args.max_tokens_per_micro_batch < 1:
-        parser.print_usage(sys.stderr)
-        print("longhorizon bench learner: error: --sequences, --steps and --max-tokens-per-micro-batch must be "
-              ">= 1 and --tokens >= 2", file=sys.stderr)
-        return 2
+        raise ValueError("--sequences, --steps and --max-tokens-per-micro-batch must be >= 1 and --tokens >= 2")
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(build_parser(), argv, check=_check)
+    if isinstance(args, int):
+        return args
     if args.one is not None:
         print(json.dumps(measure(args, args.one)))
         return 0
@@ -217,21 +218,31 @@ def main(argv: list[str]) -> int:
     for run in runs:
         bare = next((other for other in runs if other["kind"] == "bare torch" and other["ranks"] == run["ranks"]), None)
         run["overhead_vs_bare"] = run["step_s"] / bare["step_s"] - 1 if bare else None
+    print_report(args, runs)
+    return 0
+
+
+def print_report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
+    """A table for people, then the settings and runs as one line of JSON."""
     print(f"model {args.model}: {args.sequences} sequences x {args.tokens} tokens, {args.precision}, "
           f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, "
           f"micro-batches of <= {args.micro_batch_size} sequences and {args.max_tokens_per_micro_batch} tokens, "
           f"median of {args.steps} steps")
-    print(f"{'run':>12} {'ranks':>5} {'log-prob chunk':>15} {'step s':>8} {'tokens/s':>9} {'peak RSS MB':>12} "
-          f"{'peak GPU MB':>12} {'vs bare':>8}")
+    rows = []
     for run in runs:
         chunk = "-" if run["logprob_chunk_tokens"] is None else (run["logprob_chunk_tokens"] or "whole")
         gpu = "-" if run["peak_cuda_mb"] is None else f"{run['peak_cuda_mb']:.0f}"
         overhead = "-" if run["overhead_vs_bare"] is None else f"{run['overhead_vs_bare']:+.1%}"
-        print(f"{run['kind']:>12} {run['ranks']:>5} {chunk:>15} {run['step_s']:>8.2f} {run['tokens_per_s']:>9.1f} "
-              f"{run['peak_rss_mb']:>12.0f} {gpu:>12} {overhead:>8}")
-    print(json.dumps({"model": args.model, "sequences": args.sequences, "tokens": args.tokens,
-                      "precision": args.precision, "runs": runs}, sort_keys=True))
-    return 0
+        rows.append([run["kind"], run["ranks"], chunk, run["step_s"], run["tokens_per_s"], run["peak_rss_mb"], gpu,
+                     overhead])
+    print_table(
+        [Column("run", 12), Column("ranks", 5), Column("log-prob chunk", 15), Column("step s", 8, ".2f"),
+         Column("tokens/s", 9, ".1f"), Column("peak RSS MB", 12, ".0f"), Column("peak GPU MB", 12),
+         Column("vs bare", 8)],
+        rows,
+    )
+    print_json({"model": args.model, "sequences": args.sequences, "tokens": args.tokens,
+                "precision": args.precision, "runs": runs})
 
 
 def _run_ranks(shared: list[str], kind: str, rank_count: int) -> dict[str, Any]:
@@ -241,7 +252,7 @@ def _run_ranks(shared: list[str], kind: str, rank_count: int) -> dict[str, Any]:
 
     from longhorizon.learner.distributed import STORE_FILE_VARIABLE
 
-    command = [sys.executable, "-m", "longhorizon.launch.bench_learner", *shared, "--one", kind]
+    command = [sys.executable, "-m", "longhorizon.launch.bench.learner", *shared, "--one", kind]
     with tempfile.TemporaryDirectory(prefix="bench-learner-") as scratch:
         processes = []
         for rank in range(rank_count):

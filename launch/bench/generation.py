@@ -29,6 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from longhorizon.common.args import parse_args
+from longhorizon.launch.bench.memory import GIB, memory_use
+from longhorizon.launch.bench.tables import Column, print_json, print_table
+
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     # Public architecture settings of the Qwen2.5 instruct models; weights are random (dummy).
     "qwen2.5-1.5b": {
@@ -123,29 +127,23 @@ async def _generate_batch(engine, prompts: list[list[int]], tag: str, offset: in
     return results
 
 
-def _memory_gib() -> float:
-    """Resident memory of this process and its children (vLLM runs its engine in child processes)."""
-    import psutil
+def _plays_model(name: str) -> bool:
+    """Whether the engine plays a language model: scripted policies have no weights to update,
+    no model path to resolve and no log-probs to compare with the learner's."""
+    from longhorizon.actor.engines.base import capabilities_of, engine_class
 
-    process = psutil.Process()
-    total = process.memory_info().rss
-    for child in process.children(recursive=True):
-        try:
-            total += child.memory_info().rss
-        except psutil.Error:
-            pass
-    return total / (1 << 30)
+    return capabilities_of(engine_class(name)).uses_model
 
 
 def _make_engine(name: str, settings, load_format: str):
+    import dataclasses
+
     from longhorizon.actor.engines.base import make_engine
 
-    if name == "vllm":
-        from longhorizon.actor.engines.vllm import VLLMEngine, VLLMOptions
-
-        return VLLMEngine(settings, VLLMOptions(load_format=load_format))
     if load_format != "auto":
-        raise ValueError(f"--load-format {load_format} applies to the vllm engine only")
+        if name != "vllm":
+            raise ValueError(f"--load-format {load_format} applies to the vllm engine only")
+        settings = dataclasses.replace(settings, engine_options={**settings.engine_options, "load_format": load_format})
     return make_engine(name, settings)
 
 
@@ -199,7 +197,8 @@ def bench_engine(name: str, args: argparse.Namespace, model_path: str) -> dict[s
             })
             if args.logprob_check and batch_size == max(args.batch_sizes):
                 result["logprob_prompts"], result["logprob_results"] = prompts, results
-        result["memory_gib"] = _memory_gib()
+        # vLLM runs its engine in child processes.
+        result["memory_gib"] = memory_use(children=True).rss_bytes / GIB
 
     try:
         trio.run(measure)
@@ -208,7 +207,7 @@ def bench_engine(name: str, args: argparse.Namespace, model_path: str) -> dict[s
         trio.run(engine.close)
     if args.logprob_check:
         prompts, results = result.pop("logprob_prompts"), result.pop("logprob_results")
-        if name == "scripted" or args.load_format == "dummy":
+        if not _plays_model(name) or args.load_format == "dummy":
             result["logprob_mismatch"] = None
         else:
             from longhorizon.common.models import load_causal_lm
@@ -223,7 +222,7 @@ def _time_updates(engine, name: str, args: argparse.Namespace, model_path: str) 
     """Median seconds of update_weights per transport; None where the engine cannot reload."""
     from longhorizon.actor.engines.base import EngineError
 
-    if args.updates < 1 or args.load_format == "dummy" or name == "scripted" or not model_path:
+    if args.updates < 1 or args.load_format == "dummy" or not _plays_model(name) or not model_path:
         return {"inline": None, "path": None}
     from longhorizon.common.models import load_causal_lm
     from longhorizon.learner.broadcast import make_weights_update
@@ -251,19 +250,20 @@ def _time_updates(engine, name: str, args: argparse.Namespace, model_path: str) 
     return figures
 
 
-def print_table(results: list[dict[str, Any]], settings: dict[str, Any]) -> None:
+def print_report(results: list[dict[str, Any]], settings: dict[str, Any]) -> None:
+    """Two tables for people (throughput per batch; weight updates, memory, log-prob mismatch),
+    then the settings and results as one line of JSON."""
     print(
         f"generation: model {settings['model']}, {settings['dtype']}, {settings['new_tokens']} new tokens, "
         f"temperature {settings['temperature']}, load format {settings['load_format']}"
     )
-    print(f"{'engine':10} {'start s':>8} {'batch':>6} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
-    for result in results:
-        for row in result["batches"]:
-            print(
-                f"{result['engine']:10} {result['start_seconds']:8.1f} {row['batch_size']:6d} {row['tokens']:7d} "
-                f"{row['seconds']:8.2f} {row['tokens_per_s']:9.1f}"
-            )
-    print(f"{'engine':10} {'update inline s':>16} {'update path s':>14} {'memory GiB':>11} {'logprob |diff| max / mean':>27}")
+    print_table(
+        [Column("engine", 10, left=True), Column("start s", 8, ".1f"), Column("batch", 6, "d"),
+         Column("tokens", 7, "d"), Column("seconds", 8, ".2f"), Column("tokens/s", 9, ".1f")],
+        [[result["engine"], result["start_seconds"], row["batch_size"], row["tokens"], row["seconds"],
+          row["tokens_per_s"]] for result in results for row in result["batches"]],
+    )
+    rows = []
     for result in results:
         updates = result["weight_update_seconds"]
         mismatch = result.get("logprob_mismatch")
@@ -271,11 +271,14 @@ def print_table(results: list[dict[str, Any]], settings: dict[str, Any]) -> None
             f"{mismatch['max_abs_diff']:.2e} / {mismatch['mean_abs_diff']:.2e} ({mismatch['tokens']} tok)"
             if mismatch else "-"
         )
-        print(
-            f"{result['engine']:10} {_seconds(updates['inline']):>16} {_seconds(updates['path']):>14} "
-            f"{result['memory_gib']:11.2f} {mismatch_text:>27}"
-        )
-    print(json.dumps({"settings": settings, "engines": results}, sort_keys=True))
+        rows.append([result["engine"], _seconds(updates["inline"]), _seconds(updates["path"]), result["memory_gib"],
+                     mismatch_text])
+    print_table(
+        [Column("engine", 10, left=True), Column("update inline s", 16), Column("update path s", 14),
+         Column("memory GiB", 11, ".2f"), Column("logprob |diff| max / mean", 27)],
+        rows,
+    )
+    print_json({"settings": settings, "engines": results})
 
 
 def _seconds(value: float | None) -> str:
@@ -321,30 +324,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str]) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_request:
-        return int(exit_request.code or 0)
-    args.engines = args.engines or ["hf"]
-    from longhorizon.actor.engines.base import EngineError, engine_names
+def _check(args: argparse.Namespace) -> None:
+    from longhorizon.actor.engines.base import engine_names
 
-    unknown = [name for name in args.engines if name not in engine_names()]
-    problem = None
+    engines = args.engines or ["hf"]
+    unknown = [name for name in engines if name not in engine_names()]
     if unknown:
-        problem = f"unknown engine {unknown[0]!r}; available: {', '.join(engine_names())}"
-    elif args.new_tokens < 1:
-        problem = f"--new-tokens must be at least 1, got {args.new_tokens}"
-    elif args.temperature < 0:
-        problem = f"--temperature must be >= 0, got {args.temperature}"
-    elif args.model_shape and set(args.engines) != {"vllm"}:
-        problem = "--model-shape runs random weights through vLLM only: use --engine vllm"
-    if problem:
-        parser.print_usage(sys.stderr)
-        print(f"longhorizon bench generation: error: {problem}", file=sys.stderr)
-        return 2
+        raise ValueError(f"unknown engine {unknown[0]!r}; available: {', '.join(engine_names())}")
+    if args.new_tokens < 1:
+        raise ValueError(f"--new-tokens must be at least 1, got {args.new_tokens}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.model_shape and set(engines) != {"vllm"}:
+        raise ValueError("--model-shape runs random weights through vLLM only: use --engine vllm")
 
+
+def main(argv: list[str]) -> int:
+    args = parse_args(build_parser(), argv, check=_check)
+    if isinstance(args, int):
+        return args
+    args.engines = args.engines or ["hf"]
+    from longhorizon.actor.engines.base import EngineError
     from longhorizon.common.models import resolve_model_path
 
     scratch = None
@@ -356,7 +356,7 @@ def main(argv: list[str]) -> int:
             model_path = str(write_shaped_model_folder(args.model_shape, scratch / args.model_shape, tokenizer_folder))
             model_label = f"{args.model_shape} (random weights)"
         else:
-            needs_model = any(name != "scripted" for name in args.engines)
+            needs_model = any(_plays_model(name) for name in args.engines)
             model_path = str(resolve_model_path(args.model, args.cache_dir)) if needs_model else ""
             model_label = args.model
         results = [bench_engine(name, args, model_path) for name in args.engines]
@@ -370,7 +370,7 @@ def main(argv: list[str]) -> int:
         "model": model_label, "dtype": args.dtype, "new_tokens": args.new_tokens, "temperature": args.temperature,
         "load_format": args.load_format, "batch_sizes": args.batch_sizes,
     }
-    print_table(results, settings)
+    print_report(results, settings)
     return 0
 
 

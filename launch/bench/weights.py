@@ -1,21 +1,21 @@
 """`longhorizon bench weights`: seconds per weight update, learner to actor, for each weights transport.
 
-One update, as a user meets it: this process plays the learner and builds the update from a
-state dict (`learner/broadcast.py: make_weights_update`); the update crosses our real PUB/SUB
-broadcast sockets (`common/transport.py`) over tcp 127.0.0.1 to a receiver in another process,
-which loads it the way the hf engine does (`actor/engines/hf.py: load_weights_update`,
-`load_state_into`). The clock runs from the start of the build until the receiver says it has
+One update, as a user meets it, through the production classes: this process plays the learner
+and builds and publishes the update with the transport's `WeightsPublisher` (learner/weights/);
+the update crosses our real PUB/SUB broadcast sockets (`common/transport.py`) over tcp 127.0.0.1
+to a receiver in another process, which turns it into a state dict with `WeightsReceiver`
+(actor/weights.py) and loads it the way the hf engine does (`load_state_into`). The clock runs from the start of the build until the receiver says it has
 loaded the update; the receiver also reports when the update arrived and when it was loaded
 (both processes read the same monotonic clock), which splits the time into build (and send),
 transfer and load.
 
-Transports (see `TRANSPORTS`): `inline` sends the tensors as ZeroMQ frames (bfloat16 goes as
-float32: numpy has no bfloat16, so inline moves twice a bf16 model's bytes); `path` writes a
-safetensors folder and sends its location (here the receiver reads it back from the page cache
-of the same machine; on a shared filesystem add its read rate); `collective` announces the
-version on the socket and streams the tensors in 128 MiB buckets over a gloo pair group
-(learner/weight_sync.py, actor/engines/weight_receiver.py), bf16 as bf16; its build copies the
-weights into the buckets and takes their CRC32, which the receiver checks.
+Transports: every name the registry knows (`learner.weights.TRANSPORTS`; the built-ins by
+default). `inline` sends the tensors as ZeroMQ frames (bfloat16 as its 2-byte patterns); `path`
+writes a safetensors folder and sends its location (here the receiver reads it back from the page
+cache of the same machine; on a shared filesystem add its read rate); `collective` announces the
+version on the socket (a learner uses the actor's control socket) and streams the tensors in
+128 MiB buckets over a gloo pair group (learner/weight_sync.py, actor/weights.py); its build copies
+the weights into the buckets and takes their CRC32, which the receiver checks.
 
 Payloads:
 - a model folder (`--model`, SmolLM2-135M-Instruct by default, as stored: fp32); the receiver
@@ -23,8 +23,7 @@ Payloads:
 - a synthetic state dict of `--synthetic-params` parameters in bfloat16, shaped like a real
   decoder (Qwen2.5-1.5B's proportions: embeddings, 28 layers of attention and MLP matrices,
   norms); the receiver loads it into preallocated zeroed tensors, inline tensor by tensor so
-  that the received float32 frames are freed as they are loaded (a whole second copy of 6 GB
-  would not fit beside everything else on a 24 GB machine).
+  that the received frames are freed as they are loaded.
 
 After the last update the receiver's tensors are hashed and compared with the sender's
 (`identical`: bit for bit). Beside the transports the table gives the machine's limits: a plain
@@ -41,7 +40,6 @@ Run: `longhorizon bench weights` (SmolLM2 and 1.5B synthetic; `--synthetic-param
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import hashlib
 import json
@@ -56,6 +54,10 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from longhorizon.common.args import positive_int
+from longhorizon.launch.bench.memory import peak_rss_bytes, reset_peak_rss
+from longhorizon.launch.bench.tables import Column, print_json, print_table
 
 _EVENT_PREFIX = "@bench-weights "
 """Marks the receiver's event lines on its stdout, so stray prints from libraries are not read as events."""
@@ -163,7 +165,7 @@ def state_digest(state: dict[str, Any]) -> str:
 
 
 class StateDictSource:
-    """A bare state dict where make_weights_update expects a model (it only calls state_dict())."""
+    """A bare state dict where a model is expected (only state_dict() is called)."""
 
     def __init__(self, tensors: dict[str, Any]) -> None:
         self.tensors = tensors
@@ -210,11 +212,10 @@ class ModelTarget:
             for parameter in self.model.parameters():
                 parameter.zero_()
 
-    def load(self, update) -> None:
-        from longhorizon.actor.engines.hf import load_weights_update
+    def load(self, update, receiver) -> None:
         from longhorizon.common.models import load_state_into
 
-        load_state_into(self.model, load_weights_update(update))
+        load_state_into(self.model, receiver.receive(update))
 
     def state(self) -> dict[str, Any]:
         from longhorizon.learner.broadcast import unique_state_dict
@@ -233,23 +234,21 @@ class TensorsTarget:
             for name, shape in synthetic_shapes(synthetic_params).items()
         }
 
-    def load(self, update) -> None:
-        from longhorizon.actor.engines.hf import load_weights_update
+    def load(self, update, receiver) -> None:
         from longhorizon.common.wire import WeightsUpdate
 
-        names = set(update.tensors) if update.tensors is not None else None
-        if names is not None and names != set(self.tensors):
-            raise ValueError(f"the update's tensors do not match: {sorted(names ^ set(self.tensors))[:5]}")
-        if update.tensors is None:
-            self._copy_in(load_weights_update(update))
+        received = update.tensors if isinstance(update, WeightsUpdate) else None
+        if received is None:
+            self._copy_in(receiver.receive(update))
             return
-        # Tensor by tensor through the same function, each received frame dropped once loaded;
-        # smallest first, so that the largest tensor's temporary copy (the embeddings: 0.9 GB at
-        # 1.5B parameters) is made once the other frames are gone.
-        received = update.tensors
+        if set(received) != set(self.tensors):
+            raise ValueError(f"the update's tensors do not match: {sorted(set(received) ^ set(self.tensors))[:5]}")
+        # Tensor by tensor through the same receiver, each received frame dropped once loaded.
+        bfloat16 = set(update.bfloat16_tensors)
         for name in sorted(received, key=lambda tensor_name: received[tensor_name].nbytes):
-            one = WeightsUpdate(version=update.version, tensors={name: received.pop(name)})
-            self._copy_in(load_weights_update(one))
+            one = WeightsUpdate(version=update.version, tensors={name: received.pop(name)},
+                                bfloat16_tensors=[name] if name in bfloat16 else [])
+            self._copy_in(receiver.receive(one))
 
     def _copy_in(self, state: dict[str, Any]) -> None:
         unknown = set(state) - set(self.tensors)
@@ -259,7 +258,7 @@ class TensorsTarget:
             target = self.tensors[name]
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} in the update, {tuple(target.shape)} here")
-            target.copy_(tensor)  # float32 from the wire back to bfloat16, exactly
+            target.copy_(tensor)
 
     def state(self) -> dict[str, Any]:
         return self.tensors
@@ -272,18 +271,24 @@ def make_target(payload: dict[str, Any]):
 
 
 # ---------------------------------------------------------------------------------------------
-# Transports: one entry each, used from both ends
+# Transports: the production publishers, driven as the learner worker drives them
 # ---------------------------------------------------------------------------------------------
 
+_BENCH_PEER = "bench-receiver"
 
-@dataclass
-class SenderLink:
-    """What the learner's side of a run sends through."""
 
-    publisher: Any
-    """Our ZmqPublisher, bound on tcp 127.0.0.1."""
-    weights_dir: Path
-    """Where the path transport writes its folders (removed after the run)."""
+def transport_names() -> list[str]:
+    """What `--transports` accepts: every transport the registry knows (plug-ins too)."""
+    from longhorizon.learner.weights import TRANSPORTS
+
+    return TRANSPORTS.names()
+
+
+def default_transports() -> tuple[str, ...]:
+    from longhorizon.learner.weights import MESSAGE_FORMS, TRANSPORTS
+
+    builtins = TRANSPORTS.builtin_names()
+    return tuple(sorted(builtins, key=lambda name: MESSAGE_FORMS.index(name) if name in MESSAGE_FORMS else 99))
 
 
 @dataclass(frozen=True)
@@ -291,128 +296,47 @@ class Sent:
     """What the learner's side reports of one update it sent."""
 
     built_at: float
-    """time.monotonic() when the update was built and handed to the socket."""
+    """time.monotonic() when the update was built and handed to the transport."""
     moved_bytes: int
-    """Bytes the transport moves for it (frames on the socket, or files written)."""
+    """Tensor bytes the transport moves for it (frames on the socket, files written, buckets)."""
 
 
-@dataclass(frozen=True)
-class Transport:
-    """One way of moving weights, as this benchmark drives it from both ends."""
+class BenchSender:
+    """The learner's side of one run: the transport's publisher, with our PUB socket as the
+    broadcast socket and as the control channel of per-actor transports (a learner uses the
+    actor's control socket), and this benchmark's receiver as its one actor."""
 
-    send: Callable[[SenderLink, Any, int], Sent]
-    """Learner side: build the update of `version` from the source and send it."""
-    receive: Callable[[Any, Any], None]
-    """Receiver side: given the message that arrived on the broadcast socket and the target,
-    load the update into the target."""
+    def __init__(self, transport: str, zmq_publisher, weights_dir: Path, timeout_s: float) -> None:
+        import trio
 
+        from longhorizon.common.config import LearnerConfig
+        from longhorizon.learner.weights import PublisherContext, build_publisher
 
-def _send_weights_update(transport: str, link: SenderLink, source, version: int) -> Sent:
-    import trio
+        self.zmq_publisher = zmq_publisher
 
-    from longhorizon.learner.broadcast import make_weights_update
+        def announce(actor_id: str, message) -> None:  # from the transport's own threads
+            trio.run(zmq_publisher.send, message)
 
-    update = make_weights_update(source, version, transport, link.weights_dir)
-    built_at = time.monotonic()
-    # The publisher is our trio socket; nothing else here needs an event loop, so each send
-    # runs in a short trio run of its own. A PUB send never waits.
-    trio.run(link.publisher.send, update)
-    if update.tensors is not None:
-        moved = sum(array.nbytes for array in update.tensors.values())
-    else:
-        moved = sum(file.stat().st_size for file in Path(update.path).iterdir() if file.is_file())
-    return Sent(built_at=built_at, moved_bytes=moved)
+        learner = LearnerConfig(weights_backend="gloo", weights_timeout_s=timeout_s, weights_bucket_mb=128)
+        self.publisher = build_publisher(transport, PublisherContext(
+            weights_dir=weights_dir, host="127.0.0.1", device="cpu", learner=learner, announce=announce,
+        ))
+        self.publisher.actor_joined(_BENCH_PEER, None)
 
+    def send(self, source, version: int) -> Sent:
+        import trio
 
-def _load_weights_update(message, target) -> None:
-    target.load(message)
+        from longhorizon.learner.broadcast import unique_state_dict
 
+        built = self.publisher.build(unique_state_dict(source), version)
+        built_at = time.monotonic()
+        # The publisher's send is async (a trio socket); nothing else here needs an event loop,
+        # so each send runs in a short trio run of its own. A PUB send never waits.
+        trio.run(self.publisher.publish, built, self.zmq_publisher)
+        return Sent(built_at=built_at, moved_bytes=self.publisher.payload_bytes(built))
 
-_COLLECTIVE_BENCH_PEER = "bench-receiver"
-_collective_ends: dict[str, Any] = {}
-"""This process's end of the collective transport, made on first use and kept across runs (the
-learner's sender with its store, or the receiver with its group), as in a training run."""
-
-
-def _send_collective(link: SenderLink, source, version: int) -> Sent:
-    """The learner's sender (learner/weight_sync.py) with one member: the snapshot is built here,
-    then its thread announces the version on the broadcast socket (a learner uses the actor's
-    control socket) and broadcasts the buckets over the pair group. The group is formed with the
-    first update, a warm-up one."""
-    import trio
-
-    from longhorizon.common.wire import encode
-    from longhorizon.learner.broadcast import unique_state_dict
-    from longhorizon.learner.weight_sync import CollectiveSender
-
-    sender = _collective_ends.get("sender")
-    if sender is None:
-
-        def announce(actor_id: str, message) -> None:
-            _collective_ends["announcement_bytes"] = sum(len(frame) for frame in encode(message))
-            trio.run(link.publisher.send, message)
-
-        sender = CollectiveSender(
-            host="127.0.0.1", backend="gloo", timeout_s=120.0, bucket_bytes=128 << 20, announce=announce,
-        )
-        sender.join(_COLLECTIVE_BENCH_PEER, None)
-        _collective_ends["sender"] = sender
-    snapshot = sender.snapshot(unique_state_dict(source), version)
-    built_at = time.monotonic()
-    sender.publish(snapshot)
-    # Bytes over the group, plus the announcement (the previous one's size: the same layout).
-    moved = snapshot.layout.total_bytes + _collective_ends.get("announcement_bytes", 0)
-    return Sent(built_at=built_at, moved_bytes=moved)
-
-
-def _load_collective(message, target) -> None:
-    """Receive the buckets the announcement names (actor/engines/weight_receiver.py) and load the
-    tensors as the hf engine does (or into the synthetic payload's tensors)."""
-    from longhorizon.common.models import load_state_into
-    from longhorizon.actor.engines.weight_receiver import CollectiveReceiver
-
-    receiver = _collective_ends.setdefault("receiver", CollectiveReceiver())
-    state = receiver.receive(message)
-    if isinstance(target, ModelTarget):
-        load_state_into(target.model, state)
-    else:
-        target._copy_in(state)
-
-
-TRANSPORTS: dict[str, Transport] = {
-    "inline": Transport(send=functools.partial(_send_weights_update, "inline"), receive=_load_weights_update),
-    "path": Transport(send=functools.partial(_send_weights_update, "path"), receive=_load_weights_update),
-    # A torch.distributed (gloo) pair group between the two processes; bf16 stays bf16.
-    "collective": Transport(send=_send_collective, receive=_load_collective),
-}
-"""Transport name -> how the benchmark drives it; `--transports` chooses among these."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Memory figures (Linux)
-# ---------------------------------------------------------------------------------------------
-
-
-def reset_peak_rss() -> bool:
-    """Start this process's peak resident memory afresh (/proc/self/clear_refs); False where not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int | None:
-    """This process's peak resident memory since it started or since reset_peak_rss."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    def close(self) -> None:
+        self.publisher.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,10 +354,13 @@ async def _receiver_main(address: str, threads: int) -> None:
     import trio
     import zmq
 
+    from longhorizon.actor.weights import WeightsReceiver
     from longhorizon.common.transport import ZmqSubscriber
     from longhorizon.common.wire import CollectiveWeights, HorizonUpdate, WeightsUpdate
 
     torch.set_num_threads(threads)
+    # One receiver for every run, as an engine holds one (a collective's group is kept in it).
+    weights = WeightsReceiver()
     context = zmq.Context()
     subscriber = ZmqSubscriber(address, context=context)
     try:
@@ -453,7 +380,6 @@ async def _receiver_main(address: str, threads: int) -> None:
                 continue
             if command["do"] != "prepare":
                 raise ValueError(f"unknown command {command['do']!r}")
-            transport = TRANSPORTS[command["transport"]]
             target = make_target(command["payload"])
             gc.collect()
             reset_peak_rss()
@@ -464,7 +390,7 @@ async def _receiver_main(address: str, threads: int) -> None:
                 if not isinstance(message, (WeightsUpdate, CollectiveWeights)):
                     continue  # a late probe
                 received_at = time.monotonic()
-                transport.receive(message, target)
+                target.load(message, weights)
                 version = message.version
                 del message
                 loaded_at = time.monotonic()
@@ -517,7 +443,7 @@ class ReceiverProcess:
 
     def __init__(self, address: str, threads: int) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "longhorizon.launch.bench_weights", "--receiver", address,
+            [sys.executable, "-m", "longhorizon.launch.bench.weights", "--receiver", address,
              "--threads", str(threads), "--parent-pid", str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )
@@ -652,23 +578,21 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def check_memory_for(label: str, state_bytes: int, dtype: str, transports: tuple[str, ...]) -> None:
+def check_memory_for(label: str, state_bytes: int) -> None:
     """Refuse a payload that would not fit beside what the machine already holds.
 
     With the source built, a run still needs the receiver's copy of the weights plus the update
-    in flight: inline sends bfloat16 as float32, twice its bytes (the sender's copy drains as the
-    receiver's frames fill, so the two sides' copies add up to about one). Measured at 1.5B
-    parameters: the machine's used memory rose by about 12.5 GB for source, copy and receiver.
+    in flight, which every transport moves at the state's own size (the sender's copy drains as
+    the receiver's frames fill, so the two sides' copies add up to about one).
     """
     available = available_memory_bytes()
     if available is None:
         return
-    widest = 2 if "inline" in transports and dtype == "bfloat16" else 1
-    needed = state_bytes * (1 + widest) + (1 << 30)  # plus a margin for the processes themselves
+    needed = state_bytes * 2 + (1 << 30)  # plus a margin for the processes themselves
     if needed > available:
         raise RuntimeError(
             f"{label}: about {needed / _GB:.1f} GB more memory needed, {available / _GB:.1f} GB available; "
-            "lower --synthetic-params, leave out --transports inline, or stop other work on this machine"
+            "lower --synthetic-params, or stop other work on this machine"
         )
 
 
@@ -681,21 +605,20 @@ def run_transport(
     compared with the source's after the last."""
     from longhorizon.common.processes import remove_tied_folder, tied_folder
 
-    transport = TRANSPORTS[transport_name]
     updates = settings.warmup + settings.repeats
     receiver.command("prepare", payload=payload.as_dict(), transport=transport_name, updates=updates)
     receiver.expect("prepared", settings.timeout_s)
     gc.collect()
     reset_peak_rss()
     weights_dir = Path(tied_folder("longhorizon-bench-weights-", settings.weights_dir))
-    link = SenderLink(publisher=publisher, weights_dir=weights_dir)
+    sender = BenchSender(transport_name, publisher, weights_dir, settings.timeout_s)
     timings = []
     moved_bytes = 0
     try:
         for index in range(updates):
             version = index + 1
             started = time.monotonic()
-            sent = transport.send(link, source, version)
+            sent = sender.send(source, version)
             moved_bytes = sent.moved_bytes
             loaded = receiver.expect("loaded", settings.timeout_s)
             finished = time.monotonic()
@@ -712,6 +635,7 @@ def run_transport(
             progress(f"{payload.label} {transport_name} update {version}/{updates}: {timing['seconds']:.2f} s")
         finished_event = receiver.expect("finished", settings.timeout_s)
     finally:
+        sender.close()
         remove_tied_folder(weights_dir)
     seconds = statistics.median(t["seconds"] for t in timings)
     sender_peak = peak_rss_bytes()
@@ -748,9 +672,10 @@ def bench_weights(
     from longhorizon.common.wire import HorizonUpdate
     from longhorizon.learner.broadcast import unique_state_dict
 
-    unknown = [name for name in settings.transports if name not in TRANSPORTS]
+    known = transport_names()
+    unknown = [name for name in settings.transports if name not in known]
     if unknown:
-        raise ValueError(f"unknown transport {unknown[0]!r}; valid: {', '.join(TRANSPORTS)}")
+        raise ValueError(f"unknown transport {unknown[0]!r}; valid: {', '.join(known)}")
     keep_freed_message_memory()  # as the learner process does
     torch.set_num_threads(settings.threads)
     memcpy, memcpy_new_pages = memcpy_rates(settings.memcpy_bytes)
@@ -781,7 +706,7 @@ def bench_weights(
             state_bytes = sum(tensor.numel() * tensor.element_size() for tensor in state.values())
             dtype = ", ".join(sorted({str(tensor.dtype).removeprefix("torch.") for tensor in state.values()}))
             del state
-            check_memory_for(payload.label, state_bytes, dtype, settings.transports)
+            check_memory_for(payload.label, state_bytes)
             for name in settings.transports:
                 run = run_transport(name, payload, source, source_digest, state_bytes, params, dtype,
                                     publisher, receiver, settings, progress)
@@ -807,7 +732,15 @@ def bench_weights(
     }
 
 
-def print_table(result: dict[str, Any]) -> None:
+_RUN_COLUMNS = (
+    Column("payload", 24, left=True), Column("transport", 9, left=True), Column("params", 8), Column("dtype", 8),
+    Column("moved MB", 9, ".1f"), Column("s/update", 9, ".3f"), Column("build s", 8, ".3f"),
+    Column("send s", 7, ".3f"), Column("load s", 7, ".3f"), Column("GB/s", 6, ".2f"),
+    Column("of loopback", 12, ".0%"), Column("identical", 9), Column("peak MB send/recv", 18),
+)
+
+
+def print_report(result: dict[str, Any]) -> None:
     """A table for people, then the result as one line of JSON for machines."""
     print(
         f"weights updates to a receiver in another process over tcp 127.0.0.1: median of "
@@ -818,38 +751,23 @@ def print_table(result: dict[str, Any]) -> None:
         f"new pages); raw ZeroMQ frames of "
         f"{result['loopback_frame_bytes'] >> 20} MiB over loopback {result['loopback_gb_per_s']:.2f} GB/s"
     )
-    header = (f"{'payload':<24} {'transport':<9} {'params':>8} {'dtype':>8} {'moved MB':>9} {'s/update':>9} "
-              f"{'build s':>8} {'send s':>7} {'load s':>7} {'GB/s':>6} {'of loopback':>12} {'identical':>9} "
-              f"{'peak MB send/recv':>18}")
-    print(header)
+    rows = []
     for run in result["runs"]:
         peaks = "/".join("-" if run[key] is None else f"{run[key]:.0f}"
                          for key in ("sender_peak_rss_mb", "receiver_peak_rss_mb"))
-        print(
-            f"{run['payload']:<24} {run['transport']:<9} {run['params'] / 1e6:>7.1f}M {run['dtype']:>8} "
-            f"{run['moved_bytes'] / _MB:>9.1f} {run['seconds']:>9.3f} {run['build_s']:>8.3f} "
-            f"{run['transfer_s']:>7.3f} {run['load_s']:>7.3f} {run['gb_per_s']:>6.2f} "
-            f"{run['share_of_loopback']:>12.0%} {'yes' if run['identical'] else 'NO':>9} {peaks:>18}"
-        )
-    print("moved: inline, the tensors' frames on the socket (bfloat16 travels as float32); path, the "
+        rows.append((run["payload"], run["transport"], f"{run['params'] / 1e6:.1f}M", run["dtype"],
+                     run["moved_bytes"] / _MB, run["seconds"], run["build_s"], run["transfer_s"], run["load_s"],
+                     run["gb_per_s"], run["share_of_loopback"], "yes" if run["identical"] else "NO", peaks))
+    print_table(_RUN_COLUMNS, rows)
+    print("moved: inline, the tensors' frames on the socket (bfloat16 as 2 bytes a value); path, the "
           "safetensors file (the socket carries its location); collective, the buckets over the gloo "
-          "group plus the announcement. GB/s = moved / s per update.")
-    print(json.dumps(result, sort_keys=True))
+          "group. GB/s = moved / s per update.")
+    print_json(result)
 
 
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _non_negative_float(text: str) -> float:
@@ -864,10 +782,11 @@ def _non_negative_float(text: str) -> float:
 
 def _transport_list(text: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in names if name not in TRANSPORTS]
+    known = transport_names()
+    unknown = [name for name in names if name not in known]
     if not names or unknown:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated transports from {', '.join(TRANSPORTS)}, got {text!r}"
+            f"expected comma-separated transports from {', '.join(known)}, got {text!r}"
         )
     return names
 
@@ -879,18 +798,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-model", action="store_true", help="skip the model payload")
     parser.add_argument("--synthetic-params", type=_non_negative_float, default=1.5e9,
                         help="parameters of the synthetic bfloat16 state dict; 0 skips it (default %(default)g)")
-    parser.add_argument("--transports", type=_transport_list, default=tuple(TRANSPORTS),
-                        help=f"comma-separated, from {', '.join(TRANSPORTS)} (default all)")
-    parser.add_argument("--repeats", type=_positive_int, default=3, help="timed updates per run (default %(default)s)")
+    parser.add_argument("--transports", type=_transport_list, default=default_transports(),
+                        help=f"comma-separated, from {', '.join(transport_names())} (default the built-ins)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed updates per run (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed updates first (default %(default)s)")
-    parser.add_argument("--loopback-frame-mib", type=_positive_int, default=64,
+    parser.add_argument("--loopback-frame-mib", type=positive_int, default=64,
                         help="frame size of the raw loopback limit, MiB (default %(default)s)")
-    parser.add_argument("--loopback-mib", type=_positive_int, default=1024,
+    parser.add_argument("--loopback-mib", type=positive_int, default=1024,
                         help="MiB sent per round of the raw loopback limit (default %(default)s)")
-    parser.add_argument("--memcpy-mib", type=_positive_int, default=256, help="memcpy buffer, MiB (default %(default)s)")
+    parser.add_argument("--memcpy-mib", type=positive_int, default=256, help="memcpy buffer, MiB (default %(default)s)")
     parser.add_argument("--weights-dir", default=None,
                         help="folder under which the path transport writes (default: the system's temporary folder)")
-    parser.add_argument("--threads", type=_positive_int, default=2, help="torch CPU threads per process (default %(default)s)")
+    parser.add_argument("--threads", type=positive_int, default=2, help="torch CPU threads per process (default %(default)s)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="longest wait for the receiver (default %(default)s)")
     parser.add_argument("--receiver", default=None, help=argparse.SUPPRESS)  # the receiving process: the publisher's address
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
@@ -926,11 +845,12 @@ def _settings_from(args: argparse.Namespace) -> Settings:
 
 
 def main(argv: list[str]) -> int:
+    from longhorizon.common.args import parse_args
+
     parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_request:  # --help, or a usage error already printed by argparse
-        return int(exit_request.code or 0)
+    args = parse_args(parser, argv)
+    if isinstance(args, int):  # --help, or a usage error argparse has printed
+        return args
     if args.receiver is not None:
         return run_receiver(args.receiver, args.threads, args.parent_pid or os.getppid())
     try:
@@ -944,7 +864,7 @@ def main(argv: list[str]) -> int:
     except (RuntimeError, TimeoutError, OSError, ValueError) as error:
         print(f"longhorizon bench weights: {error}", file=sys.stderr)
         return 1
-    print_table(result)
+    print_report(result)
     return 0
 
 

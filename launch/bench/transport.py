@@ -21,10 +21,10 @@ CPU time per message of each side's threads (the Python thread, ZeroMQ's I/O thr
 and how many cores the two processes kept busy: when that is close to the machine's core count,
 throughput is set by the CPU the threads share, not by any one of them.
 
-Run: ``python -m longhorizon.launch.bench_transport``. Prints a table, then one line of JSON.
+Run: ``longhorizon bench transport`` (or ``python -m longhorizon.launch.bench.transport``). Prints a
+table, then one line of JSON.
 """
 
-import json
 import multiprocessing
 import os
 import statistics
@@ -38,9 +38,11 @@ import numpy as np
 import trio
 import zmq
 
+from longhorizon.common.codec import encode, pack_arrays
 from longhorizon.common.memory import keep_freed_message_memory, keeping_freed_message_memory
 from longhorizon.common.transport import DEFAULT_TRAJECTORY_HWM, ZmqPullReceiver, ZmqPushSender
-from longhorizon.common.wire import Trajectory, encode, pack_arrays
+from longhorizon.common.wire import Trajectory
+from longhorizon.launch.bench.tables import Column, print_json, print_table
 
 TARGET_RATIO = 0.8
 """Trajectory throughput should reach this share of the raw baseline."""
@@ -137,7 +139,7 @@ def make_trajectory(trajectory_bytes: int, *, seed: int = 0) -> Trajectory:
         loss_mask[start : start + turn_length] = 1
     behaviour_logprobs = np.where(loss_mask == 1, -rng.exponential(1.0, tokens), 0.0).astype(np.float32)
     policy_versions = np.where(loss_mask == 1, 41, -1).astype(np.int32)
-    # Laid out in one buffer, as the actor builds its trajectories (see wire.pack_arrays).
+    # Laid out in one buffer, as the actor builds its trajectories (see codec.pack_arrays).
     arrays = pack_arrays({
         "token_ids": rng.integers(0, 49152, tokens, dtype=np.int32),
         "loss_mask": loss_mask,
@@ -424,16 +426,17 @@ def bench_transport(
     return result
 
 
-def print_table(result: dict) -> None:
+def print_report(result: dict) -> None:
     """A table for people, then the result as one line of JSON for machines."""
     allocator = "freed buffers kept for reuse" if result["keep_freed_memory"] else "glibc defaults"
     print(f"transport over tcp loopback, {result['rounds']} rounds, medians; allocator on both sides: {allocator}")
-    print(f"{'':12} {'bytes/msg':>11} {'messages':>9} {'msg/s':>10} {'MB/s':>10}")
-    for prefix in ("raw", "trajectory", "raw_split"):
-        print(
-            f"{prefix:12} {result[prefix + '_message_bytes']:>11,} {result[prefix + '_messages']:>9}"
-            f" {result[prefix + '_messages_per_s']:>10.1f} {result[prefix + '_mb_per_s']:>10.1f}"
-        )
+    kinds = ("raw", "trajectory", "raw_split")
+    print_table(
+        [Column("", 12, left=True), Column("bytes/msg", 11, ","), Column("messages", 9),
+         Column("msg/s", 10, ".1f"), Column("MB/s", 10, ".1f")],
+        [[kind, result[kind + "_message_bytes"], result[kind + "_messages"], result[kind + "_messages_per_s"],
+          result[kind + "_mb_per_s"]] for kind in kinds],
+    )
     verdict = "meets" if result["meets_target"] else "misses"
     print("trajectory / raw per round: " + ", ".join(f"{ratio:.2f}" for ratio in result["round_ratios"]))
     print(f"trajectory / raw = {result['ratio']:.2f} ({verdict} the target {result['target_ratio']:.2f})")
@@ -441,9 +444,9 @@ def print_table(result: dict) -> None:
         f"raw_split / raw = {result['raw_split_ratio']:.2f} (the same bytes in "
         f"{result['trajectory_frames']} frames, no codec: ZeroMQ's own cost of the framing)"
     )
-    if all(result[f"{prefix}_cpu_us_per_message"] is not None for prefix in ("raw", "trajectory", "raw_split")):
+    if all(result[f"{kind}_cpu_us_per_message"] is not None for kind in kinds):
         _print_cpu_table(result)
-    print(json.dumps(result, sort_keys=True))
+    print_json(result)
 
 
 def _print_cpu_table(result: dict) -> None:
@@ -452,18 +455,18 @@ def _print_cpu_table(result: dict) -> None:
         "cores the two processes kept busy, and the msg/s the busiest thread group would allow on a "
         "core of its own (an estimate for machines with a core per thread):"
     )
-    print(f"{'':12} {'receiver':>17} {'sender':>17} {'total':>7} {'cores busy':>11} {'msg/s bound':>12}")
-    for prefix in ("raw", "trajectory", "raw_split"):
-        cpu = result[prefix + "_cpu_us_per_message"]
-        sides = [
-            " /".join(f"{cpu[f'{side}_{group}']:>4.0f}" for group in THREAD_GROUPS) for side in ("receiver", "sender")
-        ]
-        print(
-            f"{prefix:12} {sides[0]:>17} {sides[1]:>17} {sum(cpu.values()):>7.0f}"
-            f" {result[prefix + '_cores_busy']:>6.2f} of {result['cores']}"
-            f" {result[prefix + '_core_per_thread_messages_per_s']:>12,.0f}"
-        )
+    rows = []
+    for kind in ("raw", "trajectory", "raw_split"):
+        cpu = result[kind + "_cpu_us_per_message"]
+        sides = [" /".join(f"{cpu[f'{side}_{group}']:>4.0f}" for group in THREAD_GROUPS) for side in ("receiver", "sender")]
+        cores_busy = f"{result[kind + '_cores_busy']:>6.2f} of {result['cores']}"
+        rows.append([kind, *sides, sum(cpu.values()), cores_busy, result[kind + "_core_per_thread_messages_per_s"]])
+    print_table(
+        [Column("", 12, left=True), Column("receiver", 17), Column("sender", 17), Column("total", 7, ".0f"),
+         Column("cores busy", 11), Column("msg/s bound", 12, ",.0f")],
+        rows,
+    )
 
 
 if __name__ == "__main__":
-    print_table(bench_transport())
+    print_report(bench_transport())

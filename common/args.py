@@ -1,0 +1,54 @@
+"""Argument parsing for commands whose `main(argv)` returns an exit status instead of exiting.
+
+`longhorizon bench ...`, `eval` and the other pass-through commands parse their own arguments, and
+tests call their `main` directly. argparse ends the process (SystemExit) after `--help` or a usage
+error; `parse_args` turns that into the status for `main` to return, and reports a value the
+command refuses (a `check` that raises ValueError) the way argparse reports its own errors.
+`positive_int` is the argument type of the counts they take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+USAGE_ERROR = 2
+"""argparse's exit status for a usage error."""
+
+
+def parse_args(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    check: Callable[[argparse.Namespace], Any] | None = None,
+) -> argparse.Namespace | int:
+    """The parsed arguments, or the exit status when the command should stop here.
+
+    0 after `--help`; 2 after a usage error, which argparse has printed; 2 when `check(args)`
+    raises ValueError, printed as `usage: ...` then `PROG: error: MESSAGE` on stderr. Callers:
+    `args = parse_args(parser, argv); if isinstance(args, int): return args`.
+    """
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_request:
+        return int(exit_request.code or 0)
+    if check is not None:
+        try:
+            check(args)
+        except ValueError as error:
+            parser.print_usage(sys.stderr)
+            print(f"{parser.prog}: error: {error}", file=sys.stderr)
+            return USAGE_ERROR
+    return args
+
+
+def positive_int(text: str) -> int:
+    """An argparse `type` for counts that must be at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value

@@ -1,0 +1,95 @@
+"""The RL algorithms `learner.algorithm` names, one module each, and the registry that finds them.
+
+Every built-in keeps the learner's off-policy machinery: the staleness bound of the buffer, and a
+correction for the lag between the behaviour policy mu (what the actor sampled with) and the
+policy being trained (decoupled PPO's weight pi_prox / mu, or an importance weight against mu).
+docs/algorithms.md gives each one's formula, keys and source, and how to add one.
+
+An algorithm from outside this repository is a subclass of `Algorithm` offered under the
+`longhorizon.algorithms` entry point (or written as `package.module:Class` in place of a name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from longhorizon.common.plugins import PluginError, Registry
+from longhorizon.learner.algorithms.base import (
+    ALGORITHM_KEYS,
+    Algorithm,
+    AlgorithmError,
+    NoSettings,
+    SumOverRanks,
+    check_clip_range,
+    settings_from,
+)
+
+__all__ = [
+    "ALGORITHMS",
+    "ALGORITHM_KEYS",
+    "Algorithm",
+    "AlgorithmError",
+    "NoSettings",
+    "SumOverRanks",
+    "algorithm_class",
+    "check_clip_range",
+    "make_algorithm",
+    "settings_from",
+]
+
+# In the order the docs and messages list them.
+BUILTINS = {
+    "grpo": "longhorizon.learner.algorithms.grpo:GRPO",
+    "rloo": "longhorizon.learner.algorithms.rloo:RLOO",
+    "reinforce_pp": "longhorizon.learner.algorithms.reinforce_pp:ReinforcePP",
+    "dr_grpo": "longhorizon.learner.algorithms.dr_grpo:DrGRPO",
+    "dapo": "longhorizon.learner.algorithms.dapo:DAPO",
+    "gspo": "longhorizon.learner.algorithms.gspo:GSPO",
+    "ppo": "longhorizon.learner.algorithms.ppo:PPO",
+    "cispo": "longhorizon.learner.algorithms.cispo:CISPO",
+}
+
+
+def _must_be_an_algorithm(name: str, part) -> None:
+    if not (isinstance(part, type) and issubclass(part, Algorithm)):
+        raise TypeError(f"algorithm {name!r} is {part!r}, not a subclass of longhorizon.learner.algorithms.Algorithm")
+
+
+ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "longhorizon.algorithms", BUILTINS,
+                                                 check=_must_be_an_algorithm)
+
+
+def algorithm_class(name: str) -> type[Algorithm]:
+    """The algorithm `learner.algorithm = name` names: a built-in, a registered or installed
+    plug-in, or a dotted path."""
+    try:
+        return ALGORITHMS.get(name)
+    except (PluginError, TypeError) as error:
+        failure = error
+    try:
+        known = ALGORITHMS.names()
+    except PluginError as clash:  # an installed plug-in takes a built-in's name
+        raise AlgorithmError(str(clash)) from None
+    if ":" not in name and name not in known:
+        plugins = sorted(set(known) - set(BUILTINS))
+        raise AlgorithmError(
+            f"unknown learner.algorithm {name!r}; valid: {', '.join([*BUILTINS, *plugins])}, "
+            "or package.module:Class for an Algorithm subclass"
+        ) from None
+    raise AlgorithmError(f"learner.algorithm {name!r}: {failure}") from failure
+
+
+def make_algorithm(config) -> Algorithm:
+    """The algorithm `config.algorithm` names (`config` is a LearnerConfig), bound to its settings,
+    after refusing any algorithm-specific key it does not read that differs from its default."""
+    chosen = algorithm_class(config.algorithm)
+    reads = chosen.reads()
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    for key in ALGORITHM_KEYS:
+        if key not in reads and getattr(config, key) != defaults[key]:
+            readers = [name for name in BUILTINS if key in algorithm_class(name).reads()]
+            raise AlgorithmError(
+                f"learner.{key} is not used by learner.algorithm = {config.algorithm!r} (it is read by "
+                f"{', '.join(readers) or 'no algorithm'}); remove it or choose one of those"
+            )
+    return chosen(config)

@@ -1,0 +1,159 @@
+"""The interface every RL algorithm implements: the learner keys it reads, their validation, how it
+scores a batch of groups, and its loss on a micro-batch.
+
+An algorithm is a subclass of `Algorithm`, made from the learner's config once per run. The
+trainer and the learner only ever ask it questions (what is your loss here, do you resample flat
+groups, do you bring a critic); none of them compares an algorithm's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
+
+import numpy as np
+
+from longhorizon.learner.advantages import group_has_signal
+from longhorizon.learner.losses import WEIGHT_LEVELS, LossOutput
+from longhorizon.learner.scoring import ScoredBatch, usable_members
+
+if TYPE_CHECKING:
+    import torch
+
+    from longhorizon.common.config import LearnerConfig
+    from longhorizon.learner.critic import ValueModel
+    from longhorizon.learner.logprobs import PaddedBatch
+
+# Keys of LearnerConfig that only some algorithms read. Setting one that the chosen algorithm does
+# not read is refused, so a config never silently carries a setting that does nothing.
+ALGORITHM_KEYS = (
+    "clip_eps", "clip_eps_low", "clip_eps_high", "loss", "weight_level", "aggregation",
+    "behaviour_weight_cap", "overlong_max_tokens", "overlong_buffer_tokens", "loss_normaliser_tokens",
+    "critic", "gamma", "lam", "value_coef", "value_clip", "advantage_std_scaling",
+)
+
+SumOverRanks = Callable[[list], list]
+"""Element-wise sum of a list of floats over the learner's ranks (torch.distributed)."""
+
+
+class AlgorithmError(ValueError):
+    """The learner's algorithm settings do not fit together."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NoSettings:
+    """An algorithm that reads none of the algorithm-specific keys."""
+
+
+class Algorithm:
+    """One RL algorithm, bound to its settings.
+
+    A subclass sets `Settings` to a frozen dataclass whose fields are named like the `learner.*`
+    keys it reads (its typed view of them: `self.settings`), and implements `aggregation`, `score`
+    and `loss`. An algorithm with a learned critic also implements `build_value_model`,
+    `advantages_from_values` and `value_loss`.
+    """
+
+    summary: ClassVar[str] = ""
+    """One line: what it is, with its source."""
+    Settings: ClassVar[type] = NoSettings
+    resamples_flat_groups: ClassVar[bool] = False
+    """Groups whose rewards are all equal are set aside by the learner, and further groups awaited
+    in their place until the batch is full (async mode only)."""
+    runs_on_several_ranks: ClassVar[bool] = True
+    """Whether the launcher may start the learner on more than one rank with it."""
+    aggregation: str = "token"
+    """How the loss reduces over a micro-batch's tokens (losses.AGGREGATION_LEVELS): the trainer
+    weights micro-batches and the monitored figures the same way."""
+
+    def __init__(self, config: LearnerConfig, name: str | None = None) -> None:
+        self.name = name or config.algorithm
+        self.settings = settings_from(self.Settings, config)
+        # An entropy bonus (a common key) can move a policy on groups without signal.
+        self.train_flat_groups = config.entropy_coef > 0
+        self.check_settings()
+
+    @classmethod
+    def reads(cls) -> frozenset[str]:
+        """The learner keys this algorithm reads."""
+        return frozenset(f.name for f in dataclasses.fields(cls.Settings))
+
+    def check_settings(self) -> None:
+        """Raise AlgorithmError when the settings do not fit together."""
+
+    # -- scoring ------------------------------------------------------------------------------
+
+    def shaped_reward(self, trajectory) -> float:
+        """The reward its advantages are computed from (plain by default)."""
+        return float(trajectory.reward)
+
+    def shaped_rewards(self, members: Sequence) -> np.ndarray:
+        return np.array([self.shaped_reward(t) for t in members], dtype=np.float64)
+
+    def carries_signal(self, group) -> bool:
+        """Whether a group would move a group-relative update: two usable members whose (shaped)
+        rewards differ. The learner asks it of each group when `resamples_flat_groups`."""
+        members = usable_members(group)
+        return len(members) >= 2 and group_has_signal(self.shaped_rewards(members))
+
+    def score(self, groups) -> ScoredBatch:
+        """A step's groups as examples with advantages, and what was left out (learner/scoring.py
+        has the shared ways)."""
+        raise NotImplementedError
+
+    # -- the update ---------------------------------------------------------------------------
+
+    def loss(self, logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+             advantages: torch.Tensor, mask: torch.Tensor) -> LossOutput:
+        """Its policy loss on one micro-batch (tensors as in learner/losses.py)."""
+        raise NotImplementedError
+
+    def build_value_model(self, policy_model) -> ValueModel | None:
+        """A learned critic around `policy_model`, or None (no critic: the default). The trainer
+        runs it, trains it with the policy's optimiser and keeps it in the checkpoint."""
+        return None
+
+    def advantages_from_values(self, micro_batches: list[PaddedBatch], values: list[torch.Tensor],
+                               sum_over_ranks: SumOverRanks | None = None) -> tuple[list[PaddedBatch], list]:
+        """With a critic: the micro-batches with their advantages from the critic's `values` at the
+        start of the update, and the value targets beside them. `sum_over_ranks` is given when
+        the step's examples are split over several ranks."""
+        raise NotImplementedError(f"{type(self).__name__} has no critic")
+
+    def value_loss(self, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                   mask: torch.Tensor) -> LossOutput:
+        """With a critic: its weighted loss on one micro-batch, added to the policy loss."""
+        raise NotImplementedError(f"{type(self).__name__} has no critic")
+
+
+def settings_from(settings_class: type, config: LearnerConfig):
+    """The typed view `settings_class` (a dataclass) of the learner keys it names."""
+    if not dataclasses.is_dataclass(settings_class):
+        raise AlgorithmError(f"an algorithm's Settings must be a dataclass, got {settings_class!r}")
+    values = {}
+    for setting in dataclasses.fields(settings_class):
+        if not hasattr(config, setting.name):
+            raise AlgorithmError(
+                f"{settings_class.__qualname__} reads learner.{setting.name}, which is not a learner key"
+            )
+        values[setting.name] = getattr(config, setting.name)
+    return settings_class(**values)
+
+
+# Values of the shared choice keys an algorithm may read; "sum" aggregation is dr_grpo's own.
+CHOICES = {"aggregation": ("token", "sequence"), "weight_level": WEIGHT_LEVELS}
+
+
+def check_choices(settings) -> None:
+    """Refuse a value of `aggregation` or `weight_level` (when the settings read them) that no
+    loss knows, before any process starts rather than at the first update."""
+    for key, choices in CHOICES.items():
+        value = getattr(settings, key, None)
+        if value is not None and value not in choices:
+            raise AlgorithmError(f"learner.{key} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def check_clip_range(low: float, high: float) -> None:
+    """The ratio is clipped to [1 - low, 1 + high]."""
+    if not (0 < low <= 1 and high > 0):
+        raise AlgorithmError(f"clip range must have 0 < clip_eps_low <= 1 and clip_eps_high > 0, got {low}, {high}")

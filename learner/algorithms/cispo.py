@@ -1,0 +1,30 @@
+"""cispo: clipped IS-weight policy optimisation (MiniMax, MiniMax-M1, 2025). GRPO's advantages; the
+importance weight pi / mu is clipped and detached, but no token's gradient is ever dropped (PPO's
+clip zeroes the gradient of tokens outside the trust region). The weight is taken against mu, so
+it is also the off-policy correction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from longhorizon.learner.algorithms.grpo import GRPO
+from longhorizon.learner.losses import LossOutput, cispo_loss
+
+
+@dataclass(frozen=True)
+class CISPOSettings:
+    clip_eps_low: float | None
+    clip_eps_high: float | None
+
+
+class CISPO(GRPO):
+    summary = "clipped importance weight with stop-gradient, every token kept (MiniMax 2025)"
+    Settings = CISPOSettings
+    aggregation = "token"
+    default_clip = (1.0, 1.0)
+    """No lower bound; the weight capped at 2, like behaviour_weight_cap."""
+
+    def loss(self, logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask) -> LossOutput:
+        low, high = self.clip_range
+        return cispo_loss(logprobs, behaviour_logprobs, advantages, mask,
+                          clip_eps_low=low, clip_eps_high=high, aggregation="token")

@@ -1,0 +1,76 @@
+"""grpo, the default: group-normalised advantages and a clipped surrogate with an off-policy
+correction (Shao et al., DeepSeekMath, 2024).
+
+Most other built-ins are GRPO with one part changed (the estimator, the scoring, the clip, the
+aggregation or the loss), so they subclass it and override that part alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from longhorizon.learner.advantages import grpo_advantages
+from longhorizon.learner.algorithms.base import Algorithm, check_choices, check_clip_range
+from longhorizon.learner.losses import LossOutput, policy_loss
+from longhorizon.learner.scoring import ScoredBatch, score_each_group
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    clip_eps: float
+    loss: str
+    weight_level: str
+    aggregation: str
+    behaviour_weight_cap: float
+
+
+class GRPO(Algorithm):
+    summary = "group-normalised advantages, clipped surrogate (Shao et al. 2024)"
+    Settings = GRPOSettings
+
+    default_clip: tuple[float, float] | None = None
+    """None: one symmetric `clip_eps`. Else the algorithm reads `clip_eps_low` and `clip_eps_high`
+    instead, and these are their values when the config leaves them unset."""
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(low, high): the ratio is clipped to [1 - low, 1 + high]."""
+        if self.default_clip is None:
+            return self.settings.clip_eps, self.settings.clip_eps
+        low, high = self.settings.clip_eps_low, self.settings.clip_eps_high
+        return (self.default_clip[0] if low is None else low, self.default_clip[1] if high is None else high)
+
+    @property
+    def aggregation(self) -> str:
+        return self.settings.aggregation
+
+    normaliser_tokens = 1.0
+    """The constant a sequence's summed loss is divided by under "sum" aggregation."""
+
+    def check_settings(self) -> None:
+        check_clip_range(*self.clip_range)
+        check_choices(self.settings)
+
+    def group_advantages(self, rewards: np.ndarray) -> np.ndarray:
+        """Advantages of one group's members: (r - mean) / (std + eps)."""
+        return grpo_advantages(rewards)
+
+    def score(self, groups) -> ScoredBatch:
+        return score_each_group(groups, self.shaped_rewards, self.group_advantages,
+                                train_flat_groups=self.train_flat_groups)
+
+    def loss(self, logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask) -> LossOutput:
+        """The clipped surrogate, corrected for the behaviour policy as `learner.loss` says."""
+        settings = self.settings
+        low, high = self.clip_range
+        if settings.loss == "decoupled_ppo":
+            options = dict(clip_eps=low, clip_eps_high=high, behaviour_weight_cap=settings.behaviour_weight_cap,
+                           weight_level=settings.weight_level)
+        elif settings.loss == "truncated_is":
+            options = dict(is_cap=settings.behaviour_weight_cap)
+        else:
+            options = dict(clip_eps=low, clip_eps_high=high)
+        return policy_loss(settings.loss, logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask,
+                           aggregation=self.aggregation, normaliser_tokens=self.normaliser_tokens, **options)

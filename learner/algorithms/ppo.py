@@ -1,0 +1,92 @@
+"""ppo: proximal policy optimisation with a learned critic (Schulman et al. 2017; for language
+models Ouyang et al. 2022).
+
+Each turn's reward lands on the last token of that turn's reply; the advantages are GAE over the
+episode's generated tokens from the critic's values at the start of the update, centred over the
+step's tokens (and whitened when `advantage_std_scaling`). The policy loss is grpo's clipped
+surrogate with these per-token advantages, plus `value_coef` times the clipped value loss. The
+math is in learner/critic.py; the trainer runs the value model this algorithm builds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from longhorizon.learner.algorithms.base import AlgorithmError, SumOverRanks
+from longhorizon.learner.algorithms.grpo import GRPO, GRPOSettings
+from longhorizon.learner.critic import build_value_model, gae, per_token_rewards, value_loss, whiten
+from longhorizon.learner.losses import LossOutput
+from longhorizon.learner.scoring import ScoredBatch, example_from, usable_groups
+
+
+@dataclass(frozen=True)
+class PPOSettings(GRPOSettings):
+    critic: str
+    gamma: float
+    lam: float
+    value_coef: float
+    value_clip: float
+    advantage_std_scaling: bool
+
+
+class PPO(GRPO):
+    summary = ("a learned critic and GAE over generated tokens, turn rewards at turn ends "
+               "(Schulman et al. 2017; Ouyang et al. 2022)")
+    Settings = PPOSettings
+    # The trainer runs its critic on any number of ranks (tests/test_distributed.py), but the
+    # launcher has not been opened to it: a run with several ranks is refused for now.
+    runs_on_several_ranks = False
+
+    def check_settings(self) -> None:
+        settings = self.settings
+        if not (0 <= settings.gamma <= 1 and 0 <= settings.lam <= 1):
+            raise AlgorithmError(f"learner.gamma and learner.lam must be in [0, 1], got {settings.gamma}, {settings.lam}")
+        if settings.value_coef <= 0:
+            raise AlgorithmError("learner.value_coef must be positive (the critic must learn)")
+        super().check_settings()
+
+    def score(self, groups) -> ScoredBatch:
+        """Every group with two usable members, flat ones too (the critic is the baseline, and flat
+        groups teach it as well), at advantage 0 for now, with each token's reward."""
+        kept, failed, too_small = usable_groups(groups)
+        examples = [
+            example_from(t, 0.0, token_rewards=per_token_rewards(t.loss_mask, t.turn_rewards))
+            for members in kept for t in members
+        ]
+        return ScoredBatch(examples, len(kept), 0, too_small, failed)
+
+    def build_value_model(self, policy_model):
+        return build_value_model(policy_model, self.settings.critic)
+
+    def advantages_from_values(self, micro_batches, values, sum_over_ranks: SumOverRanks | None = None):
+        """GAE from the critic's values at the start of the update, centred over the step's
+        generated tokens (every rank's, with `sum_over_ranks`) and scaled to unit std there when
+        `advantage_std_scaling`; the value targets (returns) beside them."""
+        settings = self.settings
+        estimates = [
+            gae(micro.token_rewards, micro_values, micro.loss_mask, settings.gamma, settings.lam)
+            for micro, micro_values in zip(micro_batches, values)
+        ]
+        counted = torch.cat([adv[micro.loss_mask > 0] for (adv, _), micro in zip(estimates, micro_batches)])
+        if sum_over_ranks is not None:
+            count, total, squares = sum_over_ranks(
+                [float(counted.numel()), float(counted.double().sum()), float((counted.double() ** 2).sum())])
+            mean = total / count if count else 0.0
+            std = max(squares / count - mean * mean, 0.0) ** 0.5 if count else 1.0
+        else:
+            mean = float(counted.mean()) if counted.numel() else 0.0
+            std = float(counted.std(unbiased=False)) if counted.numel() else 1.0
+        with_advantages = [
+            dataclasses.replace(micro, advantages=whiten(
+                adv, micro.loss_mask, mean, std if settings.advantage_std_scaling else None))
+            for (adv, _), micro in zip(estimates, micro_batches)
+        ]
+        return with_advantages, [returns for _, returns in estimates]
+
+    def value_loss(self, values, old_values, returns, mask) -> LossOutput:
+        critic = value_loss(values, old_values, returns, mask, value_clip=self.settings.value_clip,
+                            aggregation=self.aggregation)
+        return LossOutput(self.settings.value_coef * critic, {"value_loss": critic.item()})

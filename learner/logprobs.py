@@ -1,0 +1,186 @@
+"""Training examples as padded tensors, and each next token's log-prob (and entropy) under a model.
+
+What the RL update, SFT and DPO share: an `Example` is one token sequence with its loss mask,
+`pad_examples` makes a micro-batch of them, `plan_micro_batches` cuts a step's examples into
+micro-batches within a memory budget, and `token_logprobs` runs the model over a padded batch
+(the output layer in chunks when asked, so the whole batch's logits never exist at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.utils.checkpoint
+
+
+@dataclass
+class Example:
+    """One trajectory prepared for training."""
+
+    token_ids: np.ndarray
+    loss_mask: np.ndarray
+    behaviour_logprobs: np.ndarray
+    advantage: float
+    # ppo: each token's reward (turn rewards at the turn's last token); None for the others.
+    token_rewards: np.ndarray | None = None
+
+
+@dataclass
+class PaddedBatch:
+    """Examples as tensors, padded to the longest; what a model and a loss take."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    loss_mask: torch.Tensor  # [B, L-1], aligned with the predicted tokens input_ids[:, 1:]
+    behaviour_logprobs: torch.Tensor  # [B, L-1]
+    advantages: torch.Tensor  # [B], or [B, L-1] per token (ppo)
+    token_rewards: torch.Tensor | None = None  # [B, L-1] (ppo)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device) -> "PaddedBatch":
+        return PaddedBatch(*(None if tensor is None else tensor.to(device) for tensor in (
+            self.input_ids, self.attention_mask, self.loss_mask, self.behaviour_logprobs, self.advantages,
+            self.token_rewards,
+        )))
+
+
+def pad_examples(examples: list[Example], pad_token_id: int) -> PaddedBatch:
+    """The examples as one right-padded batch, aligned on the predicted tokens."""
+    longest = max(len(e.token_ids) for e in examples)
+    count = len(examples)
+    input_ids = torch.full((count, longest), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((count, longest), dtype=torch.long)
+    loss_mask = torch.zeros((count, longest), dtype=torch.float32)
+    behaviour = torch.zeros((count, longest), dtype=torch.float32)
+    for row, example in enumerate(examples):
+        length = len(example.token_ids)
+        input_ids[row, :length] = torch.as_tensor(np.array(example.token_ids))
+        attention_mask[row, :length] = 1
+        loss_mask[row, :length] = torch.as_tensor(np.array(example.loss_mask))
+        behaviour[row, :length] = torch.as_tensor(np.array(example.behaviour_logprobs))
+    advantages = torch.tensor([e.advantage for e in examples], dtype=torch.float32)
+    token_rewards = None
+    if any(e.token_rewards is not None for e in examples):
+        token_rewards = torch.zeros((count, longest), dtype=torch.float32)
+        for row, example in enumerate(examples):
+            if example.token_rewards is not None:
+                token_rewards[row, :len(example.token_ids)] = torch.as_tensor(np.array(example.token_rewards))
+        token_rewards = token_rewards[:, 1:]
+    # Token t is predicted from the tokens before it, so targets, masks, behaviour log-probs and
+    # rewards drop their first position.
+    return PaddedBatch(input_ids, attention_mask, loss_mask[:, 1:], behaviour[:, 1:], advantages, token_rewards)
+
+
+def token_logprobs(
+    model, batch: PaddedBatch, temperature: float = 1.0, chunk_tokens: int = 0, with_entropy: bool = False,
+):
+    """Log-prob of each next token under `model` at the sampling temperature: [B, L-1]; with
+    `with_entropy`, (log-probs, entropy of each position's whole next-token distribution).
+
+    With `chunk_tokens` > 0 the output layer runs over about that many positions of the batch at
+    a time, and in training its logits are recomputed in the backward pass: only one chunk's
+    `[B, chunk, vocabulary]` logits exist at once, never the whole micro-batch's (for a
+    vocabulary of 49k, 4,096 positions of fp32 logits are 0.8 GB, and the backward pass keeps
+    several copies). The model must split into a decoder and an output layer (`split_output_layer`).
+    """
+    targets = batch.input_ids[:, 1:]
+    parts = split_output_layer(model) if chunk_tokens > 0 else None
+    if parts is None:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        return logprobs_from_logits(logits, targets, temperature, with_entropy)
+    decoder, output_layer = parts
+    hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state[:, :-1]
+    positions = max(1, chunk_tokens // max(1, hidden.shape[0]))
+    pieces = []
+    for start in range(0, hidden.shape[1], positions):
+        chunk, chunk_targets = hidden[:, start:start + positions], targets[:, start:start + positions]
+        if torch.is_grad_enabled() and chunk.requires_grad:
+            pieces.append(torch.utils.checkpoint.checkpoint(
+                _output_logprobs, output_layer, chunk, chunk_targets, temperature, with_entropy, use_reentrant=False,
+            ))
+        else:
+            pieces.append(_output_logprobs(output_layer, chunk, chunk_targets, temperature, with_entropy))
+    if with_entropy:
+        return torch.cat([p[0] for p in pieces], dim=1), torch.cat([p[1] for p in pieces], dim=1)
+    return torch.cat(pieces, dim=1)
+
+
+def _output_logprobs(output_layer, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                     with_entropy: bool = False):
+    return logprobs_from_logits(output_layer(hidden), targets, temperature, with_entropy)
+
+
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool = False):
+    """Log-prob of each target under `logits` divided by the temperature; with `with_entropy`, also
+    the entropy of each position's whole distribution."""
+    logits = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    normaliser = torch.logsumexp(logits, dim=-1)
+    chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normaliser
+    if not with_entropy:
+        return chosen
+    # H = log Z - sum_v p_v * logit_v, from the same logits (no second softmax over the vocabulary).
+    entropy = normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return chosen, entropy
+
+
+def split_output_layer(model):
+    """(decoder, output layer) of a Hugging Face causal LM whose logits are exactly
+    output_layer(decoder(...).last_hidden_state), or None for a model that does more (logit
+    soft-capping or scaling, say): `chunked_logprobs_match` checks it on a real forward pass."""
+    get_decoder = getattr(model, "get_decoder", None)
+    get_output = getattr(model, "get_output_embeddings", None)
+    if get_decoder is None or get_output is None:
+        return None
+    decoder, output_layer = get_decoder(), get_output()
+    if decoder is None or output_layer is None or decoder is model:
+        return None
+    return decoder, output_layer
+
+
+def chunked_logprobs_match(model, tolerance: float = 1e-4) -> bool:
+    """Whether chunked log-probs equal the model's own logits' on a short input."""
+    if split_output_layer(model) is None:
+        return False
+    vocabulary = model.get_input_embeddings().num_embeddings
+    ids = torch.arange(9, dtype=torch.long).remainder(vocabulary).unsqueeze(0)
+    probe = PaddedBatch(ids, torch.ones_like(ids), torch.ones(1, 8), torch.zeros(1, 8), torch.zeros(1))
+    probe = probe.to(next(model.parameters()).device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            whole = token_logprobs(model, probe)
+            chunked = token_logprobs(model, probe, chunk_tokens=3)
+    except Exception:  # a decoder with another calling convention: use the whole logits
+        return False
+    finally:
+        model.train(was_training)
+    return bool(torch.allclose(whole, chunked, atol=tolerance, rtol=0))
+
+
+def plan_micro_batches(examples: list[Example], max_sequences: int, max_tokens: int) -> list[list[Example]]:
+    """Split a step's examples into micro-batches of similar lengths.
+
+    Each micro-batch is padded only to its own longest sequence, so it is sorted by length and
+    cut where adding the next sequence would pass ``max_sequences`` or make (sequences x
+    longest length) pass ``max_tokens``: a step's peak memory follows the budget, not the
+    longest episode times the batch. A sequence longer than the budget is a micro-batch alone.
+    """
+    max_sequences, max_tokens = max(1, max_sequences), max(1, max_tokens)
+    chunks: list[list[Example]] = []
+    current: list[Example] = []
+    for example in sorted(examples, key=lambda e: len(e.token_ids)):
+        length = len(example.token_ids)  # the longest so far, as the list is sorted
+        if current and (len(current) + 1 > max_sequences or (len(current) + 1) * length > max_tokens):
+            chunks.append(current)
+            current = []
+        current.append(example)
+    if current:
+        chunks.append(current)
+    return chunks

@@ -1,0 +1,118 @@
+"""Turning a step's groups of trajectories into training examples with advantages.
+
+What every algorithm's scoring shares: which members of a group can be scored at all, the
+examples and counts a scored batch carries, and the two common ways to score, one group at a
+time (`score_each_group`: grpo and its kin) or over the whole batch (`score_whole_batch`:
+reinforce_pp). An algorithm picks one, or writes its own from `usable_groups` and `example_from`
+(ppo: every member at advantage 0, its advantages come from the critic in the update step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from longhorizon.learner.advantages import group_has_signal
+from longhorizon.learner.logprobs import Example
+
+RewardsOf = Callable[[Sequence], np.ndarray]
+"""The (shaped) rewards of a group's members, in order."""
+AdvantagesOf = Callable[[np.ndarray], np.ndarray]
+"""Advantages from rewards: one group's (per-group scoring) or the whole batch's."""
+
+
+@dataclass(frozen=True)
+class FlatShare:
+    """What the batch's flat groups would have added to the loss's denominator: their members'
+    generated tokens and their number. They are not passed through the model (every advantage is
+    0, so their policy gradient is 0), but they still count, so a batch that is mostly flat makes
+    a proportionally small update, the policy gradient of the whole batch. Without this, the few
+    groups with signal near convergence (or from a fine-tuned policy) carry an update as large as a
+    batch full of signal, made of their noise."""
+
+    tokens: float = 0.0
+    sequences: int = 0
+
+
+@dataclass
+class ScoredBatch:
+    examples: list[Example]
+    groups_used: int
+    groups_skipped_zero_variance: int
+    groups_skipped_too_small: int
+    failed_trajectories: int
+    flat: FlatShare = field(default_factory=FlatShare)
+
+
+def usable_members(group) -> list:
+    """The members a group can be scored on: episodes that ended without an env or engine error
+    and generated at least one token (a failed episode says nothing about the policy)."""
+    return [t for t in group.trajectories if not t.error and int(np.sum(t.loss_mask)) > 0]
+
+
+def generated_tokens(trajectory) -> int:
+    return int(np.sum(trajectory.loss_mask))
+
+
+def usable_groups(groups) -> tuple[list[list], int, int]:
+    """(the usable members of each group that has at least two, trajectories left out as failed,
+    groups skipped as too small): a group of one has nothing to compare against."""
+    kept: list[list] = []
+    failed = too_small = 0
+    for group in groups:
+        members = usable_members(group)
+        failed += len(group.trajectories) - len(members)
+        if len(members) < 2:
+            too_small += 1
+        else:
+            kept.append(members)
+    return kept, failed, too_small
+
+
+def example_from(trajectory, advantage: float, token_rewards: np.ndarray | None = None) -> Example:
+    return Example(
+        token_ids=np.asarray(trajectory.token_ids, dtype=np.int64),
+        loss_mask=np.asarray(trajectory.loss_mask, dtype=np.float32),
+        behaviour_logprobs=np.asarray(trajectory.behaviour_logprobs, dtype=np.float32),
+        advantage=float(advantage),
+        token_rewards=token_rewards,
+    )
+
+
+def score_each_group(groups, rewards_of: RewardsOf, advantages_of: AdvantagesOf, *,
+                     train_flat_groups: bool = False) -> ScoredBatch:
+    """Advantages within each group. A group whose rewards are all equal is skipped and counted
+    (every advantage would be 0); its tokens and members still count in the loss's denominator
+    (`FlatShare`). With `train_flat_groups` (an entropy bonus is on) it is trained on instead, at
+    its advantages of 0, since the bonus alone can push a policy so sharp that every member plays
+    alike (flat at any success rate) to explore again; it is still counted as flat."""
+    kept, failed, too_small = usable_groups(groups)
+    examples: list[Example] = []
+    used = flat_groups = flat_sequences = 0
+    flat_tokens = 0.0
+    for members in kept:
+        rewards = rewards_of(members)
+        if not group_has_signal(rewards):
+            flat_groups += 1
+            if not train_flat_groups:
+                flat_tokens += float(sum(np.sum(t.loss_mask) for t in members))
+                flat_sequences += len(members)
+                continue
+        else:
+            used += 1
+        examples += [example_from(t, value) for t, value in zip(members, advantages_of(rewards))]
+    return ScoredBatch(examples, used, flat_groups, too_small, failed, FlatShare(flat_tokens, flat_sequences))
+
+
+def score_whole_batch(groups, rewards_of: RewardsOf, advantages_of: AdvantagesOf) -> ScoredBatch:
+    """Advantages over every usable member of the batch at once: a flat group still counts, since
+    its members sit above or below the rest of the batch."""
+    kept, failed, too_small = usable_groups(groups)
+    if not kept:
+        return ScoredBatch([], 0, 0, too_small, failed)
+    members = [t for group in kept for t in group]
+    rewards = np.concatenate([rewards_of(group) for group in kept])
+    examples = [example_from(t, value) for t, value in zip(members, advantages_of(rewards))]
+    return ScoredBatch(examples, len(kept), 0, too_small, failed)

@@ -1,0 +1,73 @@
+"""The `collective` transport's publisher: byte buckets over a torch.distributed pair group per
+actor, each delivery announced on the actor's control socket (the sender itself, its threads and
+its failure handling are in learner/weight_sync.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from longhorizon.learner.weights import WeightsPublisher
+
+log = logging.getLogger(__name__)
+
+
+class CollectivePublisher(WeightsPublisher):
+    """Each actor served on its own over a pair group; nothing goes on the broadcast socket."""
+
+    sends = "collective"
+    needs_control_channel = True
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        self.sender = None  # started on first use (it serves a rendezvous store and threads)
+
+    @classmethod
+    def check(cls, config, learner_device, engine_capabilities) -> None:
+        from longhorizon.learner.weight_sync import check_collective_settings
+
+        super().check(config, learner_device, engine_capabilities)
+        check_collective_settings(config, learner_device)
+
+    def _sender(self):
+        if self.sender is None:
+            from longhorizon.learner.weight_sync import CollectiveSender, resolve_backend
+
+            learner = self.context.learner
+            if self.context.announce is None:
+                raise ValueError("the collective transport needs a control channel to announce updates on")
+            self.sender = CollectiveSender(
+                host=self.context.host, backend=resolve_backend(learner.weights_backend, self.context.device),
+                timeout_s=learner.weights_timeout_s, bucket_bytes=learner.weights_bucket_mb << 20,
+                announce=self.context.announce, device=self.context.device,
+            )
+            log.info(
+                "collective weights: store at %s:%d, backend %s, buckets of %d MiB, timeout %.0f s",
+                self.sender.server.host, self.sender.server.port, self.sender.backend,
+                learner.weights_bucket_mb, learner.weights_timeout_s,
+            )
+        return self.sender
+
+    def build(self, state: Mapping[str, Any], version: int):
+        # Copied into owned buckets: the actors' transfers read those, never the parameters.
+        return self._sender().snapshot(state, version)
+
+    def payload_bytes(self, built) -> int:
+        return int(sum(bucket.numel() * bucket.element_size() for bucket in built.buckets))
+
+    async def publish(self, built, broadcast) -> None:
+        # In the background, per actor (training goes on meanwhile); actors that hold this
+        # version are sent nothing.
+        self._sender().publish(built)
+
+    def actor_joined(self, actor_id: str, holds: int | None) -> None:
+        # A new process: a new group (the old one, if any, died with its process).
+        self._sender().join(actor_id, holds)
+
+    def keep_current(self, actor_id: str, reported: int | None, heard_at: float) -> None:
+        if self.sender is not None:
+            self.sender.keep_current(actor_id, reported, heard_at)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()

@@ -1,0 +1,59 @@
+"""The `path` transport: each version is written as a safetensors folder under the run, and only
+its location is broadcast; the actors read it from a filesystem they share with the learner.
+
+Suits large models over many actors (the broadcast stays tiny, each actor reads at its own pace).
+A version is written to `vNNNNNN.partial` and renamed when complete, so an actor never reads half
+a folder; the newest few are kept, as actors may still be reading the previous one.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+from longhorizon.common.wire import WeightsUpdate
+from longhorizon.learner.weights import WeightsPublisher
+
+KEEP_VERSIONS = 3
+"""Folders kept: an actor may still be reading the one before the newest."""
+
+
+def write_version(weights_dir: Path, state: Mapping[str, Any], version: int) -> Path:
+    """Write `state` as `weights_dir/vNNNNNN/model.safetensors`, atomically (rename when done)."""
+    from safetensors.torch import save_file
+
+    folder = weights_dir / f"v{version:06d}"
+    partial = folder.with_name(folder.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.detach().to("cpu").contiguous() for name, tensor in state.items()},
+              partial / "model.safetensors")
+    if folder.exists():
+        shutil.rmtree(folder)
+    partial.rename(folder)
+    return folder
+
+
+def prune_versions(weights_dir: Path, keep: int = KEEP_VERSIONS) -> None:
+    """Remove all but the newest `keep` complete version folders."""
+    folders = sorted(p for p in weights_dir.glob("v*") if p.is_dir() and not p.name.endswith(".partial"))
+    for old in folders[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class PathPublisher(WeightsPublisher):
+    """A safetensors folder per version; the broadcast names it."""
+
+    sends = "path"
+    shared_filesystem = True
+
+    def build(self, state: Mapping[str, Any], version: int) -> WeightsUpdate:
+        weights_dir = self.context.weights_dir
+        if weights_dir is None:
+            raise ValueError("weights_transport 'path' needs a weights folder")
+        folder = write_version(weights_dir, state, version)
+        prune_versions(weights_dir)
+        return WeightsUpdate(version=version, path=str(folder.resolve()))
+
+    def payload_bytes(self, built: WeightsUpdate) -> int:
+        return int(sum(file.stat().st_size for file in Path(built.path).glob("*.safetensors")))

@@ -1,0 +1,89 @@
+"""Weight transports behind one interface: the publishers (learner/weights/), the one receiver
+(actor/weights.py), bfloat16 at 2 bytes a value, and the registry's checks."""
+
+import numpy as np
+import pytest
+import torch
+
+from longhorizon.actor.weights import WeightsReceiver
+from longhorizon.common.models import load_causal_lm
+from longhorizon.common.plugins import PluginError
+from longhorizon.common.codec import WEIGHTS_LIMITS, decode, encode
+from longhorizon.common.wire import WeightsUpdate
+from longhorizon.learner.broadcast import make_weights_update, unique_state_dict
+from longhorizon.learner.weights import TRANSPORTS, PublisherContext, WeightsPublisher, build_publisher
+
+
+def _over_the_wire(update):
+    return decode(encode(update), limits=WEIGHTS_LIMITS)
+
+
+def test_inline_bfloat16_moves_half_the_bytes_of_float32_and_comes_back_exact(tiny_codebook_model):
+    bf16 = unique_state_dict(load_causal_lm(tiny_codebook_model, "bfloat16"))
+    fp32 = unique_state_dict(load_causal_lm(tiny_codebook_model, "float32"))
+    publisher = build_publisher("inline", PublisherContext())
+    bf16_update, fp32_update = publisher.build(bf16, 1), publisher.build(fp32, 1)
+    assert publisher.payload_bytes(bf16_update) * 2 == publisher.payload_bytes(fp32_update)
+    wire_bytes = [sum(len(frame) for frame in encode(update)) for update in (bf16_update, fp32_update)]
+    assert wire_bytes[0] < 0.55 * wire_bytes[1]  # the header aside, half
+    received = WeightsReceiver().receive(_over_the_wire(bf16_update))
+    assert set(received) == set(bf16)
+    for name, tensor in bf16.items():
+        assert received[name].dtype == torch.bfloat16, name
+        assert torch.equal(received[name].view(torch.int16), tensor.view(torch.int16)), name  # bit for bit
+
+
+def test_an_inline_update_owns_its_bytes_and_the_receiver_reads_frames_in_place():
+    state = {"w": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "b": torch.ones(4)}
+    update = build_publisher("inline", PublisherContext()).build(state, 2)
+    state["w"].add_(1)  # the learner's next step, in place
+    assert update.tensors["w"].tolist() == [[0x0000, 0x3F80, 0x4000], [0x4040, 0x4080, 0x40A0]]
+    decoded = _over_the_wire(update)
+    received = WeightsReceiver().receive(decoded)
+    # No copy on the actor's side: the tensor is a view of the received frame's buffer.
+    assert np.shares_memory(received["b"].numpy(), decoded.tensors["b"])
+    assert received["w"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+
+
+def test_path_writes_a_folder_per_version_and_keeps_the_newest_three(tmp_path):
+    publisher = build_publisher("path", PublisherContext(weights_dir=tmp_path))
+    assert publisher.shared_filesystem and not publisher.needs_control_channel
+    state = {"w": torch.randn(3, 2, dtype=torch.bfloat16)}
+    for version in range(1, 6):
+        update = publisher.build(state, version)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v000003", "v000004", "v000005"]
+    assert publisher.payload_bytes(update) > state["w"].numel() * 2
+    assert torch.equal(WeightsReceiver().receive(update)["w"], state["w"])
+
+
+def test_the_classes_say_what_the_learner_and_launchers_ask():
+    inline, path, collective = (TRANSPORTS.get(name) for name in ("inline", "path", "collective"))
+    assert (inline.sends, path.sends, collective.sends) == ("inline", "path", "collective")
+    assert [cls.needs_control_channel for cls in (inline, path, collective)] == [False, False, True]
+    assert [cls.shared_filesystem for cls in (inline, path, collective)] == [False, True, False]
+
+
+def test_the_registry_refuses_what_is_not_a_publisher_and_names_what_exists():
+    class NotAPublisher:
+        sends = "inline"
+
+    class SendsPigeons(WeightsPublisher):
+        sends = "pigeon"
+
+    with pytest.raises(TypeError, match="must be a WeightsPublisher subclass"):
+        TRANSPORTS.register("odd", NotAPublisher)
+    with pytest.raises(TypeError, match="sends 'pigeon'"):
+        TRANSPORTS.register("birds", SendsPigeons)
+    with pytest.raises(PluginError, match="unknown weights transport 'carrier'; available: collective, inline, path"):
+        TRANSPORTS.get("carrier")
+
+
+def test_the_receiver_refuses_what_is_no_weights_message():
+    with pytest.raises(TypeError, match="not a weights message"):
+        WeightsReceiver().receive({"version": 1})
+
+
+def test_make_weights_update_builds_through_the_named_transport(tmp_path):
+    state = {"w": torch.ones(2)}
+    assert isinstance(make_weights_update(state, 1, "inline"), WeightsUpdate)
+    assert make_weights_update(state, 1, "path", tmp_path).path.endswith("v000001")
