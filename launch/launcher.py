@@ -22,7 +22,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 from longhorizon.common.config import Config, ConfigError, dump_toml
 from longhorizon.common.metrics import MetricsFollower
@@ -141,14 +141,31 @@ def with_ports(config: Config) -> Config:
     return dataclasses.replace(config, transport=dataclasses.replace(transport, **ports))
 
 
-def prepare_run_dir(config: Config, *, progress=print) -> Path:
-    run_dir = config.run_dir
-    if not config.run.resume and ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
-        # A fresh run must not append to an old run's metrics or resume from its checkpoints.
-        kept = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+def fresh_run_dir(run_dir: Path, note: Callable[[str], None] = print,
+                  markers: Sequence[str] = ("metrics.jsonl", "checkpoints")) -> Path:
+    """`run_dir`, made and ready for a new run: when it holds one of `markers` (an earlier run's
+    outputs), that run is moved aside under a time stamp, so the new run neither appends to its
+    metrics nor resumes from its checkpoints, and nothing of it is lost."""
+    if any((run_dir / marker).exists() for marker in markers):
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        kept = run_dir.with_name(f"{run_dir.name}.{stamp}")
+        count = 1
+        while kept.exists():  # runs within the same second
+            count += 1
+            kept = run_dir.with_name(f"{run_dir.name}.{stamp}-{count}")
         run_dir.rename(kept)
-        progress(f"an earlier run was in {run_dir}; moved it to {kept} (run.resume=true continues a run)")
+        note(f"an earlier run was in {run_dir}; moved it to {kept}")
     run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def prepare_run_dir(config: Config, *, progress=print) -> Path:
+    """The run directory of a training run, with its logs folder and its config.toml written."""
+    run_dir = config.run_dir
+    if config.run.resume:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        fresh_run_dir(run_dir, lambda line: progress(f"{line} (run.resume=true continues a run)"))
     (run_dir / "logs").mkdir(exist_ok=True)
     # Whole or absent: the workers, and anyone watching the run, read it while the launcher runs.
     partial = run_dir / "config.toml.partial"

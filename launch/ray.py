@@ -82,11 +82,11 @@ def check_ray_settings(config: Config) -> None:
         raise ConfigError(f"ray.run_storage must be one of {', '.join(RUN_STORAGES)}, got {settings.run_storage!r}")
     if settings.start_timeout_s <= 0:
         raise ConfigError("ray.start_timeout_s must be positive")
-    if config.learner.weights_transport == "path" and settings.run_storage == "node":
+    if _weights_need_shared_storage(config) and settings.run_storage == "node":
         raise ConfigError(
-            "learner.weights_transport = 'path' has the actors read the weights from the run directory, which "
-            "ray.run_storage = 'node' keeps on the learner's node only: put run.output_dir on shared storage "
-            "(ray.run_storage = 'shared' or 'auto'), or use learner.weights_transport = 'inline'"
+            f"learner.weights_transport = {config.learner.weights_transport!r} has the actors read the weights from "
+            "the run directory, which ray.run_storage = 'node' keeps on the learner's node only: put run.output_dir "
+            "on shared storage (ray.run_storage = 'shared' or 'auto'), or use learner.weights_transport = 'inline'"
         )
     device = config.learner.device
     if device.startswith("cuda"):
@@ -654,13 +654,20 @@ class RunCopier:
                 return
 
 
+def _weights_need_shared_storage(config: Config) -> bool:
+    """Whether the weights transport has the actors read what the learner writes to its disk."""
+    from longhorizon.learner.weights import publisher_class
+
+    return publisher_class(config.learner.weights_transport).shared_filesystem
+
+
 def _decide_storage(ray, config: Config, run_dir: Path, learner_host, actor_hosts: list) -> str:
     """"shared" when the learner's node (and, for `path` weights, every actor's) sees the run
     directory, else "node"; `ray.run_storage` can ask for either."""
     setting = config.ray.run_storage
     if setting == "node":
         return "node"
-    needs_actors = config.learner.weights_transport == "path"
+    needs_actors = _weights_need_shared_storage(config)
     probe, token = run_dir / ".storage-probe", secrets.token_hex(16)
     probe.write_text(token)
     try:
@@ -673,7 +680,7 @@ def _decide_storage(ray, config: Config, run_dir: Path, learner_host, actor_host
     if seen:
         return "shared"
     if setting == "shared" or needs_actors:
-        why = "the actors read the weights there (learner.weights_transport = 'path')" if needs_actors else \
+        why = f"the actors read the weights there (learner.weights_transport = {config.learner.weights_transport!r})" if needs_actors else \
             "ray.run_storage = 'shared'"
         raise ConfigError(
             f"{run_dir} is not visible from the learner's node{' or an actor node' if needs_actors else ''}, but {why}: "

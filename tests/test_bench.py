@@ -10,8 +10,9 @@ import pytest
 
 from longhorizon.common.config import config_to_dict
 from longhorizon.common.metrics import read_metrics
-from longhorizon.launch.bench import AsyncVsSyncSettings, bench_config, main, steady_state
-from longhorizon.launch.bench_transport import THREAD_GROUPS, thread_cpu_seconds
+from longhorizon.launch.bench.async_vs_sync import AsyncVsSyncSettings, bench_config, steady_state
+from longhorizon.launch.bench.cli import main
+from longhorizon.launch.bench.transport import THREAD_GROUPS, thread_cpu_seconds
 
 
 def record(step: int, time: float, used: int, flat: int = 0, small: int = 0, staleness_mean: float = 0.0,
@@ -158,7 +159,7 @@ def test_async_vs_sync_runs_both_modes_over_real_processes(tmp_path, capsys):
 
 
 def test_soak_memory_growth_is_measured_from_the_end_of_each_warm_up():
-    from longhorizon.launch.bench_soak import memory_growth
+    from longhorizon.launch.bench.soak import memory_growth
 
     samples = {
         ("learner", 10): [(0.0, 50.0), (60.0, 100.0), (120.0, 102.0), (180.0, 105.0)],
@@ -170,7 +171,7 @@ def test_soak_memory_growth_is_measured_from_the_end_of_each_warm_up():
 
 
 def test_soak_data_accounting_checks_both_identities():
-    from longhorizon.launch.bench_soak import data_accounting
+    from longhorizon.launch.bench.soak import data_accounting
 
     record = {
         "trajectories_received": 100, "trajectories_accepted": 90, "trajectories_duplicate": 4,
@@ -185,10 +186,11 @@ def test_soak_data_accounting_checks_both_identities():
 
 @pytest.mark.slow
 def test_a_short_soak_kills_actors_accounts_for_every_trajectory_and_leaves_nothing(tmp_path):
-    from longhorizon.launch.bench_soak import build_parser, run_soak
+    from longhorizon.launch.bench.soak import build_parser, run_soak
 
     args = build_parser().parse_args([
-        "--minutes", "0.75", "--kill-every-s", "12", "--sample-every-s", "1", "--warmup-s", "5",
+        # 24 s on the soak's clock (it starts at the first step): kills at about 7, 14 and 21 s.
+        "--minutes", "0.4", "--kill-every-s", "7", "--sample-every-s", "1", "--warmup-s", "4",
         "--output-dir", str(tmp_path),
     ])
     result = run_soak(args)
@@ -202,7 +204,7 @@ def test_a_short_soak_kills_actors_accounts_for_every_trajectory_and_leaves_noth
 
 @pytest.mark.slow
 def test_learner_bench_times_our_step_and_a_bare_loop(tiny_codebook_model, capsys):
-    from longhorizon.launch.bench_learner import main as bench_learner
+    from longhorizon.launch.bench.learner import main as bench_learner
 
     code = bench_learner([
         "--model", str(tiny_codebook_model), "--tokens", "64", "--sequences", "2", "--steps", "1",
@@ -219,7 +221,7 @@ def test_learner_bench_times_our_step_and_a_bare_loop(tiny_codebook_model, capsy
 
 @pytest.mark.slow
 def test_learner_bench_runs_ranks_in_processes(tiny_codebook_model, capsys):
-    from longhorizon.launch.bench_learner import main as bench_learner
+    from longhorizon.launch.bench.learner import main as bench_learner
 
     code = bench_learner([
         "--model", str(tiny_codebook_model), "--tokens", "32", "--sequences", "3", "--steps", "1",

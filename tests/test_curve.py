@@ -37,7 +37,8 @@ from longhorizon.common.transport import (
     zmq_actor_endpoints,
     zmq_learner_endpoints,
 )
-from longhorizon.common.wire import DEFAULT_LIMITS, Hello, HorizonUpdate, Stop
+from longhorizon.common.codec import DEFAULT_LIMITS
+from longhorizon.common.wire import Hello, HorizonUpdate, Stop
 from tests.test_transport import make_trajectory, publish_until_received
 
 LOOPBACK = "tcp://127.0.0.1:0"

@@ -17,7 +17,8 @@ from longhorizon.common.lora import (
     merged_from_peft_state,
     target_weights_of_model_folder,
 )
-from longhorizon.learner.trainer import Example, Trainer
+from longhorizon.learner.logprobs import Example
+from longhorizon.learner.trainer import Trainer
 
 CODEBOOK_WORDS = ["s0", "s1", "s2", "s3", "a0", "a1", "a2", "a3"]
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}
@@ -167,7 +168,7 @@ def test_lora_with_the_vllm_engine_over_a_collective_is_refused(tiny_codebook_mo
         "env.name='codebook'", "actor.engine='vllm'", f"model.path={str(tiny_codebook_model)!r}",
         "learner.lora={rank = 4, target_modules = ['q_proj']}", "learner.weights_transport='collective'",
     ])
-    with pytest.raises(ConfigError, match="inline or through a path, not over a collective"):
+    with pytest.raises(ConfigError, match="vllm.* engine takes adapters only as inline or path updates, not .collective. ones"):
         validate_config(config)
 
 

@@ -246,7 +246,10 @@ def test_without_shared_storage_the_run_directory_holds_what_a_local_run_writes(
     from longhorizon.launch.local import launch_local
     from longhorizon.launch.ray import launch_ray
 
-    short = ["run.total_steps=4", "learner.checkpoint_every=2", "learner.groups_per_step=4", "learner.num_ranks=2"]
+    # One actor: the run directory's files are the point here, and every process less starts
+    # sooner (four processes importing torch at once on a 2-core machine).
+    short = ["run.total_steps=4", "learner.checkpoint_every=2", "learner.groups_per_step=4", "learner.num_ranks=2",
+             "actor.num_actors=1"]
     local_config = load_config(REPO_ROOT / "configs" / "codebook.toml", [
         f"run.output_dir={str(tmp_path / 'local')!r}", f"model.path={str(tiny_codebook_model)!r}", *short,
     ])

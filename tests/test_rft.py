@@ -46,7 +46,7 @@ def test_unknown_or_unusable_rft_settings_are_config_errors(tmp_path, tiny_codeb
         load_config(RFT_CONFIG, ["rft.round=3"])
     base = [f"run.output_dir={str(tmp_path)!r}", f"model.path={str(tiny_codebook_model)!r}"]
     for override, message in [
-        ("actor.engine='scripted'", r"rft samples with the model it trains: set actor.engine to one of hf, vllm"),
+        ("actor.engine='scripted'", r"rft samples with the model it trains: set actor.engine to an engine that samples"),
         ("actor.sampling.temperature=0", r"set actor.sampling.temperature above 0"),
         ("sft.only_successful=true", r"rft.min_reward keeps episodes that did not succeed"),
         ("rft.rounds=0", r"rft.rounds must be at least 1"),

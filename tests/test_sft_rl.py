@@ -39,7 +39,7 @@ def test_splits_that_share_tasks_are_refused(tmp_path, tiny_codebook_model):
     check_sft_rl_config(config)
     with pytest.raises(ConfigError, match="no scripted policy 'expert'"):
         check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.oracle_policy='expert'"))
-    with pytest.raises(ConfigError, match="actor.engine to hf or vllm"):
+    with pytest.raises(ConfigError, match="the RL phase trains a model: set actor.engine to an engine that samples"):
         check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "actor.engine='scripted'"))
 
 

@@ -16,7 +16,8 @@ from longhorizon.common.config import LearnerConfig
 from longhorizon.common.models import load_causal_lm
 from longhorizon.common.wire import Trajectory
 from longhorizon.learner.buffer import GroupBuffer
-from longhorizon.learner.trainer import Trainer, pad_examples, score_groups, token_logprobs
+from longhorizon.learner.logprobs import pad_examples, token_logprobs
+from longhorizon.learner.trainer import Trainer, score_groups
 
 
 def _fixed_batch(model, version, groups=3, group_size=4, seed=0):
@@ -34,7 +35,7 @@ def _fixed_batch(model, version, groups=3, group_size=4, seed=0):
     for group in range(groups):
         members = [t for t in trajectories if t["group"] == group]
         members[0]["reward"], members[1]["reward"] = 0.0, 1.0
-    from longhorizon.learner.trainer import Example
+    from longhorizon.learner.logprobs import Example
 
     batch = pad_examples(
         [Example(t["tokens"].astype(np.int64), t["mask"].astype(np.float32), np.zeros(len(t["tokens"]), np.float32), 0.0)

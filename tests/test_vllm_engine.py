@@ -19,7 +19,7 @@ from longhorizon.common.config import SamplingConfig, load_config
 from longhorizon.common.models import load_causal_lm
 from longhorizon.common.wire import WeightsUpdate
 from longhorizon.learner.broadcast import make_weights_update
-from longhorizon.learner.trainer import Example, pad_examples, token_logprobs
+from longhorizon.learner.logprobs import Example, pad_examples, token_logprobs
 
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
@@ -366,7 +366,7 @@ def test_random_weights_of_a_qwen_shape_generate_on_gpu(tmp_path, default_model_
         pytest.skip("needs a CUDA GPU")
     from longhorizon.actor.engines.base import EngineError
     from longhorizon.actor.engines.vllm import VLLMEngine, VLLMOptions
-    from longhorizon.launch.bench_generation import write_shaped_model_folder
+    from longhorizon.launch.bench.generation import write_shaped_model_folder
 
     folder = write_shaped_model_folder("qwen2.5-1.5b", tmp_path / "qwen2.5-1.5b", default_model_path)
     settings = EngineSettings(

@@ -24,7 +24,8 @@ import pytest
 import torch
 import trio
 
-from longhorizon.actor.engines.weight_receiver import CollectiveReceiver
+from longhorizon.actor.weights import CollectiveReceiver
+from longhorizon.common.codec import CONTROL_LIMITS, WireError, decode, encode
 from longhorizon.common.collective import (
     CollectiveError,
     RendezvousServer,
@@ -37,7 +38,7 @@ from longhorizon.common.collective import (
     unpack_buckets,
 )
 from longhorizon.common.config import ConfigError, load_config
-from longhorizon.common.wire import CONTROL_LIMITS, CollectiveWeights, WireError, decode, encode
+from longhorizon.common.wire import CollectiveWeights
 from longhorizon.learner.broadcast import unique_state_dict
 from longhorizon.learner.weight_sync import CollectiveSender
 
@@ -411,7 +412,7 @@ def test_wrong_collective_settings_are_refused_before_any_process_starts(tmp_pat
         )
 
     validate_config(config())  # hf actors take it
-    with pytest.raises(ConfigError, match="actor.engine 'scripted' cannot take weights over a collective"):
+    with pytest.raises(ConfigError, match="actor.engine 'scripted' cannot take weights sent as 'collective'"):
         validate_config(config("actor.engine='scripted'", "actor.scripted_policy='random'"))
     with pytest.raises(ConfigError, match="weights_backend must be auto, gloo or nccl"):
         validate_config(config("learner.weights_backend='mpi'"))
