@@ -1,4 +1,4 @@
-"""The parse-args helper of commands whose main(argv) returns an exit status (launch/args.py)."""
+"""The parse-args helper of commands whose main(argv) returns an exit status (common/args.py)."""
 
 import argparse
 
