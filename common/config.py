@@ -398,7 +398,7 @@ class DPOConfig:
 @dataclass(frozen=True)
 class RFTConfig:
     """`longhorizon rft`: rejection-sampling fine-tuning (docs/offline.md). Each round samples
-    episodes from env.train_split with the current policy (actor.engine hf or vllm, actor.sampling),
+    episodes from env.train_split with the current policy (an actor.engine that samples and loads local weights, actor.sampling),
     keeps the successful ones and fine-tunes the policy on them with the settings of [sft]; the
     next round samples with the result. sft.data, when given, joins every round's data."""
 

@@ -27,8 +27,6 @@ from typing import Any
 from longhorizon.common.chat import ConversationView, TokenConversation
 from longhorizon.common.plugins import PluginError, Registry
 
-PROMPT_FORMATS = ("react", "bare")
-
 _ACTION_MARKER = re.compile(r"(?im)^\s*\**\s*action\s*\**\s*:")
 _MAX_ACTION_CHARS = 1000
 # A bare reply is the whole action, reasoning included (e.g. the search env's <think> before its

@@ -38,6 +38,8 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import trio
+
+from longhorizon.envs.agents import AgentLoopError, get_agent_loop
 from longhorizon.envs.base import (
     SPLITS,
     EnvSpec,
@@ -312,8 +314,12 @@ class RemoteEnv:
         _check_served_env(info, self.url, self.served_env, self.env_options)
         prompt_format = info.get("prompt_format")
         instructions = info.get("instructions")
-        if prompt_format not in ("react", "bare") or not isinstance(instructions, str):
+        if not isinstance(prompt_format, str) or not isinstance(instructions, str):
             raise RemoteEnvError(f"env service {self.url}: /info lacks a valid prompt_format and instructions")
+        try:
+            get_agent_loop(prompt_format)  # a built-in format or a plug-in loop installed here too
+        except AgentLoopError as error:
+            raise RemoteEnvError(f"env service {self.url}: its prompt_format names no agent loop here: {error}") from None
         self._metadata = {"prompt_format": prompt_format, "instructions": instructions}
 
     async def reset(self, task: Task, *, seed: int | None = None) -> tuple[str, dict]:

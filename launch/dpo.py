@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from longhorizon.common.config import Config, dump_toml
-from longhorizon.launch.sft import evaluate_model, fresh_run_dir
+from longhorizon.launch.launcher import fresh_run_dir
+from longhorizon.launch.sft import evaluate_model
 from longhorizon.learner.dpo import (
     check_dpo_config,
     chosen_nll,

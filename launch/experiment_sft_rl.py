@@ -101,7 +101,8 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
     from longhorizon.actor.collect import run_collect
     from longhorizon.common.models import resolve_model_path
     from longhorizon.learner.checkpoint import latest_checkpoint
-    from longhorizon.launch.sft import evaluate_model, fresh_run_dir, run_sft
+    from longhorizon.launch.launcher import fresh_run_dir
+    from longhorizon.launch.sft import evaluate_model, run_sft
     from longhorizon.learner.sft import check_sft_config
 
     check_sft_rl_config(config)

@@ -107,7 +107,8 @@ def run_rft(config: Config, *, note: Callable[[str], None] = print, progress_str
     from longhorizon.common.conversations import record_line
     from longhorizon.common.models import resolve_model_path
     from longhorizon.common.progress import ProgressBar
-    from longhorizon.launch.sft import fresh_run_dir, run_sft
+    from longhorizon.launch.launcher import fresh_run_dir
+    from longhorizon.launch.sft import run_sft
     from longhorizon.learner.sft import check_sft_config
 
     check_rft_config(config)

@@ -42,12 +42,6 @@ def score_groups(groups, config: LearnerConfig | None = None) -> ScoredBatch:
     return make_algorithm(config or LearnerConfig()).score(groups)
 
 
-def group_carries_signal(config: LearnerConfig, group) -> bool:
-    """Whether `config.algorithm` would find a learning signal in the group (two usable members
-    whose shaped rewards differ)."""
-    return make_algorithm(config).carries_signal(group)
-
-
 def has_dropout(model) -> bool:
     """Whether the model samples dropout masks in train mode (modules or attention dropout)."""
     if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):

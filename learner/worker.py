@@ -27,7 +27,8 @@ from longhorizon.learner.checkpoint import checkpoint_dir, latest_checkpoint, lo
 from longhorizon.learner.curriculum import AdaptiveState, make_schedule
 from longhorizon.learner.distributed import Ranks
 from longhorizon.learner.peers import PeerTable
-from longhorizon.learner.trainer import ScoredBatch, Trainer
+from longhorizon.learner.scoring import ScoredBatch
+from longhorizon.learner.trainer import Trainer
 from longhorizon.learner.weights import PublisherContext, build_publisher
 
 log = logging.getLogger(__name__)

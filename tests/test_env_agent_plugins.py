@@ -29,8 +29,9 @@ class WordTypeEnv:
     name = "wordtype"
     prompt_format = "bare"
 
-    def __init__(self, *, reward_per_word: float = 0.5):
+    def __init__(self, *, reward_per_word: float = 0.5, loop: str = "bare"):
         self.reward_per_word = reward_per_word
+        self.prompt_format = loop
         self._words = []
         self._done = True
 
@@ -56,13 +57,13 @@ class WordTypeEnv:
         pass
 
 
-def word_tasks(split, *, reward_per_word=0.5):
+def word_tasks(split, *, reward_per_word=0.5, loop="bare"):
     return [Task(env_name="wordtype", task_id=f"{split}-{index}", split=split, data={"words": words})
             for index, words in enumerate(WORDS[split])]
 
 
 class WordOracle:
-    def __init__(self, *, reward_per_word=0.5):
+    def __init__(self, *, reward_per_word=0.5, loop="bare"):
         pass
 
     def reset(self, task, first_observation, rng):
@@ -226,6 +227,30 @@ async def test_the_checker_and_the_env_service_take_plugin_envs(plugins):
         result = await run_episode(remote, _scripted("wordtype"), task, **ROLLOUT)
         await remote.close()
     assert result.success and result.reward == 1.5 and "Type the word: iris" in result.conversation.text()
+
+
+async def test_a_served_env_may_name_a_plugin_loop_as_its_prompt_format(plugins):
+    # The service says which loop its env's instructions are written for; the client takes any
+    # loop installed on its side too, and plays with it.
+    from longhorizon.envs.remote import RemoteEnvError, make_remote_env
+    from longhorizon.envs.server import EnvServer
+    from longhorizon.envs.service import ServiceSettings
+
+    options = {"loop": "action-lines"}
+    with EnvServer(ServiceSettings("wordtype", env_options=options)) as server:
+        remote = make_remote_env(server.url, "wordtype", env_options=options)
+        task = list_tasks("remote", "test", url=server.url, env="wordtype", env_options=options)[0]
+        result = await run_episode(remote, _scripted("wordtype", policy="action_oracle"), task, **ROLLOUT)
+        assert remote.prompt_format == "action-lines"
+        await remote.close()
+    assert result.success and result.reward == 1.5
+
+    with EnvServer(ServiceSettings("wordtype", env_options={"loop": "no-such-loop"})) as server:
+        remote = make_remote_env(server.url, "wordtype", env_options={"loop": "no-such-loop"})
+        task = list_tasks("remote", "test", url=server.url, env="wordtype", env_options={"loop": "no-such-loop"})[0]
+        with pytest.raises(RemoteEnvError, match="its prompt_format names no agent loop here"):
+            await remote.reset(task)
+        await remote.close()
 
 
 @pytest.mark.parametrize("agent", ["action-lines", DOTTED_AGENT, "tiny_text_plugins:ActionLineLoop"])

@@ -151,7 +151,7 @@ def _learner_logprobs(model, prompts, results, temperature: float) -> list[list[
     import numpy as np
     import torch
 
-    from longhorizon.learner.trainer import Example, pad_examples, token_logprobs
+    from longhorizon.learner.logprobs import Example, pad_examples, token_logprobs
 
     rows = []
     for prompt, result in zip(prompts, results):

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _examples(args: argparse.Namespace, vocab_size: int) -> list:
     import numpy as np
 
-    from longhorizon.learner.trainer import Example
+    from longhorizon.learner.logprobs import Example
 
     rng = np.random.default_rng(0)
     examples = []
@@ -122,7 +122,8 @@ def measure(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     from longhorizon.common.config import LearnerConfig
     from longhorizon.common.models import load_causal_lm, resolve_device, resolve_model_path
     from longhorizon.learner import distributed
-    from longhorizon.learner.trainer import Trainer, pad_examples, plan_micro_batches
+    from longhorizon.learner.logprobs import pad_examples, plan_micro_batches
+    from longhorizon.learner.trainer import Trainer
 
     ranks = distributed.ranks_from_environment(int(os.environ.get("WORLD_SIZE", "1")))
     torch.set_num_threads(max(1, args.threads // ranks.world_size))
