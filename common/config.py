@@ -164,6 +164,11 @@ class LearnerConfig:
     sync_batch_timeout_s: float = 600.0
     """Sync mode: when no trajectory has arrived for this long, the step goes ahead with the groups
     that are ready (a batch that lost a group would otherwise wait for ever)."""
+    max_abs_reward: float = 1e6
+    """A trajectory whose reward, or any turn reward, is larger than this in absolute value is
+    refused on arrival (counted as malformed, by field): a finite but huge reward (1e308) would
+    overflow the group's advantages and poison the update. At most 1e12, which keeps advantages,
+    losses and a critic's squared errors well inside float32."""
     algorithm: str = "grpo"
     """The RL algorithm: grpo, rloo, reinforce_pp, dr_grpo, dapo, gspo, ppo or cispo (docs/algorithms.md),
     one an installed package offers under the `longhorizon.algorithms` entry point, or
@@ -223,6 +228,11 @@ class LearnerConfig:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Gradient norm clip."""
+    max_nonfinite_steps: int = 3
+    """An update whose loss or gradient norm is not finite is skipped (weights and optimiser state
+    untouched, `nonfinite_step` in its record, a WARNING naming its groups); this many such steps
+    in a row stop the run with an error, since something upstream (rewards, log-probs, the
+    learning rate) is broken. At least 1."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus: the mean entropy of the whole next-token distribution at each
     generated position, computed from the logits (the sampled tokens' log-probs give no usable

@@ -1,6 +1,12 @@
 """A run's metrics: one JSON line per learner step in `metrics.jsonl` (and TensorBoard), written
 here and read back here, whole (`read_metrics`: reports, plots, benchmarks, tests) or as it
-grows (`MetricsFollower`: the launcher's progress line)."""
+grows (`MetricsFollower`: the launcher's progress line).
+
+The lines are strict JSON: a value that is not a finite number (a NaN loss, an infinite gradient
+norm) is written as null, and the record's `nonfinite_metrics` lists the keys that held one
+(nested keys joined by dots), so a reader can tell "not finite" from "not recorded". Files written
+before that, which hold bare `NaN` and `Infinity`, read back the same way.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ class MetricsWriter:
                 log.warning("TensorBoard logging disabled: %r", exc)
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record, default=_jsonable) + "\n")
+        self._file.write(json.dumps(strict_record(record), default=_jsonable, allow_nan=False) + "\n")
         if self._tensorboard is not None:
             step = int(record.get("step", 0))
             for key, value in record.items():
@@ -41,9 +47,49 @@ class MetricsWriter:
             self._tensorboard.close()
 
 
+NONFINITE_KEY = "nonfinite_metrics"
+
+
+def strict_record(record: dict) -> dict:
+    """`record` with every non-finite number replaced by None, and the keys that held one listed
+    under `nonfinite_metrics` (added to any list already there); the record itself is not changed."""
+    names: list[str] = []
+    clean = _finite_only(record, "", names)
+    if names:
+        earlier = clean.get(NONFINITE_KEY)
+        clean[NONFINITE_KEY] = (list(earlier) if isinstance(earlier, list) else []) + [
+            name for name in names if not (isinstance(earlier, list) and name in earlier)
+        ]
+    return clean
+
+
+def _finite_only(value, path: str, names: list[str]):
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        names.append(path)
+        return None
+    if isinstance(value, dict):
+        return {key: _finite_only(item, f"{path}.{key}" if path else str(key), names) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_only(item, f"{path}[{index}]", names) for index, item in enumerate(value)]
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy or torch scalars
+        return _finite_only(value.item(), path, names)
+    if hasattr(value, "tolist") and getattr(value, "ndim", 0) > 0:  # numpy arrays, tensors
+        return _finite_only(value.tolist(), path, names)
+    return value
+
+
 def _jsonable(value):
     if hasattr(value, "item"):
-        return value.item()
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError):  # an array of several values
+            return str(value)
+        # What strict_record did not see (an odd container): still never NaN in the file.
+        return value if not isinstance(value, float) or math.isfinite(value) else None
     return str(value)
 
 
@@ -54,6 +100,8 @@ def read_metrics(run_dir: Path, *, required: bool = False) -> list[dict]:
     cut-off last line (and a running one is writing its last line right now), which should not
     cost the rest. Without the file, or without a record in it, the result is empty; with
     `required` (a report or plot of a finished run) that raises FileNotFoundError or ValueError.
+    Non-finite numbers (bare NaN / Infinity in files written before records were strict JSON)
+    read back as None, named in the record's `nonfinite_metrics`, as `MetricsWriter` writes them.
     """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
@@ -73,7 +121,8 @@ def read_metrics(run_dir: Path, *, required: bool = False) -> list[dict]:
             if not isinstance(record, dict):
                 log.warning("%s:%d: skipped, not a JSON object", path, line_number)
                 continue
-            records.append(record)
+            # Older files hold bare NaN / Infinity (Python's json reads them): read as written now.
+            records.append(strict_record(record))
     if required and not records:
         raise ValueError(f"{path} holds no metric records")
     return records

@@ -32,6 +32,9 @@ LAUNCHERS = ("local", "ray")
 _MAX_RESTARTS_PER_ACTOR = 20
 _MAX_LEARNER_RESTARTS = 3
 _MIN_SECONDS_BETWEEN_STARTS = 2.0
+EXIT_DO_NOT_RESTART = 3
+"""A learner's exit code for a failure a restart from the checkpoint would only repeat (too many
+non-finite updates in a row): the launcher stops the run instead of restarting it."""
 # Actors stop within seconds; the learner may be writing its final checkpoint.
 _ACTOR_STOP_GRACE_S = 10.0
 _LEARNER_STOP_GRACE_S = 120.0
@@ -254,6 +257,10 @@ def supervise(
             learner_code = _learner_exit_code(learner_ranks)
             if learner_code is not None:
                 if learner_code == 0 or learner.restarts >= _MAX_LEARNER_RESTARTS:
+                    break
+                if learner_code == EXIT_DO_NOT_RESTART:
+                    progress("the learner stopped on an error a restart would repeat; not restarting it "
+                             f"(the error is at the end of {run_dir / 'logs' / 'learner.log'})")
                     break
                 learner.restarts += 1
                 progress(

@@ -70,6 +70,10 @@ def validate_config(config: Config) -> None:
     require(config.learner.logprob_chunk_tokens >= 0, "learner.logprob_chunk_tokens must be >= 0 (0: whole logits)")
     require(config.learner.warmup_steps >= 0, "learner.warmup_steps must be >= 0 (0: no warm-up)")
     require(config.learner.entropy_coef >= 0, "learner.entropy_coef must be >= 0 (0: no entropy bonus)")
+    require(0 < config.learner.max_abs_reward <= 1e12,
+            f"learner.max_abs_reward must be in (0, 1e12], got {config.learner.max_abs_reward!r}")
+    require(config.learner.max_nonfinite_steps >= 1,
+            f"learner.max_nonfinite_steps must be >= 1, got {config.learner.max_nonfinite_steps!r}")
     try:
         learner_device = resolve_device(config.learner.device)
     except ModelError as error:

@@ -1,5 +1,5 @@
-"""What a training run's metrics say about whether and why it learned: signal per group, outcomes,
-exploration, staleness, the format, the update, and success by horizon stage.
+"""What a training run's metrics say about whether and why it learned: non-finite updates, signal
+per group, outcomes, exploration, staleness, the format, the update, and success by horizon stage.
 
 Run as ``longhorizon report RUN_DIR`` (``--json`` for the figures alone); ``longhorizon train``
 prints it at the end. The figures are pure functions of the records in ``metrics.jsonl``.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,9 +28,44 @@ INVALID_RATE_WARNING = 0.1
 SUCCESS_WINDOW = 8
 
 
+# The update's figures whose non-finite value means the update itself was not finite.
+_UPDATE_KEYS = ("loss", "grad_norm")
+# Steps listed in a finding, at most (the rest are counted).
+_STEPS_SHOWN = 12
+
+
 def _values(records: Sequence[dict[str, Any]], key: str) -> list[float]:
-    """The numeric values of ``key``, in step order, from the records that have one."""
-    return [float(r[key]) for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+    """The finite numeric values of ``key``, in step order, from the records that have one."""
+    return [float(r[key]) for r in records
+            if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+
+
+def nonfinite_steps(records: Sequence[dict[str, Any]]) -> list[int]:
+    """The steps whose update had a non-finite loss or gradient norm: skipped by the trainer
+    (`nonfinite_step`), or, in runs recorded before the trainer skipped them, a loss or gradient
+    norm that was NaN or infinite (written as null and named in `nonfinite_metrics`, or bare)."""
+    steps = []
+    for index, record in enumerate(records):
+        named = record.get("nonfinite_metrics")
+        named = named if isinstance(named, list) else []
+        bare = [record.get(key) for key in _UPDATE_KEYS]
+        if (record.get("nonfinite_step")
+                or any(key in named for key in _UPDATE_KEYS)
+                or any(isinstance(value, float) and not math.isfinite(value) for value in bare)):
+            steps.append(int(record.get("step", index + 1)))
+    return steps
+
+
+def _step_list(steps: Sequence[int]) -> str:
+    """Steps as runs, '3-5, 9', the first few only."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:_STEPS_SHOWN])
+    return text + (f" and {len(runs) - _STEPS_SHOWN} more runs" if len(runs) > _STEPS_SHOWN else "")
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -61,6 +97,10 @@ def summarise_run(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     success = _values(records, "success_rate")
     summary: dict[str, Any] = {
         "steps": len(records),
+        # Steps whose update was not finite, and whether the trainer skipped them (it records
+        # `nonfinite_step` since it does) or the weights took them.
+        "nonfinite_steps": nonfinite_steps(records),
+        "nonfinite_skipped": any("nonfinite_step" in r for r in records),
         "last_step": int(records[-1].get("step", len(records))),
         "wall_s": float(records[-1].get("time", 0.0)),
         "versions": int(records[-1].get("version", 0)),
@@ -106,6 +146,20 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
     """Plain findings from the figures, each naming the figure and a lever; empty when nothing
     stands out."""
     findings: list[str] = []
+    # First: a non-finite update explains everything after it better than any figure below.
+    bad_steps = summary.get("nonfinite_steps") or []
+    if bad_steps:
+        if summary.get("nonfinite_skipped"):
+            what = ("the trainer skipped their updates (weights and optimiser state unchanged), so "
+                    "those steps trained on nothing")
+        else:
+            what = ("the weights took those updates, so every later figure, success included, may "
+                    "describe a broken policy rather than the tasks")
+        findings.append(
+            f"{len(bad_steps)} step(s) had a non-finite loss or gradient norm (step {_step_list(bad_steps)}): "
+            f"{what}. Look at what fed them (the learner log's WARNING lines name their groups): "
+            "rewards (learner.max_abs_reward), behaviour log-probs, precision, the learning rate."
+        )
     flat_share = summary["flat_share"]
     if flat_share is not None and flat_share >= FLAT_SHARE_WARNING:
         findings.append(f"{flat_share:.0%} of the groups were flat (one reward for every episode), so they "
@@ -167,7 +221,8 @@ def format_report(summary: dict[str, Any]) -> str:
         f"turn: {_number(summary['invalid_action_rate_mean'], '.1%')}",
         f"exploration: entropy {_number(summary['entropy_mean'], '.3f')} nats (min "
         f"{_number(summary['entropy_min'], '.3f')}, max {_number(summary['entropy_max'], '.3f')})",
-        f"updates: grad norm mean {_number(summary['grad_norm_mean'], '.2f')} (max "
+        f"updates: {len(summary.get('nonfinite_steps') or [])} non-finite; grad norm mean "
+        f"{_number(summary['grad_norm_mean'], '.2f')} (max "
         f"{_number(summary['grad_norm_max'], '.2f')}), clip fraction {_number(summary['clip_fraction_mean'], '.3f')}, "
         f"scaled to {_number(summary['signal_fraction_mean'], '.0%')} by flat groups, "
         f"{_number(summary['update_seconds_mean'], '.1f', ' s')} each; actors "

@@ -112,6 +112,19 @@ async def _run_role(role: str, config: Config, index: int, curve_keys=None) -> N
             endpoints.close()
 
 
+def nonfinite_error_in(error: BaseException):
+    """The `NonfiniteUpdatesError` that ended the learner, alone or inside trio's exception
+    groups, or None when something else did."""
+    from longhorizon.learner.worker import NonfiniteUpdatesError
+
+    while isinstance(error, BaseExceptionGroup):
+        found = error.split(NonfiniteUpdatesError)[0]
+        if found is None:
+            return None
+        error = found.exceptions[0]
+    return error if isinstance(error, NonfiniteUpdatesError) else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="longhorizon-worker")
     parser.add_argument("role", choices=["learner", "actor"])
@@ -144,7 +157,19 @@ def main(argv: list[str] | None = None) -> int:
         from longhorizon.common.memory import keep_freed_message_memory
 
         keep_freed_message_memory()
-    return trio.run(_main, args.role, config, args.index, curve_keys)
+    from longhorizon.learner.worker import NonfiniteUpdatesError
+
+    try:
+        return trio.run(_main, args.role, config, args.index, curve_keys)
+    except (NonfiniteUpdatesError, BaseExceptionGroup) as error:
+        # Restarting from the checkpoint would replay the same inputs into the same failure.
+        nonfinite = nonfinite_error_in(error)
+        if nonfinite is None:
+            raise
+        logging.getLogger(__name__).error("%s", nonfinite)
+        from longhorizon.launch.launcher import EXIT_DO_NOT_RESTART
+
+        return EXIT_DO_NOT_RESTART
 
 
 if __name__ == "__main__":

@@ -1,4 +1,11 @@
-"""Outcome-reward advantage estimators (GRPO, RLOO, REINFORCE++) and reward shaping, as pure numpy functions."""
+"""Outcome-reward advantage estimators (GRPO, RLOO, REINFORCE++) and reward shaping, as pure numpy functions.
+
+Everything is computed in float64. The buffer refuses rewards beyond ``learner.max_abs_reward``
+(at most 1e12), so no sum, mean or variance here can overflow, and the advantages stay bounded:
+at most twice the bound in absolute value when only centred (rloo, dr_grpo), at most sqrt(n - 1)
+when divided by the population std of n rewards (grpo, reinforce_pp). Unbounded finite rewards
+were not safe: two rewards of 1e308 overflow the group's mean to inf, and the update to NaN.
+"""
 
 from __future__ import annotations
 

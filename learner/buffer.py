@@ -19,12 +19,18 @@ from typing import Any
 
 import numpy as np
 
+from longhorizon.common.codec import MAX_LOGPROB
 from longhorizon.common.transport import RateLimitedLog
 
-__all__ = ["Group", "GroupBuffer", "PARTIAL_GROUP_POLICIES", "staleness"]
+__all__ = ["DEFAULT_MAX_ABS_REWARD", "Group", "GroupBuffer", "PARTIAL_GROUP_POLICIES", "staleness"]
 
 PARTIAL_GROUP_POLICIES = ("drop", "keep")
 _VERSIONS_REMEMBERED = 1024
+DEFAULT_MAX_ABS_REWARD = 1e6
+# The largest reward bound allowed: advantages reach twice the bound (rloo, dr_grpo), a critic's
+# returns sum turn rewards and its loss squares them, all in float32 (largest 3.4e38); at 1e12
+# every one of them stays far inside it.
+MAX_ABS_REWARD_LIMIT = 1e12
 
 logger = logging.getLogger(__name__)
 
@@ -144,9 +150,15 @@ class GroupBuffer:
     ``min_group_size_on_timeout`` of them, else dropped. Groups with zero reward variance are
     not filtered here: the trainer counts and skips them.
 
-    With ``vocab_size``, trajectories holding token ids outside the model's vocabulary are
-    refused as malformed; with ``max_tokens``, trajectories longer than that are refused (the
-    run's context budget: one over-long trajectory could take the learner's memory).
+    Every number a trajectory carries is checked for what it may be, not only its type (see
+    `_describe_malformation`): a reward or turn reward beyond ``max_abs_reward`` in absolute
+    value, a positive or non-finite behaviour log-prob, per-token arrays of different lengths, a
+    prompt longer than the trajectory, negative counts or durations are refused as malformed. With
+    ``vocab_size``, trajectories holding token ids outside the model's vocabulary are refused as
+    malformed; with ``max_tokens``, trajectories longer than that are refused (the run's context
+    budget: one over-long trajectory could take the learner's memory). Each malformed refusal is
+    also counted under the field at fault (``refused_fields``, e.g. ``{"reward": 2}``), and the
+    rate-limited log line names the field and its value.
 
     Counters (``counters``): received, accepted, duplicates, dropped_malformed,
     dropped_too_long, dropped_stale_trajectories, dropped_future_trajectories (made by weights
@@ -172,6 +184,7 @@ class GroupBuffer:
         remembered_ids: int = 65536,
         vocab_size: int | None = None,
         max_tokens: int | None = None,
+        max_abs_reward: float = DEFAULT_MAX_ABS_REWARD,
     ) -> None:
         if not isinstance(max_staleness, int) or max_staleness < 0:
             raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
@@ -193,6 +206,13 @@ class GroupBuffer:
             raise ValueError(f"vocab_size must be >= 1 or None, got {vocab_size!r}")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens!r}")
+        if (isinstance(max_abs_reward, bool) or not isinstance(max_abs_reward, (int, float))
+                or not 0 < max_abs_reward <= MAX_ABS_REWARD_LIMIT):
+            raise ValueError(
+                f"learner.max_abs_reward must be a number in (0, {MAX_ABS_REWARD_LIMIT:g}], got "
+                f"{max_abs_reward!r} (larger rewards would overflow advantages and losses)"
+            )
+        self.max_abs_reward = float(max_abs_reward)
         # Token ids at or beyond the model's vocabulary would fail in its embedding (on CUDA a
         # device-side assert that ends the process): refused on arrival instead.
         self.vocab_size = vocab_size
@@ -210,6 +230,8 @@ class GroupBuffer:
         self._seen_trajectory_ids = _RecentKeys(remembered_ids)
         self._closed_group_ids = _RecentKeys(remembered_ids)
         self.counters: dict[str, int] = dict.fromkeys(_COUNTER_NAMES, 0)
+        # dropped_malformed by the field at fault: their sum is dropped_malformed.
+        self.refused_fields: collections.Counter[str] = collections.Counter()
         self.staleness_histogram: collections.Counter[int] = collections.Counter()
         # Groups dropped, by the version that made them (see Group.policy_version): a synchronous
         # learner counts the losses of its own version's batch only.
@@ -236,7 +258,7 @@ class GroupBuffer:
         Never raises on a bad trajectory: a long-running learner must not die of one bad message.
         """
         self.counters["received"] += 1
-        problem = _describe_malformation(trajectory)
+        problem = _describe_malformation(trajectory, self.max_abs_reward)
         if problem is None and self.vocab_size is not None:
             problem = _describe_out_of_vocabulary(trajectory, self.vocab_size)
         if problem is None:
@@ -245,10 +267,9 @@ class GroupBuffer:
                     learner_version, trajectory.policy_versions, trajectory.loss_mask
                 )
             except ValueError as error:
-                problem = str(error)
+                problem = ("policy_versions", str(error))
         if problem is not None:
-            self.counters["dropped_malformed"] += 1
-            self._refusals.record(f"malformed: {problem}")
+            self._refuse_malformed(trajectory, *problem)
             return
 
         trajectory_id, group_id = trajectory.trajectory_id, trajectory.group_id
@@ -262,10 +283,9 @@ class GroupBuffer:
 
         group = self._pending.get(group_id)
         if group is not None and group.group_size != trajectory.group_size:
-            self.counters["dropped_malformed"] += 1
-            self._refusals.record(
-                f"trajectory {trajectory_id}: group {group_id} has size {group.group_size} "
-                f"but it says {trajectory.group_size}"
+            self._refuse_malformed(
+                trajectory, "group_size",
+                f"group {group_id} has size {group.group_size} but it says {trajectory.group_size}",
             )
             return
         if trajectory_staleness < 0:
@@ -291,6 +311,16 @@ class GroupBuffer:
             return
         group.trajectories.append(trajectory)
         self.counters["accepted"] += 1
+
+    def _refuse_malformed(self, trajectory: Any, field: str, problem: str) -> None:
+        self.counters["dropped_malformed"] += 1
+        self.refused_fields[field] += 1
+        # Who sent it, where that can be read: the field and value alone do not find the sender.
+        sender = ", ".join(
+            f"{name} {getattr(trajectory, name)!r}" for name in ("trajectory_id", "actor_id", "env_name")
+            if isinstance(getattr(trajectory, name, None), str)
+        )
+        self._refusals.record(f"malformed {field}: {problem}" + (f" ({sender})" if sender else ""))
 
     def _open_group(self, group_id: str, group_size: int, policy_version: int) -> Group:
         if len(self._pending) >= self.max_pending_groups:
@@ -374,14 +404,14 @@ class GroupBuffer:
         self.staleness_histogram.update(member_staleness)
 
 
-def _describe_out_of_vocabulary(trajectory: Any, vocab_size: int) -> str | None:
-    """What is wrong with a trajectory's token ids for a model of ``vocab_size``, or None."""
+def _describe_out_of_vocabulary(trajectory: Any, vocab_size: int) -> tuple[str, str] | None:
+    """(field, what is wrong) with a trajectory's token ids for a model of ``vocab_size``, or None."""
     try:
         token_ids = np.asarray(trajectory.token_ids)
-    except AttributeError as error:
-        return f"missing field: {error}"
+    except AttributeError:
+        return "token_ids", "missing field"
     if token_ids.ndim != 1 or not np.issubdtype(token_ids.dtype, np.integer):
-        return f"token_ids must be a 1-D integer array, got shape {token_ids.shape} of {token_ids.dtype}"
+        return "token_ids", f"must be a 1-D integer array, got shape {token_ids.shape} of {token_ids.dtype}"
     if token_ids.size == 0:
         return None
     # One pass: read as unsigned, a negative id is larger than any vocabulary.
@@ -389,37 +419,116 @@ def _describe_out_of_vocabulary(trajectory: Any, vocab_size: int) -> str | None:
     if int(unsigned.max()) < vocab_size:
         return None
     lowest, highest = int(token_ids.min()), int(token_ids.max())
-    return f"token ids {lowest}..{highest} are outside the model's vocabulary of {vocab_size}"
+    return "token_ids", f"token ids {lowest}..{highest} are outside the model's vocabulary of {vocab_size}"
 
 
-def _describe_malformation(trajectory: Any) -> str | None:
-    """What is wrong with a trajectory's buffer-relevant fields, or None if they are usable."""
-    try:
-        trajectory_id = trajectory.trajectory_id
-        group_id = trajectory.group_id
-        group_size = trajectory.group_size
-        reward = trajectory.reward
-        loss_mask = np.asarray(trajectory.loss_mask)
-        policy_versions = np.asarray(trajectory.policy_versions)
-    except AttributeError as error:
-        return f"missing field: {error}"
+# Every field of the wire Trajectory (common/wire.py) that the learner reads a number from.
+_CHECKED_FIELDS = (
+    "trajectory_id", "group_id", "group_size", "reward", "turn_rewards", "token_ids", "loss_mask",
+    "behaviour_logprobs", "policy_versions", "prompt_length", "num_turns", "invalid_actions",
+    "generation_seconds", "env_seconds",
+)
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def _describe_malformation(trajectory: Any, max_abs_reward: float = DEFAULT_MAX_ABS_REWARD) -> tuple[str, str] | None:
+    """(field, what is wrong) for the first field of a trajectory that the learner cannot use, or
+    None if every field is usable.
+
+    The wire decoder (common/codec.py) checks types, dtypes and the token arrays' contents; this
+    checks every value the learner reads, whatever carried it, for what it may be, so that
+    nothing downstream (advantages, losses, metrics) can overflow or turn NaN on an accepted
+    trajectory: rewards and turn rewards finite and within
+    ``max_abs_reward``; behaviour log-probs finite and <= 0 (with the wire's room for rounding,
+    ``MAX_LOGPROB``); token ids, loss mask, behaviour log-probs and policy versions 1-D arrays of
+    one length, the mask 0 or 1; the prompt within the trajectory; counts and durations finite
+    and >= 0, no more invalid actions than turns.
+    """
+    values: dict[str, Any] = {}
+    for name in _CHECKED_FIELDS:
+        try:
+            values[name] = getattr(trajectory, name)
+        except AttributeError:
+            return name, "missing field"
+    trajectory_id, group_id, group_size = values["trajectory_id"], values["group_id"], values["group_size"]
     if not isinstance(trajectory_id, str) or not trajectory_id:
-        return f"trajectory_id must be a non-empty string, got {trajectory_id!r}"
+        return "trajectory_id", f"must be a non-empty string, got {trajectory_id!r}"
     if not isinstance(group_id, str) or not group_id:
-        return f"group_id must be a non-empty string, got {group_id!r}"
-    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)):
-        return f"group_size must be an integer, got {group_size!r}"
+        return "group_id", f"must be a non-empty string, got {group_id!r}"
+    if not _is_integer(group_size):
+        return "group_size", f"must be an integer, got {group_size!r}"
     if group_size < 1:
-        return f"group_size must be >= 1, got {group_size}"
-    if isinstance(reward, bool) or not isinstance(reward, (int, float, np.number)):
-        return f"reward must be a number, got {reward!r}"
+        return "group_size", f"must be >= 1, got {group_size}"
+
+    reward = values["reward"]
+    if not _is_number(reward):
+        return "reward", f"must be a number, got {reward!r}"
     if not math.isfinite(float(reward)):
-        return f"reward must be finite, got {reward!r}"
-    if loss_mask.ndim != 1 or policy_versions.shape != loss_mask.shape:
-        return (
-            f"loss_mask {loss_mask.shape} and policy_versions {policy_versions.shape} must be 1-D "
-            f"arrays of the same length"
-        )
-    if not np.issubdtype(policy_versions.dtype, np.integer):
-        return f"policy_versions must be integers, got dtype {policy_versions.dtype}"
+        return "reward", f"must be finite, got {reward!r}"
+    if abs(float(reward)) > max_abs_reward:
+        return "reward", f"{float(reward)!r} is beyond +-{max_abs_reward:g} (learner.max_abs_reward)"
+    turn_rewards = values["turn_rewards"]
+    if not isinstance(turn_rewards, (list, tuple, np.ndarray)):
+        return "turn_rewards", f"must be a list of numbers, got {type(turn_rewards).__name__}"
+    for turn, turn_reward in enumerate(turn_rewards):
+        if not _is_number(turn_reward) or not math.isfinite(float(turn_reward)):
+            return "turn_rewards", f"turn {turn}: must be a finite number, got {turn_reward!r}"
+        # ppo's critic learns from turn rewards: the same bound as the reward's.
+        if abs(float(turn_reward)) > max_abs_reward:
+            return "turn_rewards", (
+                f"turn {turn}: {float(turn_reward)!r} is beyond +-{max_abs_reward:g} (learner.max_abs_reward)"
+            )
+
+    arrays: dict[str, np.ndarray] = {}
+    for name in ("token_ids", "loss_mask", "behaviour_logprobs", "policy_versions"):
+        try:
+            arrays[name] = np.asarray(values[name])
+        except (TypeError, ValueError) as error:  # e.g. a ragged list
+            return name, f"is not an array: {error}"
+    for name, array in arrays.items():
+        if array.ndim != 1:
+            return name, f"must be a 1-D array, got shape {array.shape}"
+    length = arrays["token_ids"].shape[0]
+    for name, array in arrays.items():
+        if array.shape[0] != length:
+            return name, f"has {array.shape[0]} entries but token_ids has {length}"
+    if not np.issubdtype(arrays["token_ids"].dtype, np.integer):
+        return "token_ids", f"must be integers, got dtype {arrays['token_ids'].dtype}"
+    if not np.issubdtype(arrays["policy_versions"].dtype, np.integer):
+        return "policy_versions", f"must be integers, got dtype {arrays['policy_versions'].dtype}"
+    loss_mask = arrays["loss_mask"]
+    if loss_mask.dtype.kind not in "biuf" or (length and not np.all((loss_mask == 0) | (loss_mask == 1))):
+        return "loss_mask", f"must hold only 0 and 1, got {np.unique(loss_mask)[:5].tolist()} of dtype {loss_mask.dtype}"
+    logprobs = arrays["behaviour_logprobs"]
+    if not np.issubdtype(logprobs.dtype, np.floating):
+        return "behaviour_logprobs", f"must be floats, got dtype {logprobs.dtype}"
+    # The smallest and largest: NaN propagates into both and an infinity is one of them.
+    lowest, highest = (float(logprobs.min()), float(logprobs.max())) if length else (0.0, 0.0)
+    if not (math.isfinite(lowest) and math.isfinite(highest)):
+        position = int(np.flatnonzero(~np.isfinite(logprobs))[0])
+        return "behaviour_logprobs", f"must be finite, got {float(logprobs[position])!r} at token {position}"
+    # At most 0, with the wire's room for engines' rounding (common/codec.py).
+    if highest > MAX_LOGPROB:
+        position = int(np.argmax(logprobs))
+        return "behaviour_logprobs", f"must be <= 0 (log-probabilities), got {highest!r} at token {position}"
+
+    prompt_length = values["prompt_length"]
+    if not _is_integer(prompt_length) or not 0 <= prompt_length <= length:
+        return "prompt_length", f"must be an integer in 0..{length} (the trajectory's tokens), got {prompt_length!r}"
+    for name in ("num_turns", "invalid_actions"):
+        if not _is_integer(values[name]) or values[name] < 0:
+            return name, f"must be an integer >= 0, got {values[name]!r}"
+    if values["invalid_actions"] > values["num_turns"]:
+        return "invalid_actions", f"{values['invalid_actions']} is more than the {values['num_turns']} turns taken"
+    for name in ("generation_seconds", "env_seconds"):
+        seconds = values[name]
+        if not _is_number(seconds) or not math.isfinite(float(seconds)) or seconds < 0:
+            return name, f"must be a finite number >= 0, got {seconds!r}"
     return None

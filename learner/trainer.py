@@ -217,7 +217,12 @@ class Trainer:
 
     def step(self, examples: list[Example], flat: FlatShare = FlatShare()) -> dict[str, float]:
         """Apply `optimizer_steps_per_batch` updates on one batch (`flat`: what the batch's flat
-        groups, not passed, add to the loss's denominator); returns metrics."""
+        groups, not passed, add to the loss's denominator); returns metrics.
+
+        An update whose loss or gradient norm is not finite is never applied: the step stops
+        there, with the parameters and the optimiser state as they were, and says so in its
+        metrics (`nonfinite_step` 1, `optimizer_steps_applied`); the learner worker counts such
+        steps and stops a run that keeps making them."""
         config = self.config
         started = time.perf_counter()
         micro_batches = self._micro_batches(examples)
@@ -249,8 +254,13 @@ class Trainer:
         maxima: dict[str, float] = {}
         grad_norm = 0.0
         entropy_bonus = config.entropy_coef > 0
+        learning_rate = learning_rate_at(self.optimizer_steps_taken(), config.learning_rate, config.warmup_steps)
+        passes = applied = 0
+        finite = True
         for _ in range(max(1, config.optimizer_steps_per_batch)):
             self.optimizer.zero_grad(set_to_none=True)
+            passes += 1
+            loss_finite = True
             for index, micro in enumerate(micro_batches):
                 if float(micro.loss_mask.sum()) == 0:
                     if self.ranks.distributed:
@@ -284,7 +294,9 @@ class Trainer:
                     loss = loss + critic.loss
                     loss_metrics.update(critic.metrics)
                 (loss * (share * signal_fraction)).backward()
-                totals["loss"] = totals.get("loss", 0.0) + loss.item() * share
+                loss_value = loss.item()
+                loss_finite = loss_finite and math.isfinite(loss_value)
+                totals["loss"] = totals.get("loss", 0.0) + loss_value * share
                 entropy = sampled_entropy(logprobs, micro.loss_mask, aggregation=self._monitor_level)
                 totals["entropy_estimate"] = totals.get("entropy_estimate", 0.0) + float(entropy) * share
                 for key, value in loss_metrics.items():
@@ -296,23 +308,46 @@ class Trainer:
                         totals[key] = totals.get(key, 0.0) + value * share
             norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), config.grad_clip)
             grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            finite = self._update_is_finite(loss_finite, grad_norm)
+            if not finite:
+                # Adam would write NaN into every parameter and into its moments, from which no
+                # later step recovers: the update is dropped, the weights and the optimiser state
+                # (moments, step count, learning rate) stay as they were, and a later optimiser
+                # step on this batch would only repeat it.
+                self.optimizer.zero_grad(set_to_none=True)
+                break
             learning_rate = learning_rate_at(self.optimizer_steps_taken(), config.learning_rate, config.warmup_steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = learning_rate
             self.optimizer.step()
+            applied += 1
         self.policy.eval()
-        steps = max(1, config.optimizer_steps_per_batch)
-        totals["train_tokens"] = float(sum(micro.loss_mask.sum() for micro in micro_batches)) * steps
-        totals["train_sequences"] = float(len(examples)) * steps
+        # Summed over passes, then divided by them below: the batch's own tokens and sequences,
+        # or 0 when no optimiser step was applied (nothing was trained on).
+        totals["train_tokens"] = float(sum(micro.loss_mask.sum() for micro in micro_batches)) * passes * (applied > 0)
+        totals["train_sequences"] = float(len(examples)) * passes * (applied > 0)
         if self.ranks.distributed:
             totals, maxima = self._combine_over_ranks(totals, maxima)
-        metrics = {key: value / steps for key, value in totals.items()}
+        metrics = {key: value / passes for key, value in totals.items()}
         metrics.update(maxima)
         metrics["grad_norm"] = grad_norm
         metrics["learning_rate"] = learning_rate
+        # 1 when a pass had a non-finite loss or gradient norm and its update was skipped (the
+        # same on every rank); the optimiser steps before it on this batch were applied.
+        metrics["nonfinite_step"] = 0.0 if finite else 1.0
+        metrics["optimizer_steps_applied"] = float(applied)
         metrics["signal_fraction"] = signal_fraction
         metrics["learner_step_seconds"] = time.perf_counter() - started
         return metrics
+
+    def _update_is_finite(self, loss_finite: bool, grad_norm: float) -> bool:
+        """Whether this pass's update may be applied: its loss and gradient norm finite. The norm
+        is already global over the ranks; the loss is each rank's own, so with several ranks the
+        verdict is combined and every rank skips, or steps, together."""
+        finite = loss_finite and math.isfinite(grad_norm)
+        if self.ranks.distributed:
+            finite = distributed.all_reduce_max(0 if finite else 1) == 0
+        return finite
 
     def optimizer_steps_taken(self) -> int:
         """Optimiser steps so far, from Adam's own count, so a resumed run continues its warm-up

@@ -46,6 +46,41 @@ _STOP_SEND_TIMEOUT_S = 2.0
 _RANK_KEEPALIVE_S = 30.0
 
 
+class NonfiniteUpdatesError(RuntimeError):
+    """Too many update steps in a row were skipped for a non-finite loss or gradient norm."""
+
+
+class NonfiniteSteps:
+    """Update steps skipped for a non-finite loss or gradient norm (`Trainer.step`), in a row.
+
+    One such step now and then is skipped and survived; `limit` of them in a row mean something
+    upstream is broken (rewards, log-probs, a diverged policy), and a run that only skips updates
+    trains on nothing while looking alive, so it must stop and say why.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"learner.max_nonfinite_steps must be an integer >= 1, got {limit!r}")
+        self.limit = limit
+        self.in_a_row = 0
+
+    def record(self, skipped: bool) -> bool:
+        """Note one update step (skipped or applied); True once `limit` were skipped in a row."""
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        return self.in_a_row >= self.limit
+
+    def error(self) -> NonfiniteUpdatesError:
+        return NonfiniteUpdatesError(
+            f"{self.in_a_row} update steps in a row had a non-finite loss or gradient norm "
+            f"(learner.max_nonfinite_steps = {self.limit}); each was skipped, so the weights are "
+            "still those of the last finite step, but the run is training on nothing. Look at what "
+            "feeds the update: the env's rewards (learner.max_abs_reward bounds them), the actors' "
+            "behaviour log-probs, bf16-mixed precision (try fp32), a learning rate too high for the "
+            "model. The WARNING lines of the skipped steps name their groups; their records in "
+            "metrics.jsonl carry nonfinite_step = 1."
+        )
+
+
 def check_sampling_for_training(config: Config) -> None:
     """Refuse sampling settings whose behaviour log-probs the learner cannot reproduce."""
     top_p = config.actor.sampling.top_p
@@ -70,6 +105,7 @@ def build_buffer(config: Config, *, vocab_size: int | None) -> GroupBuffer:
         partial_groups=learner.partial_groups,
         vocab_size=vocab_size,
         max_tokens=config.actor.max_context_tokens,
+        max_abs_reward=learner.max_abs_reward,
     )
 
 
@@ -128,6 +164,7 @@ class Learner:
         self.step = 0
         self.version = 0
         self.counters: Counter = Counter()
+        self.nonfinite = NonfiniteSteps(config.learner.max_nonfinite_steps)
         # Seconds trained before this process started (a resumed run's clock continues).
         self.elapsed_before = 0.0
         if config.run.resume:
@@ -169,6 +206,7 @@ class Learner:
             for name, value in saved.get("buffer", {}).items():
                 if name in self.buffer.counters:
                     self.buffer.counters[name] = int(value)
+            self.buffer.refused_fields.update(saved.get("buffer_refused_fields", {}))
             self.elapsed_before = float(saved.get("elapsed_s", 0.0))
             if saved.get("horizon_schedule") and self.schedule.kind == "adaptive":
                 # The same stage, with the same window of figures, as when the checkpoint was taken.
@@ -184,7 +222,8 @@ class Learner:
         learner["rejected_messages"] = self._rejected("trajectories")
         learner["control_rejected_messages"] = self._rejected("control")
         learner["auth_refused"] = int(self.counters.get("auth_refused", 0)) + int(getattr(self.endpoints, "auth_refused", 0))
-        saved = {"learner": learner, "buffer": dict(self.buffer.counters), "elapsed_s": self._elapsed()}
+        saved = {"learner": learner, "buffer": dict(self.buffer.counters),
+                 "buffer_refused_fields": dict(self.buffer.refused_fields), "elapsed_s": self._elapsed()}
         if self.schedule.kind == "adaptive":
             saved["horizon_schedule"] = dataclasses.asdict(self.schedule.state)
         return saved
@@ -386,6 +425,9 @@ class Learner:
             "groups_skipped_zero_variance": scored.groups_skipped_zero_variance,
             "groups_skipped_too_small": scored.groups_skipped_too_small,
             "groups_resampled": int(self.counters["groups_resampled"]),
+            # Update steps skipped for a non-finite loss or gradient norm, over the whole run (this
+            # step's own verdict is `nonfinite_step`, from the trainer).
+            "steps_nonfinite": int(self.counters["steps_nonfinite"]),
             "failed_episodes": scored.failed_trajectories,
             "episode_turns_mean": float(np.mean([t.num_turns for t in trajectories])) if trajectories else 0.0,
             "truncated_rate": float(np.mean([t.truncated for t in trajectories])) if trajectories else 0.0,
@@ -408,6 +450,8 @@ class Learner:
             "trajectories_dropped_stale": buffer_counters["dropped_stale_trajectories"],
             "trajectories_duplicate": buffer_counters["duplicates"],
             "trajectories_malformed": buffer_counters["dropped_malformed"],
+            # The same refusals by the field at fault, e.g. {"reward": 2}.
+            "trajectories_malformed_by_field": dict(sorted(self.buffer.refused_fields.items())),
             "trajectories_too_long": buffer_counters["dropped_too_long"],
             "trajectories_late": buffer_counters["dropped_late_trajectories"],
             "trajectories_future": buffer_counters["dropped_future_trajectories"],
@@ -520,14 +564,18 @@ class Learner:
             train_metrics: dict = {}
             if scored.examples:
                 train_metrics = await trio.to_thread.run_sync(self._update, scored)
+            skipped = bool(train_metrics.get("nonfinite_step", 0.0))
+            stop_for_nonfinite = self.nonfinite.record(skipped) if scored.examples else False
+            if skipped:
+                self._report_nonfinite_step(groups, train_metrics)
             # A version names a set of weights. A step whose batch carried no signal (every group
-            # flat) leaves the weights as they were, so in async mode it keeps the version: the
-            # trajectories in flight stay as fresh as they were, and nothing is rebuilt or sent.
-            # Sync-mode actors generate one batch per version and wait for the next, so there
-            # every step makes a version.
+            # flat), or whose update was skipped as non-finite, leaves the weights as they were,
+            # so in async mode it keeps the version: the trajectories in flight stay as fresh as
+            # they were, and nothing is rebuilt or sent. Sync-mode actors generate one batch per
+            # version and wait for the next, so there every step makes a version.
             trained_version = self.version
             self.step += 1
-            if scored.examples or self.sync:
+            if (scored.examples and train_metrics.get("optimizer_steps_applied", 1.0) > 0) or self.sync:
                 self.version += 1
             cap_before = self.horizon.cap, self.horizon.stage
             decision = self._advance_horizon(groups)
@@ -561,6 +609,22 @@ class Learner:
                 "step %d reward %.3f success %.2f horizon %d staleness %.2f",
                 self.step, record["reward_mean"], record["success_rate"], record["horizon_cap"], record["staleness_mean"],
             )
+            if stop_for_nonfinite:  # after the step's record is out, so metrics.jsonl shows it
+                raise self.nonfinite.error()
+
+    def _report_nonfinite_step(self, groups, train_metrics: dict) -> None:
+        """Count and log one update skipped for a non-finite loss or gradient norm, naming the
+        batch's groups (their trajectories are where a bad value would have come from)."""
+        self.counters["steps_nonfinite"] += 1
+        group_ids = [group.group_id for group in groups]
+        shown = ", ".join(group_ids[:32]) + (f" and {len(group_ids) - 32} more" if len(group_ids) > 32 else "")
+        log.warning(
+            "step %d: the update's loss (%s) or gradient norm (%s) is not finite: skipped, the "
+            "weights and optimiser state are unchanged (%d such steps in a row, %d this run; "
+            "learner.max_nonfinite_steps = %d); the batch's groups: %s",
+            self.step + 1, train_metrics.get("loss"), train_metrics.get("grad_norm"), self.nonfinite.in_a_row,
+            self.counters["steps_nonfinite"], self.nonfinite.limit, shown,
+        )
 
     async def run(self) -> None:
         """Train for run.total_steps learner steps, then stop the actors.

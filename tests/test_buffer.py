@@ -1,6 +1,8 @@
 """Group buffer: staleness off-by-one, completion and timeouts, de-duplication, memory bound."""
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,7 +12,8 @@ from longhorizon.learner.buffer import Group, GroupBuffer, staleness
 
 @dataclass
 class StandInTrajectory:
-    """The fields of the wire Trajectory that the buffer reads."""
+    """The fields of the wire Trajectory that the buffer reads; the per-token arrays left out are
+    made to match the loss mask (token ids 0, behaviour log-probs 0)."""
 
     trajectory_id: str
     group_id: str
@@ -18,6 +21,21 @@ class StandInTrajectory:
     reward: float
     loss_mask: np.ndarray
     policy_versions: np.ndarray
+    token_ids: np.ndarray | None = None
+    behaviour_logprobs: np.ndarray | None = None
+    prompt_length: int = 0
+    turn_rewards: list = field(default_factory=list)
+    num_turns: int = 1
+    invalid_actions: int = 0
+    generation_seconds: float = 0.0
+    env_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        length = len(np.atleast_1d(self.loss_mask))
+        if self.token_ids is None:
+            self.token_ids = np.zeros(length, np.int32)
+        if self.behaviour_logprobs is None:
+            self.behaviour_logprobs = np.zeros(length, np.float32)
 
 
 def trajectory(
@@ -287,24 +305,25 @@ def test_more_members_than_the_group_size_are_refused():
 
 
 @pytest.mark.parametrize(
-    "bad",
+    "bad, field",
     [
-        object(),
-        StandInTrajectory("x", "g", 2, float("nan"), np.ones(1, np.uint8), np.zeros(1, np.int32)),
-        StandInTrajectory("x", "g", 0, 1.0, np.ones(1, np.uint8), np.zeros(1, np.int32)),
-        StandInTrajectory("", "g", 2, 1.0, np.ones(1, np.uint8), np.zeros(1, np.int32)),
-        StandInTrajectory("x", "g", 2, 1.0, np.ones(2, np.uint8), np.zeros(1, np.int32)),
-        StandInTrajectory("x", "g", 2, 1.0, np.ones(1, np.uint8), np.full(1, -1, np.int32)),
-        StandInTrajectory("x", "g", 2, 1.0, np.ones(1, np.uint8), np.zeros(1, np.float32)),
+        (object(), "trajectory_id"),
+        (StandInTrajectory("x", "g", 2, float("nan"), np.ones(1, np.uint8), np.zeros(1, np.int32)), "reward"),
+        (StandInTrajectory("x", "g", 0, 1.0, np.ones(1, np.uint8), np.zeros(1, np.int32)), "group_size"),
+        (StandInTrajectory("", "g", 2, 1.0, np.ones(1, np.uint8), np.zeros(1, np.int32)), "trajectory_id"),
+        (StandInTrajectory("x", "g", 2, 1.0, np.ones(2, np.uint8), np.zeros(1, np.int32)), "policy_versions"),
+        (StandInTrajectory("x", "g", 2, 1.0, np.ones(1, np.uint8), np.full(1, -1, np.int32)), "policy_versions"),
+        (StandInTrajectory("x", "g", 2, 1.0, np.ones(1, np.uint8), np.zeros(1, np.float32)), "policy_versions"),
     ],
     ids=[
         "no-fields", "nan-reward", "empty-group", "no-id", "ragged", "unversioned", "float-versions"
     ],
 )
-def test_malformed_trajectories_are_counted_not_raised(bad):
+def test_malformed_trajectories_are_counted_not_raised(bad, field):
     buffer, _ = make_buffer()
     buffer.add(bad, learner_version=0)
     assert buffer.counters["dropped_malformed"] == 1
+    assert buffer.refused_fields == {field: 1}
     assert len(buffer) == 0
 
 
@@ -326,6 +345,7 @@ def test_group_size_disagreement_is_malformed():
     buffer.add(trajectory("a", "g", versions=[0], group_size=4), learner_version=0)
     buffer.add(trajectory("b", "g", versions=[0], group_size=2), learner_version=0)
     assert buffer.counters["dropped_malformed"] == 1
+    assert buffer.refused_fields == {"group_size": 1}
     assert len(buffer) == 1
 
 
@@ -365,6 +385,9 @@ def test_pop_ready_zero_and_negative():
         ({"max_staleness": 0, "group_timeout_s": 1.0, "min_group_size_on_timeout": 0}, "min_group"),
         ({"max_staleness": 0, "group_timeout_s": 1.0, "max_pending_groups": 0}, "max_pending"),
         ({"max_staleness": 0, "group_timeout_s": 1.0, "partial_groups": "some"}, "partial_groups"),
+        ({"max_staleness": 0, "group_timeout_s": 1.0, "max_abs_reward": 0.0}, "max_abs_reward"),
+        ({"max_staleness": 0, "group_timeout_s": 1.0, "max_abs_reward": float("inf")}, "max_abs_reward"),
+        ({"max_staleness": 0, "group_timeout_s": 1.0, "max_abs_reward": 1e13}, "max_abs_reward"),
     ],
 )
 def test_constructor_validation(arguments, message):
@@ -385,24 +408,21 @@ def test_group_rewards_property():
     assert group.staleness(3) == 2
 
 
-@dataclass
-class StandInWithTokens(StandInTrajectory):
-    token_ids: np.ndarray
-
-
 def test_token_ids_outside_the_vocabulary_are_refused_as_malformed():
     buffer, _ = make_buffer(vocab_size=100)
     inside = trajectory("t0", "g", versions=[-1, 0, 0])
-    buffer.add(StandInWithTokens(**vars(inside), token_ids=np.array([5, 99, 0])), learner_version=0)
+    buffer.add(dataclasses.replace(inside, token_ids=np.array([5, 99, 0])), learner_version=0)
     assert buffer.counters["accepted"] == 1
     for ids in ([5, 100, 0], [5, -3, 0]):
         bad = trajectory(f"t{ids[1]}", "g", versions=[-1, 0, 0])
-        buffer.add(StandInWithTokens(**vars(bad), token_ids=np.array(ids)), learner_version=0)
+        buffer.add(dataclasses.replace(bad, token_ids=np.array(ids)), learner_version=0)
     assert buffer.counters["dropped_malformed"] == 2
     assert buffer.counters["accepted"] == 1
     # A trajectory without token ids cannot be checked: malformed, not an exception.
-    buffer.add(trajectory("t9", "g", versions=[-1, 0]), learner_version=0)
+    fields = vars(trajectory("t9", "g", versions=[-1, 0]))
+    buffer.add(SimpleNamespace(**{k: v for k, v in fields.items() if k != "token_ids"}), learner_version=0)
     assert buffer.counters["dropped_malformed"] == 3
+    assert buffer.refused_fields == {"token_ids": 3}
 
 
 def test_vocab_size_must_be_positive():
@@ -446,6 +466,7 @@ def test_every_trajectory_is_counted_once_under_random_traffic():
                 version += int(rng.random() < 0.5)
             counters = buffer.counters
             assert counters["received"] == counters["accepted"] + sum(counters[name] for name in refusals)
+            assert sum(buffer.refused_fields.values()) == counters["dropped_malformed"]
             assert counters["accepted"] == (
                 counters["returned_trajectories"] + counters["dropped_group_trajectories"] + len(buffer)
             )

@@ -23,6 +23,8 @@ from longhorizon.launch.local import format_progress, validate_config
         ("run.mode=fast", "run.mode"),
         ("learner.warmup_steps=-1", "learner.warmup_steps must be >= 0"),
         ("learner.entropy_coef=-0.01", "learner.entropy_coef must be >= 0"),
+        ("learner.max_abs_reward=0", r"learner.max_abs_reward must be in \(0, 1e12\]"),
+        ("learner.max_nonfinite_steps=0", "learner.max_nonfinite_steps must be >= 1"),
     ],
 )
 def test_validate_config_names_the_problem(override, message):
