@@ -7,7 +7,10 @@ It serves any local Hugging Face model folder through the `hf` engine on 127.0.0
   (`logprobs.tokens` as `token_id:N` when `return_tokens_as_token_ids` is set);
 - `POST /v1/chat/completions`: messages rendered with the model's chat template;
 - `POST /v1/load_weights` `{"path": FOLDER, "version": N}`: load safetensors weights in place, so
-  the `openai` engine can be used for training against this server.
+  the `openai` engine can be used for training against this server. The folder is checked whole
+  first (names, shapes, dtypes, finite values); weights that do not fit are refused with a 422
+  whose error code is `weights_refused` (the problems under `problems`), counted
+  (`weights_refused` in `/health` and `/v1/models`), and the server keeps serving its version.
 
 Requests that arrive together are batched: one worker thread owns the model and runs every queued
 request with the same sampling settings in one forward batch. Log-probs are those of the sampling
@@ -40,11 +43,20 @@ MAX_STOP_STRINGS = 4
 
 
 class RequestError(ValueError):
-    """A request the server refuses, with the HTTP status to answer it with."""
+    """A request the server refuses, with the HTTP status to answer it with (and, optionally, a
+    code for the error's `code` field and more fields for the error object)."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, code: str | None = None, details: dict | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
+        self.details = details or {}
+
+
+WEIGHTS_REFUSED_CODE = "weights_refused"
+"""The error `code` of a `/v1/load_weights` answer that refused weights which do not fit the
+model (status 422, the problems listed under `problems`): the `openai` engine raises
+`WeightsRefused` for it, as the engines that load weights themselves do."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,8 @@ class ModelServer:
         self.max_positions = int(getattr(self.engine.model.config, "max_position_embeddings", 0) or 0)
         self.max_batch_size = max(1, max_batch_size)
         self.batch_window_s = max(0.0, batch_window_s)
+        self.weights_refused = 0
+        """Weight loads refused because the weights did not fit the model."""
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._worker = threading.Thread(target=self._run_batches, name="serve-model-batcher", daemon=True)
         self._worker.start()
@@ -113,9 +127,19 @@ class ModelServer:
         return job.results
 
     def load_weights(self, path: str, version: int) -> None:
+        """Load a safetensors folder in place, all or nothing: weights that do not fit the model
+        (names, shapes, dtypes, finite values) raise `WeightsRefused` before any tensor is
+        copied; they are counted (`weights_refused`) and the server keeps serving its version."""
+        from longhorizon.common.models import WeightsRefused
         from longhorizon.common.wire import WeightsUpdate
 
-        self.engine.update_weights(WeightsUpdate(version=version, path=path))
+        try:
+            self.engine.update_weights(WeightsUpdate(version=version, path=path))
+        except WeightsRefused as refused:
+            self.weights_refused += 1
+            log.warning("refused weights v%d from %s, still serving v%d (%d refused so far): %s",
+                        version, path, self.policy_version, self.weights_refused, refused)
+            raise
 
     def stop(self) -> None:
         self._jobs.put(None)
@@ -410,8 +434,13 @@ def handle_load_weights(server: ModelServer, body: dict) -> dict:
         # that cannot take weights at all.
         raise RequestError(f"no such folder on the server: {path} (the server must see the actor's files)", 400)
     version = _integer(body, "version", server.policy_version + 1, 0, 1 << 62)
+    from longhorizon.common.models import WeightsRefused
+
     try:
         server.load_weights(path, version)
+    except WeightsRefused as refused:
+        raise RequestError(f"cannot load weights from {path}: {refused}", 422, WEIGHTS_REFUSED_CODE,
+                           {"problems": refused.problems}) from None
     except (FileNotFoundError, ValueError) as exc:
         raise RequestError(f"cannot load weights from {path}: {exc}") from None
     return {"object": "load_weights", "policy_version": server.policy_version}
@@ -421,7 +450,7 @@ def models_response(server: ModelServer) -> dict:
     return {"object": "list", "data": [{
         "id": server.served_name, "object": "model", "created": 0, "owned_by": "longhorizon",
         "root": server.model_dir, "max_model_len": server.max_positions or None,
-        "policy_version": server.policy_version,
+        "policy_version": server.policy_version, "weights_refused": server.weights_refused,
     }]}
 
 
@@ -456,16 +485,17 @@ def make_handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
-        def _error(self, status: int, message: str) -> None:
+        def _error(self, status: int, message: str, code: str | None = None, details: dict | None = None) -> None:
             kind = "invalid_request_error" if status < 500 else "server_error"
-            self._reply(status, {"error": {"message": message, "type": kind, "code": status}})
+            self._reply(status, {"error": {"message": message, "type": kind, "code": code or status, **(details or {})}})
 
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0].rstrip("/")
             if path == "/v1/models":
                 self._reply(200, models_response(server))
             elif path in ("/health", "/v1/health"):
-                self._reply(200, {"status": "ok", "policy_version": server.policy_version})
+                self._reply(200, {"status": "ok", "policy_version": server.policy_version,
+                                  "weights_refused": server.weights_refused})
             else:
                 self._error(404, f"no route GET {path}")
 
@@ -492,7 +522,7 @@ def make_handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
             try:
                 self._reply(200, handler(server, body))
             except RequestError as exc:
-                self._error(exc.status, str(exc))
+                self._error(exc.status, str(exc), exc.code, exc.details)
             except Exception as exc:
                 log.exception("request to %s failed", path)
                 self._error(500, f"{type(exc).__name__}: {exc}")

@@ -7,6 +7,12 @@ group. `WeightsReceiver.receive` takes any of them and returns {name: torch tens
 holds one receiver (the collective's group lives in it, across updates) and loads what it
 returns. Engines do not branch on the transport.
 
+Before an engine copies a single tensor it checks the whole update against its model
+(`common.models.weights_problems`: names, shapes, dtypes, finite values; LoRA adapters against
+their base layers) and refuses one that does not fit with `WeightsRefused`, keeping its version;
+the actor counts and logs the refusal and goes on with the weights it holds.
+`folder_problems` makes that check on a folder, one tensor at a time.
+
 Inline tensors come back as views of the received frames, without a copy: they are read-only,
 and the engine copies them into its parameters (`load_state_dict`, `load_adapters`). bfloat16
 travels as its uint16 bit patterns (the message names those tensors) and is viewed back as
@@ -27,6 +33,7 @@ from __future__ import annotations
 import logging
 import warnings
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +89,46 @@ def read_weights_folder(folder: str | Path) -> dict:
     if not state:
         raise FileNotFoundError(f"no safetensors files in {folder}")
     return state
+
+
+def folder_problems(folder: str | Path, expected: dict, *, optional=()) -> list[str]:
+    """`weights_problems` (common/models.py) for the safetensors files in `folder`, read one
+    tensor at a time: for an engine that loads the folder from where it lies (vLLM's worker), so
+    the check never holds a whole model in this process's memory."""
+    from contextlib import ExitStack
+
+    from safetensors import safe_open
+
+    from longhorizon.common.models import weights_problems
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors files in {folder}")
+    with ExitStack() as stack:
+        handles = {}
+        for file in files:
+            handle = stack.enter_context(safe_open(str(file), framework="pt"))
+            handles.update((name, handle) for name in handle.keys())
+        return weights_problems(_LazyTensors(handles), expected, optional=optional)
+
+
+class _LazyTensors(Mapping):
+    """{name: tensor} over open safetensors files, each tensor read when asked for."""
+
+    def __init__(self, handles: dict) -> None:
+        self._handles = handles
+
+    def __getitem__(self, name: str):
+        return self._handles[name].get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._handles)
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def __contains__(self, name) -> bool:
+        return name in self._handles
 
 
 def tensors_of_arrays(arrays: dict, bfloat16_names=()) -> dict:

@@ -25,6 +25,7 @@ from longhorizon.actor.engines.factory import build_engine, engine_settings  # n
 from longhorizon.actor.rollout import EnvPool, run_group
 from longhorizon.common.config import Config
 from longhorizon.common.collective import CollectiveError
+from longhorizon.common.models import WeightsRefused
 from longhorizon.common.wire import (
     ActorStats, CollectiveWeights, Heartbeat, Hello, HorizonUpdate, Stop, Trajectory, WeightsUpdate,
 )
@@ -45,6 +46,8 @@ class _Counters:
     generation_seconds: float = 0.0
     env_seconds: float = 0.0
     errors: int = 0
+    weights_refused: int = 0
+    """Weight updates the engine refused (they did not fit its model; it kept the version it had)."""
 
 
 class Actor:
@@ -136,8 +139,20 @@ class Actor:
 
     async def _load_weights(self, message: WeightsUpdate | CollectiveWeights) -> None:
         """Load a version into the engine. The engine swaps weights between turns, so no turn
-        mixes two versions."""
+        mixes two versions. An update the engine refuses (it does not fit the model: a name, a
+        shape or a dtype, or NaN/inf values; nothing of it was loaded) is counted and logged, and
+        the actor goes on with the version it holds."""
         held = self.engine.policy_version
+        started = time.perf_counter()
+        try:
+            await trio.to_thread.run_sync(self.engine.update_weights, message)
+        except WeightsRefused as refused:
+            self.counters.weights_refused += 1
+            log.warning(
+                "%s: refused weights v%d, still serving v%d (%d refused so far): %s",
+                self.actor_id, message.version, self.engine.policy_version, self.counters.weights_refused, refused,
+            )
+            return
         if message.version < held:
             # The learner restarted from an older checkpoint; its weights are the policy now, so
             # the actor follows it back rather than wait for ever.
@@ -146,8 +161,6 @@ class Actor:
                 self.actor_id, held, message.version,
             )
             self.last_sync_version = -1
-        started = time.perf_counter()
-        await trio.to_thread.run_sync(self.engine.update_weights, message)
         log.info("%s: loaded weights v%d in %.2fs", self.actor_id, message.version, time.perf_counter() - started)
         self._notify()
 

@@ -3,8 +3,9 @@
 The learner wraps its model with peft's LoRA layers on the modules `target_modules` names (a
 module matches when its name ends with one of them, as peft matches). The base weights stay
 frozen; the optimiser holds the adapters alone. Actors hold the same base model and receive the
-adapters' tensors only (a few MB instead of the whole model); an engine that cannot place every
-tensor it receives raises, so an update never half-arrives. Checkpoints export the merged model
+adapters' tensors only (a few MB instead of the whole model); an engine checks a whole update
+(names, shapes against the base layers, dtypes, finite values) before it copies any tensor and
+refuses one that does not fit, so an update never half-arrives. Checkpoints export the merged model
 (base plus adapters) as a plain Hugging Face folder for eval and for users.
 """
 
@@ -128,22 +129,40 @@ def adapter_state_dict(model) -> dict:
             if (saved := adapter_name(name)) is not None}
 
 
-def load_adapters(model, tensors: dict) -> None:
-    """Copy received adapter tensors into a LoRA-wrapped model; every adapter tensor of the model
-    must be among them and every received tensor must land, else nothing is half-loaded silently."""
+LORA_HINT = "learner and actor must use the same learner.lora"
+
+
+def check_adapters_for(model, tensors: dict) -> None:
+    """Raise `WeightsRefused` unless `tensors` hold exactly the LoRA-wrapped model's adapters, each
+    of its shape (set by its base layer and the rank), a float dtype and finite values."""
+    from longhorizon.common.models import check_weights, tensor_specs
+
+    check_weights(tensors, tensor_specs(adapter_state_dict(model)), subject="adapter update", hint=LORA_HINT)
+
+
+def load_adapters(model, tensors: dict, *, checked: bool = False) -> None:
+    """Copy received adapter tensors into a LoRA-wrapped model, all or nothing: the whole set is
+    checked first (`check_adapters_for`; `checked=True` when the caller just did), so a refused
+    update leaves every adapter as it was."""
     from peft import set_peft_model_state_dict
 
-    expected = set(adapter_state_dict(model))
-    received = set(tensors)
-    if received != expected:
-        missing, unexpected = sorted(expected - received), sorted(received - expected)
-        raise ValueError(
-            f"adapter update does not match the engine's LoRA layers: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]} (learner and actor must use the same learner.lora)"
-        )
+    if not checked:
+        check_adapters_for(model, tensors)
     result = set_peft_model_state_dict(model, tensors)
     if getattr(result, "unexpected_keys", None):
         raise ValueError(f"adapter tensors not placed: {sorted(result.unexpected_keys)[:3]}")
+
+
+def adapter_specs(base: dict, rank: int) -> dict:
+    """Name -> (shape, dtype) of the adapters an update must hold for the modules of `base`
+    (module name -> its weight W, out x in), as peft shapes them: A is rank x in, B is out x rank.
+    What an engine that merges adapters into base weights checks an update against."""
+    specs = {}
+    for module, weight in base.items():
+        out_features, in_features = weight.shape
+        specs[f"{ADAPTER_PREFIX}{module}.lora_A.weight"] = ((rank, in_features), weight.dtype)
+        specs[f"{ADAPTER_PREFIX}{module}.lora_B.weight"] = ((out_features, rank), weight.dtype)
+    return specs
 
 
 ADAPTER_PREFIX = "base_model.model."

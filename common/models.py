@@ -192,16 +192,88 @@ def load_causal_lm(folder: str | Path, dtype: str = "float32"):
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 
 
-def load_state_into(model, state: dict) -> None:
-    """Copy a state dict into a model, tolerating only the tied output embedding being absent."""
-    result = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    missing = set(result.missing_keys) - tied
-    if missing or result.unexpected_keys:
-        raise ValueError(
-            f"weights do not match the model: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(result.unexpected_keys)[:5]}"
-        )
+class WeightsRefused(ValueError):
+    """A weights update that does not fit the model, found before any tensor was copied: the
+    model keeps the weights it had. `problems` lists every fault found, one phrase each."""
+
+    SHOWN = 5
+    """How many problems the message names (the first ones); `problems` holds them all."""
+
+    def __init__(self, problems: list[str], subject: str = "weights update", hint: str = "") -> None:
+        self.problems = list(problems)
+        shown = "; ".join(self.problems[: self.SHOWN])
+        more = f"; and {len(self.problems) - self.SHOWN} more" if len(self.problems) > self.SHOWN else ""
+        super().__init__(f"{subject} refused, nothing loaded: {shown}{more}{f' ({hint})' if hint else ''}")
+
+
+def tensor_specs(tensors: dict) -> dict:
+    """Name -> (shape, dtype) of each tensor: what an update of those tensors must hold."""
+    return {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in tensors.items()}
+
+
+def tied_output_names(model) -> set[str]:
+    """The names a full update may leave out: the output embedding when it is tied to the input
+    one (the learner sends a tied tensor once, under the input embedding's name)."""
+    return {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+
+
+def _shape_text(shape) -> str:
+    return str(tuple(int(size) for size in shape))
+
+
+def weights_problems(state, expected: dict, *, optional=()) -> list[str]:
+    """Everything that keeps `state` ({name: tensor}) from loading, whole, into a model whose
+    tensors are `expected` ({name: (shape, dtype)}; a dtype of None takes any): names the model
+    lacks, names it has and the state lacks (`optional` ones may be absent), shapes that differ,
+    a dtype that is not the model's (another float dtype is fine: every engine's copy casts it; an
+    integer or bool tensor for a float parameter is not), and NaN or infinite values. Empty when
+    the state fits. Reads each tensor once (`state` may be a mapping that loads them lazily)."""
+    problems = [f"unexpected name {name}" for name in state if name not in expected]
+    problems += [f"missing name {name}" for name in expected if name not in state and name not in optional]
+    for name, (shape, dtype) in expected.items():
+        if name not in state:
+            continue
+        tensor = state[name]
+        if tuple(tensor.shape) != tuple(shape):
+            problems.append(f"shape of {name} is {_shape_text(tensor.shape)}, the model's is {_shape_text(shape)}")
+        elif dtype is not None and tensor.dtype != dtype and not (tensor.is_floating_point() and dtype.is_floating_point):
+            problems.append(f"dtype of {name} is {str(tensor.dtype).removeprefix('torch.')}, the model's is "
+                            f"{str(dtype).removeprefix('torch.')}")
+        elif tensor.is_floating_point() and not _all_finite(tensor):
+            problems.append(f"{name} holds NaN/inf")
+    return problems
+
+
+def _all_finite(tensor) -> bool:
+    """No NaN or infinity in a float tensor. The sum is NaN or infinite when any element is, and
+    costs one read of the tensor (about 1/25 of `isfinite(t).all()`, which writes a mask first,
+    and less than the copy into the model); only a sum that overflowed from finite values needs
+    the element-wise look."""
+    import torch
+
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
+def check_weights(state, expected: dict, *, optional=(), subject: str = "weights update", hint: str = "") -> None:
+    """Raise `WeightsRefused` naming every problem `weights_problems` finds."""
+    problems = weights_problems(state, expected, optional=optional)
+    if problems:
+        raise WeightsRefused(problems, subject, hint)
+
+
+def check_state_for(model, state: dict) -> None:
+    """Raise `WeightsRefused` unless `state` fits `model` whole (only a tied output may be absent)."""
+    check_weights(state, tensor_specs(model.state_dict()), optional=tied_output_names(model))
+
+
+def load_state_into(model, state: dict, *, checked: bool = False) -> None:
+    """Copy a state dict into a model, all or nothing: the whole state is checked first (names,
+    shapes, dtypes, finite values; `check_state_for`), so a refused one leaves every parameter as
+    it was. `checked=True` skips the check for a caller that has just made it (the hf engine
+    checks before taking its model lock, so generation goes on meanwhile)."""
+    if not checked:
+        check_state_for(model, state)
+    model.load_state_dict(state, strict=False)
 
 
 def resolve_device(name: str):

@@ -8,7 +8,7 @@ import trio
 
 from longhorizon.actor.engines.base import EngineSettings, GenerationRequest, make_engine, tokens_through_stop_string
 from longhorizon.common.config import SamplingConfig
-from longhorizon.common.models import load_causal_lm
+from longhorizon.common.models import WeightsRefused, load_causal_lm
 from longhorizon.common.wire import WeightsUpdate
 from longhorizon.learner.broadcast import make_weights_update
 from longhorizon.learner.logprobs import Example, pad_examples, token_logprobs
@@ -85,7 +85,7 @@ async def test_weight_update_changes_version_and_output(tiny_codebook_model):
 
 async def test_mismatched_weights_are_refused(tiny_codebook_model):
     engine = _engine(tiny_codebook_model)
-    with pytest.raises(ValueError, match="weights do not match"):
+    with pytest.raises(WeightsRefused, match="weights update refused, nothing loaded: unexpected name nonsense; missing name"):
         engine.update_weights(WeightsUpdate(version=1, tensors={"nonsense": np.zeros(3, np.float32)}))
     assert engine.policy_version == 0
 

@@ -7,6 +7,7 @@ starting it is the expensive part (20-30 s on a quiet 2-core machine, minutes on
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import trio
 
 from longhorizon.actor.engines.base import EngineSettings, GenerationRequest, make_engine
 from longhorizon.common.config import SamplingConfig, load_config
-from longhorizon.common.models import load_causal_lm
+from longhorizon.common.models import WeightsRefused, load_causal_lm
 from longhorizon.common.wire import WeightsUpdate
 from longhorizon.learner.broadcast import make_weights_update
 from longhorizon.learner.logprobs import Example, pad_examples, token_logprobs
@@ -50,16 +51,13 @@ def test_options_name_the_valid_ones():
         VLLMOptions.from_dict({"kv_cache": 2})
 
 
-def test_update_names_must_match_the_checkpoint():
-    from longhorizon.actor.engines.vllm import check_update_names
+def test_updates_are_checked_against_the_tensors_of_the_model_folder(tiny_codebook_model):
+    from longhorizon.actor.engines.vllm import checkpoint_tensor_specs
 
-    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
-    check_update_names(names, names, tied_output=False)
-    check_update_names(names - {"lm_head.weight"}, names, tied_output=True)
-    with pytest.raises(ValueError, match="missing \\['lm_head.weight'\\]"):
-        check_update_names(names - {"lm_head.weight"}, names, tied_output=False)
-    with pytest.raises(ValueError, match="unexpected \\['extra'\\]"):
-        check_update_names(names | {"extra"}, names, tied_output=False)
+    specs = checkpoint_tensor_specs(tiny_codebook_model)  # read from the headers alone
+    state = load_causal_lm(tiny_codebook_model).state_dict()
+    # The tied output layer is stored once, under the input embedding's name.
+    assert specs == {name: (tuple(t.shape), t.dtype) for name, t in state.items() if name != "lm_head.weight"}
 
 
 def test_sampled_token_logprobs_picks_each_sampled_token():
@@ -318,14 +316,32 @@ async def test_update_waits_for_requests_in_flight_and_tags_versions(vllm_engine
 
 @pytest.mark.slow
 @needs_vllm
-async def test_mismatched_weights_are_refused(vllm_engine):
-    version = vllm_engine.policy_version
-    with pytest.raises(ValueError, match="weights do not match"):
-        vllm_engine.update_weights(WeightsUpdate(version=99, tensors={"nonsense": np.zeros(3, np.float32)}))
-    assert vllm_engine.policy_version == version
+async def test_updates_that_do_not_fit_are_refused_whole_and_the_old_version_serves(vllm_engine, learner_model, tmp_path):
+    """A wrong name, a wrong shape, an integer tensor (inline) and a NaN (inline and path) are
+    refused before vLLM loads anything: same version, same greedy reply."""
     _with_sampling(vllm_engine, temperature=0.0)
     prompt = _prompt_tokens(vllm_engine, PROMPTS[1])
-    assert (await vllm_engine.generate(GenerationRequest(token_ids=prompt, episode_id="still"))).policy_version == version
+    version = vllm_engine.policy_version
+    before = await vllm_engine.generate(GenerationRequest(token_ids=prompt, episode_id="before"))
+    state = dict(learner_model.state_dict())
+    state.pop("lm_head.weight", None)  # tied: stored once
+    norm = "model.norm.weight"
+    with_nan = state[norm].clone()
+    with_nan[0] = float("nan")
+    faults = [
+        ("inline", {"nonsense": torch.zeros(3)}, "unexpected name nonsense"),
+        ("inline", {**state, norm: torch.zeros(7)}, f"shape of {norm} is (7,), the model's is {tuple(state[norm].shape)}"),
+        ("inline", {**state, norm: torch.ones(state[norm].shape, dtype=torch.int32)}, f"dtype of {norm} is int32"),
+        ("inline", {**state, norm: with_nan}, f"{norm} holds NaN/inf"),
+        ("path", {**state, norm: with_nan}, f"{norm} holds NaN/inf"),
+    ]
+    for transport, tensors, problem in faults:
+        update = make_weights_update(tensors, 99, transport, weights_dir=tmp_path / "weights")
+        with pytest.raises(WeightsRefused, match=re.escape(problem)):
+            await trio.to_thread.run_sync(vllm_engine.update_weights, update)
+        assert vllm_engine.policy_version == version
+    after = await vllm_engine.generate(GenerationRequest(token_ids=prompt, episode_id="still"))
+    assert after.policy_version == version and after.token_ids == before.token_ids
 
 
 @pytest.mark.slow

@@ -438,7 +438,7 @@ def test_wrong_collective_settings_are_refused_before_any_process_starts(tmp_pat
 async def test_vllm_engine_takes_collective_updates_in_its_worker_process(default_model_path):
     from longhorizon.actor.engines.base import EngineSettings, GenerationRequest, make_engine
     from longhorizon.common.config import SamplingConfig
-    from longhorizon.common.models import load_causal_lm
+    from longhorizon.common.models import WeightsRefused, load_causal_lm
 
     settings = EngineSettings(
         model_path=str(default_model_path), sampling=SamplingConfig(temperature=0.0, max_new_tokens=12), max_batch_size=4,
@@ -470,8 +470,18 @@ async def test_vllm_engine_takes_collective_updates_in_its_worker_process(defaul
         assert after.policy_version == engine.policy_version == 1
         assert after.token_ids == expected
 
+        # An update that does not fit the model (a NaN) arrives whole, so the learner's send
+        # completes, and is refused in the worker before any of it is loaded.
+        norm = "model.norm.weight"
+        with_nan = dict(state, **{norm: state[norm].clone()})
+        with_nan[norm][0] = float("nan")
+        sender.publish(sender.snapshot(with_nan, 2))
+        with pytest.raises(WeightsRefused, match=f"{norm} holds NaN/inf"):
+            await trio.to_thread.run_sync(engine.update_weights, announced.get(timeout=10))
+        assert engine.policy_version == 1
+
         # A corrupt transfer is refused in the worker and the version held stays in use.
-        corrupt = sender.snapshot(unique_state_dict(load_causal_lm(default_model_path)), 2)
+        corrupt = sender.snapshot(unique_state_dict(load_causal_lm(default_model_path)), 3)
         corrupt.checksums[-1] ^= 1
         sender.publish(corrupt)
         with pytest.raises(CollectiveError, match="arrived with CRC32"):

@@ -4,8 +4,9 @@ Episodes call `generate` independently; requests that arrive while a batch is ru
 collected and run together in the next batch (left-padded), so many episodes in flight share one
 forward pass per token. The model runs in a worker thread so the actor's trio loop keeps
 stepping environments and talking to the learner meanwhile. New weights (from tensors, a folder,
-or received over a collective while generation goes on) are swapped in under the model lock,
-between batches, so no turn mixes two versions.
+or received over a collective while generation goes on) are checked whole, then swapped in under
+the model lock, between batches, so no turn mixes two versions; an update that does not fit is
+refused before any tensor is copied.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from longhorizon.actor.engines.base import (
     tokens_through_stop_string,
 )
 from longhorizon.common.chat import HFChatTokenizer
-from longhorizon.common.models import load_state_into
+from longhorizon.common.models import check_state_for, load_state_into
 
 log = logging.getLogger(__name__)
 
@@ -198,16 +199,22 @@ class HFEngine:
         return results
 
     def update_weights(self, update: Any) -> None:
-        # Received (a collective's bytes too) while generation goes on with the old weights;
-        # swapped in between batches.
+        """Load any weights message, all or nothing: received (a collective's bytes too) and
+        checked whole while generation goes on with the old weights, then swapped in between
+        batches. An update that does not fit the model raises `WeightsRefused` before any tensor
+        is copied, and the engine keeps its version."""
+        from longhorizon.common.lora import check_adapters_for, load_adapters
+
         state = self._weights.receive(update)
+        if self.lora is not None:
+            check_adapters_for(self.model, state)
+        else:
+            check_state_for(self.model, state)
         with self._model_lock:
             if self.lora is not None:
-                from longhorizon.common.lora import load_adapters
-
-                load_adapters(self.model, state)
+                load_adapters(self.model, state, checked=True)
             else:
-                load_state_into(self.model, state)
+                load_state_into(self.model, state, checked=True)
             self.policy_version = int(update.version)
 
     def end_episode(self, episode_id: str) -> None:

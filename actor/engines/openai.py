@@ -14,7 +14,9 @@ loopback port and stops it on `close()`: `make_engine("openai", settings)` then 
 Weights: a remote endpoint cannot take our weights. `update_weights` posts the folder of a
 `WeightsUpdate` to the endpoint's `/v1/load_weights` route (our server has it; inline tensors are
 written to a local folder first, so that server must share this machine's filesystem); an endpoint
-without the route fails with an error saying so.
+without the route fails with an error saying so. Weights our server refuses as not fitting its
+model (it checks them whole before loading any) raise `WeightsRefused`, as the other engines do,
+and the version stays.
 
 Options come from, in increasing priority: `LONGHORIZON_OPENAI_<OPTION>` environment variables,
 `settings.engine_options` (when the config carries one), and the `options` argument. The API key
@@ -46,6 +48,7 @@ from longhorizon.actor.engines.base import (
     GenerationResult,
     tokens_through_stop_string,
 )
+from longhorizon.common.models import WeightsRefused
 
 log = logging.getLogger(__name__)
 
@@ -545,6 +548,10 @@ class OpenAIEngine:
                 f"{response.status_code}): a remote endpoint cannot take the learner's weights. Use it for "
                 f"evaluation, or serve the model with `longhorizon serve-model`, which has that route"
             )
+        refused = _refused_problems(response)
+        if refused:
+            # The server checked the weights against its model and loaded none of them.
+            raise WeightsRefused(refused)
         if response.status_code != 200:
             raise self._status_error(url, response)
         self.policy_version = int(update.version)
@@ -581,6 +588,25 @@ class OpenAIEngine:
         if self._weights_folder is not None:
             self._weights_folder.cleanup()
             self._weights_folder = None
+
+
+def _refused_problems(response) -> list[str]:
+    """The problems a `/v1/load_weights` answer lists when the server refused weights that do not
+    fit its model (`longhorizon serve-model`'s 422 with code `weights_refused`), else none."""
+    from longhorizon.actor.model_server import WEIGHTS_REFUSED_CODE
+
+    if response.status_code != 422:
+        return []
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return []
+    if not isinstance(error, dict) or error.get("code") != WEIGHTS_REFUSED_CODE:
+        return []
+    problems = error.get("problems")
+    if isinstance(problems, list) and problems and all(isinstance(problem, str) for problem in problems):
+        return problems
+    return [str(error.get("message") or "the server refused the weights")]
 
 
 def _cut_text_at_stop(text: str, stop_strings: tuple[str, ...]) -> str:

@@ -23,8 +23,13 @@ old weights, and vLLM's in-place reload then takes them from there once the gate
 CPU the tied output layer is then repacked (see `WorkerExtension`), or it would keep the old
 weights. With `learner.lora` an update carries adapters only: the engine adds scale * B A to the
 base weights of the adapted modules (kept from the model folder) and vLLM reloads the model from
-its folder with those merged matrices in place of the base's; an adapter set that does not fit
-the model is refused whole.
+its folder with those merged matrices in place of the base's.
+
+Before vLLM loads anything, every update is checked whole against the model folder's tensors
+(names, shapes, dtypes, finite values; adapters against the shapes their base layers and the rank
+give): inline tensors and adapters here, a path folder here one tensor at a time, a collective's
+tensors in the worker process once they have arrived (the learner's send completes either way).
+One that does not fit raises `WeightsRefused` and the engine keeps serving its version.
 
 Log-probs are vLLM's `processed_logprobs`: after temperature and top-p, the distribution each
 token was actually drawn from, as the learner's off-policy correction expects.
@@ -58,7 +63,8 @@ from longhorizon.actor.engines.base import (
 from longhorizon.common.asyncio_thread import AsyncioThread
 from longhorizon.common.chat import HFChatTokenizer
 from longhorizon.common.collective import CollectiveError
-from longhorizon.common.lora import lora_settings, merge_adapters, target_weights_of_model_folder
+from longhorizon.common.lora import LORA_HINT, adapter_specs, lora_settings, merge_adapters, target_weights_of_model_folder
+from longhorizon.common.models import WeightsRefused, check_weights
 from longhorizon.common.wire import CollectiveWeights
 
 log = logging.getLogger(__name__)
@@ -88,26 +94,29 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
-def checkpoint_tensor_names(folder: str | Path) -> set[str]:
-    """Tensor names stored in a model folder's safetensors files (read from the headers only)."""
+# safetensors' dtype names, as its headers give them, and the torch dtypes they are.
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}
+
+
+def checkpoint_tensor_specs(folder: str | Path) -> dict:
+    """Name -> (shape, torch dtype) of every tensor stored in a model folder's safetensors files,
+    read from the headers only: what a full update must hold. A dtype torch does not name here is
+    None (any accepted)."""
+    import torch
     from safetensors import safe_open
 
-    names: set[str] = set()
+    specs: dict = {}
     for file in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(file), framework="numpy") as handle:
-            names.update(handle.keys())
-    return names
-
-
-def check_update_names(update_names: set[str], checkpoint_names: set[str], tied_output: bool) -> None:
-    """Refuse an update that does not name exactly the model's tensors (tied output may be absent)."""
-    optional = {"lm_head.weight"} if tied_output else set()
-    missing = checkpoint_names - update_names - optional
-    unexpected = update_names - checkpoint_names - optional
-    if missing or unexpected:
-        raise ValueError(
-            f"weights do not match the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-        )
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                header = handle.get_slice(name)
+                dtype = getattr(torch, _SAFETENSORS_DTYPES.get(header.get_dtype(), ""), None)
+                specs[name] = (tuple(header.get_shape()), dtype if isinstance(dtype, torch.dtype) else None)
+    return specs
 
 
 def sampled_token_logprobs(token_ids: list[int], logprobs: list[dict] | None) -> list[float]:
@@ -162,6 +171,24 @@ class WorkerExtension:
         self._longhorizon_received = None  # free the previous update's buffers first
         self._longhorizon_received = receiver.receive(CollectiveWeights(**update))
         return len(self._longhorizon_received)
+
+    def longhorizon_check_received_weights(self, expected: dict, optional: list) -> list[str]:
+        """The problems of the last update received (`weights_problems`) against `expected`
+        ({name: [shape, torch dtype name or None]}); an update with any is dropped here, so the
+        weights in use are never touched by it. Returns the problems (none: it may be loaded)."""
+        import torch
+
+        from longhorizon.common.models import weights_problems
+
+        received = getattr(self, "_longhorizon_received", None)
+        if received is None:
+            raise RuntimeError("no collective weights update has been received to check")
+        specs = {name: (tuple(shape), None if dtype is None else getattr(torch, dtype))
+                 for name, (shape, dtype) in expected.items()}
+        problems = weights_problems(received, specs, optional=set(optional))
+        if problems:
+            self._longhorizon_received = None
+        return problems
 
     def longhorizon_reload_with_replacements(self, base_folder: str, replacements_file: str) -> int:
         """Reload every tensor of the model folder `base_folder`, taking the tensors stored in
@@ -262,7 +289,9 @@ class VLLMEngine:
             raise EngineError(f"the vllm engine needs a local model folder with config.json, got {settings.model_path!r}")
         self.tokenizer = HFChatTokenizer(load_tokenizer(model_folder))
         self.policy_version = 0
-        self._checkpoint_names = checkpoint_tensor_names(model_folder) if load_format != "dummy" else set()
+        # What a full update must hold (the model folder's tensors): every update is checked
+        # against it, whole, before vLLM loads any of it.
+        self._expected = checkpoint_tensor_specs(model_folder) if load_format != "dummy" else {}
         # With learner.lora the updates are adapters: merged here into the base weights of the
         # modules they adapt (kept from the model folder), the rest reloaded from that folder.
         self._lora = lora_settings(settings.lora)
@@ -272,6 +301,7 @@ class VLLMEngine:
                 raise EngineError("learner.lora needs the model's real weights: load_format='dummy' has none")
             self._lora_base = target_weights_of_model_folder(self._lora, model_folder)
         self._tied_output = _tied_output(model_folder)
+        self._optional = {"lm_head.weight"} if self._tied_output else set()
         self._request_numbers = itertools.count()
         cpu = on_cpu()
         if kv_cache_gib is None and cpu:
@@ -391,29 +421,44 @@ class VLLMEngine:
 
         Where the bytes go depends on where vLLM's model lives, its worker process: a collective's
         buckets are received there; a safetensors folder is reloaded from where it is; anything
-        else becomes a state dict here (`actor/weights.py`) and reaches vLLM through a folder."""
+        else becomes a state dict here (`actor/weights.py`) and reaches vLLM through a folder.
+        Whatever the route, the whole update is checked against the model folder's tensors
+        (names, shapes, dtypes, finite values) before vLLM loads any of it: one that does not fit
+        raises `WeightsRefused` and the engine keeps serving its version."""
         if self.load_format == "dummy":
             raise EngineError("an engine started with load_format='dummy' cannot reload weights")
         if self._lora is not None:
             self._load_adapters(update)
             return
         if isinstance(update, CollectiveWeights):
-            check_update_names(set(update.tensor_names), self._checkpoint_names, self._tied_output)
             fields = {field.name: getattr(update, field.name) for field in dataclasses.fields(update)}
             try:
                 # At once, not behind the gate: the learner is sending and waits for the receiver.
+                # The bytes are taken even from an update that will be refused, so the learner's
+                # send completes.
                 self._run_blocking(self._engine.collective_rpc("longhorizon_receive_weights", kwargs={"update": fields}))
             except Exception as error:  # vLLM re-raises the worker's error as its own type
                 raise CollectiveError(f"vLLM's worker did not receive weights v{update.version}: {error}") from None
+            expected = {name: [list(shape), None if dtype is None else str(dtype).removeprefix("torch.")]
+                        for name, (shape, dtype) in self._expected.items()}
+            answers = self._run_blocking(self._engine.collective_rpc(
+                "longhorizon_check_received_weights", kwargs={"expected": expected, "optional": sorted(self._optional)}))
+            problems = list(dict.fromkeys(problem for answer in answers for problem in answer))
+            if problems:
+                raise WeightsRefused(problems)
             self._run_blocking(self._reload_on_loop(int(update.version), "longhorizon_load_received_weights"))
             return
         if getattr(update, "path", None):
+            from longhorizon.actor.weights import folder_problems
+
             folder = Path(update.path)
-            check_update_names(checkpoint_tensor_names(folder), self._checkpoint_names, self._tied_output)
+            problems = folder_problems(folder, self._expected, optional=self._optional)
+            if problems:
+                raise WeightsRefused(problems)
             self._run_blocking(self._reload_on_loop(int(update.version), "reload_weights", {"weights_path": str(folder.resolve())}))
             return
         state = self._weights.receive(update)
-        check_update_names(set(state), self._checkpoint_names, self._tied_output)
+        check_weights(state, self._expected, optional=self._optional)
         # vLLM reloads from a folder (handing tensors to its worker process in memory is not
         # supported on CPU), so inline tensors go through a temporary one, in RAM where possible.
         from safetensors.torch import save_file
@@ -424,14 +469,17 @@ class VLLMEngine:
             self._run_blocking(self._reload_on_loop(int(update.version), "reload_weights", {"weights_path": str(scratch)}))
 
     def _load_adapters(self, update: Any) -> None:
-        """A LoRA update: the adapters merged into the base weights of their modules, the model
-        reloaded from its folder with those in place of the base's."""
+        """A LoRA update: the adapters, checked whole against the shapes their base layers and the
+        rank give, merged into the base weights of their modules; the model reloaded from its
+        folder with those in place of the base's."""
         if isinstance(update, CollectiveWeights):
             raise EngineError("LoRA adapters reach the vllm engine inline or through a path, not over a collective: "
                               "set learner.weights_transport to 'inline' or 'path'")
         from safetensors.torch import save_file
 
-        merged = merge_adapters(self._lora_base, self._weights.receive(update), self._lora.scale)
+        adapters = self._weights.receive(update)
+        check_weights(adapters, adapter_specs(self._lora_base, self._lora.rank), subject="adapter update", hint=LORA_HINT)
+        merged = merge_adapters(self._lora_base, adapters, self._lora.scale)
         with _scratch_folder("longhorizon-vllm-lora-", sum(t.nbytes for t in merged.values())) as scratch:
             save_file(merged, str(scratch / "merged.safetensors"))
             self._run_blocking(self._reload_on_loop(int(update.version), "longhorizon_reload_with_replacements", {
