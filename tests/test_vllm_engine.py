@@ -346,19 +346,83 @@ async def test_updates_that_do_not_fit_are_refused_whole_and_the_old_version_ser
 
 @pytest.mark.slow
 @needs_vllm
-def test_short_training_run_with_vllm_actors(tmp_path, default_model_path):
-    """Learner + one vllm actor as real processes; in sync mode step 2 must use version 1's replies."""
-    from longhorizon.common.metrics import read_metrics
-    from longhorizon.launch.local import launch_local
+async def test_collective_updates_are_received_in_vllms_worker_process(vllm_engine, default_model_path):
+    """Weights over the collective transport land in vLLM's worker process: a good update is
+    used by the next generation; one holding a NaN arrives whole (the learner's send completes)
+    and is refused there; a corrupt transfer fails its CRC32; both keep the version held."""
+    import queue
 
+    from longhorizon.common.collective import CollectiveError
+    from longhorizon.learner.broadcast import unique_state_dict
+    from longhorizon.learner.weight_sync import CollectiveSender
+
+    _with_sampling(vllm_engine, temperature=0.0)
+    start = vllm_engine.policy_version
+    announced = queue.Queue()
+    sender = CollectiveSender(host="127.0.0.1", backend="gloo", timeout_s=60, bucket_bytes=64 << 20,
+                              announce=lambda actor, message: announced.put(message))
+    original = unique_state_dict(load_causal_lm(default_model_path))
+    try:
+        prompt = _prompt_tokens(vllm_engine, PROMPTS[0])
+        before = await vllm_engine.generate(GenerationRequest(token_ids=prompt, episode_id="collective-before"))
+        model = load_causal_lm(default_model_path).eval()
+        generator = torch.Generator().manual_seed(3)
+        state = {name: tensor + 0.01 * torch.randn(tensor.shape, generator=generator) for name, tensor in original.items()}
+        model.load_state_dict(state, strict=False)
+        expected = _hf_greedy(model, prompt, vllm_engine.tokenizer.eos_token_id)
+        assert expected != before.token_ids
+
+        sender.join("vllm-actor", 0)
+        snapshot = sender.snapshot(state, start + 1)
+        assert len(snapshot.buckets) > 1 and snapshot.checksums  # every bucket's CRC32 is checked in the worker
+        sender.publish(snapshot)
+        await trio.to_thread.run_sync(vllm_engine.update_weights, announced.get(timeout=10))
+        after = await vllm_engine.generate(GenerationRequest(token_ids=prompt, episode_id="collective-after"))
+        assert after.policy_version == vllm_engine.policy_version == start + 1
+        assert after.token_ids == expected
+
+        norm = "model.norm.weight"
+        with_nan = dict(state, **{norm: state[norm].clone()})
+        with_nan[norm][0] = float("nan")
+        sender.publish(sender.snapshot(with_nan, start + 2))
+        with pytest.raises(WeightsRefused, match=f"{norm} holds NaN/inf"):
+            await trio.to_thread.run_sync(vllm_engine.update_weights, announced.get(timeout=10))
+        assert vllm_engine.policy_version == start + 1
+
+        corrupt = sender.snapshot(original, start + 3)
+        corrupt.checksums[-1] ^= 1
+        sender.publish(corrupt)
+        with pytest.raises(CollectiveError, match="arrived with CRC32"):
+            await trio.to_thread.run_sync(vllm_engine.update_weights, announced.get(timeout=10))
+        assert vllm_engine.policy_version == start + 1
+        again = await vllm_engine.generate(GenerationRequest(token_ids=prompt, episode_id="collective-again"))
+        assert (again.policy_version, again.token_ids) == (start + 1, expected)
+    finally:
+        sender.close()
+        # The module's other tests expect the model folder's weights.
+        await trio.to_thread.run_sync(vllm_engine.update_weights, make_weights_update(original, start + 4, "inline"))
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_short_training_run_with_vllm_actors(tmp_path):
+    """Learner + one vllm actor as real processes; in sync mode step 2 must use version 1's replies.
+
+    The model is the codebook env's tiny one (one attention head of 64: vLLM's CPU attention has
+    no kernel for heads of 16), so the run's time is the processes' and not the model's."""
+    from longhorizon.common.metrics import read_metrics
+    from longhorizon.common.models import build_tiny_model
+    from longhorizon.launch.local import launch_local
+    from tests.conftest import CODEBOOK_WORDS
+
+    model = build_tiny_model(tmp_path / "tiny-one-head", words=CODEBOOK_WORDS, num_heads=1)
     config = load_config(
-        REPO_ROOT / "configs" / "quickstart.toml",
+        REPO_ROOT / "configs" / "codebook.toml",
         [
             f"run.output_dir={str(tmp_path)!r}", "run.name='vllm'", "run.total_steps=2", "run.mode='sync'",
-            f"model.path={str(default_model_path)!r}", "actor.engine='vllm'", "actor.group_size=2",
-            "actor.concurrent_groups=1", "actor.max_batch_size=4", "actor.max_context_tokens=1024",
-            "actor.sampling.max_new_tokens=16", "learner.groups_per_step=1", "learner.checkpoint_every=2",
-            "learner.weights_transport='inline'", "horizon.schedule='fixed'", "horizon.stages=[2]",
+            f"model.path={str(model)!r}", "actor.engine='vllm'", "actor.num_actors=1", "actor.group_size=4",
+            "actor.concurrent_groups=2", "actor.max_batch_size=8", "learner.groups_per_step=2",
+            "learner.checkpoint_every=2", "learner.weights_transport='inline'",
         ],
     )
     lines = []
