@@ -189,8 +189,8 @@ def test_a_short_soak_kills_actors_accounts_for_every_trajectory_and_leaves_noth
     from longhorizon.launch.bench.soak import build_parser, run_soak
 
     args = build_parser().parse_args([
-        # 24 s on the soak's clock (it starts at the first step): kills at about 7, 14 and 21 s.
-        "--minutes", "0.4", "--kill-every-s", "7", "--sample-every-s", "1", "--warmup-s", "4",
+        # 18 s on the soak's clock (it starts at the first step): kills at about 6 and 12 s.
+        "--minutes", "0.3", "--kill-every-s", "6", "--sample-every-s", "1", "--warmup-s", "4",
         "--output-dir", str(tmp_path),
     ])
     result = run_soak(args)

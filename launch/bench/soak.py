@@ -44,6 +44,9 @@ _REFUSALS = (
 )
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _STARTUP_TIMEOUT_S = 600.0
+_EXIT_GRACE_S = 5.0
+"""How long the processes of the run may take to exit once the launcher returned, before they
+count as left behind."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,7 +177,10 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             launcher.kill()
             launcher.wait()
     every_pid.update(_run_processes(run_dir).values())
-    time.sleep(2)
+    # The launcher has returned, so its children are stopping: give them a moment to go.
+    deadline = time.monotonic() + _EXIT_GRACE_S
+    while any(_rss_mb(pid) is not None for pid in every_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
     left_behind = sorted(pid for pid in every_pid if _rss_mb(pid) is not None)
     records = read_metrics(run_dir)
     return {
