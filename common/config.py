@@ -33,6 +33,12 @@ class RunConfig:
     version, then the update, then the broadcast: the synchronous baseline)."""
     total_steps: int = 10
     """Learner steps (optimiser updates on one batch of groups) before the run ends."""
+    target_success: float = 0.0
+    """End the run before total_steps once the training success rate, averaged over the last
+    `target_window` steps, reaches this (0: off). The last step is checkpointed and broadcast as
+    the final one would be; its record says `target_reached`."""
+    target_window: int = 5
+    """Steps the training success rate is averaged over for `target_success`."""
     resume: bool = False
     """Continue from the latest checkpoint in the run directory if there is one."""
     launcher: str = "local"

@@ -46,6 +46,8 @@ def validate_config(config: Config) -> None:
 
     require(config.run.mode in ("async", "sync"), f"run.mode must be async or sync, got {config.run.mode!r}")
     require(config.run.total_steps > 0, "run.total_steps must be positive")
+    require(0 <= config.run.target_success <= 1, "run.target_success must be in [0, 1] (0: off)")
+    require(config.run.target_window >= 1, "run.target_window must be >= 1")
     require(config.actor.num_actors > 0, "actor.num_actors must be positive")
     require(config.actor.group_size >= 2, "actor.group_size must be at least 2 (GRPO compares episodes)")
     require(config.learner.loss in POLICY_LOSS_NAMES,

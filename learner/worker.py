@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
 import numpy as np
@@ -558,7 +558,10 @@ class Learner:
         await self._rebuild_weights()
         await self._publish(weights=self.version > 0)
         last_step_time = time.monotonic()
-        while self.step < self.config.run.total_steps:
+        run = self.config.run
+        recent_success: deque[float] = deque(maxlen=run.target_window)
+        target_reached = False
+        while self.step < run.total_steps and not target_reached:
             groups = await self._collect_batch()
             scored = self.trainer.algorithm.score(groups)
             train_metrics: dict = {}
@@ -583,6 +586,11 @@ class Learner:
             record = self._record(groups, scored, train_metrics, now - last_step_time, trained_version)
             if decision:
                 record["horizon_decision"] = decision
+            recent_success.append(record["success_rate"])
+            target_reached = target_success_reached(list(recent_success), run.target_success, run.target_window)
+            if target_reached:
+                record["target_reached"] = True
+            last_step = self.step == run.total_steps or target_reached
             last_step_time = now
             self.received_since_step = self.generated_tokens_since_step = 0
             # A stop request (SIGTERM) waits until the step's broadcast, checkpoint and record
@@ -590,7 +598,7 @@ class Learner:
             with trio.CancelScope(shield=True):
                 if self.step % learner.sample_episodes_every == 0:
                     self._write_sample(groups)
-                due = self.sync or self.step % learner.broadcast_every == 0 or self.step == self.config.run.total_steps
+                due = self.sync or self.step % learner.broadcast_every == 0 or last_step
                 if due and self.version != self.latest_weights.version:
                     await self._rebuild_weights()
                     await self._publish()
@@ -599,7 +607,7 @@ class Learner:
                 # The record goes out before the checkpoint: a learner killed between the two
                 # resumes from the older checkpoint, which cuts the record and trains the step
                 # again. The other order would leave a checkpoint whose step has no record.
-                checkpoint = self.step % learner.checkpoint_every == 0 or self.step == self.config.run.total_steps
+                checkpoint = self.step % learner.checkpoint_every == 0 or last_step
                 if checkpoint:
                     record["checkpoint"] = str(checkpoint_dir(self.run_dir, self.step))
                 self.metrics.write(record)
@@ -611,6 +619,12 @@ class Learner:
             )
             if stop_for_nonfinite:  # after the step's record is out, so metrics.jsonl shows it
                 raise self.nonfinite.error()
+            if target_reached:
+                log.info(
+                    "training success %.2f over the last %d steps reached run.target_success = %.2f: "
+                    "the run ends at step %d of %d", float(np.mean(recent_success)), len(recent_success),
+                    run.target_success, self.step, run.total_steps,
+                )
 
     def _report_nonfinite_step(self, groups, train_metrics: dict) -> None:
         """Count and log one update skipped for a non-finite loss or gradient norm, naming the
@@ -673,6 +687,14 @@ class Learner:
         if lost:
             log.warning("%d of %d actors seen were gone or unreachable at the end", lost, len(self.peers))
         return stopped
+
+
+def target_success_reached(recent: list[float], target: float, window: int) -> bool:
+    """Whether a run with `run.target_success = target` ends now: the last `window` steps'
+    training success rates (`recent`, oldest first) average at least `target`. Off at 0."""
+    if target <= 0 or len(recent) < window:
+        return False
+    return sum(recent[-window:]) / window >= target
 
 
 def cut_by_cap(trajectory) -> bool:

@@ -25,6 +25,8 @@ from longhorizon.launch.local import format_progress, validate_config
         ("learner.entropy_coef=-0.01", "learner.entropy_coef must be >= 0"),
         ("learner.max_abs_reward=0", r"learner.max_abs_reward must be in \(0, 1e12\]"),
         ("learner.max_nonfinite_steps=0", "learner.max_nonfinite_steps must be >= 1"),
+        ("run.target_success=1.5", r"run.target_success must be in \[0, 1\]"),
+        ("run.target_window=0", "run.target_window must be >= 1"),
     ],
 )
 def test_validate_config_names_the_problem(override, message):
