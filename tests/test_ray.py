@@ -143,6 +143,12 @@ def _parent(pid: int) -> int | None:
         return None
 
 
+def _temporary_folder(pid: int) -> Path:
+    """The TMPDIR its host gave worker process `pid`: its scratch folder."""
+    environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return Path(next(entry for entry in environment if entry.startswith(b"TMPDIR=")).decode()[len("TMPDIR="):])
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     pytest.importorskip("ray")
@@ -178,7 +184,9 @@ def test_codebook_learns_on_a_two_node_ray_cluster_and_survives_a_killed_actor(t
     from longhorizon.launch.ray import launch_ray
     from tests.test_learning import _evaluate
 
-    config = _ray_config(tmp_path, tiny_codebook_model, ray_cluster)
+    from tests.test_learning import TARGET
+
+    config = _ray_config(tmp_path, tiny_codebook_model, ray_cluster, [TARGET])
     run_dir = config.run_dir
     killed: dict = {}
 
@@ -193,10 +201,14 @@ def test_codebook_learns_on_a_two_node_ray_cluster_and_survives_a_killed_actor(t
                 table = json.loads((run_dir / "processes.json").read_text())
                 killed["worker"] = table["actor-0"]["pid"]
                 killed["session"] = ray_cluster.raylet_session(killed["worker"])
+                killed["folders"] = [_temporary_folder(killed["worker"])]
                 os.kill(killed["worker"], signal.SIGKILL)
             if step >= 15 and "worker" in killed:
                 table = json.loads((run_dir / "processes.json").read_text())
-                killed["host"] = _parent(table["actor-1"]["pid"])
+                worker = table["actor-1"]["pid"]
+                killed["host"] = _parent(worker)
+                # The host's own folder (its worker's log is there) and the worker's scratch.
+                killed["folders"] += [Path(os.readlink(f"/proc/{worker}/fd/1")).parent, _temporary_folder(worker)]
                 os.kill(killed["host"], signal.SIGKILL)
             time.sleep(0.2)
 
@@ -220,17 +232,21 @@ def test_codebook_learns_on_a_two_node_ray_cluster_and_survives_a_killed_actor(t
     assert table["actor-0"]["restarts"] == 1 and table["actor-0"]["pid"] != killed["worker"], output
     assert table["actor-1"]["restarts"] == 1 and _parent(table["actor-1"]["pid"]) != killed["host"], output
     assert {entry["node"] for entry in table.values()} == {NODE_IP}
+    # The killed worker's temporary folder, and the killed host's and its worker's: all deleted.
+    assert len(killed["folders"]) == 3 and not [folder for folder in killed["folders"] if folder.exists()], killed
     assert "127.0.0.2" in (run_dir / "config.toml").read_text()  # the learner's node address, not loopback's default
 
     records = read_metrics(run_dir)
-    assert [r["step"] for r in records] == list(range(1, config.run.total_steps + 1))
+    last = records[-1]["step"]  # the budget, or where training success held the target
+    assert [r["step"] for r in records] == list(range(1, last + 1))
+    assert last == config.run.total_steps or records[-1]["target_reached"]
     assert max(r["staleness_max"] for r in records) <= config.learner.max_staleness
     assert records[-1]["actors_seen"] == config.actor.num_actors
-    assert sum("| success" in line for line in lines) == config.run.total_steps  # one progress line per step
+    assert sum("| success" in line for line in lines) == last  # one progress line per step
     for name in ("learner", "actor-0", "actor-1"):
         assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0, name
     checkpoint = latest_checkpoint(run_dir)
-    assert checkpoint is not None and checkpoint.name == f"step_{config.run.total_steps:06d}"
+    assert checkpoint is not None and checkpoint.name == f"step_{last:06d}"
     trained = _evaluate(config, checkpoint)
     print(f"held-out greedy success after the Ray run: {trained.success_rate:.1%}")
     assert trained.failed_episodes == 0
