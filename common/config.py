@@ -308,8 +308,9 @@ class HorizonConfig:
 @dataclass(frozen=True)
 class TransportConfig:
     host: str = "127.0.0.1"
-    """Address the learner binds and actors connect to. Any host other than loopback (127.0.0.1,
-    localhost, ::1) turns CurveZMQ on (see `curve`) unless `insecure = true`."""
+    """Address the learner binds and actors connect to. On loopback (127.0.0.1, localhost, ::1)
+    peers authenticate with a secret made per run (ZeroMQ PLAIN, LONGHORIZON_RUN_SECRET); any
+    other host turns CurveZMQ on (see `curve`); `insecure = true` turns both off."""
     curve: str = "auto"
     """CurveZMQ on all three sockets (peers authenticated by the run's keys, traffic encrypted):
     `auto` (on when `host` is not loopback), `on` (on loopback too), or `off` (beyond loopback
@@ -317,8 +318,9 @@ class TransportConfig:
     the LONGHORIZON_CURVE_KEYS environment variable; starting processes by hand, make them with
     `longhorizon keys DIR` (README, Security)."""
     insecure: bool = False
-    """Allow plain TCP with a non-loopback `host`: no authentication, no encryption, so anyone who
-    reaches the ports can send trajectories and read the weights. The learner logs a warning."""
+    """No authentication: no run secret on loopback, and plain TCP with a non-loopback `host` (no
+    encryption either), so anyone who reaches the ports can send trajectories and read the
+    weights; beyond loopback the learner logs a warning."""
     trajectory_port: int = 0
     """PUSH/PULL trajectories; 0 picks a free port at launch."""
     broadcast_port: int = 0

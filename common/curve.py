@@ -1,5 +1,6 @@
 """CurveZMQ for a run: its keys, how they reach each process, and the learner's gate that admits
-only the run's actors and counts the peers it refuses.
+only the run's actors and counts the peers it refuses. (Runs on loopback authenticate with a
+secret instead, through a gate of the same kind: common/auth.py, which also picks between them.)
 
 A run's secret is two CurveZMQ keypairs made for that run alone: the learner's (the server: it
 binds all three sockets) and one client keypair shared by the actors. A connection to any of the
@@ -56,6 +57,11 @@ REFUSAL_EVENTS = (
 nothing during it: a peer without CurveZMQ often sees the mismatch first and hangs up (which of
 the two ends notices first is a race), and a port scanner does the same. An actor stopping in
 the milliseconds of its handshake would be counted too."""
+
+CURVE_FRAME_OVERHEAD_BYTES = 33
+"""What CurveZMQ adds to each frame on the wire (command name, nonce, MAC, flags). libzmq checks
+``zmq.MAXMSGSIZE`` against the wire size, so with CurveZMQ the limit is raised by this much: the
+same frames pass with it as without."""
 
 _GATE_POLL_MS = 100
 """How often the gate's thread looks for newly watched sockets and for its stop request."""
@@ -130,6 +136,9 @@ class CurveKeys:
         keys = cls(**{"server_public": "", "client_public": "", **fields})
         keys.check(role, source=source)
         return keys
+
+    FRAME_OVERHEAD_BYTES = CURVE_FRAME_OVERHEAD_BYTES
+    """What CurveZMQ adds to each frame on the wire (``zmq.MAXMSGSIZE`` counts it)."""
 
     def client_options(self) -> dict[int, bytes]:
         """Socket options of an actor's socket (a CurveZMQ client)."""
@@ -244,12 +253,15 @@ def print_new_key_files(folder: str) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-class CurveGate:
-    """The server side of CurveZMQ in one ZeroMQ context (the learner's), on a thread of its own:
-    it answers the context's ZAP requests, admitting only the run's client public key, and counts
-    (and logs, rate-limited) every connection to a watched socket that did not complete the
-    handshake: no CurveZMQ, another server key, a client key that is not the run's, or a peer that
-    hung up during it. A peer that keeps retrying is counted at each attempt.
+class ZapGate:
+    """The server side of authentication in one ZeroMQ context (the learner's), on a thread of
+    its own: it answers the context's ZAP requests, admitting only peers that prove they belong
+    to the run, and counts (and logs, rate-limited) every connection to a watched socket that did
+    not complete the handshake. A peer that keeps retrying is counted at each attempt.
+
+    Subclasses say which mechanism they serve: ``CurveGate`` here (CurveZMQ: the run's keys,
+    traffic encrypted), ``SecretGate`` in common/auth.py (ZeroMQ PLAIN: the run's secret, for
+    loopback, nothing encrypted).
 
     One gate per context (libzmq has one ZAP endpoint per context). Make it before the sockets it
     protects, and close it after closing them and before terminating the context (its sockets
@@ -257,26 +269,29 @@ class CurveGate:
     fail: the gate fails closed as long as its ZAP socket stays bound, which it does until ``close``.
     """
 
-    def __init__(self, context: zmq.Context, keys: CurveKeys) -> None:
-        keys.check("learner")
+    MECHANISM = b""
+    """The ZMTP security mechanism this gate admits (the ZAP request names it)."""
+    FRAME_OVERHEAD_BYTES = 0
+    """What the mechanism adds to each frame on the wire (``zmq.MAXMSGSIZE`` counts it)."""
+    ENCRYPTS = False
+    """Whether traffic through the gate's sockets is encrypted (safe beyond loopback)."""
+
+    def __init__(self, context: zmq.Context, *, what: str) -> None:
         self._context = context
-        self._server_secret = keys.server_secret.encode()
-        self._client_public = z85.decode(keys.client_public)
-        self._refusals = RateLimitedLog("refused a connection (CurveZMQ)")
+        self._refusals = RateLimitedLog(f"refused a connection ({what})")
         self._zap = context.socket(zmq.REP)
         self._zap.setsockopt(zmq.LINGER, 0)
         try:
             self._zap.bind(ZAP_ENDPOINT)
         except zmq.ZMQError as error:
             self._zap.close()
-            raise OSError(error.errno, f"CurveZMQ: cannot serve ZAP in this context ({error.strerror}); "
+            raise OSError(error.errno, f"{what}: cannot serve ZAP in this context ({error.strerror}); "
                                        "is another gate bound to it?") from error
         self._new_monitors: queue.SimpleQueue = queue.SimpleQueue()
         self._monitors: dict[zmq.Socket, str] = {}
         self._stopping = threading.Event()
-        self._thread: threading.Thread | None = threading.Thread(target=self._serve, name="curve gate", daemon=True)
+        self._thread: threading.Thread | None = threading.Thread(target=self._serve, name="zap gate", daemon=True)
         self._thread.start()
-        logger.info("CurveZMQ on: the learner's sockets admit only peers holding this run's keys")
 
     @property
     def refused(self) -> int:
@@ -284,16 +299,28 @@ class CurveGate:
         return self._refusals.count
 
     def protect(self, socket: zmq.Socket, name: str) -> None:
-        """Make ``socket`` a CurveZMQ server guarded by this gate. Call before it binds."""
+        """Make ``socket`` a server of this gate's mechanism, guarded by it. Call before it binds."""
         if socket.context is not self._context:
             # libzmq admits everyone when a context has no ZAP handler: the gate must be there.
-            raise ValueError("a CurveZMQ gate protects only sockets of its own ZeroMQ context")
-        socket.setsockopt(zmq.CURVE_SERVER, 1)
-        socket.setsockopt(zmq.CURVE_SECRETKEY, self._server_secret)
+            raise ValueError("a ZAP gate protects only sockets of its own ZeroMQ context")
+        self._make_server(socket)
         socket.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         # The monitor's pair socket is made here and then used only by the gate's thread (the
         # queue hands it over); events wait in it until that thread reads them.
         self._new_monitors.put((socket.get_monitor_socket(REFUSAL_EVENTS), name))
+
+    def _make_server(self, socket: zmq.Socket) -> None:
+        raise NotImplementedError
+
+    def _admits(self, credentials: list[bytes]) -> bool:
+        """Whether the credentials of a ZAP request of this gate's mechanism are the run's."""
+        raise NotImplementedError
+
+    def _refusal_reason(self, kind: int, value: int) -> str:
+        """Why a handshake failed, for the log (``kind``: the monitor event, ``value``: its value)."""
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            return "it hung up or went silent during the handshake"
+        return f"handshake error {value:#x}"
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -310,29 +337,19 @@ class CurveGate:
                     self._count(self._monitors[socket], socket.recv_multipart())
 
     def _answer(self, request: list[bytes]) -> None:
-        # ZAP 1.0: version, request id, domain, peer address, identity, mechanism, credentials
-        # (for CURVE, the client's 32-byte public key).
+        # ZAP 1.0: version, request id, domain, peer address, identity, mechanism, then the
+        # mechanism's credentials (CURVE: the client's public key; PLAIN: username, password).
         admitted = (
-            len(request) == 7 and request[0] == b"1.0" and request[5] == b"CURVE"
-            and hmac.compare_digest(request[6], self._client_public)
+            len(request) >= 7 and request[0] == b"1.0" and request[5] == self.MECHANISM
+            and self._admits(request[6:])
         )
         request_id = request[1] if len(request) > 1 else b""
-        status, text = (b"200", b"OK") if admitted else (b"400", b"not this run's client key")
+        status, text = (b"200", b"OK") if admitted else (b"400", b"not this run's credentials")
         self._zap.send_multipart([b"1.0", request_id, status, text, b"actor" if admitted else b"", b""])
 
     def _count(self, name: str, event: list[bytes]) -> None:
         kind, value = struct.unpack("=HI", event[0][:6])
-        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            reason = "its client key is not this run's"
-        elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-            reason = "it hung up or went silent during the handshake (a peer without CurveZMQ?)"
-        elif value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-            reason = "it does not use CurveZMQ (do transport.curve and transport.insecure differ between processes?)"
-        elif value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
-            reason = "it does not have this run's server key (another run's keys?)"
-        else:
-            reason = f"CurveZMQ handshake error {value:#x}"
-        self._refusals.record(f"{name}: {reason}")
+        self._refusals.record(f"{name}: {self._refusal_reason(kind, value)}")
 
     def close(self) -> None:
         """Stop the thread and close the gate's sockets (the protected sockets first, please)."""
@@ -346,3 +363,38 @@ class CurveGate:
         for monitor in self._monitors:
             monitor.close(linger=0)
         self._zap.close(linger=0)
+
+
+class CurveGate(ZapGate):
+    """CurveZMQ's gate: admits only the run's client public key. Refused: a peer without
+    CurveZMQ, with another server key, with a client key that is not the run's, or one that hung
+    up during the handshake."""
+
+    MECHANISM = b"CURVE"
+    FRAME_OVERHEAD_BYTES = CURVE_FRAME_OVERHEAD_BYTES
+    ENCRYPTS = True
+
+    def __init__(self, context: zmq.Context, keys: CurveKeys) -> None:
+        keys.check("learner")
+        self._server_secret = keys.server_secret.encode()
+        self._client_public = z85.decode(keys.client_public)
+        super().__init__(context, what="CurveZMQ")
+        logger.info("CurveZMQ on: the learner's sockets admit only peers holding this run's keys")
+
+    def _make_server(self, socket: zmq.Socket) -> None:
+        socket.setsockopt(zmq.CURVE_SERVER, 1)
+        socket.setsockopt(zmq.CURVE_SECRETKEY, self._server_secret)
+
+    def _admits(self, credentials: list[bytes]) -> bool:
+        return len(credentials) == 1 and hmac.compare_digest(credentials[0], self._client_public)
+
+    def _refusal_reason(self, kind: int, value: int) -> str:
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return "its client key is not this run's"
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            return "it hung up or went silent during the handshake (a peer without CurveZMQ?)"
+        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return "it does not use CurveZMQ (do transport.curve and transport.insecure differ between processes?)"
+        if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+            return "it does not have this run's server key (another run's keys?)"
+        return f"CurveZMQ handshake error {value:#x}"

@@ -8,8 +8,10 @@ Three channels connect the learner and its actors:
   supersedes the previous one, so losing one is tolerable; a subscriber only sees messages
   published after it connected, and once its queue and the publisher's are full (the high-water
   marks) newer messages are dropped until it catches up.
-- control (hello, heartbeat, stop, statistics), actor DEALER (connect, identity = actor id) <->
-  learner ROUTER (bind).
+- control (hello, heartbeat, stop, statistics), actor DEALER (connect) <-> learner ROUTER (bind).
+  Each dealer's routing identity is its actor id plus a random token of its own, so two
+  connections never share an identity: a second connection speaking for an actor id another live
+  connection holds is refused (the first keeps it; see ``ZmqRouter``).
 
 Every receiving socket has ``zmq.MAXMSGSIZE`` set from its ``WireLimits``: libzmq drops a frame
 larger than that before buffering it and disconnects the peer that sent it (a connecting peer
@@ -21,14 +23,18 @@ message they reject is counted in ``rejected`` and logged at WARNING, at most on
 Addresses are ZeroMQ endpoints such as ``"tcp://127.0.0.1:5555"``; a bound socket accepts port 0 or
 ``*`` and exposes the port it got in ``.address``. Sockets bind on 127.0.0.1 by default. Given a
 run's keys (``curve=``), the endpoints use CurveZMQ: the learner's sockets admit only peers that
-hold the run's client key, refusals are counted in ``LearnerEndpoints.auth_refused``, and all
-traffic is encrypted (common/curve.py). Without keys nothing authenticates peers, and binding
-beyond loopback logs a warning.
+hold the run's client key, and all traffic is encrypted (common/curve.py). Given the run's secret
+(``secret=``, for loopback), they use ZeroMQ PLAIN: the learner's sockets admit only peers that
+present it, nothing is encrypted (common/auth.py). Either way refusals are counted in
+``LearnerEndpoints.auth_refused``. Without either nothing authenticates peers, and binding beyond
+loopback logs a warning.
 
 Arrays in a sent message are handed to ZeroMQ without copying: do not modify them after ``send``.
 """
 
 import logging
+import math
+import secrets
 import time
 from collections import deque
 from contextlib import ExitStack
@@ -48,10 +54,13 @@ from longhorizon.common.codec import (
     decode,
     encode,
 )
-from longhorizon.common.wire import Message
+from longhorizon.common.wire import Message, Stop
 
 if TYPE_CHECKING:
-    from longhorizon.common.curve import CurveGate, CurveKeys
+    from longhorizon.common.auth import RunSecret
+    from longhorizon.common.curve import CurveKeys, ZapGate
+
+    Credentials = CurveKeys | RunSecret
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +80,12 @@ COPY_THRESHOLD_BYTES = 512 * 1024
 """Frames smaller than this are copied on send; larger ones (token arrays, weight tensors) are
 sent without a copy (pyzmq's own default is 64 KiB)."""
 
-CURVE_FRAME_OVERHEAD_BYTES = 33
-"""What CurveZMQ adds to each frame on the wire (command name, nonce, MAC, flags). libzmq checks
-``zmq.MAXMSGSIZE`` against the wire size, so with CurveZMQ the limit is raised by this much: the
-same frames pass with it as without."""
+DEFAULT_TAKEOVER_AFTER_S = 30.0
+"""How long the connection holding an actor id may stay silent before another connection may
+take the id over (the learner passes its ``learner.peer_timeout_s``)."""
+
+CONNECTION_MARK = "#"
+"""Separates the actor id from the dealer's own token in its routing identity."""
 
 
 def is_loopback_host(host: str) -> bool:
@@ -152,16 +163,19 @@ class LearnerEndpoints:
     control: Router
     owned_context: Any = None
     """A ZeroMQ context made for these sockets alone, terminated by ``close``."""
-    curve_gate: "CurveGate | None" = None
-    """With CurveZMQ: admits the run's actors and counts refusals; closed by ``close``."""
+    gate: "ZapGate | None" = None
+    """With CurveZMQ or the run's secret: admits the run's actors and counts refusals; closed by
+    ``close``."""
 
     @property
     def auth_refused(self) -> int:
-        """Connections refused for want of the run's CurveZMQ keys (0 without CurveZMQ)."""
-        return self.curve_gate.refused if self.curve_gate is not None else 0
+        """Connections refused: for want of the run's keys or secret (by the gate), or speaking
+        for an actor id that another live connection holds (by the control router)."""
+        refused = self.gate.refused if self.gate is not None else 0
+        return refused + int(getattr(self.control, "takeovers_refused", 0))
 
     def close(self) -> None:
-        _close_in_order(self, self.curve_gate)
+        _close_in_order(self, self.gate)
 
 
 @dataclass
@@ -178,16 +192,16 @@ class ActorEndpoints:
         _close_in_order(self)
 
 
-def _close_in_order(endpoints: "LearnerEndpoints | ActorEndpoints", curve_gate: "CurveGate | None" = None) -> None:
-    """Close the three sockets, then the CurveZMQ gate (its sockets live in the same context),
+def _close_in_order(endpoints: "LearnerEndpoints | ActorEndpoints", gate: "ZapGate | None" = None) -> None:
+    """Close the three sockets, then the authentication gate (its sockets live in the same context),
     then terminate their own context. Terminating waits for ZeroMQ's I/O threads to let go of
     every message (LINGER 0 drops what was not sent), so no buffer lent to them is freed while
     they still read it, as could happen when a process exits with its context alive."""
     endpoints.trajectories.close()
     endpoints.broadcast.close()
     endpoints.control.close()
-    if curve_gate is not None:
-        curve_gate.close()
+    if gate is not None:
+        gate.close()
     if endpoints.owned_context is not None:
         endpoints.owned_context.term()
         endpoints.owned_context = None
@@ -338,6 +352,13 @@ class _TrioSocket:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
 
+    def send_now(self, frames: list[Any]) -> None:
+        """Send one multipart message if the socket takes it at once; zmq.Again if it cannot,
+        and ZMQError for anything else (a ROUTER's EHOSTUNREACH: no such peer)."""
+        self._raise_if_closed()
+        self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        self._after_operation()
+
     async def receive_frames(self) -> list[zmq.Frame]:
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
@@ -365,7 +386,8 @@ class _TrioSocket:
 
 
 def _warn_if_exposed(address: str, name: str) -> None:
-    """Called for a socket bound without CurveZMQ."""
+    """Called for a socket bound without CurveZMQ (nothing, or only the run's secret, which is
+    meant for loopback: it travels unencrypted)."""
     if address.startswith("tcp://"):
         host = address[len("tcp://") :].rsplit(":", 1)[0]
         if not is_loopback_host(host):
@@ -390,20 +412,21 @@ def _open_socket(
     limits: WireLimits | None,
     identity: str | None = None,
     options: dict[int, int] | None = None,
-    curve_gate: "CurveGate | None" = None,
-    curve_keys: "CurveKeys | None" = None,
+    gate: "ZapGate | None" = None,
+    credentials: "Credentials | None" = None,
 ) -> tuple[_TrioSocket, str]:
     """A configured, bound or connected socket, and its address (with the real port if bound).
 
-    A bound socket with ``curve_gate`` is a CurveZMQ server guarded by that gate; a connecting
-    one with ``curve_keys`` is a CurveZMQ client with the run's client keys.
+    A bound socket with ``gate`` is a server guarded by that gate (CurveZMQ, or PLAIN with the
+    run's secret); a connecting one with ``credentials`` (the run's client keys, or its secret)
+    is the matching client.
     """
     if not isinstance(address, str) or "://" not in address:
         raise ValueError(f"{name}: {address!r} is not a ZeroMQ address like 'tcp://127.0.0.1:5555'")
     if send_hwm < 0 or receive_hwm < 0:
         raise ValueError(f"{name}: high-water marks must be >= 0 (0 means unlimited)")
-    if (curve_gate is not None and not bind) or (curve_keys is not None and bind):
-        raise ValueError(f"{name}: a bound socket takes a CurveZMQ gate, a connecting one the client keys")
+    if (gate is not None and not bind) or (credentials is not None and bind):
+        raise ValueError(f"{name}: a bound socket takes a gate, a connecting one the credentials")
     socket = (context or zmq.Context.instance()).socket(socket_type)
     # Frames under this size are copied into ZeroMQ rather than lent to it: a lent frame is
     # released later through pyzmq's garbage-collector thread, which must take the GIL back from
@@ -414,20 +437,22 @@ def _open_socket(
         socket.setsockopt(zmq.SNDHWM, send_hwm)
         socket.setsockopt(zmq.RCVHWM, receive_hwm)
         if limits is not None:
-            overhead = CURVE_FRAME_OVERHEAD_BYTES if curve_gate is not None or curve_keys is not None else 0
+            # What the mechanism adds to each frame on the wire, which libzmq counts: the same
+            # frames pass with it as without.
+            overhead = (gate or credentials).FRAME_OVERHEAD_BYTES if (gate or credentials) else 0
             socket.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes + overhead)
         if identity is not None:
             socket.setsockopt(zmq.IDENTITY, identity.encode("utf-8"))
         for option, value in (options or {}).items():
             socket.setsockopt(option, value)
-        # CurveZMQ options must be in place before the first connection; the gate also starts
+        # Security options must be in place before the first connection; the gate also starts
         # watching the socket's handshakes here, before any peer can reach it.
-        if curve_gate is not None:
-            curve_gate.protect(socket, name)
-        for option, key in (curve_keys.client_options() if curve_keys is not None else {}).items():
+        if gate is not None:
+            gate.protect(socket, name)
+        for option, key in (credentials.client_options() if credentials is not None else {}).items():
             socket.setsockopt(option, key)
         if bind:
-            if curve_gate is None:
+            if gate is None or not gate.ENCRYPTS:
                 _warn_if_exposed(address, name)
             socket.bind(address)
             address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -470,11 +495,11 @@ class ZmqPushSender(_ZmqEndpoint):
         *,
         send_hwm: int = DEFAULT_TRAJECTORY_HWM,
         context: zmq.Context | None = None,
-        curve_keys: "CurveKeys | None" = None,
+        credentials: "Credentials | None" = None,
     ) -> None:
         self._socket, self.address = _open_socket(
             context=context, socket_type=zmq.PUSH, name="trajectory sender", address=address,
-            bind=False, send_hwm=send_hwm, receive_hwm=0, limits=None, curve_keys=curve_keys,
+            bind=False, send_hwm=send_hwm, receive_hwm=0, limits=None, credentials=credentials,
         )
 
     async def send(self, message: Message) -> None:
@@ -491,13 +516,13 @@ class ZmqPullReceiver(_ZmqReceiving):
         limits: WireLimits = DEFAULT_LIMITS,
         receive_hwm: int = DEFAULT_TRAJECTORY_HWM,
         context: zmq.Context | None = None,
-        curve_gate: "CurveGate | None" = None,
+        gate: "ZapGate | None" = None,
     ) -> None:
         self._limits = limits
         self._rejections = RateLimitedLog("trajectory receiver rejected a message")
         self._socket, self.address = _open_socket(
             context=context, socket_type=zmq.PULL, name="trajectory receiver", address=address,
-            bind=True, send_hwm=0, receive_hwm=receive_hwm, limits=limits, curve_gate=curve_gate,
+            bind=True, send_hwm=0, receive_hwm=receive_hwm, limits=limits, gate=gate,
         )
 
     async def receive(self) -> Message:
@@ -519,11 +544,11 @@ class ZmqPublisher(_ZmqEndpoint):
         *,
         send_hwm: int = DEFAULT_BROADCAST_HWM,
         context: zmq.Context | None = None,
-        curve_gate: "CurveGate | None" = None,
+        gate: "ZapGate | None" = None,
     ) -> None:
         self._socket, self.address = _open_socket(
             context=context, socket_type=zmq.PUB, name="broadcast publisher", address=address,
-            bind=True, send_hwm=send_hwm, receive_hwm=0, limits=None, curve_gate=curve_gate,
+            bind=True, send_hwm=send_hwm, receive_hwm=0, limits=None, gate=gate,
         )
 
     async def send(self, message: Message) -> None:
@@ -540,13 +565,13 @@ class ZmqSubscriber(_ZmqReceiving):
         limits: WireLimits = WEIGHTS_LIMITS,
         receive_hwm: int = DEFAULT_BROADCAST_HWM,
         context: zmq.Context | None = None,
-        curve_keys: "CurveKeys | None" = None,
+        credentials: "Credentials | None" = None,
     ) -> None:
         self._limits = limits
         self._rejections = RateLimitedLog("broadcast subscriber rejected a message")
         self._socket, self.address = _open_socket(
             context=context, socket_type=zmq.SUB, name="broadcast subscriber", address=address,
-            bind=False, send_hwm=0, receive_hwm=receive_hwm, limits=limits, curve_keys=curve_keys,
+            bind=False, send_hwm=0, receive_hwm=receive_hwm, limits=limits, credentials=credentials,
         )
         self._socket.socket.setsockopt(zmq.SUBSCRIBE, b"")
 
@@ -560,8 +585,17 @@ class ZmqSubscriber(_ZmqReceiving):
 class ZmqRouter(_ZmqReceiving):
     """The learner's control socket (ROUTER, binds): messages arrive tagged with the actor id.
 
-    An actor that reconnects under the same id takes over its old connection (ROUTER_HANDOVER),
-    so a restarted actor is reachable at once. Sending to an id that is not connected raises
+    Each dealer's routing identity is its actor id plus a token of its own (``ZmqDealer``), so
+    every connection is told apart, and one connection at a time speaks for an actor id: the
+    first the router hears from. Another connection under the same actor id (a duplicate actor,
+    or a stray process of the run) is refused while that one is live: its messages are dropped,
+    it is counted in ``takeovers_refused``, logged, and sent a Stop saying why. It takes the id
+    over only once the holder is gone (its connection closed: a restarted actor rejoins at once)
+    or silent longer than ``takeover_after_s`` (a hung one). ZeroMQ's own identity handover would
+    give the id to the newest connection and leave the holder's connection unread for good.
+
+    A dealer that reconnects under its own identity (a broken connection) takes over its old
+    connection (ROUTER_HANDOVER). Sending to an id whose connection is gone raises
     ``UnknownPeer`` instead of dropping the message silently (ROUTER_MANDATORY). Sending to a
     peer whose queue is full waits (retrying every ``full_peer_retry_s``) until it has room: a
     peer that hangs without disconnecting makes ``send`` wait, so callers that must not stall
@@ -575,32 +609,100 @@ class ZmqRouter(_ZmqReceiving):
         limits: WireLimits = CONTROL_LIMITS,
         hwm: int = DEFAULT_CONTROL_HWM,
         full_peer_retry_s: float = 0.01,
+        takeover_after_s: float = DEFAULT_TAKEOVER_AFTER_S,
         context: zmq.Context | None = None,
-        curve_gate: "CurveGate | None" = None,
+        gate: "ZapGate | None" = None,
     ) -> None:
         self._limits = limits
         self._rejections = RateLimitedLog("control router rejected a message")
+        self._takeovers = RateLimitedLog("control router refused a connection")
         self._full_peer_retry_s = full_peer_retry_s
+        self.takeover_after_s = takeover_after_s
+        # actor id -> routing identity of the connection that speaks for it, and when each such
+        # connection was last heard from (monotonic seconds).
+        self._holders: dict[str, bytes] = {}
+        self._last_heard: dict[bytes, float] = {}
+        self._refused: set[bytes] = set()
         self._socket, self.address = _open_socket(
             context=context, socket_type=zmq.ROUTER, name="control router", address=address,
             bind=True, send_hwm=hwm, receive_hwm=hwm, limits=limits,
-            options={zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1}, curve_gate=curve_gate,
+            options={zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1}, gate=gate,
         )
+
+    @property
+    def takeovers_refused(self) -> int:
+        """Connections refused for speaking for an actor id that a live connection holds."""
+        return self._takeovers.count
 
     async def receive(self) -> tuple[str, Message]:
         while True:
             frames = await self._socket.receive_frames()
+            connection = frames[0].bytes
             try:
-                peer_id = frames[0].bytes.decode("utf-8")
+                identity = connection.decode("utf-8")
             except UnicodeDecodeError:
                 self._rejections.record("peer identity is not UTF-8 (not one of our actors)")
+                continue
+            peer_id = identity.rpartition(CONNECTION_MARK)[0] or identity
+            if not self._speaks_for(peer_id, connection):
                 continue
             message = self._decode_or_count(frames[1:])
             if message is not None:
                 return peer_id, message
 
+    def _speaks_for(self, peer_id: str, connection: bytes) -> bool:
+        """Whether ``connection`` may speak for ``peer_id`` (see the class's docstring)."""
+        now = time.monotonic()
+        holder = self._holders.get(peer_id)
+        if holder is not None and holder != connection:
+            silent_s = now - self._last_heard.get(holder, -math.inf)
+            if silent_s <= self.takeover_after_s and self._connected(holder):
+                self._refuse(peer_id, connection)
+                return False
+            logger.info(
+                "control router: a new connection speaks for %s; the one before is %s", peer_id,
+                f"silent for {silent_s:.0f}s" if silent_s > self.takeover_after_s else "gone",
+            )
+            self._last_heard.pop(holder, None)
+        self._holders[peer_id] = connection
+        self._last_heard[connection] = now
+        self._refused.discard(connection)
+        return True
+
+    def _connected(self, connection: bytes) -> bool:
+        """Whether that connection is still there. An empty message probes it: the router fails
+        at once for a connection that is gone (ROUTER_MANDATORY), and a dealer skips it."""
+        try:
+            self._socket.send_now([connection, b""])
+        except zmq.Again:
+            return True  # there, with a full queue
+        except zmq.ZMQError as error:
+            if error.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+        return True
+
+    def _refuse(self, peer_id: str, connection: bytes) -> None:
+        """Drop a message of a connection refused the id; count, log and stop that connection
+        once (our actors exit on Stop)."""
+        if connection in self._refused:
+            return
+        self._refused.add(connection)
+        self._takeovers.record(
+            f"it speaks for {peer_id}, which another live connection holds (a second actor with "
+            "the same index?); it is sent Stop"
+        )
+        reason = f"refused: {peer_id} is already live in another process of this run"
+        try:
+            self._socket.send_now([connection, *encode(Stop(reason=reason))])
+        except zmq.ZMQError:
+            pass  # gone already, or not reading: it was refused all the same
+
     async def send(self, peer_id: str, message: Message) -> None:
-        frames = [peer_id.encode("utf-8"), *encode(message)]
+        connection = self._holders.get(peer_id)
+        if connection is None:
+            raise UnknownPeer(f"control router: no connected peer {peer_id!r}")
+        frames = [connection, *encode(message)]
         try:
             await self._socket.send_frames(frames, full_retry_s=self._full_peer_retry_s)
         except zmq.ZMQError as error:
@@ -610,7 +712,10 @@ class ZmqRouter(_ZmqReceiving):
 
 
 class ZmqDealer(_ZmqReceiving):
-    """An actor's control socket (DEALER, connects, identity = actor id)."""
+    """An actor's control socket (DEALER, connects). Its routing identity is the actor id, a
+    ``CONNECTION_MARK`` and a random token, made once per socket: the learner tells this process
+    apart from any other speaking for the same actor id, and the socket's own reconnections keep
+    the identity."""
 
     def __init__(
         self,
@@ -620,17 +725,17 @@ class ZmqDealer(_ZmqReceiving):
         limits: WireLimits = CONTROL_LIMITS,
         hwm: int = DEFAULT_CONTROL_HWM,
         context: zmq.Context | None = None,
-        curve_keys: "CurveKeys | None" = None,
+        credentials: "Credentials | None" = None,
     ) -> None:
         if not actor_id:
-            raise ValueError("a dealer needs a non-empty actor id (it is its routing identity)")
+            raise ValueError("a dealer needs a non-empty actor id (it begins its routing identity)")
         self.actor_id = actor_id
         self._limits = limits
         self._rejections = RateLimitedLog(f"control dealer {actor_id} rejected a message")
         self._socket, self.address = _open_socket(
             context=context, socket_type=zmq.DEALER, name=f"control dealer {actor_id}",
             address=address, bind=False, send_hwm=hwm, receive_hwm=hwm, limits=limits,
-            identity=actor_id, curve_keys=curve_keys,
+            identity=f"{actor_id}{CONNECTION_MARK}{secrets.token_hex(8)}", credentials=credentials,
         )
 
     async def send(self, message: Message) -> None:
@@ -638,7 +743,10 @@ class ZmqDealer(_ZmqReceiving):
 
     async def receive(self) -> Message:
         while True:
-            message = self._decode_or_count(await self._socket.receive_frames())
+            frames = await self._socket.receive_frames()
+            if len(frames) == 1 and len(frames[0]) == 0:
+                continue  # the router checking that this connection is still there
+            message = self._decode_or_count(frames)
             if message is not None:
                 return message
 
@@ -653,15 +761,21 @@ def zmq_learner_endpoints(
     trajectory_hwm: int = DEFAULT_TRAJECTORY_HWM,
     broadcast_hwm: int = DEFAULT_BROADCAST_HWM,
     control_hwm: int = DEFAULT_CONTROL_HWM,
+    control_takeover_after_s: float = DEFAULT_TAKEOVER_AFTER_S,
     context: zmq.Context | None = None,
     curve: "CurveKeys | None" = None,
+    secret: "RunSecret | None" = None,
 ) -> LearnerEndpoints:
     """The learner's three sockets, bound (port 0 picks free ports; see each ``.address``).
 
     Without ``context`` they get a context of their own, which ``close()`` terminates. With
-    ``curve`` (the learner's keys) all three are CurveZMQ servers behind one gate, which serves
-    the context's ZAP requests: a context holds at most one learner's sockets with CurveZMQ.
+    ``curve`` (the learner's keys) all three are CurveZMQ servers behind one gate, with ``secret``
+    (the run's, on loopback) PLAIN servers behind one gate; a gate serves the context's ZAP
+    requests, so a context holds at most one learner's sockets with either.
+    ``control_takeover_after_s``: see ``ZmqRouter``'s ``takeover_after_s``.
     """
+    if curve is not None and secret is not None:
+        raise ValueError("the learner's sockets take CurveZMQ keys or the run's secret, not both")
     owned = None
     if context is None:
         context = owned = zmq.Context()
@@ -674,17 +788,24 @@ def zmq_learner_endpoints(
 
             gate = CurveGate(context, curve)
             opened.callback(gate.close)
+        elif secret is not None:
+            from longhorizon.common.auth import SecretGate
+
+            gate = SecretGate(context, secret)
+            opened.callback(gate.close)
         trajectories = ZmqPullReceiver(
-            trajectory_address, limits=trajectory_limits, receive_hwm=trajectory_hwm, context=context,
-            curve_gate=gate,
+            trajectory_address, limits=trajectory_limits, receive_hwm=trajectory_hwm, context=context, gate=gate,
         )
         opened.callback(trajectories.close)
-        broadcast = ZmqPublisher(broadcast_address, send_hwm=broadcast_hwm, context=context, curve_gate=gate)
+        broadcast = ZmqPublisher(broadcast_address, send_hwm=broadcast_hwm, context=context, gate=gate)
         opened.callback(broadcast.close)
-        control = ZmqRouter(control_address, limits=control_limits, hwm=control_hwm, context=context, curve_gate=gate)
+        control = ZmqRouter(
+            control_address, limits=control_limits, hwm=control_hwm, takeover_after_s=control_takeover_after_s,
+            context=context, gate=gate,
+        )
         opened.pop_all()
     return LearnerEndpoints(
-        trajectories=trajectories, broadcast=broadcast, control=control, owned_context=owned, curve_gate=gate
+        trajectories=trajectories, broadcast=broadcast, control=control, owned_context=owned, gate=gate
     )
 
 
@@ -701,31 +822,38 @@ def zmq_actor_endpoints(
     control_hwm: int = DEFAULT_CONTROL_HWM,
     context: zmq.Context | None = None,
     curve: "CurveKeys | None" = None,
+    secret: "RunSecret | None" = None,
 ) -> ActorEndpoints:
     """An actor's three sockets, connected to the learner's addresses.
 
     Connecting succeeds even while the learner is not up yet: ZeroMQ keeps retrying. Without
     ``context`` the sockets get a context of their own, which ``close()`` terminates. With
-    ``curve`` (an actor's keys) they are CurveZMQ clients.
+    ``curve`` (an actor's keys) they are CurveZMQ clients, with ``secret`` (the run's) PLAIN
+    clients presenting it.
     """
+    if curve is not None and secret is not None:
+        raise ValueError("an actor's sockets take CurveZMQ keys or the run's secret, not both")
     if curve is not None:
         curve.check("actor")
+    credentials = curve if curve is not None else secret
     owned = None
     if context is None:
         context = owned = zmq.Context()
     with ExitStack() as opened:
         if owned is not None:
             opened.callback(owned.term)
-        trajectories = ZmqPushSender(trajectory_address, send_hwm=trajectory_hwm, context=context, curve_keys=curve)
+        trajectories = ZmqPushSender(
+            trajectory_address, send_hwm=trajectory_hwm, context=context, credentials=credentials,
+        )
         opened.callback(trajectories.close)
         broadcast = ZmqSubscriber(
             broadcast_address, limits=broadcast_limits, receive_hwm=broadcast_hwm, context=context,
-            curve_keys=curve,
+            credentials=credentials,
         )
         opened.callback(broadcast.close)
         control = ZmqDealer(
             actor_id, control_address, limits=control_limits, hwm=control_hwm, context=context,
-            curve_keys=curve,
+            credentials=credentials,
         )
         opened.pop_all()
     return ActorEndpoints(trajectories=trajectories, broadcast=broadcast, control=control, owned_context=owned)

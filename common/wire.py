@@ -164,7 +164,7 @@ class Hello:
     TYPE_TAG: ClassVar[str] = "hello"
     SCHEMA_VERSION: ClassVar[int] = 1
 
-    # The actor's identity; also its ZeroMQ routing identity.
+    # The actor's identity; its ZeroMQ routing identity starts with it.
     actor_id: str
     # Process id and host, so a person can find (and stop) the process.
     pid: int

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ from typing import Callable, Protocol, Sequence
 
 from longhorizon.common.config import Config, ConfigError, dump_toml
 from longhorizon.common.metrics import MetricsFollower
+from longhorizon.common.processes import remove_tied_folder, tied_folder
 
 LAUNCHERS = ("local", "ray")
 
@@ -81,10 +83,38 @@ class RoleProcess(Protocol):
 
 
 class SubprocessControl:
-    """Stop and wait for the worker subprocess in `self.process` (None before it starts): shared
-    by the local launcher's children and the Ray launcher's process hosts."""
+    """Stop and wait for the worker subprocess in `self.process` (None before it starts), and
+    keep its scratch folder: shared by the local launcher's children and the Ray launcher's
+    process hosts.
+
+    Each start gets a new scratch folder as the worker's TMPDIR (`scratch_environment`), so what
+    the worker and its helpers make with tempfile (an engine's weights, a local model server's
+    files, a browser's profile) lands there. A worker killed with SIGKILL deletes nothing, so the
+    parent deletes the folder once the worker has ended: when it starts the next one, and when it
+    has waited for the last one to stop. The folder is a `tied_folder`: if the parent dies too (a
+    Ray host killed with SIGKILL, a launcher killed), its janitor deletes it."""
 
     process: subprocess.Popen | None = None
+    scratch_dir: Path | None = None
+
+    def scratch_environment(self, name: str) -> dict[str, str]:
+        """A new scratch folder for the worker about to start (the last one's deleted); the
+        variables that make it the worker's temporary folder."""
+        self.remove_scratch()
+        self.scratch_dir = Path(tied_folder(f"longhorizon-{name}-tmp-"))
+        return {"TMPDIR": str(self.scratch_dir)}
+
+    def remove_scratch(self) -> None:
+        """Delete the scratch folder of a worker that has ended."""
+        folder, self.scratch_dir = self.scratch_dir, None
+        if folder is None:
+            return
+        shutil.rmtree(folder, ignore_errors=True)
+        # A helper of the dead worker may still be writing there for a moment (its watchdog's
+        # grace period): what is left stays with the janitor, which deletes it when this
+        # process ends.
+        if not folder.exists():
+            remove_tied_folder(folder)
 
     def terminate(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -95,12 +125,12 @@ class SubprocessControl:
             self.process.kill()
 
     def wait(self, timeout: float | None) -> bool:
-        if self.process is None:
-            return True
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return False
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return False
+        self.remove_scratch()
         return True
 
 

@@ -111,10 +111,11 @@ def validate_config(config: Config) -> None:
         make_schedule(config.horizon)
     except ValueError as error:
         raise ConfigError(f"[horizon]: {error}") from None
-    # Transport security: CurveZMQ beyond loopback unless transport.insecure (common/curve.py).
-    from longhorizon.common.curve import uses_curve
+    # Transport security: CurveZMQ beyond loopback, the run's secret on loopback, unless
+    # transport.insecure (common/auth.py).
+    from longhorizon.common.auth import auth_mechanism
 
-    uses_curve(config.transport)
+    auth_mechanism(config.transport)
 
 
 def _check_learner_ranks(config: Config, device) -> None:
@@ -207,11 +208,12 @@ class _Child(SubprocessControl):
         if resume:
             command.append("--resume")
         self.started_at = time.monotonic()
+        environment = {**os.environ, **self.env, **self.scratch_environment(self.name)}
         log_file = self.log_path.open("ab")
         # A session of its own: the launcher decides the order of shutdown on Ctrl-C.
         self.process = subprocess.Popen(
             command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, env={**os.environ, **self.env} if self.env else None,
+            start_new_session=True, env=environment,
         )
         log_file.close()
 
@@ -271,12 +273,13 @@ def launch_local(config: Config, *, progress=print) -> int:
         for index in range(config.actor.num_actors)
     ]
     children = [*learner_ranks, *actors]
-    # CurveZMQ: this run's keys, in each process's environment only (never in a file).
-    from longhorizon.common.curve import curve_environments
+    # This run's CurveZMQ keys or secret (common/auth.py), in each process's environment only
+    # (never in a file).
+    from longhorizon.common.auth import auth_environments
 
-    keys_by_role = curve_environments(config.transport)
+    credentials_by_role = auth_environments(config.transport)
     for child in children:
-        child.env.update(keys_by_role[child.role])
+        child.env.update(credentials_by_role[child.role])
     progress(f"run directory: {run_dir}  (logs in {run_dir / 'logs'})")
     ranks_text = "" if len(learner_ranks) == 1 else f" of {len(learner_ranks)} ranks"
     progress(

@@ -17,9 +17,10 @@ metrics and episodes either straight into the run directory (`ray.run_storage = 
 the learner's node sees it) or into a folder on its own node, from which the host sends each new
 or grown file here (`"node"`); the progress line reads the metrics here either way.
 
-CurveZMQ keys (a learner off loopback) reach each worker in its environment, passed to its host as
-an argument of the call that starts it: never written to disk, and not part of what Ray keeps to
-recreate the host after a crash.
+The run's credentials (CurveZMQ keys for a learner off loopback, the run's secret on loopback;
+common/auth.py) reach each worker in its environment, passed to its host as an argument of the
+call that starts it: never written to disk, and not part of what Ray keeps to recreate the host
+after a crash.
 
 Two layers restart things: Ray restarts a host whose process or node died (the host is recreated
 with the same resources, possibly on another node), and the loop restarts the worker process
@@ -41,6 +42,7 @@ import time
 from pathlib import Path
 
 from longhorizon.common.config import Config, ConfigError, dump_toml
+from longhorizon.common.processes import remove_tied_folder, tied_folder
 from longhorizon.launch.launcher import SubprocessControl, prepare_run_dir, process_name, supervise
 
 RUN_STORAGES = ("auto", "shared", "node")
@@ -253,14 +255,16 @@ class ProcessHost(SubprocessControl):
     Ray actor; its methods run one at a time on the host's main thread, which also starts the
     worker, so the worker's PR_SET_PDEATHSIG fires only when the host process itself ends).
 
-    It keeps the worker's log in a folder of its own on the node and, for the learner's first rank
-    with node storage, the learner's copy of the run under `<node_dir>/longhorizon-runs/<run id>/`
-    (the path is the same for every host of a run on one node, so the ranks share it, and a host
-    that Ray recreates on the same node finds it again)."""
+    It keeps the worker's log in a folder of its own on the node (a `tied_folder`, deleted by its
+    janitor when the host dies, even by SIGKILL; so is the worker's scratch folder, see
+    `SubprocessControl`) and, for the learner's first rank with node storage, the learner's copy
+    of the run under `<node_dir>/longhorizon-runs/<run id>/` (the path is the same for every host
+    of a run on one node, so the ranks share it, and a host that Ray recreates on the same node
+    finds it again)."""
 
     def __init__(self, name: str, run_id: str, run_name: str, node_dir: str) -> None:
         self.name = name
-        self.work_dir = Path(tempfile.mkdtemp(prefix=f"longhorizon-{name}-"))
+        self.work_dir = Path(tied_folder(f"longhorizon-{name}-"))
         self.log_path = self.work_dir / f"{name}.log"
         self.log_path.touch()
         self.log_sent = 0
@@ -343,12 +347,13 @@ class ProcessHost(SubprocessControl):
                    "--index", str(index)]
         if resume:
             command.append("--resume")
+        environment = {**os.environ, **env, **self.scratch_environment(self.name)}
         with self.log_path.open("ab") as log_file:
             # The launcher's working folder when this node has it (relative paths in the config then
             # mean the same as there), else this host's own.
             self.process = subprocess.Popen(
                 command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, env={**os.environ, **env}, cwd=cwd if os.path.isdir(cwd) else self.work_dir,
+                start_new_session=True, env=environment, cwd=cwd if os.path.isdir(cwd) else self.work_dir,
             )
         import ray
 
@@ -381,7 +386,8 @@ class ProcessHost(SubprocessControl):
         self.remove_ranks_store()
         if not keep_run:
             shutil.rmtree(self.node_output_dir, ignore_errors=True)
-        shutil.rmtree(self.work_dir, ignore_errors=True)
+        self.remove_scratch()
+        remove_tied_folder(self.work_dir)
 
 
 # -- on the launcher's machine -------------------------------------------------------------------------
@@ -718,7 +724,7 @@ def _push_run(ray, host, run_dir: Path) -> int:
 
 def launch_ray(config: Config, *, progress=print) -> int:
     """Run a training job on the Ray cluster at `ray.address`; returns the exit code as launch_local."""
-    from longhorizon.common.curve import curve_environments, uses_curve
+    from longhorizon.common.auth import auth_environments, auth_mechanism
     from longhorizon.common.models import resolve_model_path
     from longhorizon.launch.local import validate_config
 
@@ -737,14 +743,15 @@ def launch_ray(config: Config, *, progress=print) -> int:
         placement.place()
         # The learner binds on its node's address and the actors connect there.
         config = placement.learner_address()
-        uses_curve(config.transport)  # beyond loopback: CurveZMQ, or transport.insecure said explicitly
+        auth_mechanism(config.transport)  # beyond loopback: CurveZMQ, or transport.insecure said explicitly
         run_dir = prepare_run_dir(config, progress=progress)
         storage = _decide_storage(ray, config, run_dir, placement.learner_hosts[0], placement.actor_hosts)
         learner_node = placement.learner_node
         output_dir = learner_node["output_dir"] if storage == "node" else config.run.output_dir
         # What each worker reads: the same config, with the learner's files where it writes them.
         config_text = dump_toml(dataclasses.replace(config, run=dataclasses.replace(config.run, output_dir=output_dir)))
-        keys_by_role = curve_environments(config.transport)
+        # CurveZMQ keys, or the run's secret on loopback (common/auth.py).
+        keys_by_role = auth_environments(config.transport)
         first_host = placement.learner_hosts[0]
 
         def before_learner_start(resume: bool) -> None:

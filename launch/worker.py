@@ -10,9 +10,12 @@ stop (learner: after the last step; actor: on the learner's Stop, or SIGTERM/SIG
 stopped by a signal writes a checkpoint of its last finished step first. On the way out the
 sockets close and their ZeroMQ context is terminated before the process exits.
 
-When the run uses CurveZMQ (`transport.curve`), the process's keys come from the
+The process proves it belongs to the run with what its environment hands it (common/auth.py):
+with CurveZMQ (a non-loopback `transport.host`, or `transport.curve = "on"`) its keys, in the
 LONGHORIZON_CURVE_KEYS environment variable (set by the launcher, or by hand from the files
-`longhorizon keys DIR` writes; see common/curve.py).
+`longhorizon keys DIR` writes; see common/curve.py); on loopback the run's secret, in
+LONGHORIZON_RUN_SECRET (set by the launcher, or by hand to the same value for every process);
+nothing with `transport.insecure = true`.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ async def _until_signal(cancel_scope: trio.CancelScope, received: list[int]) -> 
             cancel_scope.cancel()
 
 
-async def _main(role: str, config: Config, index: int, curve_keys=None) -> int:
+async def _main(role: str, config: Config, index: int, credentials=None) -> int:
     """Run one role; 0 when it finished normally, 128 + signal number when a signal stopped it."""
     received: list[int] = []
     async with trio.open_nursery() as nursery:
@@ -61,21 +64,27 @@ async def _main(role: str, config: Config, index: int, curve_keys=None) -> int:
         role_scope = trio.CancelScope()
         nursery.start_soon(_until_signal, role_scope, received)
         with role_scope:
-            await _run_role(role, config, index, curve_keys)
+            await _run_role(role, config, index, credentials)
         nursery.cancel_scope.cancel()
     # An actor stopped by a signal rather than by the learner exits non-zero so the launcher
     # restarts it.
     return 128 + received[0] if received else 0
 
 
-async def _run_role(role: str, config: Config, index: int, curve_keys=None) -> None:
+async def _run_role(role: str, config: Config, index: int, credentials=None) -> None:
     import dataclasses
 
+    from longhorizon.common.auth import RunSecret
     from longhorizon.common.transport import zmq_actor_endpoints, zmq_learner_endpoints
     from longhorizon.common.codec import DEFAULT_LIMITS, WEIGHTS_LIMITS
 
     addresses = transport_addresses(config)
     transport = config.transport
+    # CurveZMQ keys, or the run's secret (loopback), or nothing (transport.insecure).
+    if isinstance(credentials, RunSecret):
+        auth = {"secret": credentials}
+    else:
+        auth = {"curve": credentials}
     if role == "learner":
         from longhorizon.learner.distributed import ranks_from_environment
         from longhorizon.learner.worker import run_learner, run_learner_rank
@@ -90,7 +99,9 @@ async def _run_role(role: str, config: Config, index: int, curve_keys=None) -> N
             **addresses,
             trajectory_hwm=transport.trajectory_hwm,
             trajectory_limits=dataclasses.replace(DEFAULT_LIMITS, max_message_bytes=transport.max_trajectory_bytes),
-            curve=curve_keys,
+            # Another connection may speak for an actor id once its holder is silent this long.
+            control_takeover_after_s=config.learner.peer_timeout_s,
+            **auth,
         )
         try:
             await run_learner(config, endpoints, ranks=ranks)
@@ -104,7 +115,7 @@ async def _run_role(role: str, config: Config, index: int, curve_keys=None) -> N
             **addresses,
             trajectory_hwm=transport.trajectory_hwm,
             broadcast_limits=dataclasses.replace(WEIGHTS_LIMITS, max_message_bytes=transport.max_weights_bytes),
-            curve=curve_keys,
+            **auth,
         )
         try:
             await run_actor(config, index, endpoints)
@@ -145,12 +156,13 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
     )
     config = load_config(args.config, ["run.resume=true"] if args.resume else [])
-    from longhorizon.common.curve import curve_keys_for_process
+    from longhorizon.common.auth import credentials_for_process
 
     try:
-        # CurveZMQ keys leave the environment here, before this process starts anything that
-        # could inherit them; none where CurveZMQ is needed is an error before any socket opens.
-        curve_keys = curve_keys_for_process(args.role, config.transport)
+        # CurveZMQ keys and the run's secret leave the environment here, before this process
+        # starts anything that could inherit them; none where needed is an error before any
+        # socket opens.
+        credentials = credentials_for_process(args.role, config.transport)
     except ValueError as error:
         parser.exit(2, f"longhorizon-worker: error: {error}\n")
     if config.transport.keep_freed_memory:
@@ -160,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     from longhorizon.learner.worker import NonfiniteUpdatesError
 
     try:
-        return trio.run(_main, args.role, config, args.index, curve_keys)
+        return trio.run(_main, args.role, config, args.index, credentials)
     except (NonfiniteUpdatesError, BaseExceptionGroup) as error:
         # Restarting from the checkpoint would replay the same inputs into the same failure.
         nonfinite = nonfinite_error_in(error)

@@ -135,6 +135,7 @@ _COUNTER_NAMES = (
     "returned_groups",
     "returned_partial_groups",
     "returned_trajectories",
+    "lost_on_restart",
 )
 
 
@@ -167,9 +168,10 @@ class GroupBuffer:
     dropped_incomplete_groups (partial, kept policy, too few members), dropped_partial_groups
     (partial, drop policy), dropped_overflow_groups (beyond ``max_pending_groups``),
     dropped_group_trajectories (accepted members of the groups dropped), returned_groups,
-    returned_partial_groups, returned_trajectories. Every trajectory received is counted once:
-    received = accepted + each refusal counter, and accepted = returned_trajectories +
-    dropped_group_trajectories + the trajectories still held.
+    returned_partial_groups, returned_trajectories, lost_on_restart (held by a learner that was
+    restarted: see `restore_counters`). Every trajectory received is counted once: received =
+    accepted + each refusal counter, and accepted = returned_trajectories +
+    dropped_group_trajectories + lost_on_restart + the trajectories still held.
     """
 
     def __init__(
@@ -243,6 +245,34 @@ class GroupBuffer:
     def __len__(self) -> int:
         """Trajectories held."""
         return sum(len(group.trajectories) for group in self._pending.values())
+
+    def restore_counters(self, saved: dict[str, int]) -> int:
+        """Continue a checkpoint's counts in this new, empty buffer; returns how many trajectories
+        the checkpointed buffer held, now counted as ``lost_on_restart``.
+
+        A restarted (or resumed) learner starts with an empty buffer: the trajectories held when
+        the checkpoint was written died with the old process. (What the old process accepted
+        after its checkpoint is counted nowhere: the counts are the checkpoint's, as the steps
+        after it are trained again.) How many were held is derived from the saved counts
+        (accepted less trained, dropped with their group and lost before), not saved apart, so
+        the sum closes exactly even when trajectories arrived while the checkpoint was written.
+        """
+        if len(self) or any(self.counters.values()):
+            raise RuntimeError("counters can only be restored into a new, empty buffer")
+        for name, value in saved.items():
+            if name in self.counters:  # a checkpoint may predate a counter, or hold a retired one
+                self.counters[name] = int(value)
+        counters = self.counters
+        held = (counters["accepted"] - counters["returned_trajectories"]
+                - counters["dropped_group_trajectories"] - counters["lost_on_restart"])
+        if held < 0:
+            raise ValueError(
+                f"the checkpoint's buffer counters do not add up: accepted {counters['accepted']} < trained "
+                f"{counters['returned_trajectories']} + dropped with their group "
+                f"{counters['dropped_group_trajectories']} + lost on restart {counters['lost_on_restart']}"
+            )
+        counters["lost_on_restart"] += held
+        return held
 
     @property
     def pending_groups(self) -> int:

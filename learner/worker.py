@@ -203,9 +203,10 @@ class Learner:
     def _restore_counters(self, saved: dict) -> None:
         if isinstance(saved.get("learner"), dict):
             self.counters.update(saved["learner"])
-            for name, value in saved.get("buffer", {}).items():
-                if name in self.buffer.counters:
-                    self.buffer.counters[name] = int(value)
+            # What the old process's buffer held at the checkpoint is not in this one: lost.
+            lost = self.buffer.restore_counters(saved.get("buffer", {}))
+            if lost:
+                log.info("%d trajectories held at the checkpoint are lost (trajectories_lost_on_restart)", lost)
             self.buffer.refused_fields.update(saved.get("buffer_refused_fields", {}))
             self.elapsed_before = float(saved.get("elapsed_s", 0.0))
             if saved.get("horizon_schedule") and self.schedule.kind == "adaptive":
@@ -433,16 +434,19 @@ class Learner:
             "truncated_rate": float(np.mean([t.truncated for t in trajectories])) if trajectories else 0.0,
             "cut_by_cap_rate": float(np.mean([cut_by_cap(t) for t in trajectories])) if trajectories else 0.0,
             **outcome_figures(groups),
-            # Where data went, counted over the whole run (a resumed run continues the counts):
-            # received = accepted + the refusals below; accepted = trained + dropped with their
-            # group + held. Episodes the actors reported sending, minus those received, were in
-            # flight (or died with a killed actor).
+            # Where data went, counted over the whole run (a resumed run continues the counts of
+            # its checkpoint): received = accepted + the refusals below; accepted = trained +
+            # dropped with their group + held + lost on restart (held at the checkpoint a
+            # restarted learner resumed from: they died with the old process). Episodes the
+            # actors reported sending, minus those received, were in flight (or died with a
+            # killed actor, or reached a learner after its last checkpoint).
             "actor_episodes_reported": self.peers.episodes_reported_total(),
             "trajectories_received": buffer_counters["received"],
             "trajectories_accepted": buffer_counters["accepted"],
             "trajectories_trained": buffer_counters["returned_trajectories"],
             "trajectories_dropped_with_group": buffer_counters["dropped_group_trajectories"],
             "trajectories_held": len(self.buffer),
+            "trajectories_lost_on_restart": buffer_counters["lost_on_restart"],
             "groups_dropped_stale": buffer_counters["dropped_stale_groups"],
             "groups_dropped_partial": buffer_counters["dropped_partial_groups"] + buffer_counters["dropped_incomplete_groups"],
             "groups_dropped_overflow": buffer_counters["dropped_overflow_groups"],

@@ -182,6 +182,11 @@ def test_soak_data_accounting_checks_both_identities():
     assert data["received_adds_up"] and data["accepted_adds_up"]
     assert data["in_flight_or_lost_at_kills"] == 4
     assert not data_accounting({**record, "trajectories_held": 2})["accepted_adds_up"]
+    # After a learner restart, what its buffer held at the checkpoint is a term of its own.
+    restarted = {**record, "trajectories_accepted": 95, "trajectories_received": 105, "trajectories_lost_on_restart": 5}
+    data = data_accounting(restarted)
+    assert data["lost_on_restart"] == 5 and data["received_adds_up"] and data["accepted_adds_up"]
+    assert not data_accounting({**restarted, "trajectories_lost_on_restart": 0})["accepted_adds_up"]
 
 
 @pytest.mark.slow

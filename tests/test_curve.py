@@ -104,8 +104,8 @@ async def refused_once(learner, caplog, reasons: tuple[str, ...]) -> None:
 async def test_a_peer_without_the_keys_cannot_push_a_trajectory(keys, learner, client_context, caplog, stranger):
     stranger_keys, reason = STRANGERS[stranger]
     address = learner.trajectories.address
-    intruder = ZmqPushSender(address, context=client_context, curve_keys=stranger_keys(keys))
-    member = ZmqPushSender(address, context=client_context, curve_keys=keys.for_role("actor"))
+    intruder = ZmqPushSender(address, context=client_context, credentials=stranger_keys(keys))
+    member = ZmqPushSender(address, context=client_context, credentials=keys.for_role("actor"))
     await intruder.send(make_trajectory(5, episode=1))  # queued until a handshake that never succeeds
     await refused_once(learner, caplog, reason)
     await member.send(make_trajectory(5, episode=2))
@@ -122,8 +122,8 @@ async def test_a_peer_without_the_keys_cannot_push_a_trajectory(keys, learner, c
 async def test_a_peer_without_the_keys_cannot_join_the_control_socket(keys, learner, client_context, caplog, stranger):
     stranger_keys, reason = STRANGERS[stranger]
     address = learner.control.address
-    intruder = ZmqDealer("actor-9", address, context=client_context, curve_keys=stranger_keys(keys))
-    member = ZmqDealer("actor-1", address, context=client_context, curve_keys=keys.for_role("actor"))
+    intruder = ZmqDealer("actor-9", address, context=client_context, credentials=stranger_keys(keys))
+    member = ZmqDealer("actor-1", address, context=client_context, credentials=keys.for_role("actor"))
     await intruder.send(Hello(actor_id="actor-9", pid=9, hostname="elsewhere", policy_version=0, engine="scripted"))
     await refused_once(learner, caplog, reason)
     await member.send(Hello(actor_id="actor-1", pid=1, hostname="here", policy_version=0, engine="scripted"))
@@ -141,8 +141,8 @@ async def test_a_peer_without_the_keys_cannot_join_the_control_socket(keys, lear
 async def test_a_peer_without_the_keys_cannot_read_a_broadcast(keys, learner, client_context, caplog, stranger):
     stranger_keys, reason = STRANGERS[stranger]
     address = learner.broadcast.address
-    intruder = ZmqSubscriber(address, context=client_context, curve_keys=stranger_keys(keys))
-    member = ZmqSubscriber(address, context=client_context, curve_keys=keys.for_role("actor"))
+    intruder = ZmqSubscriber(address, context=client_context, credentials=stranger_keys(keys))
+    member = ZmqSubscriber(address, context=client_context, credentials=keys.for_role("actor"))
     await refused_once(learner, caplog, reason)
     overheard = []
 
@@ -370,7 +370,7 @@ def _knock_with_other_keys(config_path: Path, other_keys: CurveKeys, done: threa
         done.wait()
         socket.close()
     finally:
-        context.term()
+        context.destroy(linger=0)
 
 
 @pytest.mark.slow

@@ -82,7 +82,10 @@ def test_the_learner_runs_under_plain_torchrun(tmp_path, byte_model):
     config_file.write_text(dump_toml(config))
     from longhorizon.launch.local import free_port
 
-    environment = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    # On loopback every process of the run presents the same secret, as `longhorizon train` sets.
+    from longhorizon.common.auth import RUN_SECRET_VARIABLE, RunSecret
+
+    environment = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", RUN_SECRET_VARIABLE: RunSecret.make().value}
     learner = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
          "--master-addr=127.0.0.1", f"--master-port={free_port()}",
@@ -92,7 +95,7 @@ def test_the_learner_runs_under_plain_torchrun(tmp_path, byte_model):
     actors = [
         subprocess.Popen(
             [sys.executable, "-m", "longhorizon.launch.worker", "actor", "--config", str(config_file), "--index", str(i)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO_ROOT,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO_ROOT, env=environment,
         )
         for i in range(2)
     ]

@@ -233,6 +233,48 @@ async def test_resume_restores_counters_and_clock_and_cuts_later_records(tmp_pat
     second.metrics.close()
 
 
+async def test_what_a_restarted_learner_held_at_its_checkpoint_is_counted_lost(tmp_path, byte_model):
+    """accepted = trained + dropped with their group + held + lost on restart, exactly, across two
+    restarts: the trajectories a buffer held at the checkpoint died with the process holding them."""
+    from longhorizon.learner.scoring import ScoredBatch
+    from tests.test_buffer import trajectory
+
+    def accounts(learner) -> tuple[int, dict]:
+        record = learner._record([], ScoredBatch([], 0, 0, 0, 0), {}, 1.0, learner.version)
+        terms = ("trained", "dropped_with_group", "held", "lost_on_restart")
+        return record["trajectories_accepted"], {term: record[f"trajectories_{term}"] for term in terms}
+
+    async def restarted(step: int) -> Learner:
+        config = _config(tmp_path, byte_model, "run.resume=true")
+        learner = await _make_learner(config, InProcessNetwork().learner_endpoints(), byte_model)
+        assert learner.step == step
+        return learner
+
+    first = await _make_learner(_config(tmp_path, byte_model), InProcessNetwork().learner_endpoints(), byte_model)
+    for identity, group in [("a", "trained"), ("b", "trained"), ("c", "dropped"), ("d", "held"), ("e", "held"),
+                            ("f", "held-too")]:
+        first.buffer.add(trajectory(identity, group, versions=[-1, 0]), learner_version=0)
+        if identity == "c":
+            # "trained" is complete and goes out; "dropped" lost its wait for a second member.
+            assert [g.group_id for g in first.buffer.pop_ready(1, learner_version=0, give_up_waiting=True)] == ["trained"]
+    assert accounts(first) == (6, {"trained": 2, "dropped_with_group": 1, "held": 3, "lost_on_restart": 0})
+    first.step = 3
+    await trio.to_thread.run_sync(first._checkpoint)
+    first.metrics.close()
+
+    second = await restarted(3)
+    assert accounts(second) == (6, {"trained": 2, "dropped_with_group": 1, "held": 0, "lost_on_restart": 3})
+    for identity in ("g", "h"):
+        second.buffer.add(trajectory(identity, "held-again", versions=[-1, 0]), learner_version=0)
+    second.step = 4
+    await trio.to_thread.run_sync(second._checkpoint)
+    second.metrics.close()
+
+    third = await restarted(4)
+    assert accounts(third) == (8, {"trained": 2, "dropped_with_group": 1, "held": 0, "lost_on_restart": 5})
+    third.metrics.close()
+
+
 async def test_a_step_record_is_written_before_its_checkpoint(tmp_path, byte_model, monkeypatch):
     """A learner killed between the two resumes from the older checkpoint and cuts the record;
     the other order would leave a checkpoint whose step never gets a record."""

@@ -87,6 +87,12 @@ def _alive(pid):
         return False
 
 
+def _temporary_folder(pid) -> Path:
+    """The TMPDIR the launcher gave process `pid`: its scratch folder."""
+    environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return Path(next(entry for entry in environment if entry.startswith(b"TMPDIR=")).decode()[len("TMPDIR="):])
+
+
 def _all_pids(run_dir):
     return {name: entry["pid"] for name, entry in json.loads((run_dir / "processes.json").read_text()).items()}
 
@@ -152,11 +158,17 @@ def test_a_killed_learner_is_restarted_and_actors_follow_it_back_then_ctrl_c_sto
         # made yet (at cap 2, the first steps' groups are often all reward 0: no update, no version).
         _wait_for_step(run_dir, 3, process, key="version")
         first_pids = _all_pids(run_dir)
+        # Something of the learner's in its temporary folder, which a SIGKILL leaves behind.
+        killed_scratch = _temporary_folder(first_pids["learner"])
+        (killed_scratch / "leftover").mkdir()
         os.kill(first_pids["learner"], signal.SIGKILL)
         # The restarted learner trains past the steps it lost (one run of the old test: 16 steps).
         _wait_until(lambda: _all_pids(run_dir)["learner"] != first_pids["learner"], process, "restarted")
+        assert not killed_scratch.exists()  # deleted by the launcher before the restart
         _wait_for_step(run_dir, 16, process)
         pids = {*first_pids.values(), *_all_pids(run_dir).values()}
+        scratch_folders = [_temporary_folder(pid) for pid in _all_pids(run_dir).values()]
+        assert all(folder.is_dir() for folder in scratch_folders) and killed_scratch not in scratch_folders
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=120)
     finally:
@@ -168,19 +180,27 @@ def test_a_killed_learner_is_restarted_and_actors_follow_it_back_then_ctrl_c_sto
     # Steps after the (here: absent) checkpoint were trained again and recorded once.
     assert [r["step"] for r in records] == list(range(1, records[-1]["step"] + 1)) and len(records) >= 16
     assert [r["version"] for r in records] == versions_after_each_step(records)
+    # Every trajectory accepted is accounted for across the restart (what the killed learner
+    # held at its checkpoint, none here, counts as lost on restart).
+    last = records[-1]
+    assert last["trajectories_accepted"] == (
+        last["trajectories_trained"] + last["trajectories_dropped_with_group"] + last["trajectories_held"]
+        + last["trajectories_lost_on_restart"]
+    ), last
     # The actors were ahead of the restarted learner and went back to its version.
     assert "went back" in "".join((run_dir / "logs" / f"actor-{i}.log").read_text() for i in range(2))
     table = json.loads((run_dir / "processes.json").read_text())
     assert table["learner"]["restarts"] == 1
     for pid in pids:
         assert not _alive(pid), f"process {pid} left behind"
+    assert not [folder for folder in scratch_folders if folder.exists()]
 
 
 def test_a_killed_actor_is_restarted_then_sigterm_checkpoints_the_last_step_and_stops_every_process(tmp_path, byte_model):
     """One run for two stories (each run costs its processes' start-up): an actor SIGKILLed
-    midway, with hostile input on the learner's trajectory socket, is restarted while the learner
-    keeps training; then SIGTERM to the launcher writes a checkpoint of the last step and stops
-    every process, the restarted actor included."""
+    midway, with hostile input on the learner's trajectory socket from a process without the
+    run's secret, is restarted while the learner keeps training; then SIGTERM to the launcher
+    writes a checkpoint of the last step and stops every process, the restarted actor included."""
     run_dir = tmp_path / "terminate"
     process = _start(_overrides(tmp_path, byte_model, "terminate", 1000, ["learner.checkpoint_every=1000"]))
     try:
@@ -188,19 +208,23 @@ def test_a_killed_actor_is_restarted_then_sigterm_checkpoints_the_last_step_and_
         first_pids = _all_pids(run_dir)
         os.kill(first_pids["actor-0"], signal.SIGKILL)
         config = load_config(run_dir / "config.toml")
+        # Closed whatever happens: a context left for the garbage collector is terminated there,
+        # in whichever later test that falls.
         context = zmq.Context()
-        push = context.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(f"tcp://127.0.0.1:{config.transport.trajectory_port}")
-        for garbage in ([b"\x00garbage"], [b"\x81\xa4type\xa5bogus"], [os.urandom(1000), b"x"]):
-            push.send_multipart(garbage)
-        _wait_until(lambda: _all_pids(run_dir)["actor-0"] != first_pids["actor-0"], process, "restarted")
-        restarted_at = read_metrics(run_dir)[-1]["step"]
-        # The learner keeps going: more steps, and the garbage counted as refused, not fatal.
-        _wait_for_step(run_dir, restarted_at + 3, process)
-        _wait_until(lambda: read_metrics(run_dir)[-1]["rejected_messages"] >= 3, process, "3 messages refused")
-        push.close()
-        context.term()
+        try:
+            push = context.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(f"tcp://127.0.0.1:{config.transport.trajectory_port}")
+            for garbage in ([b"\x00garbage"], [b"\x81\xa4type\xa5bogus"], [os.urandom(1000), b"x"]):
+                push.send_multipart(garbage)
+            _wait_until(lambda: _all_pids(run_dir)["actor-0"] != first_pids["actor-0"], process, "restarted")
+            restarted_at = read_metrics(run_dir)[-1]["step"]
+            # The learner keeps going: more steps, and the stranger refused (its garbage never
+            # reaches the decoder) and counted, not fatal.
+            _wait_for_step(run_dir, restarted_at + 3, process)
+            _wait_until(lambda: read_metrics(run_dir)[-1]["auth_refused"] >= 1, process, "the stranger refused")
+        finally:
+            context.destroy(linger=0)
         pids = {*first_pids.values(), *_all_pids(run_dir).values()}
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=120)

@@ -45,7 +45,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -65,6 +64,7 @@ from longhorizon.common.chat import HFChatTokenizer
 from longhorizon.common.collective import CollectiveError
 from longhorizon.common.lora import LORA_HINT, adapter_specs, lora_settings, merge_adapters, target_weights_of_model_folder
 from longhorizon.common.models import WeightsRefused, check_weights
+from longhorizon.common.processes import remove_tied_folder, tied_folder
 from longhorizon.common.wire import CollectiveWeights
 
 log = logging.getLogger(__name__)
@@ -542,9 +542,14 @@ async def _shutdown_engine(engine) -> None:
 
 @contextlib.contextmanager
 def _scratch_folder(prefix: str, needed_bytes: int):
-    """A temporary folder for weights on their way into vLLM, in RAM where it fits; removed after."""
-    with tempfile.TemporaryDirectory(prefix=prefix, dir=_scratch_root(needed_bytes), ignore_cleanup_errors=True) as folder:
+    """A temporary folder for weights on their way into vLLM, in RAM where it fits; removed after,
+    and by this process's janitor if the actor dies first (a SIGKILL runs no cleanup, and a
+    model's weights left in /dev/shm would hold that much memory until the machine restarts)."""
+    folder = tied_folder(prefix, _scratch_root(needed_bytes))
+    try:
         yield Path(folder)
+    finally:
+        remove_tied_folder(folder)
 
 
 def _scratch_root(needed_bytes: int) -> str | None:

@@ -10,9 +10,10 @@ samples the resident memory of every process of the run every `--sample-every-s`
   memory when its warm-up ended (`--warmup-s` after it started) and at its last sample, and the
   growth between them;
 - where the data went, from the learner's last metrics record: trajectories received = accepted +
-  refused (each for one counted reason), accepted = trained + dropped with their group + held,
-  and the episodes the actors reported sending against those received (the difference was in
-  flight, or died with a killed actor);
+  refused (each for one counted reason), accepted = trained + dropped with their group + held +
+  lost on restart (held by the learner at the checkpoint a restarted learner resumed from), and
+  the episodes the actors reported sending against those received (the difference was in flight,
+  or died with a killed actor);
 - that no process of the run is left once the launcher has exited.
 
 Run: `longhorizon bench soak --minutes 60 --kill-every-s 120` (a table for people, then one line of
@@ -104,13 +105,15 @@ def data_accounting(record: dict[str, Any]) -> dict[str, Any]:
     trained = int(record.get("trajectories_trained", 0))
     dropped = int(record.get("trajectories_dropped_with_group", 0))
     held = int(record.get("trajectories_held", 0))
+    lost_on_restart = int(record.get("trajectories_lost_on_restart", 0))
     reported = int(record.get("actor_episodes_reported", 0))
     return {
         "received": received, "accepted": accepted, "refused": refused, "trained": trained,
-        "dropped_with_group": dropped, "held": held, "actor_episodes_reported": reported,
+        "dropped_with_group": dropped, "held": held, "lost_on_restart": lost_on_restart,
+        "actor_episodes_reported": reported,
         "in_flight_or_lost_at_kills": reported - received,
         "received_adds_up": received == accepted + refused,
-        "accepted_adds_up": accepted == trained + dropped + held,
+        "accepted_adds_up": accepted == trained + dropped + held + lost_on_restart,
     }
 
 
@@ -204,7 +207,8 @@ def print_report(result: dict[str, Any]) -> None:
     if data:
         print(f"trajectories: {data['received']} received = {data['accepted']} accepted + {data['refused']} refused "
               f"({'adds up' if data['received_adds_up'] else 'DOES NOT ADD UP'}); accepted = {data['trained']} trained + "
-              f"{data['dropped_with_group']} dropped with their group + {data['held']} held "
+              f"{data['dropped_with_group']} dropped with their group + {data['held']} held + "
+              f"{data['lost_on_restart']} lost on restart "
               f"({'adds up' if data['accepted_adds_up'] else 'DOES NOT ADD UP'}); actors reported "
               f"{data['actor_episodes_reported']} sent")
     print(f"processes left behind: {len(result['left_behind'])}")
