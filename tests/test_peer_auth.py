@@ -9,7 +9,6 @@ gets by default.
 
 import pytest
 import trio
-import zmq
 
 from longhorizon.common.auth import (
     RUN_SECRET_VARIABLE,
@@ -31,6 +30,7 @@ from longhorizon.common.transport import (
 )
 from longhorizon.common.wire import Heartbeat, Hello, HorizonUpdate, Stop
 from tests.test_transport import make_trajectory, publish_until_received
+from tests.test_curve import client_context, refused_once  # noqa: F401 (client_context: a fixture)
 
 LOOPBACK = "tcp://127.0.0.1:0"
 
@@ -54,26 +54,6 @@ def learner(secret):
     )
     yield endpoints
     endpoints.close()
-
-
-@pytest.fixture
-def client_context():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-async def refused_once(learner, caplog, reasons: tuple[str, ...]) -> None:
-    """Wait until the learner has refused a connection and logged why."""
-
-    def said_why() -> bool:
-        return any(reason in record.getMessage() for record in caplog.records for reason in reasons)
-
-    with trio.move_on_after(10):
-        while not said_why():
-            await trio.sleep(0.01)
-    assert said_why(), [record.getMessage() for record in caplog.records]
-    assert learner.auth_refused >= 1
 
 
 def _hello(pid: int, hostname: str) -> Hello:
