@@ -381,7 +381,10 @@ async def test_a_run_whose_updates_turn_non_finite_skips_them_then_stops(tmp_pat
 
     model = build_tiny_model(tmp_path / "model", words=[f"w{i}" for i in range(260)])
     config = _config(tmp_path, model, "run.total_steps=20", "learner.learning_rate=1e30",
-                     "learner.max_nonfinite_steps=2", "actor.concurrent_groups=4", "actor.group_size=8",
+                     "learner.max_nonfinite_steps=2", "actor.concurrent_groups=1", "actor.group_size=8",
+                     # The scripted actor shares this process: unpaced, it floods the event loop
+                     # with episodes and the update thread waits for the GIL between its ops.
+                     "actor.simulated_token_latency_s=0.005",
                      "horizon.stages=[6]")
     network = InProcessNetwork()
     with pytest.raises(BaseException) as caught:  # trio wraps it in nurseries' exception groups
