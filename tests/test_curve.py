@@ -95,6 +95,26 @@ async def refused_once(learner, caplog, reasons: tuple[str, ...]) -> None:
     assert learner.auth_refused >= 1
 
 
+async def assert_broadcast_unheard(learner, intruder, member) -> None:
+    """Broadcast until `member` hears it, then 25 times more: `intruder` must hear none. Closes both."""
+    overheard = []
+
+    async def eavesdrop() -> None:
+        overheard.append(await intruder.receive())
+
+    update = HorizonUpdate(horizon_cap=7, stage=1, learner_step=3)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(eavesdrop)
+        await publish_until_received(learner.broadcast, [member], update)
+        for _ in range(25):  # the intruder has every chance to hear one
+            await learner.broadcast.send(update)
+            await trio.sleep(0.02)
+        nursery.cancel_scope.cancel()
+    assert overheard == []
+    intruder.close()
+    member.close()
+
+
 # --------------------------------------------------------------------------------------------
 # Without the keys: refused and counted
 # --------------------------------------------------------------------------------------------
@@ -144,22 +164,7 @@ async def test_a_peer_without_the_keys_cannot_read_a_broadcast(keys, learner, cl
     intruder = ZmqSubscriber(address, context=client_context, credentials=stranger_keys(keys))
     member = ZmqSubscriber(address, context=client_context, credentials=keys.for_role("actor"))
     await refused_once(learner, caplog, reason)
-    overheard = []
-
-    async def eavesdrop() -> None:
-        overheard.append(await intruder.receive())
-
-    update = HorizonUpdate(horizon_cap=7, stage=1, learner_step=3)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(eavesdrop)
-        await publish_until_received(learner.broadcast, [member], update)
-        for _ in range(25):  # the intruder has every chance to hear one
-            await learner.broadcast.send(update)
-            await trio.sleep(0.02)
-        nursery.cancel_scope.cancel()
-    assert overheard == []
-    intruder.close()
-    member.close()
+    await assert_broadcast_unheard(learner, intruder, member)
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,9 +28,9 @@ from longhorizon.common.transport import (
     ZmqSubscriber,
     zmq_learner_endpoints,
 )
-from longhorizon.common.wire import Heartbeat, Hello, HorizonUpdate, Stop
-from tests.test_transport import make_trajectory, publish_until_received
-from tests.test_curve import client_context, refused_once  # noqa: F401 (client_context: a fixture)
+from longhorizon.common.wire import Heartbeat, Hello, Stop
+from tests.test_transport import make_trajectory
+from tests.test_curve import assert_broadcast_unheard, client_context, refused_once  # noqa: F401 (client_context: a fixture)
 
 LOOPBACK = "tcp://127.0.0.1:0"
 
@@ -94,22 +94,7 @@ async def test_a_stranger_without_the_run_secret_cannot_read_a_broadcast(secret,
     intruder = ZmqSubscriber(address, context=client_context)
     member = ZmqSubscriber(address, context=client_context, credentials=secret)
     await refused_once(learner, caplog, STRANGERS["no secret"][1])
-    overheard = []
-
-    async def eavesdrop() -> None:
-        overheard.append(await intruder.receive())
-
-    update = HorizonUpdate(horizon_cap=7, stage=1, learner_step=3)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(eavesdrop)
-        await publish_until_received(learner.broadcast, [member], update)
-        for _ in range(10):  # the intruder has every chance to hear one
-            await learner.broadcast.send(update)
-            await trio.sleep(0.02)
-        nursery.cancel_scope.cancel()
-    assert overheard == []
-    intruder.close()
-    member.close()
+    await assert_broadcast_unheard(learner, intruder, member)
 
 
 # --------------------------------------------------------------------------------------------
