@@ -10,6 +10,7 @@ command refuses (a `check` that raises ValueError) the way argparse reports its 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,7 +31,8 @@ def parse_args(
     `args = parse_args(parser, argv); if isinstance(args, int): return args`.
     """
     try:
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
+        take_late_overrides(parser, args, extras)
     except SystemExit as exit_request:
         return int(exit_request.code or 0)
     if check is not None:
@@ -41,6 +43,24 @@ def parse_args(
             print(f"{parser.prog}: error: {error}", file=sys.stderr)
             return USAGE_ERROR
     return args
+
+
+_OVERRIDE = re.compile(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*=")
+
+
+def take_late_overrides(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: Sequence[str]) -> None:
+    """Add `section.key=value` words given after options to `args.overrides`, in command-line order.
+
+    argparse hands a positional list only the words before the first option, so
+    `eval CONFIG --tasks 20 run.seed=3` would leave `run.seed=3` unrecognised. Any other
+    left-over word is a usage error, as with `parse_args`.
+    """
+    takes_overrides = isinstance(getattr(args, "overrides", None), list)
+    stray = [word for word in extras if not (takes_overrides and _OVERRIDE.match(word))]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extras:
+        args.overrides = [*args.overrides, *extras]
 
 
 def positive_int(text: str) -> int:

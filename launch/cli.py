@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from longhorizon.common.args import take_late_overrides
+
 
 def _train(args: argparse.Namespace) -> int:
     import trio
@@ -112,7 +114,8 @@ def _serve(args: argparse.Namespace) -> int:
             env_name=args.name, env_options=options, host=args.host, port=args.port,
             max_instances=args.max_instances, idle_timeout_s=args.idle_timeout, max_body_bytes=args.max_body_bytes,
             unused_idle_timeout_s=args.unused_idle_timeout, request_timeout_s=args.request_timeout,
-            max_instances_per_client=args.max_instances_per_client,
+            max_instances_per_client=args.max_instances_per_client, max_connections=args.max_connections,
+            header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
         )
     )
     return 0
@@ -260,7 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--unused-idle-timeout", type=float, default=60.0,
                        help="seconds before an instance never reset or stepped after /create is closed")
     serve.add_argument("--request-timeout", type=float, default=30.0,
-                       help="seconds a client has to send a whole request (head and body)")
+                       help="seconds a client has to send a whole request (head and body), from its first byte")
+    serve.add_argument("--header-timeout", type=float, default=10.0,
+                       help="seconds a client has to send a request's head, from its first byte (from the "
+                            "connect, for a connection's first request)")
+    serve.add_argument("--keep-alive-timeout", type=float, default=60.0,
+                       help="seconds a connection may wait idle between requests")
+    serve.add_argument("--max-connections", type=int, default=1024,
+                       help="most open connections; beyond it a new one replaces the connection that has waited "
+                            "longest without a whole request (default %(default)s)")
     serve.add_argument("--max-instances-per-client", type=int, default=None,
                        help="most instances one non-loopback address may hold (default: half of --max-instances)")
     serve.add_argument("--max-body-bytes", type=int, default=1024 * 1024, help="largest request body accepted")
@@ -335,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         if tuple(argv[: len(prefix)]) == prefix and len(argv) > len(prefix) and argv[len(prefix)].startswith("-"):
             argv = [*prefix, "--", *argv[len(prefix):]]
             break
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    take_late_overrides(parser, args, extras)
     if getattr(args, "rest", None) and args.rest[0] == "--":
         args.rest = args.rest[1:]
     try:

@@ -43,3 +43,39 @@ def test_positive_int_takes_counts_from_one():
         positive_int("0")
     with pytest.raises(argparse.ArgumentTypeError, match="invalid int value: 'x'"):
         positive_int("x")
+
+
+def _parser_with_overrides() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="longhorizon demo")
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--tasks", type=int, default=0)
+    return parser
+
+
+def test_overrides_after_options_join_those_before_them_in_order():
+    args = parse_args(_parser_with_overrides(), ["c.toml", "run.seed=1", "--tasks", "20", "run.seed=3", "env.x=a=b"])
+    assert args.overrides == ["run.seed=1", "run.seed=3", "env.x=a=b"] and args.tasks == 20
+
+
+def test_a_word_after_options_that_is_no_override_is_a_usage_error(capsys):
+    assert parse_args(_parser_with_overrides(), ["c.toml", "--tasks", "2", "seed"]) == 2
+    assert "error: unrecognized arguments: seed" in capsys.readouterr().err
+    # A command without overrides takes none after its options either.
+    assert parse_args(_parser(), ["--count", "2", "run.seed=3"]) == 2
+    assert "error: unrecognized arguments: run.seed=3" in capsys.readouterr().err
+
+
+def test_the_cli_takes_overrides_after_options_in_every_command_that_has_them(tmp_path, capsys):
+    from longhorizon.launch.cli import main
+
+    # A wrong key in a late override reaches the config check: it was taken as an override.
+    config = tmp_path / "c.toml"
+    config.write_text('[env]\nname = "codebook"\n')
+    assert main(["train", str(config), "--no-plots", "run.no_such_key=3"]) == 2
+    assert "run.no_such_key" in capsys.readouterr().err
+    assert main(["collect", str(config), "--output", str(tmp_path / "x.jsonl"), "run.no_such_key=3"]) == 2
+    assert "run.no_such_key" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", str(config), "--no-plots", "stray"])
+    assert "unrecognized arguments: stray" in capsys.readouterr().err

@@ -145,3 +145,20 @@ def test_bad_sweep_requests_are_clear_errors(tmp_path, capsys):
     assert eval_main([config, SCRIPTED, "--sweep", "horizon"]) == 2
     assert "--values" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_a_checkpoint_that_is_not_there_is_one_clear_line(tmp_path, capsys):
+    config = str(CONFIGS / "codebook.toml")
+    missing = tmp_path / "run" / "checkpoints" / "step_000003"
+    assert eval_main([config, "--checkpoint", str(missing), "--tasks", "2"]) == 2
+    assert capsys.readouterr().err == f"error: no folder {str(missing)!r}: give a model folder or a run's " \
+                                      f"checkpoints/step_N folder\n"
+    # Beside the run's saved steps, the error names them; an empty folder is no model either.
+    for step in ("step_000002", "step_000004"):
+        (missing.parent / step).mkdir(parents=True)
+        (missing.parent / step / "config.json").write_text("{}")
+    assert eval_main([config, "--checkpoint", str(missing), "--tasks", "2"]) == 2
+    assert "holds step_000002, step_000004" in capsys.readouterr().err
+    missing.mkdir()
+    assert eval_main([config, "--checkpoint", str(missing), "--tasks", "2"]) == 2
+    assert "holds no model (no config.json)" in capsys.readouterr().err

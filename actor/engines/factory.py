@@ -60,7 +60,7 @@ def plan_engine(
     engine_options: dict | None = None, greedy: bool = False,
 ) -> tuple[type, EngineSettings]:
     """The engine class and the settings `build_engine` would start it with."""
-    from longhorizon.common.models import ModelError, resolve_model_path
+    from longhorizon.common.models import ModelError, require_model_folder, resolve_model_path
 
     if purpose not in PURPOSES:
         raise ValueError(f"unknown engine purpose {purpose!r}; valid: {', '.join(PURPOSES)}")
@@ -73,6 +73,8 @@ def plan_engine(
     options.update(engine_options or {})
     capabilities = capabilities_of(engine_cls)
     hosted_model = None
+    if model_path and capabilities.uses_model:
+        require_model_folder(model_path)
     if model_path is None:
         model_path = ""
         if capabilities.uses_model:
