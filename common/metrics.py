@@ -153,16 +153,16 @@ def truncate_metrics(run_dir: Path, *, last_step: int) -> int:
     return removed
 
 
-class MetricsFollower:
-    """Reads the records appended to a run's metrics.jsonl since the last call, without parsing
-    the whole file each time (a launcher polls it for hours). A file that shrank (a resumed
-    learner removed the records after its checkpoint) is followed from its new end."""
+class LineFollower:
+    """Reads the whole lines appended to a file since the last call, without reading the file
+    again each time (a launcher polls for hours). A file that shrank (a resumed learner removed
+    the records after its checkpoint) is followed from its new end."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self.path = Path(run_dir) / "metrics.jsonl"
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
         self._offset = self.path.stat().st_size if self.path.is_file() else 0
 
-    def new_records(self) -> list[dict]:
+    def new_lines(self) -> list[str]:
         try:
             with self.path.open("rb") as file:
                 size = file.seek(0, 2)
@@ -175,8 +175,18 @@ class MetricsFollower:
         # Only whole lines: one being written right now is read next time.
         complete = chunk[: chunk.rfind(b"\n") + 1]
         self._offset += len(complete)
+        return complete.decode("utf-8", errors="replace").splitlines()
+
+
+class MetricsFollower(LineFollower):
+    """The records appended to a run's metrics.jsonl since the last call."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(Path(run_dir) / "metrics.jsonl")
+
+    def new_records(self) -> list[dict]:
         records = []
-        for line in complete.decode("utf-8", errors="replace").splitlines():
+        for line in self.new_lines():
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
 from longhorizon.common.config import Config, ConfigError, dump_toml
-from longhorizon.common.metrics import MetricsFollower
+from longhorizon.common.metrics import LineFollower, MetricsFollower
 from longhorizon.common.processes import remove_tied_folder, tied_folder
 
 LAUNCHERS = ("local", "ray")
@@ -249,6 +250,44 @@ def _stop_all(children: list[RoleProcess]) -> None:
             child.wait(None)
 
 
+_LOG_LINE = re.compile(r"^\S+ \S+ (?P<role>\S+) (?P<level>WARNING|ERROR|CRITICAL) \S+: (?P<message>.*)$")
+
+
+def learner_warnings(lines: list[str]) -> list[str]:
+    """The learner's warnings and errors among new lines of its log, as `learner: MESSAGE`: what it
+    waits for (no groups yet, actors lost) reaches the terminal, not only logs/learner.log."""
+    notes = []
+    for line in lines:
+        match = _LOG_LINE.match(line)
+        if match:
+            notes.append(f"{match['role']}: {match['message']}")
+    return notes
+
+
+def last_error(log: Path) -> str:
+    """The exception line that ends the last traceback in `log` ("" when there is none)."""
+    try:
+        with log.open("rb") as file:
+            file.seek(max(0, file.seek(0, 2) - 64 * 1024))  # the end of a long log is enough
+            lines = file.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    # The last traceback is the innermost one; inside trio's exception groups its lines carry a
+    # prefix of spaces, "|" and "+", the same on every line of that traceback.
+    start = None
+    for index, line in enumerate(lines):
+        if line.lstrip(" |+-").startswith("Traceback (most recent call last)"):
+            start = index
+    if start is None:
+        return ""
+    prefix = len(lines[start]) - len(lines[start].lstrip(" |+-"))
+    for line in lines[start + 1:]:
+        body = line[prefix:]
+        if body and not body[0].isspace() and body[0] not in "|+":
+            return body.strip()
+    return ""
+
+
 def supervise(
     config: Config,
     run_dir: Path,
@@ -268,6 +307,8 @@ def supervise(
     children = [*learner_ranks, *actors]
     learner = learner_ranks[0]
     metrics = MetricsFollower(run_dir)
+    learner_log = run_dir / "logs" / "learner.log"
+    learner_notes = LineFollower(learner_log)
     # Signal handlers can only be set from the main thread (a launcher run from a test's thread
     # keeps the default).
     in_main_thread = threading.current_thread() is threading.main_thread()
@@ -284,6 +325,8 @@ def supervise(
             collect()
             for record in metrics.new_records():
                 progress(format_progress(record, config.run.total_steps))
+            for note in learner_warnings(learner_notes.new_lines()):
+                progress(note)
             learner_code = _learner_exit_code(learner_ranks)
             if learner_code is not None:
                 if learner_code == 0 or learner.restarts >= _MAX_LEARNER_RESTARTS:
@@ -342,6 +385,8 @@ def supervise(
     for record in metrics.new_records():
         progress(format_progress(record, config.run.total_steps))
     if learner_code != 0:
-        progress(f"the learner failed with exit code {learner_code}; see {run_dir / 'logs' / 'learner.log'}")
+        cause = last_error(learner_log)
+        progress(f"the learner failed with exit code {learner_code}{f': {cause}' if cause else ''}; "
+                 f"see {learner_log}")
         return learner_code or 1
     return 0

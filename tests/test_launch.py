@@ -74,3 +74,37 @@ def test_a_fresh_run_moves_an_earlier_one_aside(tmp_path):
     (second / "metrics.jsonl").write_text('{"step": 1}\n')
     resumed = load_config(None, [f"run.output_dir={str(tmp_path)!r}", "run.name='x'", "run.resume=true"])
     assert (prepare_run_dir(resumed) / "metrics.jsonl").exists()
+
+
+def test_the_learners_warnings_reach_the_terminal_as_one_line_each():
+    from longhorizon.launch.launcher import learner_warnings
+
+    lines = [
+        "2026-12-02 13:00:00,001 learner INFO longhorizon.learner.worker: step 3 trained",
+        "2026-12-02 13:01:00,002 learner WARNING longhorizon.learner.worker: waiting 60s for groups: 0/2 ready",
+        "2026-12-02 13:02:00,003 learner ERROR longhorizon.launch.worker: 3 non-finite steps in a row",
+        "  a continuation line",
+    ]
+    assert learner_warnings(lines) == ["learner: waiting 60s for groups: 0/2 ready",
+                                       "learner: 3 non-finite steps in a row"]
+
+
+def test_a_failed_learner_is_named_by_the_exception_that_ended_it(tmp_path):
+    from longhorizon.launch.launcher import last_error
+
+    log = tmp_path / "learner.log"
+    assert last_error(log) == ""
+    log.write_text("2026 learner INFO x: started\nTraceback (most recent call last):\n  File \"a.py\", line 1\n"
+                   "    raise OSError(28)\nOSError: [Errno 28] No space left on device\n")
+    assert last_error(log) == "OSError: [Errno 28] No space left on device"
+    # Inside trio's exception groups the innermost traceback names the cause.
+    log.write_text(
+        "  + Exception Group Traceback (most recent call last):\n"
+        "  |   File \"w.py\", line 5, in main\n"
+        "  | ExceptionGroup: Exceptions from Trio nursery (1 sub-exception)\n"
+        "  +-+---------------- 1 ----------------\n"
+        "    | Traceback (most recent call last):\n"
+        "    |   File \"b.py\", line 2, in save\n"
+        "    | PermissionError: [Errno 13] Permission denied: 'runs/x/checkpoints'\n"
+        "    +------------------------------------\n")
+    assert last_error(log) == "PermissionError: [Errno 13] Permission denied: 'runs/x/checkpoints'"
