@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -95,8 +96,10 @@ async def play_tasks(
     max_context_tokens: int = 4096,
     concurrency: int = 32,
     agent: str = "",
+    on_episode: Callable[[EpisodeRecord], None] = lambda record: None,
 ) -> list[EpisodeRecord]:
-    """`samples` episodes of every task (for Pass@k), run concurrently; one record per episode.
+    """`samples` episodes of every task (for Pass@k), run concurrently; one record per episode,
+    each also handed to `on_episode` as it ends (a progress bar).
     `agent` names the agent loop (empty: the env's own prompt format)."""
     from longhorizon.envs.base import make_env
 
@@ -113,10 +116,12 @@ async def play_tasks(
                 agent=agent,
             )
             pool.release(env, broken=bool(result.error))
-            records.append(EpisodeRecord(
+            record = EpisodeRecord(
                 task.task_id, task.category, bool(result.success), result.reward, result.num_turns, result.error,
                 result.cut_by,
-            ))
+            )
+            records.append(record)
+            on_episode(record)
 
     try:
         async with trio.open_nursery() as nursery:

@@ -82,13 +82,13 @@ def make_eval_engine(config, args: argparse.Namespace):
     return engine_class(settings), settings.model_path
 
 
-async def _play(engine, config, tasks, *, samples: int, horizon_cap: int):
+async def _play(engine, config, tasks, *, samples: int, horizon_cap: int, on_episode=lambda record: None):
     from longhorizon.actor.evaluate import play_tasks
 
     return await play_tasks(
         engine, config.env.name, dict(config.env.options), tasks, samples=samples, horizon_cap=horizon_cap,
         max_new_tokens=config.actor.sampling.max_new_tokens, max_context_tokens=config.actor.max_context_tokens,
-        agent=config.actor.agent,
+        agent=config.actor.agent, on_episode=on_episode,
     )
 
 
@@ -106,6 +106,7 @@ def run_eval(args: argparse.Namespace) -> dict:
 
     from longhorizon.actor.evaluate import default_ks, pass_at_k_curve, summarise
     from longhorizon.common.config import load_config
+    from longhorizon.common.progress import ProgressBar
     from longhorizon.envs.base import list_tasks
 
     config = load_config(args.config, args.overrides)
@@ -128,13 +129,25 @@ def run_eval(args: argparse.Namespace) -> dict:
     engine, model_path = make_eval_engine(config, args)
     caps = sorted(set(values)) if args.sweep == "horizon" else [horizon_cap]
 
+    bar = ProgressBar("eval", len(caps) * len(tasks) * args.samples)
+    ended = {"episodes": 0, "successes": 0}
+
+    def on_episode(record) -> None:
+        ended["episodes"] += 1
+        ended["successes"] += record.success
+        bar.update(ended["episodes"], f"{ended['successes']} succeeded")
+
     async def play_all() -> dict[int, list]:
         try:
-            return {cap: await _play(engine, config, tasks, samples=args.samples, horizon_cap=cap) for cap in caps}
+            return {cap: await _play(engine, config, tasks, samples=args.samples, horizon_cap=cap,
+                                     on_episode=on_episode) for cap in caps}
         finally:
             await engine.close()
 
-    records = trio.run(play_all)
+    try:
+        records = trio.run(play_all)
+    finally:
+        bar.close()
     header = {"env": config.env.name, "split": config.env.eval_split, "engine": config.actor.engine,
               "model": model_path or None, "samples_per_task": args.samples,
               "max_context_tokens": config.actor.max_context_tokens}

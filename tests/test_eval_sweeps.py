@@ -162,3 +162,9 @@ def test_a_checkpoint_that_is_not_there_is_one_clear_line(tmp_path, capsys):
     missing.mkdir()
     assert eval_main([config, "--checkpoint", str(missing), "--tasks", "2"]) == 2
     assert "holds no model (no config.json)" in capsys.readouterr().err
+
+
+def test_eval_shows_its_progress_on_stderr(capsys):
+    assert eval_main([str(CONFIGS / "codebook.toml"), SCRIPTED, "--tasks", "4", "--samples", "2"]) == 0
+    progress = capsys.readouterr().err.splitlines()
+    assert progress[-1].startswith("eval [########################] 8/8 8 succeeded |"), progress
