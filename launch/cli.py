@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
 
@@ -340,6 +341,11 @@ _PASS_THROUGH = {("bench",): "bench", ("eval",): "eval", ("serve-model",): "serv
                  ("experiment", "horizons"): "horizons", ("experiment", "sft-rl"): "sft-rl"}
 
 
+# Where an output folder cannot be written: read-only, not ours, or full. Said in one line, as a
+# user can act on it; other OSErrors keep their traceback.
+_STORAGE_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     for prefix in _PASS_THROUGH:
@@ -361,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if isinstance(exc, (ConfigError, ModelError, ValueError, FileNotFoundError)):
             print(f"longhorizon: error: {exc}", file=sys.stderr)
+            return 2
+        if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRORS:
+            print(f"longhorizon: error: {exc} (check the folder's permissions and free space, or choose "
+                  f"another with run.output_dir / --output)", file=sys.stderr)
             return 2
         raise
 

@@ -336,9 +336,10 @@ def supervise(
                              f"(the error is at the end of {run_dir / 'logs' / 'learner.log'})")
                     break
                 learner.restarts += 1
+                cause = last_error(learner_log)
                 progress(
-                    f"the learner exited with code {learner_code}; restarting it from its latest "
-                    f"checkpoint ({learner.restarts}/{_MAX_LEARNER_RESTARTS})"
+                    f"the learner exited with code {learner_code}{f' ({cause})' if cause else ''}; restarting "
+                    f"it from its latest checkpoint ({learner.restarts}/{_MAX_LEARNER_RESTARTS})"
                 )
                 # Ranks live and die together: the others cannot go on without the lost one.
                 _stop_all(learner_ranks)

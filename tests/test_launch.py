@@ -108,3 +108,11 @@ def test_a_failed_learner_is_named_by_the_exception_that_ended_it(tmp_path):
         "    | PermissionError: [Errno 13] Permission denied: 'runs/x/checkpoints'\n"
         "    +------------------------------------\n")
     assert last_error(log) == "PermissionError: [Errno 13] Permission denied: 'runs/x/checkpoints'"
+
+
+def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    config = Path(__file__).resolve().parent.parent / "configs" / "codebook.toml"
+    assert main(["train", str(config), f"run.output_dir={not_a_folder}"]) == 2
+    assert capsys.readouterr().err.startswith("longhorizon: error: [Errno 20] Not a directory")
