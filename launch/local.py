@@ -262,10 +262,11 @@ def launch_local(config: Config, *, progress=print) -> int:
 
     validate_config(config)
     config = with_ports(config)
+    # Convert or build the model once here, not in every process at the same time; a model that
+    # is not there fails before the run's folder is made.
+    resolve_model_path(config.model.path, config.model.cache_dir)
     run_dir = prepare_run_dir(config, progress=progress)
     config_path = run_dir / "config.toml"
-    # Convert or build the model once here, not in every process at the same time.
-    resolve_model_path(config.model.path, config.model.cache_dir)
     _remove_ranks_store(run_dir)
     learner_ranks = _learner_ranks(config, config_path, run_dir)
     actors = [

@@ -116,3 +116,11 @@ def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path, capsys):
     config = Path(__file__).resolve().parent.parent / "configs" / "codebook.toml"
     assert main(["train", str(config), f"run.output_dir={not_a_folder}"]) == 2
     assert capsys.readouterr().err.startswith("longhorizon: error: [Errno 20] Not a directory")
+
+
+def test_a_run_refused_before_it_starts_leaves_no_folder(tmp_path, capsys):
+    config = Path(__file__).resolve().parent.parent / "configs" / "codebook.toml"
+    for refused in ("model.path=/no/such/model", "env.name=nope"):
+        assert main(["train", str(config), f"run.output_dir={tmp_path / 'runs'}", refused]) == 2
+        assert "longhorizon: error:" in capsys.readouterr().err
+        assert not (tmp_path / "runs").exists()
