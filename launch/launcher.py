@@ -197,7 +197,12 @@ def prepare_run_dir(config: Config, *, progress=print) -> Path:
     """The run directory of a training run, with its logs folder and its config.toml written."""
     run_dir = config.run_dir
     if config.run.resume:
+        from longhorizon.learner.checkpoint import latest_checkpoint
+
         run_dir.mkdir(parents=True, exist_ok=True)
+        latest = latest_checkpoint(run_dir)
+        progress(f"resuming from {latest}" if latest is not None else
+                 f"run.resume=true, but {run_dir / 'checkpoints'} holds no checkpoint: starting from step 0")
     else:
         fresh_run_dir(run_dir, lambda line: progress(f"{line} (run.resume=true continues a run)"))
     (run_dir / "logs").mkdir(exist_ok=True)
@@ -371,6 +376,12 @@ def supervise(
                  "stopping all processes (the learner writes a checkpoint first)")
         _stop_all(children)
         collect(final=True)
+        from longhorizon.learner.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(run_dir)
+        if latest is not None:
+            progress(f"stopped; the latest checkpoint is {latest}: the same command with run.resume=true "
+                     "continues from it")
         return 130 if isinstance(stop, KeyboardInterrupt) else 128 + signal.SIGTERM
     finally:
         if in_main_thread:

@@ -176,6 +176,8 @@ def test_a_killed_learner_is_restarted_and_actors_follow_it_back_then_ctrl_c_sto
             process.kill()
     assert process.returncode == 130, output
     assert "restarting it from its latest checkpoint" in output
+    # The user is told where the checkpoint written on the way out is, and how to go on from it.
+    assert f"stopped; the latest checkpoint is {run_dir / 'checkpoints'}/step_" in output
     records = read_metrics(run_dir)
     # Steps after the (here: absent) checkpoint were trained again and recorded once.
     assert [r["step"] for r in records] == list(range(1, records[-1]["step"] + 1)) and len(records) >= 16
@@ -260,6 +262,7 @@ def test_the_adaptive_horizon_moves_through_its_stages_and_resumes_in_the_same_s
     second = _start(_overrides(tmp_path, byte_model, "adaptive", 12, [*adaptive, "run.resume=true"]))
     output, _ = second.communicate(timeout=180)
     assert second.returncode == 0, output
+    assert f"resuming from {tmp_path / 'adaptive' / 'checkpoints' / 'step_000006'}" in output
 
     run_dir = tmp_path / "adaptive"
     records = read_metrics(run_dir)
