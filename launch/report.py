@@ -136,10 +136,29 @@ def summarise_run(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     outcome_keys = ("groups_none_succeeded", "groups_all_succeeded")
     if all(any(key in r for r in records) for key in outcome_keys):
         summary.update({key: int(sum(_values(records, key))) for key in outcome_keys})
+        # The same counts at the run's start and end: a run that learned has flat groups of both
+        # kinds, failures first and successes last.
+        for window, window_records in (("first", records[:SUCCESS_WINDOW]), ("last", records[-SUCCESS_WINDOW:])):
+            summary.update({f"{key}_{window}_window": int(sum(_values(window_records, key))) for key in outcome_keys})
     else:
         summary.update({key: None for key in outcome_keys})
     summary["invalid_action_rate_mean"] = _mean(_values(records, "invalid_action_rate"))
     return summary
+
+
+def _reach_verdict(summary: dict[str, Any]) -> str:
+    """Where the tasks stand for the policy, from the flat groups' outcomes over the last steps,
+    and whether that changed since the first (a run that learned has flat groups of both kinds)."""
+    def mostly_failed(window: str) -> bool:
+        return summary[f"groups_none_succeeded_{window}_window"] >= summary[f"groups_all_succeeded_{window}_window"]
+
+    if mostly_failed("last"):
+        return ("The tasks are mostly out of the policy's reach: easier tasks, a warm start, a shorter cap "
+                "first, larger groups or more exploration.")
+    if mostly_failed("first") and summary["steps"] > SUCCESS_WINDOW:
+        return ("The policy went from failing most groups in the first steps to succeeding in most in the "
+                "last: the tasks are now mastered, and harder tasks or a longer cap would give it more to learn.")
+    return "The tasks are mostly mastered: harder tasks or a longer cap."
 
 
 def diagnose(summary: dict[str, Any]) -> list[str]:
@@ -162,19 +181,17 @@ def diagnose(summary: dict[str, Any]) -> list[str]:
         )
     flat_share = summary["flat_share"]
     if flat_share is not None and flat_share >= FLAT_SHARE_WARNING:
+        idle_steps = summary["steps"] - summary["steps_with_update"]
         findings.append(f"{flat_share:.0%} of the groups were flat (one reward for every episode), so they "
-                        f"gave no gradient; {summary['steps'] - summary['steps_with_update']} of "
-                        f"{summary['steps']} steps made no update.")
+                        "gave no gradient; " + (f"{idle_steps} of {summary['steps']} steps made no update."
+                                                if idle_steps else "every step still made an update."))
     none, every, scored = summary["groups_none_succeeded"], summary["groups_all_succeeded"], summary["groups_scored"]
     if none is not None and scored and (none + every) / scored >= FLAT_SHARE_WARNING:
         # Outcomes, not rewards: a group without a success can still spread its rewards through
         # format penalties, and then it costs an update that teaches the format alone.
         findings.append(
             f"Only {scored - none - every} of {scored} groups set a success against a failure (the task's "
-            f"signal): {none} had no success and {every} only successes. "
-            + ("The tasks are mostly out of the policy's reach: easier tasks, a warm start, a shorter cap "
-               "first, larger groups or more exploration." if none >= every else
-               "The tasks are mostly mastered: harder tasks or a longer cap."))
+            f"signal): {none} had no success and {every} only successes. " + _reach_verdict(summary))
     entropy = summary["entropy_mean"]
     if entropy is not None and entropy < LOW_ENTROPY_NATS:
         findings.append(f"The sampled tokens' entropy averaged {entropy:.3f} nats: the policy hardly "

@@ -129,3 +129,16 @@ def test_only_a_truncation_on_the_caps_turn_is_the_caps_cut():
     assert not cut_by_cap(episode(3))  # the context budget or the env's own limit, before the cap
     assert not cut_by_cap(episode(4, truncated=False, terminated=True))  # finished on the last turn
     assert not cut_by_cap(episode(2, truncated=False))
+
+
+def test_a_run_that_learned_is_told_from_one_out_of_reach_and_every_update_is_said_so():
+    # From every group failing to every group succeeding: both kinds of flat group, most of them
+    # failures over the whole run, yet the tasks ended mastered.
+    learned = ([record(s, groups_none_succeeded=2) for s in range(1, 13)]
+               + [updated(s, groups_none_succeeded=0, groups_all_succeeded=1) for s in range(13, 21)])
+    text = "\n".join(diagnose(summarise_run(learned)))
+    assert "went from failing most groups in the first steps to succeeding in most in the last" in text, text
+    assert "out of the policy's reach" not in text
+    flat_but_updating = [updated(s) for s in range(1, 3)]
+    text = "\n".join(diagnose(summarise_run(flat_but_updating)))
+    assert "every step still made an update" in text and "0 of 2" not in text
