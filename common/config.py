@@ -617,13 +617,32 @@ def config_from_dict(data: dict) -> Config:
     return _build(Config, data, "")
 
 
+BUNDLED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+"""The configs that ship with longhorizon (configs/ of the repository, package data when installed)."""
+
+
+def bundled_config_names() -> list[str]:
+    return sorted(path.stem for path in BUNDLED_CONFIGS.glob("*.toml"))
+
+
+def find_config(path: str | Path) -> Path:
+    """A config file: the path as given, else a bundled config named without folder or suffix
+    (`longhorizon train textcraft` is configs/textcraft.toml wherever one runs it)."""
+    given = Path(path)
+    if given.is_file():
+        return given
+    bundled = BUNDLED_CONFIGS / f"{given.name}.toml"
+    if given.name == str(path) and not given.suffix and bundled.is_file():
+        return bundled
+    raise ConfigError(f"config file not found: {path} (bundled configs, named without .toml: "
+                      f"{', '.join(bundled_config_names())})")
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a TOML config file (or the defaults when path is None) and apply overrides."""
     data: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
+        path = find_config(path)
         try:
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as exc:

@@ -62,3 +62,18 @@ def test_shipped_configs_load():
 
     for path in sorted((Path(__file__).parent.parent / "configs").glob("*.toml")):
         load_config(path)
+
+
+def test_a_bundled_config_is_found_by_its_name_from_any_folder(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    shipped = Path(__file__).parent.parent / "configs" / "textcraft.toml"
+    monkeypatch.chdir(tmp_path)
+    assert load_config("textcraft") == load_config(shipped)
+    # A file of that name where one runs it comes first; a name that is neither lists the bundled ones.
+    (tmp_path / "textcraft").write_text('[env]\nname = "codebook"\n')
+    assert load_config("textcraft").env.name == "codebook"
+    with pytest.raises(ConfigError, match=r"config file not found: nope \(bundled configs, .*codebook, .*textcraft"):
+        load_config("nope")
+    with pytest.raises(ConfigError, match="config file not found: sub/textcraft"):
+        load_config("sub/textcraft")  # a path is taken as a path
