@@ -59,3 +59,14 @@ def install_plugin(tmp_path, monkeypatch):
     for name in installed:
         for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
             del sys.modules[module]
+
+
+@pytest.fixture
+def client_context():
+    """A ZeroMQ context for a test's client sockets, destroyed at the end whatever happened: one
+    left to the garbage collector is terminated there, in whichever later test that falls."""
+    import zmq
+
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)

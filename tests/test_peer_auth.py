@@ -30,7 +30,11 @@ from longhorizon.common.transport import (
 )
 from longhorizon.common.wire import Heartbeat, Hello, Stop
 from tests.test_transport import make_trajectory
-from tests.test_curve import assert_broadcast_unheard, client_context, refused_once  # noqa: F401 (client_context: a fixture)
+from tests.test_curve import (
+    assert_broadcast_unheard,
+    intruder_sends,
+    refused_once,
+)
 
 LOOPBACK = "tcp://127.0.0.1:0"
 
@@ -77,7 +81,7 @@ async def test_a_stranger_without_the_run_secret_cannot_push_a_trajectory(
     address = learner.trajectories.address
     intruder = ZmqPushSender(address, context=client_context, credentials=stranger_secret())
     member = ZmqPushSender(address, context=client_context, credentials=secret)
-    await intruder.send(make_trajectory(5, episode=1))  # queued until a handshake that never succeeds
+    await intruder_sends(intruder, make_trajectory(5, episode=1))
     await refused_once(learner, caplog, reasons)
     await member.send(make_trajectory(5, episode=2))
     with trio.fail_after(10):
@@ -132,8 +136,8 @@ async def test_nobody_takes_the_place_of_a_live_actor(
             with trio.fail_after(10):
                 while "actor-0" not in peers:
                     await trio.sleep(0.01)
-            await stranger.send(_hello(pid=666, hostname="stranger"))
-            await stranger.send(_heartbeat(episodes=666))
+            await intruder_sends(stranger, _hello(pid=666, hostname="stranger"))
+            await intruder_sends(stranger, _heartbeat(episodes=666))
             with trio.fail_after(10):
                 while learner.auth_refused == 0:
                     await trio.sleep(0.01)
