@@ -1,0 +1,53 @@
+"""The Python API (launch/api.py): the example of docs/api.md runs as written, errors come back as
+exceptions, and `import longhorizon` stays light."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import longhorizon as lh
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "api.md"
+
+
+@pytest.mark.slow
+def test_the_example_in_the_docs_runs_as_written(tmp_path, monkeypatch, capsys):
+    code = re.search(r"```python\n(.*?)```", DOCS.read_text(), re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code, str(DOCS), "exec"), namespace)
+    run, scores = namespace["run"], namespace["scores"]
+    assert isinstance(run, lh.TrainResult) and [r["step"] for r in run.records] == [1, 2, 3]
+    assert run.latest_checkpoint == run.run_dir / "checkpoints" / "step_000003"
+    assert scores["episodes"] == 8 and 0.0 <= scores["success_rate"] <= 1.0
+    assert "held-out success" in capsys.readouterr().out
+
+
+def test_mistakes_come_back_as_the_exceptions_the_commands_print(capsys):
+    with pytest.raises(lh.ConfigError, match="config file not found: nope"):
+        lh.train("nope")
+    with pytest.raises(lh.ConfigError, match="overrides go with a config's name or file"):
+        lh.evaluate(lh.load_config("codebook"), ["run.seed=3"])
+    with pytest.raises(lh.ConfigError, match="unknown config key run.no_such_key"):
+        lh.train("codebook", ["run.no_such_key=1"])
+    with pytest.raises(lh.RunFailed) as failed:
+        lh.bench("no-such-benchmark")
+    assert failed.value.exit_code == 2
+
+
+def test_a_scripted_evaluation_and_a_benchmark_return_their_results(capsys):
+    scores = lh.evaluate("codebook", ["actor.engine='scripted'"], tasks=5)
+    assert scores["episodes"] == 5 and scores["success_rate"] == 1.0  # the oracle solves every task
+    result = lh.bench("transport", "--trajectory-bytes", "2048", "--transport-messages", "200",
+                      "--transport-rounds", "1")
+    assert "raw" in capsys.readouterr().out  # the table was shown
+    assert isinstance(result, dict) and result
+
+
+def test_import_longhorizon_imports_nothing_heavy():
+    code = "import sys, longhorizon; longhorizon.load_config; print(sorted({'torch', 'transformers', 'zmq'} & set(sys.modules)))"
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert output.strip() == "[]"
