@@ -246,7 +246,31 @@ class LearnerConfig:
     advantage 0, so that a policy sharp enough to play every member of a group alike (every group
     flat, nothing left to learn from) is pushed to explore again. 0 turns it off."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL penalty to the initial (reference) model; 0 disables it and the reference copy."""
+    """Weight of the k3 KL penalty to the initial (reference) model; 0 disables it and the reference
+    copy. With it on, flat groups are trained on at advantage 0, so that their KL counts."""
+    entropy_control: str = "none"
+    """Keeps the policy from sharpening into a freeze (docs/algorithms.md): none; target (an
+    entropy bonus whose coefficient, starting at `entropy_coef`, rises while the step's entropy is
+    below `target_entropy` and falls while above); clip_cov (the policy gradient of a few tokens
+    whose log-prob and advantage covary most is detached); kl_cov (those tokens are held near the
+    update's start by a penalty). Any mode trains on flat groups at advantage 0."""
+    target_entropy: float = 0.0
+    """target: the entropy (nats per generated token, of the whole next-token distribution) the
+    coefficient steers to; required, > 0."""
+    entropy_coef_step: float = 0.005
+    """target: how much the coefficient moves after each step."""
+    entropy_coef_max: float = 0.1
+    """target: the coefficient's ceiling (its floor is 0)."""
+    cov_fraction: float | None = None
+    """clip_cov, kl_cov: the fraction of a step's generated tokens acted on (at least one); unset:
+    2e-4 for clip_cov, 2e-3 for kl_cov."""
+    clip_cov_low: float = 1.0
+    """clip_cov: tokens are drawn from those whose covariance is at least this..."""
+    clip_cov_high: float = 5.0
+    """clip_cov: ...and at most this."""
+    kl_cov_coef: float = 1.0
+    """kl_cov: weight of |log pi - log pi_prox| on the chosen tokens; needs
+    `optimizer_steps_per_batch` >= 2 (the drift is 0 at the update's start)."""
     optimizer_steps_per_batch: int = 1
     """Optimiser steps on each batch (PPO epochs); the proximal policy is the one at the batch's start."""
     micro_batch_size: int = 4

@@ -6,7 +6,8 @@ Layout: `<run_dir>/checkpoints/step_000010/` holding
 - `sharded/`: parameters and optimiser state written by every rank with
   torch.distributed.checkpoint, which re-shards them on load, so a run saved at N ranks resumes
   at any other number (one included);
-- `state.pt`: step, version, horizon, counters and RNG, written by rank 0.
+- `state.pt`: step, version, horizon, counters, RNG and the trainer's own state (the adaptive
+  entropy coefficient), written by rank 0.
 A checkpoint is written to a `.partial` folder and renamed, so a crash mid-write never leaves a
 half checkpoint that resume would pick up. (Checkpoints from before the sharded layout, with the
 optimiser inside `state.pt`, still resume at one rank.)
@@ -79,6 +80,7 @@ def save_checkpoint(
                 "horizon": asdict(horizon),
                 "counters": dict(counters),
                 "num_ranks": ranks.world_size,
+                "trainer": trainer.extra_state(),
                 "rng": {
                     "python": random.getstate(),
                     "numpy": np.random.get_state(),
@@ -152,6 +154,8 @@ def load_checkpoint(path: Path, *, trainer) -> dict:
 
         load_state_into(trainer.model, load_file(path / "model.safetensors"))
         trainer.optimizer.load_state_dict(state["optimizer"])
+    # Every rank restores it: the coefficient is the same on each.
+    trainer.load_extra_state(state.get("trainer", {}))
     rng = state["rng"]
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])

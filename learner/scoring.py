@@ -27,7 +27,8 @@ AdvantagesOf = Callable[[np.ndarray], np.ndarray]
 class FlatShare:
     """What the batch's flat groups would have added to the loss's denominator: their members'
     generated tokens and their number. They are not passed through the model (every advantage is
-    0, so their policy gradient is 0), but they still count, so a batch that is mostly flat makes
+    0, so their policy gradient is 0; when a term that is not 0 there is on, such as a KL penalty,
+    they are passed instead and this stays empty), but they still count, so a batch that is mostly flat makes
     a proportionally small update, the policy gradient of the whole batch. Without this, the few
     groups with signal near convergence (or from a fine-tuned policy) carry an update as large as a
     batch full of signal, made of their noise."""
@@ -85,9 +86,11 @@ def score_each_group(groups, rewards_of: RewardsOf, advantages_of: AdvantagesOf,
                      train_flat_groups: bool = False) -> ScoredBatch:
     """Advantages within each group. A group whose rewards are all equal is skipped and counted
     (every advantage would be 0); its tokens and members still count in the loss's denominator
-    (`FlatShare`). With `train_flat_groups` (an entropy bonus is on) it is trained on instead, at
-    its advantages of 0, since the bonus alone can push a policy so sharp that every member plays
-    alike (flat at any success rate) to explore again; it is still counted as flat."""
+    (`FlatShare`). With `train_flat_groups` (a KL penalty, an entropy bonus or entropy control is
+    on: `learner.entropy.needs_flat_members`) it is trained on instead, at its advantages of 0:
+    such a term is not 0 on its members, so leaving them out would drop their share of it (and an
+    entropy bonus alone can push a policy so sharp that every member plays alike, flat at any
+    success rate, to explore again); it is still counted as flat."""
     kept, failed, too_small = usable_groups(groups)
     examples: list[Example] = []
     used = flat_groups = flat_sequences = 0

@@ -1,10 +1,12 @@
 """The learner's update step: scored examples in, one (or a few) optimiser steps out.
 
 Read `Trainer.step` top to bottom: pad micro-batches, compute the proximal log-probs (and, for an
-algorithm with a critic, its values and advantages), then for each optimiser step run
-micro-batches through the model, add the algorithm's loss (plus optional entropy bonus, KL and
-value terms) and step. How groups become examples, and what the loss is, belongs to the algorithm
-(learner/algorithms/); the log-prob helpers are in learner/logprobs.py.
+algorithm with a critic, its values and advantages; for Clip-Cov or KL-Cov, the tokens they act
+on), then for each optimiser step run micro-batches through the model, add the algorithm's loss
+(plus optional entropy bonus, KL, KL-Cov and value terms) and step; the target-entropy mode's
+coefficient is adapted after the step (learner/entropy.py). How groups become examples, and
+what the loss is, belongs to the algorithm (learner/algorithms/); the log-prob helpers are in
+learner/logprobs.py.
 """
 
 from __future__ import annotations
@@ -18,6 +20,17 @@ from longhorizon.common.config import LearnerConfig
 from longhorizon.learner import distributed
 from longhorizon.learner.algorithms import make_algorithm
 from longhorizon.learner.distributed import Ranks
+from longhorizon.learner.entropy import (
+    EntropyController,
+    clip_cov_selection,
+    covariance_means,
+    entropy_settings,
+    kl_cov_penalty,
+    kl_cov_selection,
+    needs_flat_members,
+    token_covariance,
+    without_gradient_at,
+)
 from longhorizon.learner.logprobs import (
     Example,
     PaddedBatch,
@@ -111,6 +124,10 @@ class Trainer:
         self.device = next(model.parameters()).device
         self.algorithm = make_algorithm(config)
         self.aggregation = self.algorithm.aggregation
+        self.entropy = entropy_settings(config)
+        # The entropy bonus's coefficient: fixed, or adapted after each step (target mode) and
+        # kept in checkpoints (`extra_state`).
+        self.entropy_controller = EntropyController(self.entropy)
         # The KL penalty and the entropy estimate are means, weighted like the loss ("sum" is a
         # per-sequence weighting, so they take per-sequence means there).
         self._monitor_level = "token" if self.aggregation == "token" else "sequence"
@@ -225,22 +242,38 @@ class Trainer:
         steps and stops a run that keeps making them."""
         config = self.config
         started = time.perf_counter()
+        if (flat.tokens > 0 or flat.sequences > 0) and (needs_flat_members(config) or self.value_model is not None):
+            # Such a term (KL, entropy, value loss) is not 0 on a flat member: left out, its share
+            # would be missing from the update, which is then not the whole batch's gradient.
+            raise ValueError(
+                "flat groups were left out of the step, but a per-token term that does not vanish at "
+                "advantage 0 is on (learner.kl_coef, entropy_coef, entropy_control or a critic): score "
+                "them into the examples at advantage 0 (score_each_group(..., train_flat_groups=True))"
+            )
         micro_batches = self._micro_batches(examples)
         shares, signal_fraction = self._shares(micro_batches, flat)
         # The proximal policy is the parameters at the start of this update, evaluated as the
         # actors sample (eval mode: no dropout). With one optimiser step and no dropout it
         # equals the current policy, so it is taken from the training forward pass (detached).
         separate_proximal = config.optimizer_steps_per_batch > 1 or has_dropout(self.model)
+        # Clip-Cov and KL-Cov pick their tokens over the whole batch before the first backward
+        # pass, from the log-probs at the update's start: a pass without gradients when the
+        # proximal ones are not taken separately anyway.
+        covariance = self.entropy.uses_covariance
         proximal: list[torch.Tensor | None] = [None] * len(micro_batches)
+        start_logprobs: list[torch.Tensor | None] = [None] * len(micro_batches)
         reference: list[torch.Tensor | None] = [None] * len(micro_batches)
         old_values: list[torch.Tensor | None] = [None] * len(micro_batches)
         returns: list[torch.Tensor | None] = [None] * len(micro_batches)
-        if separate_proximal or self.reference is not None or self.value_model is not None:
+        if separate_proximal or covariance or self.reference is not None or self.value_model is not None:
             self.policy.eval()
             with torch.no_grad():
                 for index, micro in enumerate(micro_batches):
                     if separate_proximal:
                         proximal[index] = self._logprobs(self.policy, micro)
+                        start_logprobs[index] = proximal[index]
+                    elif covariance:
+                        start_logprobs[index] = self._logprobs(self.policy, micro)
                     if self.reference is not None and config.kl_coef > 0:
                         reference[index] = self._logprobs(self.reference, micro)
                     if self.value_model is not None:
@@ -249,11 +282,16 @@ class Trainer:
             micro_batches, returns = self.algorithm.advantages_from_values(
                 micro_batches, old_values, distributed.all_reduce_sum if self.ranks.distributed else None,
             )
-        self.policy.train()
+        selected: list[torch.Tensor | None] = [None] * len(micro_batches)
         totals: dict[str, float] = {}
+        if covariance:
+            selected, selected_fraction = self._covariance_selection(micro_batches, start_logprobs)
+            name = "cov_clipped_fraction" if self.entropy.mode == "clip_cov" else "cov_penalised_fraction"
+        self.policy.train()
         maxima: dict[str, float] = {}
         grad_norm = 0.0
-        entropy_bonus = config.entropy_coef > 0
+        with_entropy = self.entropy.computes_entropy
+        entropy_coef = self.entropy_controller.coefficient
         learning_rate = learning_rate_at(self.optimizer_steps_taken(), config.learning_rate, config.warmup_steps)
         passes = applied = 0
         finite = True
@@ -271,19 +309,28 @@ class Trainer:
                             idle = idle + self._values(micro).sum() * 0.0
                         idle.backward()
                     continue
-                if entropy_bonus:
+                if with_entropy:
                     logprobs, entropy = self._logprobs(self.policy, micro, with_entropy=True)
                 else:
                     logprobs = self._logprobs(self.policy, micro)
                 prox = proximal[index] if proximal[index] is not None else logprobs.detach()
-                output = self.algorithm.loss(logprobs, prox, micro.behaviour_logprobs, micro.advantages, micro.loss_mask)
+                policy_logprobs = logprobs
+                if selected[index] is not None and self.entropy.mode == "clip_cov":
+                    policy_logprobs = without_gradient_at(logprobs, selected[index])
+                output = self.algorithm.loss(policy_logprobs, prox, micro.behaviour_logprobs, micro.advantages,
+                                             micro.loss_mask)
                 loss = output.loss
                 loss_metrics = dict(output.metrics)
                 share = shares[index]
-                if entropy_bonus:
+                if with_entropy:
                     mean_entropy = aggregate(entropy, micro.loss_mask, self._monitor_level)
-                    loss = loss - config.entropy_coef * mean_entropy
+                    if entropy_coef > 0:  # the target mode measures the entropy even at 0
+                        loss = loss - entropy_coef * mean_entropy
                     totals["entropy"] = totals.get("entropy", 0.0) + mean_entropy.item() * share
+                if selected[index] is not None and self.entropy.mode == "kl_cov":
+                    penalty = kl_cov_penalty(logprobs, prox, selected[index], micro.loss_mask, self._monitor_level)
+                    loss = loss + self.entropy.kl_cov_coef * penalty
+                    totals["kl_cov_penalty"] = totals.get("kl_cov_penalty", 0.0) + penalty.item() * share
                 if reference[index] is not None:
                     kl = kl_penalty(logprobs, reference[index], micro.loss_mask, aggregation=self._monitor_level)
                     loss = loss + config.kl_coef * kl.loss
@@ -337,8 +384,51 @@ class Trainer:
         metrics["nonfinite_step"] = 0.0 if finite else 1.0
         metrics["optimizer_steps_applied"] = float(applied)
         metrics["signal_fraction"] = signal_fraction
+        if with_entropy:
+            metrics["entropy_coef"] = entropy_coef  # the coefficient this step used
+            if applied > 0:
+                # Every rank has the same combined entropy, so the coefficients stay equal.
+                self.entropy_controller.update(metrics.get("entropy", math.nan))
+        if covariance:
+            metrics[name] = selected_fraction
         metrics["learner_step_seconds"] = time.perf_counter() - started
         return metrics
+
+    def _covariance_selection(self, micro_batches: list[PaddedBatch],
+                              start_logprobs: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+        """Clip-Cov's or KL-Cov's tokens in each micro-batch, and their fraction of the batch's
+        generated tokens. The covariance is centred over the whole batch (every rank's tokens);
+        with several ranks each rank picks its share among its own tokens."""
+        masks = [micro.loss_mask for micro in micro_batches]
+        advantages = [micro.advantages for micro in micro_batches]
+        sums = list(covariance_means(start_logprobs, advantages, masks))
+        if self.ranks.distributed:
+            sums = distributed.all_reduce_sum(sums)
+        total_logprob, total_advantage, count = sums
+        mean_logprob, mean_advantage = total_logprob / (count or 1.0), total_advantage / (count or 1.0)
+        covariances = [token_covariance(lp, adv, mask, mean_logprob, mean_advantage)
+                       for lp, adv, mask in zip(start_logprobs, advantages, masks)]
+        settings = self.entropy
+        if settings.mode == "clip_cov":
+            # The global RNG (kept in checkpoints): a resumed run draws as the original would.
+            chosen = clip_cov_selection(covariances, masks, settings.fraction, settings.clip_cov_low,
+                                        settings.clip_cov_high)
+        else:
+            chosen = kl_cov_selection(covariances, masks, settings.fraction)
+        picked = [float(c.sum()) for c in chosen]
+        counted, total = sum(picked), float(sum(float((m > 0).sum()) for m in masks))
+        if self.ranks.distributed:
+            counted, total = distributed.all_reduce_sum([counted, total])
+        return [c if n else None for c, n in zip(chosen, picked)], counted / (total or 1.0)
+
+    def extra_state(self) -> dict:
+        """What a checkpoint keeps of the trainer beside the model and the optimiser: the
+        target-entropy mode's coefficient."""
+        return {"entropy_control": self.entropy_controller.state_dict()}
+
+    def load_extra_state(self, state: dict) -> None:
+        """Restore `extra_state` (a checkpoint without it leaves the coefficient at its start)."""
+        self.entropy_controller.load_state_dict(state.get("entropy_control", {}))
 
     def _update_is_finite(self, loss_finite: bool, grad_norm: float) -> bool:
         """Whether this pass's update may be applied: its loss and gradient norm finite. The norm

@@ -193,13 +193,42 @@ def test_unknown_algorithms_and_foreign_keys_are_refused():
         make_algorithm(LearnerConfig(algorithm="dapo", overlong_buffer_tokens=10))
     with pytest.raises(AlgorithmError, match="value_coef must be positive"):
         make_algorithm(LearnerConfig(algorithm="ppo", value_coef=0.0))
-    with pytest.raises(AlgorithmError, match="clip range must have"):
+    with pytest.raises(AlgorithmError, match=r"learner.clip_eps_low must be in \(0, 1\], got 1.5"):
         make_algorithm(LearnerConfig(algorithm="cispo", clip_eps_low=1.5))
     # Values no loss knows fail here, not at the first update ("sum" is dr_grpo's own).
     with pytest.raises(AlgorithmError, match="learner.aggregation must be one of token, sequence, got 'sum'"):
         make_algorithm(LearnerConfig(aggregation="sum"))
     with pytest.raises(AlgorithmError, match="learner.weight_level must be one of"):
         make_algorithm(LearnerConfig(algorithm="dapo", weight_level="tokens"))
+
+
+@pytest.mark.parametrize("algorithm, key", [
+    ("grpo", "clip_eps"), ("rloo", "clip_eps"), ("dr_grpo", "clip_eps"), ("ppo", "clip_eps"),
+    ("dapo", "clip_eps_low"), ("gspo", "clip_eps_low"), ("cispo", "clip_eps_low"),
+])
+@pytest.mark.parametrize("value", [0.5, 0.999, 1.0, 1.5, 0.0, -0.1])
+def test_the_config_check_refuses_exactly_the_lower_clips_the_loss_refuses(monkeypatch, algorithm, key, value):
+    """Whatever the config check lets through, the loss takes at the first update, and whatever it
+    refuses (naming the key), the loss would have refused: a lower clip of 1 leaves a clipped
+    surrogate's ratio unbounded below, so only cispo's capped weight takes it."""
+    config = LearnerConfig(algorithm=algorithm, **{key: value})
+    mask = torch.ones(2, 3)
+    tensors = (torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([1.0, -1.0]), mask)
+    try:
+        chosen = make_algorithm(config)
+    except AlgorithmError as error:
+        assert f"learner.{key} must be in" in str(error)
+        refused = True
+    else:
+        refused = False
+        chosen.loss(*tensors)  # raises if the loss disagrees
+    if refused:
+        from longhorizon.learner.algorithms import algorithm_class
+
+        monkeypatch.setattr(algorithm_class(algorithm), "check_settings", lambda self: None)
+        with pytest.raises(ValueError, match="clip_eps"):
+            make_algorithm(config).loss(*tensors)
+    assert refused == (not 0 < value < 1 and not (algorithm == "cispo" and value == 1.0))
 
 
 def test_the_launcher_refuses_bad_algorithm_settings_before_starting():

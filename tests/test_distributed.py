@@ -152,14 +152,22 @@ def _relative_error(a: dict, b: dict) -> float:
     return difference / sum(float(a[k].float().norm() ** 2) for k in a) ** 0.5
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "grpo-flat-groups", "grpo-entropy-bonus", "ppo", "ppo-separate-critic"])
+@pytest.mark.parametrize("algorithm", ["grpo", "grpo-flat-groups", "grpo-entropy-bonus", "grpo-target-entropy",
+                                       "grpo-clip-cov", "grpo-kl-cov", "ppo", "ppo-separate-critic"])
 def test_two_ranks_train_exactly_as_one(tmp_path, tiny_codebook_model, algorithm):
     """fp32, decoupled PPO with a separate proximal pass (two optimiser steps on one batch); for
     ppo, the critic too (its GAE advantages centred, and for "ppo" also whitened, over both ranks'
     tokens), on the policy's backbone or as a separate model sharded like the policy; flat
     groups' share of the denominator is counted once, not once per rank; the entropy bonus's
-    full-distribution entropy is computed on each rank's positions like the log-probs."""
+    full-distribution entropy is computed on each rank's positions like the log-probs, and the
+    target mode's coefficient adapts to the entropy of both ranks' tokens; Clip-Cov and KL-Cov
+    centre their covariance over both ranks' tokens (with every token in the band, or every
+    token penalised, each rank's share of the choice is the whole batch's)."""
     settings = {"grpo": {}, "grpo-flat-groups": {}, "grpo-entropy-bonus": {"entropy_coef": 0.05},
+                "grpo-target-entropy": {"entropy_control": "target", "target_entropy": 9.0, "entropy_coef": 0.05},
+                "grpo-clip-cov": {"entropy_control": "clip_cov", "cov_fraction": 1.0, "clip_cov_low": 0.0,
+                                  "clip_cov_high": 1e9},
+                "grpo-kl-cov": {"entropy_control": "kl_cov", "cov_fraction": 1.0},
                 "ppo": {"algorithm": "ppo", "advantage_std_scaling": True},
                 "ppo-separate-critic": {"algorithm": "ppo", "critic": str(tiny_codebook_model)}}[algorithm]
     flat = (30.0, 4) if algorithm == "grpo-flat-groups" else (0.0, 0)
@@ -172,7 +180,9 @@ def test_two_ranks_train_exactly_as_one(tmp_path, tiny_codebook_model, algorithm
     assert _relative_error(after_one, before) > 1e-3  # the step moved the weights
     assert _relative_error(after_one, two["state"]) <= 1e-5
     names = ["loss", "train_tokens", "train_sequences", "grad_norm", "ratio_max", "clip_fraction"]
-    extra = ["value_loss"] if algorithm.startswith("ppo") else ["entropy"] if algorithm == "grpo-entropy-bonus" else []
+    extra = {"ppo": ["value_loss"], "ppo-separate-critic": ["value_loss"], "grpo-entropy-bonus": ["entropy"],
+             "grpo-target-entropy": ["entropy", "entropy_coef"], "grpo-clip-cov": ["cov_clipped_fraction"],
+             "grpo-kl-cov": ["cov_penalised_fraction", "kl_cov_penalty"]}.get(algorithm, [])
     for name in names + extra:
         assert two["metrics"][name] == pytest.approx(one_metrics[name], rel=1e-4, abs=1e-6), name
 

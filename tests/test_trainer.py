@@ -125,6 +125,95 @@ def test_flat_groups_left_out_count_as_if_trained_on_with_zero_advantage(tiny_co
     assert logged["signal_fraction"] == pytest.approx(signal_share) and logged_alone["signal_fraction"] == 1.0
 
 
+def _groups_with_flat_ones(model) -> list:
+    """Six groups of three on-policy members: two with signal, four flat (all 1 or all 0)."""
+    from types import SimpleNamespace
+
+    members = [e for seed in (2, 3, 4) for e in _on_policy_examples(model, seed=seed)]
+    rewards = [[1.0, 0.0, 1.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    groups = []
+    for index, group_rewards in enumerate(rewards):
+        trajectories = [
+            SimpleNamespace(reward=reward, error="", token_ids=e.token_ids, loss_mask=e.loss_mask,
+                            behaviour_logprobs=e.behaviour_logprobs)
+            for reward, e in zip(group_rewards, members[3 * index:3 * index + 3])
+        ]
+        groups.append(SimpleNamespace(trajectories=trajectories))
+    return groups
+
+
+def _reference_model(model_folder):
+    """The model with its weights moved a little: a KL anchor whose gradient is not 0."""
+    reference = load_causal_lm(model_folder)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return reference.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "gspo", "dr_grpo"], ids=["token", "sequence", "sum"])
+@pytest.mark.parametrize("kl_coef", [0.0, 1.0], ids=["kl-off", "kl-on"])
+def test_the_update_is_the_whole_batch_gradient_with_flat_members_at_advantage_zero(tiny_codebook_model, algorithm,
+                                                                                   kl_coef):
+    """Scored and stepped as a run does (the algorithm scores the groups, the trainer steps on
+    several micro-batches), the gradient equals one pass over every member, the flat groups' at
+    advantage 0, with the KL penalty over all of them. With the KL off the flat groups are left
+    out (counted in the denominator only); with it on they go through the model, since their KL
+    is not 0: leaving them out dropped their KL anchor (45% off at kl_coef = 1)."""
+    from longhorizon.learner.advantages import group_has_signal
+    from longhorizon.learner.losses import kl_penalty
+
+    model = load_causal_lm(tiny_codebook_model)
+    groups = _groups_with_flat_ones(model)
+    config = LearnerConfig(algorithm=algorithm, kl_coef=kl_coef, grad_clip=1e9, micro_batch_size=4,
+                           max_tokens_per_micro_batch=10_000)
+    reference = _reference_model(tiny_codebook_model)
+    trainer = Trainer(model, config, reference_model=reference)
+    scored = trainer.algorithm.score(groups)
+    if kl_coef == 0:
+        assert len(scored.examples) == 6 and scored.flat.sequences == 12  # the skip saves the compute
+    else:
+        assert len(scored.examples) == 18 and scored.flat.sequences == 0
+    assert scored.groups_skipped_zero_variance == 4
+    trainer.step(scored.examples, scored.flat)
+    stepped = [p.grad.detach().clone() for p in model.parameters()]
+
+    # The whole batch in one pass: the signal groups' advantages, 0 for the flat members.
+    whole_model = load_causal_lm(tiny_codebook_model)
+    algorithm_object = Trainer(whole_model, config, reference_model=reference).algorithm
+    examples = []
+    for group in groups:
+        rewards = np.array([t.reward for t in group.trajectories])
+        advantages = (algorithm_object.group_advantages(rewards) if group_has_signal(rewards)
+                      else np.zeros(len(rewards)))
+        examples += [Example(np.asarray(t.token_ids), t.loss_mask, t.behaviour_logprobs, float(a))
+                     for t, a in zip(group.trajectories, advantages)]
+    batch = pad_examples(examples, pad_token_id=0)
+    logprobs = token_logprobs(whole_model, batch)
+    loss = algorithm_object.loss(logprobs, logprobs.detach(), batch.behaviour_logprobs, batch.advantages,
+                                 batch.loss_mask).loss
+    if kl_coef:
+        with torch.no_grad():
+            anchor = token_logprobs(reference, batch)
+        level = "token" if algorithm == "grpo" else "sequence"
+        loss = loss + kl_coef * kl_penalty(logprobs, anchor, batch.loss_mask, aggregation=level).loss
+    loss.backward()
+    whole = [p.grad.detach().clone() for p in whole_model.parameters()]
+    assert any(grad.abs().max() > 0 for grad in whole), "no gradient at all"
+    largest = max(float(grad.abs().max()) for grad in whole)
+    for got, expected in zip(stepped, whole):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * largest)
+
+
+def test_flat_groups_left_out_under_a_kl_penalty_are_refused(tiny_codebook_model):
+    """A scorer that left flat groups out while the KL is on would lose their KL: the step says so."""
+    model = load_causal_lm(tiny_codebook_model)
+    trainer = Trainer(model, LearnerConfig(kl_coef=0.1), reference_model=_reference_model(tiny_codebook_model))
+    with pytest.raises(ValueError, match="flat groups were left out.*kl_coef"):
+        trainer.step(_on_policy_examples(model), FlatShare(tokens=10.0, sequences=3))
+
+
 def test_the_behaviour_weight_is_truncated_at_the_cap(tiny_codebook_model):
     examples = _on_policy_examples(load_causal_lm(tiny_codebook_model))
     config = LearnerConfig(loss="decoupled_ppo", behaviour_weight_cap=2.0, grad_clip=1e9)

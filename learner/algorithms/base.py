@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
 import numpy as np
 
 from longhorizon.learner.advantages import group_has_signal
+from longhorizon.learner.entropy import EntropyControlError, entropy_settings, needs_flat_members
 from longhorizon.learner.losses import WEIGHT_LEVELS, LossOutput
 from longhorizon.learner.scoring import ScoredBatch, usable_members
 
@@ -69,8 +70,13 @@ class Algorithm:
     def __init__(self, config: LearnerConfig, name: str | None = None) -> None:
         self.name = name or config.algorithm
         self.settings = settings_from(self.Settings, config)
-        # An entropy bonus (a common key) can move a policy on groups without signal.
-        self.train_flat_groups = config.entropy_coef > 0
+        try:  # the common entropy-control keys, checked wherever an algorithm is made
+            entropy_settings(config)
+        except EntropyControlError as error:
+            raise AlgorithmError(str(error)) from None
+        # A KL penalty, an entropy bonus or entropy control (common keys) is a per-token term that
+        # does not vanish at advantage 0: flat groups then go through the model, so it counts them.
+        self.train_flat_groups = needs_flat_members(config)
         self.check_settings()
 
     @classmethod
@@ -153,7 +159,14 @@ def check_choices(settings) -> None:
             raise AlgorithmError(f"learner.{key} must be one of {', '.join(choices)}, got {value!r}")
 
 
-def check_clip_range(low: float, high: float) -> None:
-    """The ratio is clipped to [1 - low, 1 + high]."""
-    if not (0 < low <= 1 and high > 0):
-        raise AlgorithmError(f"clip range must have 0 < clip_eps_low <= 1 and clip_eps_high > 0, got {low}, {high}")
+def check_clip_range(low: float, high: float, *, low_key: str = "clip_eps_low", high_key: str = "clip_eps_high",
+                     low_may_be_one: bool = False) -> None:
+    """The ratio is clipped to [1 - low, 1 + high]: refuse the values the loss would refuse at its
+    first update, naming the key. A clipped surrogate needs low < 1 (a lower bound of 0 leaves
+    the ratio unbounded below); an importance weight that is only capped (cispo) may take 1."""
+    low_ok = 0 < low <= 1 if low_may_be_one else 0 < low < 1
+    if not low_ok:
+        bound = "(0, 1]" if low_may_be_one else "(0, 1)"
+        raise AlgorithmError(f"clip range: learner.{low_key} must be in {bound}, got {low}")
+    if not high > 0:
+        raise AlgorithmError(f"clip range: learner.{high_key} must be positive, got {high}")

@@ -23,6 +23,7 @@ class CISPO(GRPO):
     aggregation = "token"
     default_clip = (1.0, 1.0)
     """No lower bound; the weight capped at 2, like behaviour_weight_cap."""
+    clip_low_may_be_one = True
 
     def loss(self, logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask) -> LossOutput:
         low, high = self.clip_range

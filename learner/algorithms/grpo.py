@@ -49,8 +49,14 @@ class GRPO(Algorithm):
     normaliser_tokens = 1.0
     """The constant a sequence's summed loss is divided by under "sum" aggregation."""
 
+    clip_low_may_be_one = False
+    """Whether its loss takes a lower clip of 1 (no lower bound): a weight that is only capped
+    (cispo) does, a clipped surrogate does not."""
+
     def check_settings(self) -> None:
-        check_clip_range(*self.clip_range)
+        keys = ("clip_eps", "clip_eps") if self.default_clip is None else ("clip_eps_low", "clip_eps_high")
+        check_clip_range(*self.clip_range, low_key=keys[0], high_key=keys[1],
+                         low_may_be_one=self.clip_low_may_be_one)
         check_choices(self.settings)
 
     def group_advantages(self, rewards: np.ndarray) -> np.ndarray:

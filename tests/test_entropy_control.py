@@ -1,0 +1,259 @@
+"""Entropy control: the adaptive coefficient, Clip-Cov and KL-Cov against hand-computed values, their
+config checks, and each mode in the trainer's update for every built-in algorithm."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from longhorizon.common.config import ConfigError, LearnerConfig, load_config
+from longhorizon.common.models import load_causal_lm
+from longhorizon.learner.algorithms import BUILTINS, AlgorithmError, make_algorithm
+from longhorizon.learner.entropy import (
+    EntropyController,
+    adapted_coefficient,
+    clip_cov_selection,
+    covariance_means,
+    entropy_settings,
+    kl_cov_penalty,
+    kl_cov_selection,
+    needs_flat_members,
+    selected_count,
+    token_covariance,
+    without_gradient_at,
+)
+from longhorizon.learner.logprobs import pad_examples, token_logprobs
+from longhorizon.learner.trainer import Trainer
+from tests.test_trainer import _on_policy_examples
+
+# -- the adaptive coefficient ----------------------------------------------------------------------
+
+
+def test_the_coefficient_rises_below_the_target_falls_above_and_stays_in_its_bounds():
+    assert adapted_coefficient(0.1, entropy=0.5, target=1.0, step=0.05, maximum=0.2) == pytest.approx(0.15)
+    assert adapted_coefficient(0.1, entropy=1.5, target=1.0, step=0.05, maximum=0.2) == pytest.approx(0.05)
+    assert adapted_coefficient(0.1, entropy=1.0, target=1.0, step=0.05, maximum=0.2) == 0.1  # at the target
+    assert adapted_coefficient(0.02, entropy=2.0, target=1.0, step=0.05, maximum=0.2) == 0.0  # never negative
+    assert adapted_coefficient(0.18, entropy=0.1, target=1.0, step=0.05, maximum=0.2) == 0.2  # at most the ceiling
+
+
+def test_the_controller_adapts_only_in_the_target_mode_and_keeps_its_state():
+    target = entropy_settings(LearnerConfig(entropy_control="target", target_entropy=1.0, entropy_coef=0.01,
+                                            entropy_coef_step=0.02, entropy_coef_max=0.5))
+    controller = EntropyController(target)
+    assert controller.coefficient == 0.01  # starts at entropy_coef
+    for entropy in (0.4, 0.6, 0.9):  # below the target three times
+        controller.update(entropy)
+    assert controller.coefficient == pytest.approx(0.07)
+    controller.update(1.3)
+    assert controller.coefficient == pytest.approx(0.05)
+    controller.update(math.nan)  # a skipped update says nothing
+    assert controller.coefficient == pytest.approx(0.05)
+    restored = EntropyController(target)
+    restored.load_state_dict(controller.state_dict())
+    assert restored.coefficient == pytest.approx(0.05)
+    fixed = EntropyController(entropy_settings(LearnerConfig(entropy_coef=0.2)))
+    fixed.update(0.0)
+    fixed.load_state_dict({"coefficient": 0.9})
+    assert fixed.coefficient == 0.2  # a plain bonus is the config's, whatever a checkpoint says
+
+
+# -- covariance, Clip-Cov, KL-Cov ----------------------------------------------------------------
+
+LOGPROBS = torch.tensor([[-1.0, -3.0, -9.0], [-2.0, -2.0, -9.0]])
+MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])  # the last column is padding
+ADVANTAGES = torch.tensor([1.0, -1.0])
+
+
+def test_the_covariance_of_each_token_by_hand():
+    # Over the four generated tokens: mean log-prob -2, mean advantage 0.
+    total_logprob, total_advantage, count = covariance_means([LOGPROBS], [ADVANTAGES], [MASK])
+    assert (total_logprob, total_advantage, count) == (-8.0, 0.0, 4.0)
+    covariance = token_covariance(LOGPROBS, ADVANTAGES, MASK, total_logprob / count, total_advantage / count)
+    # (-1 + 2) * 1 = 1; (-3 + 2) * 1 = -1; (-2 + 2) * -1 = 0; padding 0.
+    torch.testing.assert_close(covariance, torch.tensor([[1.0, -1.0, 0.0], [0.0, 0.0, 0.0]]))
+    # Per-token advantages (ppo) and centring on other means.
+    per_token = torch.tensor([[2.0, 0.0, 0.0], [1.0, -1.0, 0.0]])
+    covariance = token_covariance(LOGPROBS, per_token, MASK, -2.5, 0.5)
+    torch.testing.assert_close(covariance, torch.tensor([[1.5 * 1.5, -0.5 * -0.5, 0.0], [0.5 * 0.5, 0.5 * -1.5, 0.0]]))
+
+
+def test_kl_cov_takes_the_tokens_of_largest_covariance_over_every_micro_batch():
+    first = torch.tensor([[1.0, -1.0, 7.0]])  # 7.0 is padding: never chosen
+    second = torch.tensor([[0.0, 0.5]])
+    masks = [torch.tensor([[1.0, 1.0, 0.0]]), torch.tensor([[1.0, 1.0]])]
+    assert selected_count(0.5, 4) == 2 and selected_count(0.01, 4) == 1 and selected_count(0.5, 0) == 0
+    chosen = kl_cov_selection([first, second], masks, fraction=0.5)
+    assert chosen[0].tolist() == [[True, False, False]] and chosen[1].tolist() == [[False, True]]
+    chosen = kl_cov_selection([first, second], masks, fraction=0.01)  # at least one token
+    assert chosen[0].tolist() == [[True, False, False]] and not chosen[1].any()
+
+
+def test_clip_cov_draws_its_tokens_from_the_band_alone():
+    covariance = [torch.tensor([[1.0, -1.0, 3.0], [0.0, 0.5, 9.0]])]
+    mask = [torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])]  # 3.0 is padding; 9.0 is above the band
+    band = dict(low=0.4, high=2.0)
+    everything = clip_cov_selection(covariance, mask, fraction=1.0, **band)[0]  # more wanted than in the band
+    assert everything.tolist() == [[True, False, False], [False, True, False]]
+    drawn = set()
+    for seed in range(20):  # one token of five (fraction 0.2), drawn at random from the two in the band
+        [chosen] = clip_cov_selection(covariance, mask, fraction=0.2, generator=torch.Generator().manual_seed(seed),
+                                      **band)
+        assert int(chosen.sum()) == 1 and bool((chosen <= everything).all())
+        drawn.add(tuple(chosen.reshape(-1).tolist()))
+    assert len(drawn) == 2
+    assert not clip_cov_selection(covariance, mask, fraction=1.0, low=10.0, high=20.0)[0].any()
+
+
+def test_clip_cov_detaches_the_chosen_tokens_and_kl_cov_penalises_their_drift():
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    chosen = torch.tensor([[True, False, False]])
+    without_gradient_at(logprobs, chosen).sum().backward()
+    assert logprobs.grad.tolist() == [[0.0, 1.0, 1.0]]
+    logprobs.grad = None
+    # |-1 - (-1.5)| = 0.5 on the one chosen token, over three generated tokens.
+    proximal = torch.tensor([[-1.5, -2.5, -3.5]])
+    penalty = kl_cov_penalty(logprobs, proximal, chosen, torch.ones(1, 3), "token")
+    assert float(penalty.detach()) == pytest.approx(0.5 / 3)
+    penalty.backward()
+    assert logprobs.grad.tolist() == [[pytest.approx(1 / 3), 0.0, 0.0]]
+    sequence = kl_cov_penalty(logprobs, proximal, chosen, torch.tensor([[1.0, 1.0, 0.0]]), "sequence")
+    assert float(sequence) == pytest.approx(0.25)
+
+
+# -- config checks ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"entropy_control": "adaptive"}, "learner.entropy_control must be one of none, target, clip_cov, kl_cov"),
+    ({"entropy_control": "target"}, "learner.target_entropy must be positive"),
+    ({"entropy_control": "target", "target_entropy": 0.5, "entropy_coef_step": 0.0}, "learner.entropy_coef_step must"),
+    ({"entropy_control": "target", "target_entropy": 0.5, "entropy_coef": 0.3, "entropy_coef_max": 0.2},
+     "learner.entropy_coef_max must be >= learner.entropy_coef"),
+    ({"entropy_control": "clip_cov", "cov_fraction": 0.0}, r"learner.cov_fraction must be in \(0, 1\]"),
+    ({"entropy_control": "clip_cov", "clip_cov_low": 5.0, "clip_cov_high": 1.0}, "learner.clip_cov_low must be <="),
+    ({"entropy_control": "kl_cov", "optimizer_steps_per_batch": 2, "kl_cov_coef": -1.0}, "learner.kl_cov_coef must"),
+    ({"entropy_control": "kl_cov"}, "optimizer_steps_per_batch >= 2"),
+    ({"target_entropy": 0.5}, "learner.target_entropy is not used by learner.entropy_control = 'none'.*target"),
+    ({"entropy_control": "clip_cov", "kl_cov_coef": 2.0}, "learner.kl_cov_coef is not used by .*'clip_cov'"),
+    ({"entropy_control": "kl_cov", "optimizer_steps_per_batch": 2, "clip_cov_high": 9.0},
+     "learner.clip_cov_high is not used"),
+])
+def test_bad_entropy_control_settings_are_refused_naming_the_key(settings, message):
+    with pytest.raises(AlgorithmError, match=message):
+        make_algorithm(LearnerConfig(**settings))
+
+
+def test_the_launcher_refuses_bad_entropy_control_before_starting():
+    from longhorizon.launch.local import validate_config
+
+    base = ["env.name='codebook'", "actor.engine='scripted'"]
+    with pytest.raises(ConfigError, match="learner.target_entropy must be positive"):
+        validate_config(load_config(None, [*base, "learner.entropy_control='target'"]))
+    validate_config(load_config(None, [*base, "learner.entropy_control='clip_cov'", "learner.cov_fraction=0.01"]))
+
+
+def test_every_mode_and_a_kl_penalty_put_flat_groups_into_the_update():
+    assert not needs_flat_members(LearnerConfig())
+    for settings in ({"kl_coef": 0.1}, {"entropy_coef": 0.01}, {"entropy_control": "clip_cov"},
+                     {"entropy_control": "target", "target_entropy": 0.3},
+                     {"entropy_control": "kl_cov", "optimizer_steps_per_batch": 2}):
+        assert needs_flat_members(LearnerConfig(**settings)), settings
+        assert make_algorithm(LearnerConfig(**settings)).train_flat_groups, settings
+
+
+# -- in the trainer --------------------------------------------------------------------------------
+
+MODES = {
+    "target": {"entropy_control": "target", "target_entropy": 5.0, "entropy_coef": 0.01, "entropy_coef_step": 0.02},
+    "clip_cov": {"entropy_control": "clip_cov", "cov_fraction": 0.2, "clip_cov_low": -100.0, "clip_cov_high": 100.0},
+    "kl_cov": {"entropy_control": "kl_cov", "cov_fraction": 0.2, "optimizer_steps_per_batch": 2},
+}
+
+
+@pytest.mark.parametrize("algorithm", list(BUILTINS))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_trains_every_algorithm_and_logs_its_figures(tiny_codebook_model, algorithm, mode):
+    model = load_causal_lm(tiny_codebook_model)
+    examples = _on_policy_examples(model)
+    if algorithm == "ppo":  # ppo's advantages come from its critic and each token's reward
+        examples = [dataclasses.replace(e, token_rewards=np.r_[np.zeros(len(e.token_ids) - 1), e.advantage])
+                    for e in examples]
+    config = LearnerConfig(algorithm=algorithm, learning_rate=1e-3, micro_batch_size=2, **MODES[mode])
+    trainer = Trainer(model, config)
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics = trainer.step(examples)
+    assert metrics["nonfinite_step"] == 0 and math.isfinite(metrics["loss"])
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    if mode == "target":
+        assert metrics["entropy_coef"] == 0.01 and 0 < metrics["entropy"] < 5.0
+        assert trainer.entropy_controller.coefficient == pytest.approx(0.03)  # below the target: up a step
+    else:
+        tokens = sum(float(e.loss_mask[1:].sum()) for e in examples)
+        name = "cov_clipped_fraction" if mode == "clip_cov" else "cov_penalised_fraction"
+        assert metrics[name] == pytest.approx(int(0.2 * tokens) / tokens)
+    if mode == "kl_cov":  # 0 on the first pass, then the drift of the chosen tokens
+        assert metrics["kl_cov_penalty"] > 0
+
+
+def _step_gradient(model_folder, config, examples):
+    model = load_causal_lm(model_folder)
+    Trainer(model, config).step(examples)
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def test_clip_cov_removes_exactly_the_chosen_tokens_policy_gradient(tiny_codebook_model):
+    """The chosen tokens (every generated token in the band when the fraction asks for more) are
+    the covariance's largest ones, picked over the whole batch across micro-batches: the update
+    equals the plain one computed with those tokens' log-probs detached."""
+    model = load_causal_lm(tiny_codebook_model)
+    examples = _on_policy_examples(model)
+    batch = pad_examples(examples, pad_token_id=0)
+    with torch.no_grad():
+        logprobs = token_logprobs(model, batch)
+    total_logprob, total_advantage, count = covariance_means([logprobs], [batch.advantages], [batch.loss_mask])
+    covariance = token_covariance(logprobs, batch.advantages, batch.loss_mask, total_logprob / count,
+                                  total_advantage / count)
+    low = float(covariance[batch.loss_mask > 0].median())  # about half the tokens lie above
+    config = LearnerConfig(grad_clip=1e9, micro_batch_size=2, entropy_control="clip_cov", cov_fraction=1.0,
+                           clip_cov_low=low, clip_cov_high=1e9)
+    chosen = (covariance >= low) & (batch.loss_mask > 0)
+    assert 0 < int(chosen.sum()) < int((batch.loss_mask > 0).sum())
+
+    stepped = _step_gradient(tiny_codebook_model, config, examples)
+    reference_model = load_causal_lm(tiny_codebook_model)
+    trainer = Trainer(reference_model, LearnerConfig(grad_clip=1e9))
+    current = token_logprobs(reference_model, batch)
+    trainer.algorithm.loss(without_gradient_at(current, chosen), current.detach(), batch.behaviour_logprobs,
+                           batch.advantages, batch.loss_mask).loss.backward()
+    expected = [p.grad.detach().clone() for p in reference_model.parameters()]
+    plain = _step_gradient(tiny_codebook_model, LearnerConfig(grad_clip=1e9, micro_batch_size=2), examples)
+    largest = max(float(grad.abs().max()) for grad in expected)
+    for got, want in zip(stepped, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * largest)
+    assert any(not torch.allclose(a, b, atol=1e-6 * largest) for a, b in zip(stepped, plain))
+    # Every token chosen: nothing is left of the policy gradient.
+    everything = dataclasses.replace(config, clip_cov_low=-1e9)
+    assert all(float(grad.abs().max()) == 0 for grad in _step_gradient(tiny_codebook_model, everything, examples))
+
+
+def test_the_adaptive_coefficient_is_kept_in_checkpoints(tmp_path, tiny_codebook_model):
+    from longhorizon.learner.checkpoint import load_checkpoint, save_checkpoint
+    from longhorizon.learner.curriculum import HorizonState
+
+    config = LearnerConfig(learning_rate=1e-3, **MODES["target"])
+    model = load_causal_lm(tiny_codebook_model)
+    trainer = Trainer(model, config)
+    examples = _on_policy_examples(model)
+    first = trainer.step(examples)
+    second = trainer.step(examples)
+    assert (first["entropy_coef"], second["entropy_coef"]) == (pytest.approx(0.01), pytest.approx(0.03))
+    save_checkpoint(tmp_path, trainer=trainer, step=2, version=2, horizon=HorizonState(cap=3, stage=0, step=2),
+                    counters={})
+    resumed = Trainer(load_causal_lm(tiny_codebook_model), config)
+    assert resumed.entropy_controller.coefficient == pytest.approx(0.01)
+    load_checkpoint(tmp_path / "checkpoints" / "step_000002", trainer=resumed)
+    assert resumed.entropy_controller.coefficient == pytest.approx(0.05)
+    assert resumed.step(examples)["entropy_coef"] == pytest.approx(0.05)
