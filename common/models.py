@@ -10,10 +10,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
 import os
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 
@@ -51,7 +54,7 @@ def resolve_model_path(spec: str, cache_dir: str | Path = ".cache/models") -> Pa
         folder = Path(parts[1])
         words = parts[2].split(",") if len(parts) > 2 and parts[2] else []
         if not (folder / "config.json").is_file():
-            build_tiny_model(folder, words=words)
+            _build_tiny_model_once(folder, words)
         return folder
     folder = Path(spec).expanduser()
     if not (folder / "config.json").is_file():
@@ -109,19 +112,44 @@ def ensure_default_model(target: Path) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         delattr(model.config, "quantization_config")
-    tmp = target.with_name(target.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, target) if not target.exists() else _replace_dir(tmp, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _scratch_beside(target) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        _move_into_place(tmp, target)
     return target
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
-    import shutil
+@contextlib.contextmanager
+def _scratch_beside(target: Path):
+    """A fresh folder next to `target` (same filesystem, so it can be renamed into place), removed
+    afterwards unless it was: each writer has its own, so two never write into one."""
+    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-"))
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
-    shutil.rmtree(dst)
-    os.replace(src, dst)
+
+def _move_into_place(scratch: Path, target: Path) -> None:
+    """Rename a finished model folder to `target`. If another process finished first, its folder
+    stays (both are the same model); a folder without config.json there is a build that died and
+    is replaced."""
+    try:
+        os.rename(scratch, target)  # onto nothing or an empty folder
+    except OSError:
+        if not (target / "config.json").is_file():
+            shutil.rmtree(target)
+            os.rename(scratch, target)
+
+
+def _build_tiny_model_once(folder: Path, words: list[str]) -> None:
+    """`build_tiny_model` for a `tiny:` model path, safe when several processes resolve it at once
+    (test workers, a launcher and a script): built aside, then renamed into place whole."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _scratch_beside(folder) as scratch:
+        build_tiny_model(scratch, words=words)
+        _move_into_place(scratch, folder)
 
 
 def build_tiny_model(
