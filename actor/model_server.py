@@ -4,18 +4,46 @@ It serves any local Hugging Face model folder through the `hf` engine on 127.0.0
 - `GET /v1/models`: the served model (and the version of the weights it holds);
 - `POST /v1/completions`: prompt as text or token ids; returns the sampled token ids
   (`choices[i].token_ids`) and per-token log-probs in the shape vLLM's server uses
-  (`logprobs.tokens` as `token_id:N` when `return_tokens_as_token_ids` is set);
-- `POST /v1/chat/completions`: messages rendered with the model's chat template;
+  (`logprobs.tokens` as `token_id:N` when `return_tokens_as_token_ids` is set); `logprobs: N`
+  (0-5) puts the N most likely tokens at each position, and the sampled one, in `top_logprobs`;
+- `POST /v1/chat/completions`: messages rendered with the model's chat template; `logprobs: true`
+  returns each token's log-prob, and `top_logprobs: N` (0-20) the N most likely tokens at each
+  position, most likely first;
 - `POST /v1/load_weights` `{"path": FOLDER, "version": N}`: load safetensors weights in place, so
   the `openai` engine can be used for training against this server. The folder is checked whole
   first (names, shapes, dtypes, finite values); weights that do not fit are refused with a 422
   whose error code is `weights_refused` (the problems under `problems`), counted
-  (`weights_refused` in `/health` and `/v1/models`), and the server keeps serving its version.
+  (`weights_refused` in `/health` and `/v1/models`), and the server keeps serving its version;
+- `GET /health`: `status` ("ok" while the generation worker runs; 503 once it has stopped), the
+  model, the weights' `policy_version`, `queue_depth` (requests waiting for the worker),
+  `requests_in_flight` (waiting or generating) and `weights_refused`;
+- `GET /metrics`: Prometheus text format: requests by endpoint and status, prompt and generated
+  tokens, weight loads and refusals (counters), queue depth, requests in flight and policy version
+  (gauges), and a histogram of request latency by endpoint.
+
+Streaming: with `stream: true` both completion routes answer with server-sent events
+(`Content-Type: text/event-stream`, one `data: {chunk}` event each, then `data: [DONE]`) in
+OpenAI's chunk shapes: `chat.completion.chunk` (a first delta with the role, one content delta per
+token, a last chunk with `finish_reason`) and `text_completion` (one text piece per token, then the
+`finish_reason`). Tokens are sent as the batch samples them: the hf engine reports every decoding
+step, so a streamed request shares its batch with the others and nothing waits for the whole
+reply. Each token's chunk carries its log-probs when they were asked for, and its id in
+`token_ids`. A token's text is found by decoding a short window of tokens, so a character made of
+several tokens' bytes arrives whole with its last token; with `stop` strings the last characters
+that could begin one are held back until the reply goes past them, and whatever the finished
+reply has beyond what was sent comes just before the `finish_reason`, so the joined pieces equal
+the unstreamed reply's text. `stream_options: {"include_usage": true}` adds a last chunk with the
+usage and no choices. The stream uses chunked transfer encoding, so the connection stays open for
+the next request. A request refused before generation, or whose generation fails before its
+first token, gets the usual JSON error; a failure after that arrives as an `{"error": ...}` event.
 
 Requests that arrive together are batched: one worker thread owns the model and runs every queued
-request with the same sampling settings in one forward batch. Log-probs are those of the sampling
-distribution (temperature and top-p applied), like the `hf` engine's. Bad requests get a 4xx JSON
-error in the OpenAI shape, `{"error": {"message", "type", "code"}}`.
+request with the same sampling settings in one forward batch. Log-probs, the sampled token's and
+the top ones alike, are those of the sampling distribution (temperature and top-p applied), like
+the `hf` engine's: tokens that top-p leaves out cannot be drawn and are not listed, so a top list
+may be shorter than asked. At temperature 0 (greedy) they are the model's own distribution, and
+the chosen token is the first of each top list. Bad requests get a 4xx JSON error in the OpenAI
+shape, `{"error": {"message", "type", "code"}}`.
 """
 
 from __future__ import annotations
@@ -30,6 +58,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -40,6 +69,8 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 << 20
 MAX_CHOICES = 16
 MAX_STOP_STRINGS = 4
+MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits: chat `top_logprobs`, legacy completions `logprobs`
+MAX_COMPLETION_LOGPROBS = 5
 
 
 class RequestError(ValueError):
@@ -72,9 +103,101 @@ class Sampling:
 class _Job:
     prompts: list[list[int]]
     sampling: Sampling
+    top_logprobs: int = 0
+    steps: queue.Queue | None = None
+    """For a streamed request: (prompt index, token, log-prob, top pairs) after every decoding
+    step, then None once the job is done."""
     done: threading.Event = field(default_factory=threading.Event)
     results: list = field(default_factory=list)
     error: BaseException | None = None
+
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+METRIC_PREFIX = "longhorizon_serve_"
+
+
+def _label_value(value: str) -> str:
+    """A Prometheus label value, quoted and escaped as the text format requires."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def _labels(pairs: dict[str, str]) -> str:
+    return "{" + ",".join(f"{key}={_label_value(value)}" for key, value in pairs.items()) + "}" if pairs else ""
+
+
+def _number_text(value: float) -> str:
+    return "+Inf" if value == float("inf") else repr(float(value)) if isinstance(value, float) else str(value)
+
+
+class Metrics:
+    """The server's counters and latency histogram, rendered in Prometheus text format."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, str, int], int] = {}
+        """(method, endpoint, HTTP status) -> count."""
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.weight_loads = 0
+        # endpoint -> (count per bucket of LATENCY_BUCKETS_S and one over the last, sum of seconds)
+        self._latency: dict[str, tuple[list[int], float]] = {}
+
+    def count_request(self, method: str, endpoint: str, status: int, seconds: float) -> None:
+        with self._lock:
+            key = (method, endpoint, status)
+            self.requests[key] = self.requests.get(key, 0) + 1
+            buckets, total = self._latency.get(endpoint, ([0] * (len(LATENCY_BUCKETS_S) + 1), 0.0))
+            index = next((i for i, bound in enumerate(LATENCY_BUCKETS_S) if seconds <= bound), len(LATENCY_BUCKETS_S))
+            buckets[index] += 1
+            self._latency[endpoint] = (buckets, total + seconds)
+
+    def count_tokens(self, prompt_tokens: int, generated_tokens: int) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+            self.generated_tokens += generated_tokens
+
+    def count_weight_load(self) -> None:
+        with self._lock:
+            self.weight_loads += 1
+
+    def render(self, *, weights_refused: int, queue_depth: int, in_flight: int, policy_version: int) -> str:
+        lines: list[str] = []
+
+        def family(name: str, kind: str, help_text: str, samples: list[tuple[str, dict, float]]) -> None:
+            lines.append(f"# HELP {METRIC_PREFIX}{name} {help_text}")
+            lines.append(f"# TYPE {METRIC_PREFIX}{name} {kind}")
+            for suffix, labels, value in samples:
+                lines.append(f"{METRIC_PREFIX}{name}{suffix}{_labels(labels)} {_number_text(value)}")
+
+        with self._lock:
+            requests = sorted(self.requests.items())
+            latency = sorted((endpoint, list(buckets), total) for endpoint, (buckets, total) in self._latency.items())
+            prompt_tokens, generated_tokens, weight_loads = self.prompt_tokens, self.generated_tokens, self.weight_loads
+        family("requests_total", "counter", "HTTP requests answered, by method, endpoint and status.",
+               [("", {"method": m, "endpoint": e, "status": str(s)}, n) for (m, e, s), n in requests])
+        family("prompt_tokens_total", "counter", "Prompt tokens of the generation requests answered.",
+               [("", {}, prompt_tokens)])
+        family("generated_tokens_total", "counter", "Tokens generated and returned to clients.",
+               [("", {}, generated_tokens)])
+        family("weight_loads_total", "counter", "Weight loads that replaced the served weights.",
+               [("", {}, weight_loads)])
+        family("weights_refused_total", "counter", "Weight loads refused because the weights did not fit the model.",
+               [("", {}, weights_refused)])
+        family("queue_depth", "gauge", "Generation requests waiting for the worker.", [("", {}, queue_depth)])
+        family("requests_in_flight", "gauge", "Generation requests waiting or being generated.",
+               [("", {}, in_flight)])
+        family("policy_version", "gauge", "Version of the weights being served.", [("", {}, policy_version)])
+        samples = []
+        for endpoint, buckets, total in latency:
+            cumulative = 0
+            for bound, count in zip((*LATENCY_BUCKETS_S, float("inf")), buckets):
+                cumulative += count
+                samples.append(("_bucket", {"endpoint": endpoint, "le": _number_text(bound)}, cumulative))
+            samples.append(("_sum", {"endpoint": endpoint}, total))
+            samples.append(("_count", {"endpoint": endpoint}, cumulative))
+        family("request_duration_seconds", "histogram", "Time from a request's arrival to the end of its reply.",
+               samples)
+        return "\n".join(lines) + "\n"
 
 
 class ModelServer:
@@ -109,6 +232,9 @@ class ModelServer:
         self.batch_window_s = max(0.0, batch_window_s)
         self.weights_refused = 0
         """Weight loads refused because the weights did not fit the model."""
+        self.metrics = Metrics()
+        self._in_flight = 0
+        self._in_flight_lock = threading.Lock()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._worker = threading.Thread(target=self._run_batches, name="serve-model-batcher", daemon=True)
         self._worker.start()
@@ -117,10 +243,33 @@ class ModelServer:
     def policy_version(self) -> int:
         return self.engine.policy_version
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list:
-        """Generate one reply per prompt (blocking); returns the hf engine's GenerationResults."""
-        job = _Job(prompts, sampling)
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for the worker to take them into a batch."""
+        return self._jobs.qsize()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests waiting or being generated."""
+        return self._in_flight
+
+    @property
+    def running(self) -> bool:
+        return self._worker.is_alive()
+
+    def submit(self, prompts: list[list[int]], sampling: Sampling, top_logprobs: int = 0, stream: bool = False) -> _Job:
+        """Queue one reply per prompt; the job's `done` is set when its results (or error) are in.
+        A streamed job also gets every decoding step's tokens in `steps` as they are sampled."""
+        job = _Job(prompts, sampling, top_logprobs, queue.Queue() if stream else None)
+        with self._in_flight_lock:
+            self._in_flight += 1
         self._jobs.put(job)
+        return job
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling, top_logprobs: int = 0) -> list:
+        """Generate one reply per prompt (blocking); returns the hf engine's GenerationResults
+        (with `top_logprobs` > 0, results that also hold that many top tokens per position)."""
+        job = self.submit(prompts, sampling, top_logprobs)
         job.done.wait()
         if job.error is not None:
             raise job.error
@@ -135,6 +284,7 @@ class ModelServer:
 
         try:
             self.engine.update_weights(WeightsUpdate(version=version, path=path))
+            self.metrics.count_weight_load()
         except WeightsRefused as refused:
             self.weights_refused += 1
             log.warning("refused weights v%d from %s, still serving v%d (%d refused so far): %s",
@@ -181,9 +331,13 @@ class ModelServer:
                     self.engine.sampling = SamplingConfig(
                         temperature=sampling.temperature, top_p=sampling.top_p, max_new_tokens=sampling.max_tokens
                     )
+                    # The top tokens cost little, so the batch computes the most any request wants.
+                    top = max(job.top_logprobs for job in group)
+                    owners = [(job, index) for job in group for index in range(len(job.prompts))]
                     results = []
                     for start in range(0, len(requests), self.max_batch_size):
-                        results += self.engine._generate_batch(requests[start:start + self.max_batch_size])
+                        rows = slice(start, start + self.max_batch_size)
+                        results += self.engine._generate_batch(requests[rows], top, _step_sender(owners[rows]))
                     for job in group:
                         job.results, results = results[: len(job.prompts)], results[len(job.prompts):]
                 except Exception as exc:  # the waiting requests answer with a 500
@@ -191,7 +345,25 @@ class ModelServer:
                     for job in group:
                         job.error = exc
                 for job in group:
+                    with self._in_flight_lock:
+                        self._in_flight -= 1
                     job.done.set()
+                    if job.steps is not None:
+                        job.steps.put(None)
+
+
+def _step_sender(owners: list[tuple[_Job, int]]):
+    """The hf engine's per-step callback for a batch whose rows are (job, prompt index): each
+    streamed job gets its rows' new tokens; None when no job in the batch streams."""
+    if not any(job.steps is not None for job, _ in owners):
+        return None
+
+    def send(tokens: list[int], logprobs: list[float], tops: list[list]) -> None:
+        for row, (job, index) in enumerate(owners):
+            if job.steps is not None:
+                job.steps.put((index, tokens[row], logprobs[row], tops[row][: job.top_logprobs]))
+
+    return send
 
 
 # ----------------------------------------------------------------------------- request parsing
@@ -289,6 +461,37 @@ def _messages(body: dict) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
+def _flag(body: dict, key: str) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"'{key}' must be true or false, got {value!r}")
+    return value
+
+
+def _stream_settings(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage) from `stream` and `stream_options`."""
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise RequestError("'stream_options' is only allowed with 'stream': true")
+    if not isinstance(options, dict):
+        raise RequestError("'stream_options' must be an object such as {\"include_usage\": true}")
+    return stream, _flag(options, "include_usage")
+
+
+def _chat_top_logprobs(body: dict) -> int | None:
+    """None without `logprobs: true`, else how many top tokens each position lists (0-20)."""
+    want = _flag(body, "logprobs")
+    top = _integer(body, "top_logprobs", None, 0, MAX_CHAT_TOP_LOGPROBS)
+    if top is not None and not want:
+        raise RequestError("'top_logprobs' needs 'logprobs': true")
+    return (top or 0) if want else None
+
+
 # ----------------------------------------------------------------------------- responses
 
 
@@ -315,10 +518,33 @@ def _choice_pieces(server: ModelServer, result, stop: list[str]):
     return tokens, logprobs, text, finish
 
 
-def completion_response(server: ModelServer, body: dict, prompts: list[list[int]], results: list, n: int) -> dict:
+def _top_pairs(result, count: int, top: int) -> list[list[tuple[int, float]]]:
+    """The `top` most likely (token id, log-prob) pairs at each of the first `count` positions."""
+    lists = getattr(result, "top_logprobs", None) if top > 0 else None
+    if lists is None:
+        return [[] for _ in range(count)]
+    return [pairs[:top] for pairs in lists[:count]]
+
+
+def _chat_logprob(server: ModelServer, token: int, logprob: float, pairs: list, as_ids: bool) -> dict:
+    """One entry of a chat reply's `logprobs.content`."""
+    return {"token": _token_label(server, token, as_ids), "logprob": logprob, "bytes": None, "top_logprobs": [
+        {"token": _token_label(server, t, as_ids), "logprob": value, "bytes": None} for t, value in pairs
+    ]}
+
+
+def _completion_top(server: ModelServer, label: str, logprob: float, pairs: list, as_ids: bool) -> dict:
+    """One position of a completion's `top_logprobs`: the most likely tokens and, as the legacy
+    API does, the sampled one."""
+    return {**{_token_label(server, t, as_ids): value for t, value in pairs}, label: logprob}
+
+
+def completion_response(
+    server: ModelServer, body: dict, prompts: list[list[int]], results: list, n: int, top: int | None = None,
+) -> dict:
+    """A /v1/completions reply; `top` is the request's `logprobs` (None: no log-probs)."""
     stop = _stop_strings(body)
     as_ids = bool(body.get("return_tokens_as_token_ids"))
-    want_logprobs = body.get("logprobs") is not None
     choices = []
     completion_tokens = 0
     for index, result in enumerate(results):
@@ -334,16 +560,17 @@ def completion_response(server: ModelServer, body: dict, prompts: list[list[int]
             "token_ids": tokens,
             "prompt_token_ids": prompts[index // n],
         }
-        if want_logprobs:
+        if top is not None:
             offsets, position = [], 0
             for label in labels:
                 offsets.append(position)
                 position += 0 if as_ids else len(label)
+            tops = _top_pairs(result, len(tokens), top)
             choice["logprobs"] = {
                 "tokens": labels,
                 "token_logprobs": logprobs,
-                # Only the sampled token's log-prob is known here, so the "top" list holds just it.
-                "top_logprobs": [{label: lp} for label, lp in zip(labels, logprobs)],
+                "top_logprobs": [_completion_top(server, label, lp, pairs, as_ids)
+                                 for label, lp, pairs in zip(labels, logprobs, tops)],
                 "text_offset": offsets,
             }
         choices.append(choice)
@@ -369,10 +596,10 @@ def _response(
     }
 
 
-def chat_response(server: ModelServer, body: dict, prompt: list[int], results: list) -> dict:
+def chat_response(server: ModelServer, body: dict, prompt: list[int], results: list, top: int | None = None) -> dict:
+    """A /v1/chat/completions reply; `top` as `_chat_top_logprobs` returns it (None: no log-probs)."""
     stop = _stop_strings(body)
     as_ids = bool(body.get("return_tokens_as_token_ids"))
-    want_logprobs = bool(body.get("logprobs"))
     choices = []
     completion_tokens = 0
     for index, result in enumerate(results):
@@ -385,44 +612,192 @@ def chat_response(server: ModelServer, body: dict, prompt: list[int], results: l
             "finish_reason": finish,
             "token_ids": tokens,
         }
-        if want_logprobs:
+        if top is not None:
+            tops = _top_pairs(result, len(tokens), top)
             choice["logprobs"] = {"content": [
-                {"token": _token_label(server, t, as_ids), "logprob": lp, "bytes": None, "top_logprobs": []}
-                for t, lp in zip(tokens, logprobs)
+                _chat_logprob(server, t, lp, pairs, as_ids) for t, lp, pairs in zip(tokens, logprobs, tops)
             ]}
         choices.append(choice)
     return _response("chatcmpl", "chat.completion", server, results, choices, len(prompt), completion_tokens)
 
 
-def handle_completions(server: ModelServer, body: dict) -> dict:
+# ----------------------------------------------------------------------------- streamed replies
+
+
+@dataclass
+class EventStream:
+    """A reply to send as server-sent events: each chunk as one `data:` event as the iterator
+    yields it, then `data: [DONE]`. The first chunk is awaited before the headers go out, so a
+    request that fails before its first token still gets a JSON error."""
+
+    chunks: Iterator[dict]
+
+
+class StreamedText:
+    """One reply's text as its tokens arrive: what can be sent so far.
+
+    Each token's text is found by decoding a short window (the previous piece's tokens give a
+    tokenizer the context it needs for leading spaces) with and without it. A token that leaves a
+    character incomplete (its bytes decode to a replacement character) or adds no text adds
+    nothing yet; its text comes with a later token. With stop strings, the last characters that
+    could begin one are held back until the reply goes on past them, so no text is sent that the
+    reply (which ends before its first stop string) does not have."""
+
+    def __init__(self, decode, eos_token_id: int | None, stop: list[str]) -> None:
+        self.decode = decode
+        self.eos_token_id = eos_token_id
+        self.stop = stop
+        self.tokens: list[int] = []
+        self.text = ""
+        self.sent = 0
+        """Characters of `text` already sent."""
+        self.finished = False
+        self._context = self._start = 0  # the decoding window is tokens[_context:_start] plus the new ones
+        self._hold = max((len(s) for s in stop), default=1) - 1
+
+    def add(self, token: int) -> str:
+        """Take the next token; returns the text it lets through (often empty)."""
+        self.tokens.append(token)
+        before = self.decode(self.tokens[self._context:self._start])
+        after = self.decode(self.tokens[self._context:])
+        if not after.endswith("\ufffd") and len(after) > len(before):
+            self.text += after[len(before):]
+            self._context, self._start = self._start, len(self.tokens)
+        hits = [self.text.index(s) for s in self.stop if s in self.text]
+        if hits:
+            self.finished, end = True, min(hits)
+        elif token == self.eos_token_id:
+            self.finished, end = True, len(self.text)
+        else:
+            end = len(self.text) - self._hold
+        piece = self.text[self.sent:end] if end > self.sent else ""
+        self.sent += len(piece)
+        return piece
+
+
+def _live_chunks(
+    server: ModelServer, body: dict, job: _Job, chat: bool, top: int | None, include_usage: bool,
+    whole_reply,
+) -> Iterator[dict]:
+    """A streamed job's chunks: one per token as the batch samples it (its text piece, log-probs
+    and id), then per choice whatever text the whole reply has beyond what was sent and the finish
+    reason, then the usage. `whole_reply(results)` builds the reply the request would get unstreamed;
+    the stream's text always ends as that reply's."""
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+    envelope = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": server.served_name}
+
+    def chunk(choices: list, **extra) -> dict:
+        event = {**envelope, "choices": choices, **extra}
+        if include_usage:  # as OpenAI's API: null on every chunk but the last
+            event.setdefault("usage", None)
+        return event
+
+    def token_chunk(index: int, token: int, piece: str, logprob: float, pairs: list) -> dict:
+        if chat:
+            logprobs = None if top is None else {"content": [_chat_logprob(server, token, logprob, pairs, as_ids)]}
+            return chunk([{"index": index, "delta": {"content": piece}, "logprobs": logprobs, "finish_reason": None,
+                           "token_ids": [token]}])
+        logprobs = None
+        if top is not None:
+            label = _token_label(server, token, as_ids)
+            logprobs = {"tokens": [label], "token_logprobs": [logprob],
+                        "top_logprobs": [_completion_top(server, label, logprob, pairs, as_ids)],
+                        "text_offset": [offsets[index]]}
+            offsets[index] += 0 if as_ids else len(label)
+        return chunk([{"index": index, "text": piece, "logprobs": logprobs, "finish_reason": None,
+                       "token_ids": [token]}])
+
+    stop = _stop_strings(body)
+    texts = [StreamedText(server.tokenizer.decode, server.tokenizer.eos_token_id, stop) for _ in job.prompts]
+    offsets = [0] * len(texts)
+    started = False
+    while (step := job.steps.get()) is not None:
+        if not started and chat:  # after the first step: a request that fails at once gets a JSON error
+            for index in range(len(texts)):
+                yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+        started = True
+        index, token, logprob, pairs = step
+        if not texts[index].finished:  # rows that have finished get padding
+            yield token_chunk(index, token, texts[index].add(token), logprob, pairs)
+    if job.error is not None:
+        raise job.error
+    response = whole_reply(job.results)
+    server.metrics.count_tokens(response["usage"]["prompt_tokens"], response["usage"]["completion_tokens"])
+    for choice, streamed in zip(response["choices"], texts):
+        index = choice["index"]
+        if not started and chat:
+            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        # Tokens the steps did not show (none, as the engine reports every step) and text held back.
+        for position in range(len(streamed.tokens), len(choice["token_ids"])):
+            token = choice["token_ids"][position]
+            if chat:
+                entry = choice["logprobs"]["content"][position] if top is not None else None
+                logprob, pairs = (entry["logprob"], []) if entry else (0.0, [])
+            else:
+                logprob, pairs = (choice["logprobs"]["token_logprobs"][position] if top is not None else 0.0), []
+            yield token_chunk(index, token, "", logprob, pairs)
+        text = choice["message"]["content"] if chat else choice["text"]
+        rest = text[streamed.sent:]
+        if rest:
+            yield chunk([{"index": index, **({"delta": {"content": rest}} if chat else {"text": rest}),
+                          "logprobs": None, "finish_reason": None}])
+        finish = {"index": index, "logprobs": None, "finish_reason": choice["finish_reason"]}
+        finish.update({"delta": {}} if chat else {"text": ""})
+        yield chunk([finish], policy_version=response["policy_version"])
+    if include_usage:
+        yield chunk([], usage=response["usage"], policy_version=response["policy_version"])
+
+
+# ----------------------------------------------------------------------------- routes
+
+
+def handle_completions(server: ModelServer, body: dict) -> dict | EventStream:
     _check_model(body, server)
     if body.get("echo"):
         raise RequestError("'echo' is not supported by this server")
-    if body.get("stream"):
-        raise RequestError("'stream' is not supported by this server")
+    stream, include_usage = _stream_settings(body)
     prompts = _prompts(body, server)
     n = _integer(body, "n", 1, 1, MAX_CHOICES)
-    _integer(body, "logprobs", None, 0, 20)
+    top = _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
     _stop_strings(body)
     sampling = _sampling(body, server, max(len(p) for p in prompts))
-    results = server.generate([p for p in prompts for _ in range(n)], sampling)
-    return completion_response(server, body, prompts, results, n)
+    rows = [p for p in prompts for _ in range(n)]
+    if stream:
+        job = server.submit(rows, sampling, top or 0, stream=True)
+        return EventStream(_live_chunks(
+            server, body, job, False, top, include_usage,
+            lambda results: completion_response(server, body, prompts, results, n, top),
+        ))
+    response = completion_response(server, body, prompts, server.generate(rows, sampling, top or 0), n, top)
+    server.metrics.count_tokens(response["usage"]["prompt_tokens"], response["usage"]["completion_tokens"])
+    return response
 
 
-def handle_chat(server: ModelServer, body: dict) -> dict:
+def handle_chat(server: ModelServer, body: dict) -> dict | EventStream:
     _check_model(body, server)
-    if body.get("stream"):
-        raise RequestError("'stream' is not supported by this server")
+    stream, include_usage = _stream_settings(body)
     messages = _messages(body)
     n = _integer(body, "n", 1, 1, MAX_CHOICES)
+    top = _chat_top_logprobs(body)
     _stop_strings(body)
     try:
         prompt = server.tokenizer.prompt_tokens(messages)
     except Exception as exc:  # a template that rejects the roles or their order
         raise RequestError(f"the chat template cannot render these messages: {exc}") from None
     sampling = _sampling(body, server, len(prompt))
-    results = server.generate([prompt] * n, sampling)
-    return chat_response(server, body, prompt, results)
+    if stream:
+        job = server.submit([prompt] * n, sampling, top or 0, stream=True)
+        return EventStream(_live_chunks(
+            server, body, job, True, top, include_usage,
+            lambda results: chat_response(server, body, prompt, results, top),
+        ))
+    response = chat_response(server, body, prompt, server.generate([prompt] * n, sampling, top or 0), top)
+    server.metrics.count_tokens(response["usage"]["prompt_tokens"], response["usage"]["completion_tokens"])
+    return response
 
 
 def handle_load_weights(server: ModelServer, body: dict) -> dict:
@@ -462,11 +837,13 @@ _POST_ROUTES = {
     "/v1/chat/completions": handle_chat,
     "/v1/load_weights": handle_load_weights,
 }
+_GET_ROUTES = ("/v1/models", "/health", "/v1/health", "/metrics")
 
 
 def make_handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        status = 0  # of the reply being sent, for /metrics
 
         def setup(self) -> None:
             super().setup()
@@ -477,31 +854,103 @@ def make_handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("%s %s", self.address_string(), format % args)
 
-        def _reply(self, status: int, payload: dict) -> None:
-            data = json.dumps(payload).encode()
+        def send_response(self, code: int, message: str | None = None) -> None:
+            self.status = code
+            super().send_response(code, message)
+
+        def _send(self, status: int, data: bytes, content_type: str) -> None:
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+
+        def _reply(self, status: int, payload: dict) -> None:
+            self._send(status, json.dumps(payload).encode(), "application/json")
 
         def _error(self, status: int, message: str, code: str | None = None, details: dict | None = None) -> None:
             kind = "invalid_request_error" if status < 500 else "server_error"
             self._reply(status, {"error": {"message": message, "type": kind, "code": code or status, **(details or {})}})
 
-        def do_GET(self) -> None:
+        def _stream(self, stream: EventStream) -> None:
+            """Server-sent events in chunked transfer encoding, which marks the end of the reply
+            so the connection can carry the next request."""
+            chunks = iter(stream.chunks)
+            try:
+                first = next(chunks, None)
+            except Exception as exc:  # nothing is sent yet: a plain JSON error
+                log.exception("streamed generation failed")
+                self._error(500, f"{type(exc).__name__}: {exc}")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            try:
+                try:
+                    if first is not None:
+                        self._event(json.dumps(first))
+                    for chunk in chunks:
+                        self._event(json.dumps(chunk))
+                except (BrokenPipeError, ConnectionResetError):
+                    raise
+                except Exception as exc:  # the status has gone out: the error is an event, as OpenAI's are
+                    log.exception("streamed generation failed")
+                    self._event(json.dumps({"error": {"message": f"{type(exc).__name__}: {exc}",
+                                                      "type": "server_error", "code": 500}}))
+                self._event("[DONE]")
+                self.wfile.write(b"0\r\n\r\n")
+            except (BrokenPipeError, ConnectionResetError):  # the client left mid-stream
+                self.close_connection = True
+
+        def _event(self, data: str) -> None:
+            event = f"data: {data}\n\n".encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+
+        def _measured(self, method: str, route) -> None:
+            start = time.monotonic()
             path = self.path.split("?", 1)[0].rstrip("/")
+            self.status = 0
+            try:
+                route(path)
+            finally:
+                # Unknown paths share one label, so scanners cannot grow the metrics without bound.
+                endpoint = path if path in _POST_ROUTES or path in _GET_ROUTES else "other"
+                server.metrics.count_request(method, endpoint, self.status, time.monotonic() - start)
+
+        def do_GET(self) -> None:
+            self._measured("GET", self._get)
+
+        def do_POST(self) -> None:
+            self._measured("POST", self._post)
+
+        def _get(self, path: str) -> None:
             if path == "/v1/models":
                 self._reply(200, models_response(server))
             elif path in ("/health", "/v1/health"):
-                self._reply(200, {"status": "ok", "policy_version": server.policy_version,
-                                  "weights_refused": server.weights_refused})
+                running = server.running
+                self._reply(200 if running else 503, {
+                    "status": "ok" if running else "stopped", "model": server.served_name,
+                    "policy_version": server.policy_version, "queue_depth": server.queue_depth,
+                    "requests_in_flight": server.in_flight, "weights_refused": server.weights_refused,
+                })
+            elif path == "/metrics":
+                text = server.metrics.render(
+                    weights_refused=server.weights_refused, queue_depth=server.queue_depth,
+                    in_flight=server.in_flight, policy_version=server.policy_version,
+                )
+                self._send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
             else:
                 self._error(404, f"no route GET {path}")
 
-        def do_POST(self) -> None:
-            path = self.path.split("?", 1)[0].rstrip("/")
+        def _post(self, path: str) -> None:
             handler = _POST_ROUTES.get(path)
+            if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+                # The body's length is unknown to this server; what follows cannot be parsed.
+                self.close_connection = True
+                self._error(411, "chunked request bodies are not accepted; send Content-Length")
+                return
             length = int(self.headers.get("Content-Length") or 0)
             if length > MAX_BODY_BYTES:
                 self.close_connection = True
@@ -520,12 +969,18 @@ def make_handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
                 self._error(400, "request body must be a JSON object")
                 return
             try:
-                self._reply(200, handler(server, body))
+                reply = handler(server, body)
             except RequestError as exc:
                 self._error(exc.status, str(exc), exc.code, exc.details)
+                return
             except Exception as exc:
                 log.exception("request to %s failed", path)
                 self._error(500, f"{type(exc).__name__}: {exc}")
+                return
+            if isinstance(reply, EventStream):
+                self._stream(reply)
+            else:
+                self._reply(200, reply)
 
     return Handler
 

@@ -40,6 +40,15 @@ class _Slot:
     error: BaseException | None = None
 
 
+@dataclass
+class ResultWithTopLogprobs(GenerationResult):
+    """A GenerationResult that also holds, for each sampled token, the most likely tokens of the
+    distribution it was drawn from: `top_logprobs[i]` is [(token_id, log-prob), ...], most likely
+    first. Tokens the sampler could not draw (cut by top-p) are left out, so a list may be short."""
+
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
 HF_ENGINE_OPTIONS = {
     "device": "where the model runs: auto (a CUDA GPU when present, else the CPU), cpu, cuda or cuda:N",
 }
@@ -120,7 +129,15 @@ class HFEngine:
             raise slot.error
         return slot.result
 
-    def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    def _generate_batch(
+        self, requests: list[GenerationRequest], top_logprobs: int = 0, on_step=None,
+    ) -> list[GenerationResult]:
+        """Generate one reply per request in one batch. With `top_logprobs` > 0 the results are
+        `ResultWithTopLogprobs` holding that many most likely tokens at each sampled position.
+        `on_step(tokens, logprobs, tops)`, when given, is called after every decoding step with
+        each row's new token, its log-prob and its top list (as in `ResultWithTopLogprobs`):
+        a server can send tokens while the batch is still generating. Rows that have finished
+        get padding tokens, which the caller ignores."""
         import torch
         from transformers import GenerationConfig, StoppingCriteriaList
 
@@ -150,11 +167,12 @@ class HFEngine:
         )
         # Rows with stop strings stop generating once they have one (saving the tokens a model
         # writes after its tool call); the cut below is what makes each reply end there.
-        stop_arguments = {}
+        criteria = []
         if any(request.stop_strings for request in requests):
-            stop_arguments["stopping_criteria"] = StoppingCriteriaList(
-                [_StopStringsPerRow(self.tokenizer.decode, longest, [r.stop_strings for r in requests])]
-            )
+            criteria.append(_StopStringsPerRow(self.tokenizer.decode, longest, [r.stop_strings for r in requests]))
+        if on_step is not None:
+            criteria.append(_EveryStep(on_step, top_logprobs))
+        stop_arguments = {"stopping_criteria": StoppingCriteriaList(criteria)} if criteria else {}
         with self._model_lock, torch.inference_mode():
             version = self.policy_version
             output = self.model.generate(
@@ -170,6 +188,9 @@ class HFEngine:
             [torch.log_softmax(scores.float(), dim=-1) for scores in output.scores], dim=1
         )
         token_logprobs = step_logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1).cpu()
+        if top_logprobs > 0:
+            top = step_logprobs.topk(min(top_logprobs, step_logprobs.shape[-1]), dim=-1)
+            top_values, top_ids = top.values.cpu(), top.indices.cpu()
         new_tokens = new_tokens.cpu()
         results = []
         eos = self.tokenizer.eos_token_id
@@ -187,15 +208,17 @@ class HFEngine:
             logprobs = token_logprobs[row, :count].tolist()
             if any(not math.isfinite(lp) for lp in logprobs):
                 raise RuntimeError("sampled a token with zero probability (non-finite log-prob)")
-            results.append(
-                GenerationResult(
-                    token_ids=tokens,
-                    logprobs=logprobs,
-                    text=self.tokenizer.decode(tokens),
-                    stopped_on_eos=stopped,
-                    policy_version=version,
-                )
+            result = GenerationResult(
+                token_ids=tokens,
+                logprobs=logprobs,
+                text=self.tokenizer.decode(tokens),
+                stopped_on_eos=stopped,
+                policy_version=version,
             )
+            if top_logprobs > 0:
+                top_lists = [_top_pairs(top_ids[row, step], top_values[row, step]) for step in range(count)]
+                result = ResultWithTopLogprobs(**vars(result), top_logprobs=top_lists)
+            results.append(result)
         return results
 
     def update_weights(self, update: Any) -> None:
@@ -223,6 +246,36 @@ class HFEngine:
     async def close(self) -> None:
         self._weights.close()
         self.model = None
+
+
+def _top_pairs(ids, values) -> list[tuple[int, float]]:
+    """(token id, log-prob) pairs of a top-k, leaving out tokens the sampler cannot draw."""
+    return [(i, v) for i, v in zip(ids.tolist(), values.tolist()) if math.isfinite(v)]
+
+
+class _EveryStep:
+    """A transformers stopping criterion that never stops a row: it hands each decoding step's new
+    tokens, with their log-probs under the distribution they were drawn from (the step's processed
+    scores, as `_generate_batch` computes them at the end) and the top tokens, to a callback."""
+
+    def __init__(self, on_step, top_logprobs: int) -> None:
+        self.on_step = on_step
+        self.top_logprobs = top_logprobs
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        # With output_scores, `scores` holds every step's processed scores so far.
+        step = torch.log_softmax(scores[-1].float(), dim=-1)
+        tokens = input_ids[:, -1]
+        logprobs = step.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).cpu().tolist()
+        tops = [[] for _ in logprobs]
+        if self.top_logprobs > 0:
+            top = step.topk(min(self.top_logprobs, step.shape[-1]), dim=-1)
+            ids, values = top.indices.cpu(), top.values.cpu()
+            tops = [_top_pairs(ids[row], values[row]) for row in range(len(logprobs))]
+        self.on_step(tokens.cpu().tolist(), logprobs, tops)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 class _StopStringsPerRow:

@@ -1,0 +1,389 @@
+"""`serve-model` as agent clients use it: streamed replies (through the official `openai` client),
+top log-probs from the sampling distribution, /health and /metrics, and the errors for bad values."""
+
+import http.client
+import json
+import math
+import re
+import threading
+
+import httpx
+import pytest
+import torch
+
+from longhorizon.actor.model_server import ModelServer, StreamedText, start_http_server
+from longhorizon.common.chat import ByteChatTokenizer
+from longhorizon.common.models import load_causal_lm
+
+MESSAGES = [{"role": "user", "content": "s0 s1 a2"}]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_codebook_model):
+    """The server in this process on a free loopback port: (ModelServer, base URL)."""
+    server = ModelServer(str(tiny_codebook_model), max_batch_size=8)
+    httpd = start_http_server(server, "127.0.0.1", 0)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server, f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    openai = pytest.importorskip("openai", reason="the official openai client package is not installed")
+    with openai.OpenAI(base_url=served[1], api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(tiny_codebook_model):
+    return load_causal_lm(tiny_codebook_model).eval()
+
+
+def _step_logprobs(model, prompt: list[int], reply: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """The model's log-probs over the vocabulary at each reply position (rows: positions)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + reply])).logits[0, len(prompt) - 1: len(prompt) + len(reply) - 1]
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+def _streamed(text: StreamedText, tokens: list[int]) -> list[str]:
+    return [text.add(token) for token in tokens]
+
+
+def test_streamed_text_holds_back_incomplete_characters_and_stop_strings():
+    decode = ByteChatTokenizer().decode
+    tokens = list("hé✓!".encode())  # é is 2 bytes, ✓ is 3
+    assert _streamed(StreamedText(decode, None, []), tokens) == ["h", "", "é", "", "", "✓", "!"]
+    # A stop string: its possible beginnings wait until the text goes on past them; the text
+    # ends before the stop string and the token that completes it finishes the reply.
+    text = StreamedText(decode, None, ["ab!"])
+    assert _streamed(text, list(b"xaybab!")) == ["", "", "x", "a", "y", "b", ""]
+    assert text.finished and text.text[: text.sent] == "xayb"
+    # The end-of-turn token sends whatever was held back.
+    text = StreamedText(decode, 257, ["ab!"])
+    assert _streamed(text, [*b"xa", 257]) == ["", "", "xa"] and text.finished
+
+
+def test_openai_client_streams_a_chat_completion_equal_to_the_whole_reply(served, client):
+    server, _ = served
+    whole = client.chat.completions.create(model=server.served_name, messages=MESSAGES, max_tokens=8, temperature=0)
+    chunks = list(client.chat.completions.create(
+        model=server.served_name, messages=MESSAGES, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    deltas = [chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices]
+    assert "".join(deltas) == whole.choices[0].message.content
+    finishes = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
+    # One content chunk per token; the last chunk holds only the usage.
+    assert len(chunks) == 1 + whole.usage.completion_tokens + 1 + 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+
+
+def test_openai_client_streams_a_completion_with_logprobs(served, client):
+    server, _ = served
+    request = {"model": server.served_name, "prompt": "s0 s1 s2", "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    whole = client.completions.create(**request)
+    chunks = list(client.completions.create(**request, stream=True))
+    assert all(chunk.object == "text_completion" for chunk in chunks)
+    assert "".join(chunk.choices[0].text for chunk in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    streamed = [chunk.choices[0].logprobs for chunk in chunks[:-1]]
+    assert [lp.tokens[0] for lp in streamed] == whole.choices[0].logprobs.tokens
+    assert [lp.token_logprobs[0] for lp in streamed] == whole.choices[0].logprobs.token_logprobs
+    assert [lp.top_logprobs[0] for lp in streamed] == whole.choices[0].logprobs.top_logprobs
+
+
+def test_stream_keeps_the_connection_for_the_next_request(served):
+    _, base_url = served
+    port = int(base_url.rsplit(":", 1)[1].split("/")[0])
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        body = {"messages": MESSAGES, "max_tokens": 3, "temperature": 0, "stream": True}
+        connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
+        assert response.getheader("Transfer-Encoding") == "chunked" and not response.will_close
+        events = response.read().decode().split("\n\n")
+        assert events[-2:] == ["data: [DONE]", ""]
+        assert all(event.startswith("data: {") for event in events[:-2])
+        socket_before = connection.sock
+        connection.request("GET", "/health")
+        assert connection.getresponse().status == 200 and connection.sock is socket_before
+    finally:
+        connection.close()
+
+
+# ----------------------------------------------------------------------------- top log-probs
+
+
+def test_chat_top_logprobs_are_the_greedy_distributions_best_tokens(served, client, model):
+    server, _ = served
+    reply = client.chat.completions.create(
+        model=server.served_name, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+    )
+    entries = reply.choices[0].logprobs.content
+    tokens = reply.choices[0].model_extra["token_ids"]
+    assert len(entries) == len(tokens) >= 1
+    expected = _step_logprobs(model, server.tokenizer.prompt_tokens(MESSAGES), tokens).topk(3, dim=-1)
+    for position, entry in enumerate(entries):
+        top = entry.top_logprobs
+        assert len(top) == 3
+        assert [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+        # Greedy: the chosen token is the most likely one, with the same log-prob.
+        assert top[0].token == entry.token and top[0].logprob == entry.logprob
+        labels = [server.tokenizer.tokenizer.decode([i]) for i in expected.indices[position].tolist()]
+        assert [t.token for t in top] == labels
+        assert [t.logprob for t in top] == pytest.approx(expected.values[position].tolist(), abs=1e-4)
+
+
+def test_top_logprobs_come_from_the_sampling_distribution(served, model):
+    server, base_url = served
+    body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 2.0, "logprobs": True, "top_logprobs": 4,
+            "return_tokens_as_token_ids": True}
+    reply = httpx.post(f"{base_url}/chat/completions", json=body, timeout=60).json()
+    choice = reply["choices"][0]
+    expected = _step_logprobs(model, server.tokenizer.prompt_tokens(MESSAGES), choice["token_ids"], temperature=2.0)
+    for position, (token, entry) in enumerate(zip(choice["token_ids"], choice["logprobs"]["content"])):
+        assert entry["logprob"] == pytest.approx(expected[position, token].item(), abs=1e-4)
+        best = expected[position].topk(4)
+        assert [t["token"] for t in entry["top_logprobs"]] == [f"token_id:{i}" for i in best.indices.tolist()]
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(best.values.tolist(), abs=1e-4)
+    # Top-p leaves out tokens that cannot be drawn: the lists only hold finite log-probs.
+    body.update(top_p=0.3, top_logprobs=20)
+    reply = httpx.post(f"{base_url}/chat/completions", json=body, timeout=60).json()
+    for entry in reply["choices"][0]["logprobs"]["content"]:
+        values = [t["logprob"] for t in entry["top_logprobs"]]
+        assert 1 <= len(values) < server.vocab_size and all(math.isfinite(v) for v in values)
+        assert entry["token"] in [t["token"] for t in entry["top_logprobs"]]
+
+
+def test_completion_logprobs_list_the_top_tokens_and_the_sampled_one(served):
+    _, base_url = served
+    body = {"prompt": "s0 s1", "max_tokens": 5, "temperature": 1.0, "logprobs": 3, "n": 2,
+            "return_tokens_as_token_ids": True}
+    reply = httpx.post(f"{base_url}/completions", json=body, timeout=60).json()
+    for choice in reply["choices"]:
+        block = choice["logprobs"]
+        for label, logprob, top in zip(block["tokens"], block["token_logprobs"], block["top_logprobs"]):
+            assert top[label] == logprob
+            assert len(top) in (3, 4)  # the 3 most likely, and the sampled token when not among them
+            best = sorted(top.values(), reverse=True)[:3]
+            assert len(top) == 3 or logprob < best[-1]
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("route, extra, message", [
+    ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("chat/completions", {"top_logprobs": 2}, "needs 'logprobs': true"),
+    ("chat/completions", {"logprobs": False, "top_logprobs": 2}, "needs 'logprobs': true"),
+    ("chat/completions", {"logprobs": 3}, "'logprobs' must be true or false"),
+    ("chat/completions", {"stream": "yes"}, "'stream' must be true or false"),
+    ("chat/completions", {"stream_options": {"include_usage": True}}, "only allowed with 'stream': true"),
+    ("chat/completions", {"stream": True, "stream_options": {"include_usage": 1}}, "include_usage"),
+    ("chat/completions", {"stream": True, "temperature": -1}, "temperature"),  # refused before the stream
+    ("completions", {"logprobs": 6}, "'logprobs' must be an integer in [0, 5]"),
+    ("completions", {"logprobs": True}, "'logprobs' must be an integer"),
+    ("completions", {"stream": True, "max_tokens": 0}, "max_tokens"),
+])
+def test_bad_values_are_json_400s(served, route, extra, message):
+    _, base_url = served
+    body = {"prompt": "s0", "max_tokens": 2} if route == "completions" else {"messages": MESSAGES, "max_tokens": 2}
+    response = httpx.post(f"{base_url}/{route}", json={**body, **extra}, timeout=60)
+    assert response.status_code == 400 and response.headers["Content-Type"] == "application/json"
+    assert message in response.json()["error"]["message"]
+
+
+def test_openai_client_raises_bad_request_for_too_many_top_logprobs(served, client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=served[0].served_name, messages=MESSAGES, logprobs=True, top_logprobs=21)
+
+
+# ----------------------------------------------------------------------------- health and metrics
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*",?)*\})? (\S+)$')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\.)*)"')
+
+
+def _parse_prometheus(text: str) -> dict[tuple[str, frozenset], float]:
+    """A strict reading of the Prometheus text format: every line a HELP, a TYPE or a sample of a
+    declared family; returns {(name, labels): value}."""
+    assert text.endswith("\n")
+    types: dict[str, str] = {}
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            continue
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert kind in ("counter", "gauge", "histogram", "summary") and name not in types
+            types[name] = kind
+            continue
+        match = _SAMPLE.match(line)
+        assert match, f"not a Prometheus sample line: {line!r}"
+        name, labels, value = match.group(1), match.group(2) or "", match.group(3)
+        family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in types else name
+        assert family in types, f"sample {name} has no TYPE line before it"
+        samples[(name, frozenset(_LABEL.findall(labels)))] = float(value)
+    return samples
+
+
+def _metric(samples, name, **labels) -> float:
+    return samples.get((f"longhorizon_serve_{name}", frozenset(labels.items())), 0.0)
+
+
+def test_metrics_are_prometheus_text_and_count_requests_and_tokens(served):
+    server, base_url = served
+    root = base_url.removesuffix("/v1")
+    response = httpx.get(f"{root}/metrics", timeout=30)
+    assert response.status_code == 200 and response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    before = _parse_prometheus(response.text)
+    chat = {"method": "POST", "endpoint": "/v1/chat/completions"}
+    reply = httpx.post(f"{base_url}/chat/completions", json={"messages": MESSAGES, "max_tokens": 3}, timeout=60).json()
+    httpx.post(f"{base_url}/chat/completions", json={"messages": MESSAGES, "top_logprobs": 99}, timeout=60)
+    httpx.get(f"{root}/no/such/page", timeout=30)
+    after = _parse_prometheus(httpx.get(f"{root}/metrics", timeout=30).text)
+    assert _metric(after, "requests_total", **chat, status="200") == _metric(before, "requests_total", **chat, status="200") + 1
+    assert _metric(after, "requests_total", **chat, status="400") == _metric(before, "requests_total", **chat, status="400") + 1
+    assert _metric(after, "requests_total", method="GET", endpoint="other", status="404") >= 1
+    usage = reply["usage"]
+    for name, grown in (("generated_tokens_total", usage["completion_tokens"]), ("prompt_tokens_total", usage["prompt_tokens"])):
+        assert _metric(after, name) == _metric(before, name) + grown
+    latency = {"endpoint": "/v1/chat/completions"}
+    assert _metric(after, "request_duration_seconds_count", **latency) == _metric(before, "request_duration_seconds_count", **latency) + 2
+    assert _metric(after, "request_duration_seconds_bucket", **latency, le="+Inf") == _metric(after, "request_duration_seconds_count", **latency)
+    assert _metric(after, "request_duration_seconds_sum", **latency) > 0
+    assert _metric(after, "policy_version") == server.policy_version
+    assert _metric(after, "queue_depth") == 0 and _metric(after, "requests_in_flight") == 0
+    assert ("longhorizon_serve_weights_refused_total", frozenset()) in after
+    try:  # the reference parser too, where it is installed
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError:
+        return
+    names = {family.name for family in text_string_to_metric_families(response.text)}
+    assert {"longhorizon_serve_requests", "longhorizon_serve_request_duration_seconds"} <= names
+
+
+def test_health_reports_what_a_load_balancer_needs(served):
+    server, base_url = served
+    health = httpx.get(f"{base_url.removesuffix('/v1')}/health", timeout=30).json()
+    assert health == {"status": "ok", "model": server.served_name, "policy_version": 0, "queue_depth": 0,
+                      "requests_in_flight": 0, "weights_refused": 0}
+
+
+def test_requests_batched_together_get_their_own_number_of_top_tokens(served):
+    _, base_url = served
+    asked = [None, 0, 2, 5]
+    replies = [None] * len(asked)
+
+    def ask(index):
+        body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+        if asked[index] is not None:
+            body.update(logprobs=True, top_logprobs=asked[index])
+        replies[index] = httpx.post(f"{base_url}/chat/completions", json=body, timeout=60).json()
+
+    threads = [threading.Thread(target=ask, args=(index,)) for index in range(len(asked))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert replies[0]["choices"][0]["logprobs"] is None
+    texts = {reply["choices"][0]["message"]["content"] for reply in replies}
+    assert len(texts) == 1  # greedy: the same reply whichever batch each request joined
+    for top, reply in zip(asked[1:], replies[1:]):
+        assert all(len(entry["top_logprobs"]) == top for entry in reply["choices"][0]["logprobs"]["content"])
+
+
+def test_tokens_are_streamed_while_the_batch_is_still_generating(served):
+    """The model is held at its third forward pass, so the reply cannot be complete until the test
+    releases it: the first token must arrive before that."""
+    server, base_url = served
+    model = server.engine.model
+    release, calls = threading.Event(), []
+    original = model.forward
+
+    def held_forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            assert release.wait(20), "the test never released the model"
+        return original(*args, **kwargs)
+
+    model.forward = held_forward
+    try:
+        body = {"prompt": "s0 s1", "max_tokens": 6, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{base_url}/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            first = json.loads(next(line for line in lines if line.startswith("data: "))[len("data: "):])
+            assert first["choices"][0]["token_ids"] and len(calls) <= 3
+            assert httpx.get(f"{base_url.removesuffix('/v1')}/health", timeout=30).json()["requests_in_flight"] == 1
+            release.set()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+    finally:
+        release.set()
+        del model.forward
+
+
+@pytest.mark.parametrize("failing_call, streamed_tokens", [(1, 0), (3, 2)])
+def test_a_generation_failure_is_a_json_error_or_an_error_event(served, failing_call, streamed_tokens):
+    server, base_url = served
+    model = server.engine.model
+    calls = []
+    original = model.forward
+
+    def failing_forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == failing_call:
+            raise RuntimeError("the device went away")
+        return original(*args, **kwargs)
+
+    model.forward = failing_forward
+    try:
+        body = {"prompt": "s0 s1", "max_tokens": 6, "temperature": 0, "stream": True}
+        response = httpx.post(f"{base_url}/completions", json=body, timeout=60)
+    finally:
+        del model.forward
+    if streamed_tokens == 0:  # nothing was sent yet: a plain JSON error
+        assert response.status_code == 500 and "the device went away" in response.json()["error"]["message"]
+        return
+    events = [line[len("data: "):] for line in response.text.split("\n\n") if line]
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert [len(chunk["choices"][0]["token_ids"]) for chunk in chunks[:-1]] == [1] * streamed_tokens
+    assert "the device went away" in chunks[-1]["error"]["message"] and events[-1] == "[DONE]"
+
+
+def test_streams_with_stop_strings_and_several_choices_end_as_the_whole_reply(served):
+    _, base_url = served
+    body = {"prompt": "s0 s1", "max_tokens": 8, "temperature": 0, "n": 2}
+    words = httpx.post(f"{base_url}/completions", json=body, timeout=60).json()["choices"][0]["text"].split()
+    # A stop string that begins inside the first token: the stream holds that token's text back
+    # and sends only what precedes the stop string.
+    body["stop"] = ["a9", f"{words[0][1:]} {words[1]}"]
+    whole = httpx.post(f"{base_url}/completions", json=body, timeout=60).json()
+    response = httpx.post(f"{base_url}/completions", json={**body, "stream": True}, timeout=60)
+    events = [line for line in response.text.split("\n\n") if line]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(event[len("data: "):]) for event in events[:-1]]
+    for choice in whole["choices"]:
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == choice["index"]]
+        assert "".join(c["text"] for c in mine) == choice["text"] == words[0][0]
+        assert [t for c in mine for t in c.get("token_ids", [])] == choice["token_ids"]
+        assert mine[-1]["finish_reason"] == choice["finish_reason"] == "stop"
