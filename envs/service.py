@@ -84,10 +84,14 @@ class ServiceSettings:
     Raise it for a single trusted remote trainer that needs more than half the table."""
     max_body_bytes: int = 1024 * 1024
     """Largest request body accepted; larger ones get 413."""
-    max_connections: int = 256
-    """Most connections served at once (one thread each); more get 503."""
+    max_connections: int = 1024
+    """Most connections open at once. A new one beyond it takes the place of the connection that has
+    waited longest without a whole request (envs/http11.py); only when every connection is being
+    answered is it refused with 503."""
     keep_alive_timeout_s: float = 60.0
-    """A connection idle this long between requests is closed, freeing its thread."""
+    """A connection idle this long between requests is closed."""
+    header_timeout_s: float = 10.0
+    """Deadline for a request's head, counted like request_timeout_s."""
     request_timeout_s: float = 30.0
     """Deadline for a whole request, head and body: counted from its first byte (from the accept
     for a connection's first request) across all reads, not per read, so a client that trickles
@@ -104,7 +108,8 @@ class ServiceSettings:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise ValueError(f"env service setting max_instances_per_client must be None or a positive integer, got {limit!r}")
         for name in (
-            "idle_timeout_s", "unused_idle_timeout_s", "keep_alive_timeout_s", "request_timeout_s", "env_call_timeout_s"
+            "idle_timeout_s", "unused_idle_timeout_s", "keep_alive_timeout_s", "header_timeout_s", "request_timeout_s",
+            "env_call_timeout_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

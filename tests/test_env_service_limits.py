@@ -1,4 +1,4 @@
-"""The env service's limits against clients that hog it: slow requests, connection bursts, resets, instance floods."""
+"""The env service's limits against clients that hog it: slow and cut-off requests, connection floods, resets, instance floods."""
 
 from __future__ import annotations
 
@@ -11,7 +11,18 @@ import threading
 import time
 
 import pytest
-from longhorizon.envs.server import EnvServer, _HTTPServer, _LostClientLog
+import trio
+from longhorizon.envs.http11 import (
+    HTTPError,
+    HTTPLimits,
+    HTTPServer,
+    LostClientLog,
+    Response,
+    body_length,
+    open_listener,
+    parse_head,
+)
+from longhorizon.envs.server import EnvServer
 from longhorizon.envs.service import EnvService, ServiceError, ServiceSettings, build_task_table
 
 # Generous bounds: they only catch a service that never recovers, not a slow machine.
@@ -51,8 +62,15 @@ def _reset(connection: socket.socket) -> None:
 # ---------------------------------------------------------------- slow requests and connection bursts
 
 
-def test_trickling_clients_lose_their_connections_at_the_request_deadline():
-    settings = ServiceSettings("codebook", max_connections=8, request_timeout_s=1.0, keep_alive_timeout_s=30.0)
+def _health_on(connection: http.client.HTTPConnection) -> int:
+    connection.request("GET", "/health")
+    response = connection.getresponse()
+    response.read()
+    return response.status
+
+
+def test_trickling_clients_get_408_at_the_header_deadline_while_good_requests_pass():
+    settings = ServiceSettings("codebook", header_timeout_s=3.0, request_timeout_s=30.0, keep_alive_timeout_s=30.0)
     with EnvServer(settings) as server:
         port = server.port
         tricklers = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(8)]
@@ -60,7 +78,7 @@ def test_trickling_clients_lose_their_connections_at_the_request_deadline():
 
         def trickle() -> None:
             # One byte of a never-ending header per connection every 0.2 s: each read is quick,
-            # so only a deadline over the whole request can end it.
+            # so only a deadline over the whole head can end it.
             while not stop.wait(0.2):
                 for connection in tricklers:
                     try:
@@ -74,13 +92,10 @@ def test_trickling_clients_lose_their_connections_at_the_request_deadline():
                 connection.sendall(b"POST /step HTTP/1.1\r\nHost: service\r\nX-Slow: ")
             _wait_until(lambda: server.open_connections() == 8, "the trickling connections to be accepted")
             thread.start()
-            # Every slot is held: a good request is turned away until the deadline has ended the
-            # trickling requests (without it they would hold the slots as long as they trickle).
+            # The tricklers hold no thread: a good request is answered long before their deadline.
             started = time.monotonic()
-            while (status := _request(port, "GET", "/health")[0]) != 200:
-                assert status == 503
-                assert time.monotonic() - started < WAIT_S, "the trickling clients kept every connection slot"
-                time.sleep(0.05)
+            assert _request(port, "GET", "/health")[0] == 200
+            assert time.monotonic() - started < 2.5 and server.error_counts.get(408, 0) == 0
             _wait_until(lambda: server.error_counts.get(408, 0) == 8, "a 408 for each trickling request")
             for connection in tricklers:
                 try:
@@ -88,6 +103,7 @@ def test_trickling_clients_lose_their_connections_at_the_request_deadline():
                 except ConnectionResetError:
                     continue  # our trickled byte reached a closed socket; the server's RST won
                 assert answer == b"" or answer.startswith(b"HTTP/1.1 408 ")
+            _wait_until(lambda: server.open_connections() == 0, "the trickling connections to be closed")
         finally:
             stop.set()
             if thread.is_alive():
@@ -97,7 +113,7 @@ def test_trickling_clients_lose_their_connections_at_the_request_deadline():
 
 
 def test_an_idle_keep_alive_outlasts_the_deadline_but_a_slow_body_gets_408():
-    with EnvServer(ServiceSettings("codebook", request_timeout_s=1.0)) as server:
+    with EnvServer(ServiceSettings("codebook", header_timeout_s=1.0, request_timeout_s=1.0)) as server:
         connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
         try:
             connection.request("GET", "/health")
@@ -117,27 +133,207 @@ def test_an_idle_keep_alive_outlasts_the_deadline_but_a_slow_body_gets_408():
             assert b"did not arrive within 1.0 s" in answer
         finally:
             slow.close()
+        # A connection that never sends a byte is closed at the header deadline, without an answer.
+        silent = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        try:
+            started = time.monotonic()
+            assert _read_until_closed(silent) == b""
+            assert 0.8 < time.monotonic() - started < 5
+        finally:
+            silent.close()
+
+
+def test_cut_off_requests_create_nothing():
+    # Heads of /create sent whole but their bodies not (or no Content-Length at all), then closed:
+    # none of them may run, so none may take a slot of the instance table.
+    with EnvServer(ServiceSettings("codebook", max_instances=128)) as server:
+        cut_off = [
+            b"POST /create HTTP/1.1\r\nHost: service\r\nContent-Type: application/json\r\n\r\n",
+            b"POST /create HTTP/1.1\r\nHost: service\r\nContent-Length: 20\r\n\r\n",
+            b'POST /create HTTP/1.1\r\nHost: service\r\nContent-Length: 20\r\n\r\n{"data_idx"',
+        ]
+        for index in range(200):
+            client = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            client.sendall(cut_off[index % len(cut_off)])
+            client.close()
+        # One more headers-only request, read this time: it is refused, not run.
+        client = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        try:
+            client.sendall(cut_off[0])
+            answer = _read_until_closed(client)
+            assert answer.startswith(b"HTTP/1.1 411 ") and b"Content-Length" in answer
+        finally:
+            client.close()
+        _wait_until(lambda: server.open_connections() == 0, "the cut-off connections to be closed")
+        status, health = _request(server.port, "GET", "/health")
+        assert status == 200 and health["instances"] == 0
+        assert len(server.service.instances) == 0
+        status, created = _request(server.port, "POST", "/create", {})
+        assert status == 200 and created["id"] in server.service.instances
+
+
+def test_beyond_the_cap_the_longest_waiting_connection_makes_room():
+    with EnvServer(ServiceSettings("codebook", max_connections=3)) as server:
+        port = server.port
+        kept = http.client.HTTPConnection("127.0.0.1", port, timeout=10)  # answered once, then idle
+        assert _health_on(kept) == 200
+        silent = socket.create_connection(("127.0.0.1", port), timeout=10)  # never sends a byte
+        _wait_until(lambda: server.open_connections() == 2, "the silent connection to be accepted")
+        trickler = socket.create_connection(("127.0.0.1", port), timeout=10)  # half a head
+        trickler.sendall(b"GET /health HTTP/1.1\r\nHost: ")
+        _wait_until(lambda: server.open_connections() == 3, "the trickling connection to be accepted")
+        first, second, third = (http.client.HTTPConnection("127.0.0.1", port, timeout=10) for _ in range(3))
+        try:
+            # Newcomers that never completed a request go first, oldest first: the silent one
+            # without a word, the trickler with a 503 for its half request...
+            assert _health_on(first) == 200
+            assert silent.recv(4096) == b""
+            assert _health_on(second) == 200
+            answer = _read_until_closed(trickler)
+            assert answer.startswith(b"HTTP/1.1 503 ") and b"make room" in answer
+            # ...then the kept-alive connection idle the longest.
+            assert _health_on(third) == 200
+            assert kept.sock.recv(4096) == b""
+            assert server.open_connections() == 3
+            for connection in (first, second, third):  # the newest are untouched
+                assert _health_on(connection) == 200
+        finally:
+            for connection in (kept, first, second, third):
+                connection.close()
+            silent.close()
+            trickler.close()
+
+
+async def test_a_new_connection_is_refused_only_when_every_connection_is_busy():
+    release, entered = trio.Event(), trio.Event()
+
+    async def slow_handler(request):
+        entered.set()
+        await release.wait()
+        return Response(200, b"{}")
+
+    listener = open_listener("127.0.0.1", 0)
+    server = HTTPServer(listener, slow_handler, HTTPLimits(max_connections=1))
+
+    async def request(answers: list) -> None:
+        stream = await trio.open_tcp_stream("127.0.0.1", listener.getsockname()[1])
+        await stream.send_all(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+        received = b""
+        while b"\r\n\r\n{" not in received and (chunk := await stream.receive_some()):
+            received += chunk
+        answers.append(received)
+        await stream.aclose()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve)
+            busy: list[bytes] = []
+            nursery.start_soon(request, busy)
+            await entered.wait()  # its request is whole and in the handler
+            refused: list[bytes] = []
+            await request(refused)
+            assert refused[0].startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in refused[0]
+            assert server.refused == 1 and not busy
+            release.set()
+            while not busy:
+                await trio.sleep(0.01)
+            assert busy[0].startswith(b"HTTP/1.1 200 ")
+            nursery.cancel_scope.cancel()
+    finally:
+        listener.close()
+
+
+def test_pipelined_requests_and_expect_continue_are_answered_in_order():
+    with EnvServer(ServiceSettings("codebook")) as server:
+        client = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        try:
+            client.sendall(b"GET /health HTTP/1.1\r\nHost: a\r\n\r\nGET /nowhere HTTP/1.1\r\nHost: a\r\n\r\n")
+            received = b""
+            while received.count(b"HTTP/1.1 ") < 2:
+                received += client.recv(65536)
+            assert received.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 404 " in received
+            # A HEAD gets the head alone, and a stray CRLF before the next request is skipped.
+            client.sendall(b"HEAD /health HTTP/1.1\r\nHost: a\r\n\r\n\r\nGET /health HTTP/1.1\r\nHost: a\r\n\r\n")
+            received = b""
+            while received.count(b"HTTP/1.1 ") < 2 or not received.endswith(b"}"):
+                received += client.recv(65536)
+            head, _, rest = received.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 405 ") and b"Content-Length: " in head
+            assert rest.startswith(b"HTTP/1.1 200 ")
+            client.sendall(b"POST /create HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n")
+            assert client.recv(4096) == b"HTTP/1.1 100 Continue\r\n\r\n"
+            client.sendall(b"{}")
+            received = b""
+            while b'"observation"' not in received:
+                received += client.recv(65536)
+            assert received.startswith(b"HTTP/1.1 200 ")
+        finally:
+            client.close()
 
 
 def test_the_listen_backlog_holds_a_burst_of_connections():
-    # A server that binds and listens but does not accept yet: every connection waits in the backlog.
-    # With http.server's default backlog of 5 the seventh connect would stall on SYN retries.
-    idle = _HTTPServer(("127.0.0.1", 0), EnvServer(ServiceSettings("codebook")))
+    # A socket that listens but does not accept yet: every connection waits in the backlog.
+    # With a backlog of 5 the seventh connect would stall on SYN retries.
+    idle = open_listener("127.0.0.1", 0)
     clients = []
     try:
         for _ in range(64):
-            clients.append(socket.create_connection(idle.server_address, timeout=5))
+            clients.append(socket.create_connection(idle.getsockname()[:2], timeout=5))
     finally:
         for client in clients:
             client.close()
-        idle.server_close()
+        idle.close()
+
+
+# ---------------------------------------------------------------- request heads (pure)
+
+
+def _refusal(head: bytes) -> int:
+    with pytest.raises(HTTPError) as refused:
+        body_length(parse_head(head))
+    return refused.value.status
+
+
+def test_request_heads_are_parsed_and_malformed_ones_refused():
+    request = parse_head(b"POST /step?id=1 HTTP/1.1\r\nHost: a\r\nContent-Length:  12 \r\nX-A: 1\r\nx-a: 2")
+    assert (request.method, request.target, request.version) == ("POST", "/step?id=1", "HTTP/1.1")
+    assert request.headers == {"host": "a", "content-length": "12", "x-a": "1, 2"}
+    assert body_length(request) == 12 and request.keep_alive()
+    assert body_length(parse_head(b"GET /health HTTP/1.1")) == 0
+    assert body_length(parse_head(b"POST /x HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 3")) == 3
+    assert not parse_head(b"GET / HTTP/1.1\r\nConnection: close").keep_alive()
+    assert not parse_head(b"GET / HTTP/1.0").keep_alive()
+    assert parse_head(b"GET / HTTP/1.0\r\nConnection: Keep-Alive").keep_alive()
+    assert _refusal(b"POST /create HTTP/1.1\r\nHost: a") == 411  # no length: cannot tell whole from cut off
+    assert _refusal(b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked") == 411
+    assert _refusal(b"POST /x HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4") == 400
+    assert _refusal(b"POST /x HTTP/1.1\r\nContent-Length: -1") == 400
+    assert _refusal(b"POST /x HTTP/1.1\r\nContent-Length: \xb2") == 400  # a digit to str.isdigit, not to HTTP
+    assert _refusal(b"GET /x HTTP/1.1\r\nHost: a\r\n folded: b") == 400
+    assert _refusal(b"GET /x HTTP/1.1\r\nBad Name: b") == 400
+    assert _refusal(b"GET /x HTTP/2.0") == 505
+    assert _refusal(b"NONSENSE") == 400
+    assert _refusal(b"GET /a b HTTP/1.1") == 400
+    with pytest.raises(HTTPError) as too_many:
+        parse_head(b"GET / HTTP/1.1" + b"\r\nX: 1" * 101, max_header_count=100)
+    assert too_many.value.status == 431
+
+
+def test_oversized_heads_get_431():
+    with EnvServer(ServiceSettings("codebook")) as server:
+        client = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        try:
+            client.sendall(b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n")
+            assert _read_until_closed(client).startswith(b"HTTP/1.1 431 ")
+        finally:
+            client.close()
 
 
 # ---------------------------------------------------------------- clients that vanish mid-request
 
 
 def test_clients_that_reset_mid_request_leave_a_short_line_and_no_traceback(capfd, caplog):
-    caplog.set_level(logging.DEBUG, logger="longhorizon.envs.server")
+    caplog.set_level(logging.DEBUG, logger="longhorizon.envs")
     with EnvServer(ServiceSettings("codebook")) as server:
         partial_requests = [
             b"POST /step HTTP/1.1\r\nHost: service\r\n",  # inside the head
@@ -161,7 +357,7 @@ def test_clients_that_reset_mid_request_leave_a_short_line_and_no_traceback(capf
 def test_lost_client_lines_are_rate_limited():
     now = [0.0]
     lines = []
-    limiter = _LostClientLog(interval_s=10.0, clock=lambda: now[0], emit=lines.append)
+    limiter = LostClientLog(interval_s=10.0, clock=lambda: now[0], emit=lines.append)
     limiter.note("10.0.0.1", ConnectionResetError())
     for _ in range(5):
         now[0] += 1.0
@@ -259,3 +455,34 @@ def test_the_table_over_http_fills_from_one_loopback_client():
             assert _request(server.port, "POST", "/create", {})[0] == 200
         status, answer = _request(server.port, "POST", "/create", {})
         assert status == 503 and "full" in answer["error"]
+
+
+def test_env_serve_takes_the_connection_limits_as_options(tmp_path):
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [
+        sys.executable, "-m", "longhorizon.launch.cli", "env", "serve", "codebook", "--port", str(port),
+        "--max-connections", "2", "--header-timeout", "0.5", "--request-timeout", "3", "--keep-alive-timeout", "4",
+        "--max-instances", "5",
+    ]
+    service = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert service.stdout is not None
+        assert b"serving codebook" in service.stdout.readline()
+        status, info = _request(port, "GET", "/info")
+        assert status == 200 and info["max_connections"] == 2 and info["max_instances"] == 5
+        assert info["header_timeout_s"] == 0.5 and info["request_timeout_s"] == 3.0
+        silent = socket.create_connection(("127.0.0.1", port), timeout=10)
+        try:
+            started = time.monotonic()
+            assert _read_until_closed(silent) == b""  # the header deadline of the option, not the default 10 s
+            assert time.monotonic() - started < 3
+        finally:
+            silent.close()
+    finally:
+        service.terminate()
+        service.wait(timeout=10)

@@ -1,0 +1,562 @@
+"""HTTP/1.1 on a trio event loop for the env service: connections, request parsing and their limits.
+
+One task per connection, all on one trio loop: a connection that is idle, trickles bytes or was cut
+off costs a small task and a socket, never a thread. A request reaches the handler only once its
+head and its whole body (Content-Length bytes) are in; a POST without Content-Length is refused
+(411), so a request cut off after its head can never run.
+
+Limits (HTTPLimits):
+  - header_timeout_s: from a request's first byte (from the accept, for a connection's first
+    request) until its head is complete; request_timeout_s: from the same moment until its body is
+    complete. Both count across all reads, so a client that trickles a byte a second is cut off
+    like a silent one. A late request that had begun gets 408; a connection that never sent a
+    byte is closed without a word.
+  - keep_alive_timeout_s: how long a connection may wait idle between requests.
+  - max_connections: beyond it a new connection takes the place of the connection that has waited
+    longest without a whole request: first those that never completed a request (silent or
+    trickling newcomers, oldest first), then kept-alive ones (longest idle first). Connections
+    whose request is being answered are never evicted; only when every slot holds one is a new
+    connection refused with 503. Evicting instead of refusing means junk connections cannot lock
+    out a good client: they only push each other out.
+  - max_header_bytes and max_header_count (431), max_body_bytes (413), Transfer-Encoding (411).
+
+Bodies are Content-Length only. Responses are written in one send; the answer to a request that
+asked for it (`Connection: close`, HTTP/1.0 without keep-alive) or that failed to parse closes the
+connection.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Any
+
+import trio
+
+log = logging.getLogger(__name__)
+
+# The listen backlog (the kernel caps it at net.core.somaxconn): connects that arrive in a burst
+# wait here until the accept loop takes them.
+LISTEN_BACKLOG = 1024
+# An oversized body is read and thrown away up to this size so the client can read our 413 before
+# the connection closes; beyond it the connection is simply closed.
+MAX_DISCARDED_BODY_BYTES = 16 * 1024 * 1024
+READ_SIZE = 64 * 1024
+# Clients that reset their connection are logged in one line at most this often.
+LOST_CLIENT_LOG_INTERVAL_S = 10.0
+# accept() errors that mean "out of descriptors or memory for now", not a broken listener.
+_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_TOKEN_BYTES = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
+
+
+@dataclass(frozen=True)
+class HTTPLimits:
+    max_connections: int = 1024
+    header_timeout_s: float = 10.0
+    request_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 60.0
+    max_body_bytes: int = 1024 * 1024
+    max_header_bytes: int = 16 * 1024
+    max_header_count: int = 100
+
+
+class HTTPError(Exception):
+    """A request refused before it reaches the handler; its connection is closed after the answer."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = int(status)
+        self.message = message
+
+
+@dataclass
+class Request:
+    method: str
+    target: str
+    version: str
+    """"HTTP/1.1" or "HTTP/1.0"."""
+    headers: dict[str, str]
+    """Lower-case names; a repeated field's values joined with ", "."""
+    body: bytes = b""
+    client: str = ""
+    """The peer's address."""
+
+    def keep_alive(self) -> bool:
+        tokens = {token.strip().lower() for token in self.headers.get("connection", "").split(",")}
+        if self.version == "HTTP/1.0":
+            return "keep-alive" in tokens
+        return "close" not in tokens
+
+
+@dataclass
+class Response:
+    status: int
+    body: bytes
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- parsing (pure)
+
+
+def parse_head(head: bytes, max_header_count: int = 100) -> Request:
+    """The request line and header fields of one request head (the bytes before the blank line)."""
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3:
+        raise HTTPError(HTTPStatus.BAD_REQUEST, f"malformed request line {lines[0][:80]!r}")
+    method, target, version = parts
+    if not method or not _TOKEN_BYTES.issuperset(method):
+        raise HTTPError(HTTPStatus.BAD_REQUEST, f"malformed method {method[:40]!r}")
+    if version not in (b"HTTP/1.1", b"HTTP/1.0"):
+        if version.startswith(b"HTTP/"):
+            raise HTTPError(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED, f"{version[:20]!r} is not supported; use HTTP/1.1")
+        raise HTTPError(HTTPStatus.BAD_REQUEST, f"malformed request line {lines[0][:80]!r}")
+    if not target or any(byte <= 0x20 or byte >= 0x7F for byte in target):
+        raise HTTPError(HTTPStatus.BAD_REQUEST, f"malformed request target {target[:80]!r}")
+    if len(lines) - 1 > max_header_count:
+        raise HTTPError(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"more than {max_header_count} header fields")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        # A name with spaces, or a line folded onto the previous one, is refused: readers that
+        # disagree on such lines are how one request is smuggled inside another.
+        if not colon or not name or not _TOKEN_BYTES.issuperset(name):
+            raise HTTPError(HTTPStatus.BAD_REQUEST, f"malformed header line {line[:80]!r}")
+        value = value.strip(b" \t")
+        if b"\r" in value or b"\n" in value or b"\x00" in value:
+            raise HTTPError(HTTPStatus.BAD_REQUEST, f"control characters in header {name[:40]!r}")
+        key, text = name.decode("ascii").lower(), value.decode("latin-1")
+        if key in headers:
+            if key == "content-length":
+                if headers[key] != text:
+                    raise HTTPError(HTTPStatus.BAD_REQUEST, "conflicting Content-Length fields")
+                continue
+            headers[key] = f"{headers[key]}, {text}"
+        else:
+            headers[key] = text
+    return Request(method.decode("ascii"), target.decode("ascii"), version.decode("ascii"), headers)
+
+
+def body_length(request: Request) -> int:
+    """Bytes of body that follow the head; refuses bodies we cannot delimit."""
+    coding = request.headers.get("transfer-encoding")
+    if coding is not None and coding.strip().lower() != "identity":
+        raise HTTPError(HTTPStatus.LENGTH_REQUIRED, "chunked bodies are not accepted; send Content-Length")
+    declared = request.headers.get("content-length")
+    if declared is None:
+        if request.method in _METHODS_WITH_BODY:
+            # Without the length we could not tell a whole empty body from one cut off after the head.
+            raise HTTPError(HTTPStatus.LENGTH_REQUIRED, f"{request.method} needs a Content-Length header")
+        return 0
+    if not (declared.isascii() and declared.isdigit()) or len(declared) > 18:
+        raise HTTPError(HTTPStatus.BAD_REQUEST, f"bad Content-Length {declared[:40]!r}")
+    return int(declared)
+
+
+_DATE_CACHE: list[Any] = [0, ""]
+
+
+def _http_date() -> str:
+    now = int(time.time())
+    if _DATE_CACHE[0] != now:
+        _DATE_CACHE[:] = [now, formatdate(now, usegmt=True)]
+    return _DATE_CACHE[1]
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Unknown"
+
+
+def response_bytes(
+    status: int, body: bytes, headers: Mapping[str, str] | None = None, *, close: bool = False,
+    keep_alive_1_0: bool = False, server_name: str = "longhorizon-env",
+) -> bytes:
+    """A whole response: status line, headers, JSON body."""
+    lines = [
+        f"HTTP/1.1 {int(status)} {_phrase(status)}",
+        f"Server: {server_name}",
+        f"Date: {_http_date()}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+    ]
+    lines.extend(f"{name}: {value}" for name, value in (headers or {}).items())
+    if close:
+        lines.append("Connection: close")
+    elif keep_alive_1_0:
+        lines.append("Connection: keep-alive")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+def error_body(message: str) -> bytes:
+    return json.dumps({"error": message}).encode("utf-8")
+
+
+# ---------------------------------------------------------------- lost clients
+
+
+class LostClientLog:
+    """One short log line for clients that vanish mid-request, at most one per interval.
+
+    A client that resets its connection is the client's affair, not a service fault: no traceback,
+    and a storm of them (a killed trainer's hundred connections) makes one line with a count.
+    """
+
+    def __init__(
+        self,
+        interval_s: float = LOST_CLIENT_LOG_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+        emit: Callable[[str], None] = log.info,
+    ):
+        self.interval_s = interval_s
+        self.clock = clock
+        self.emit = emit
+        self.total = 0
+        self._unreported = 0
+        self._last_line: float | None = None
+        self._lock = threading.Lock()  # tests and callers may note from other threads
+
+    def note(self, client: str, error: BaseException) -> None:
+        with self._lock:
+            self.total += 1
+            now = self.clock()
+            if self._last_line is not None and now - self._last_line < self.interval_s:
+                self._unreported += 1
+                return
+            self._last_line = now
+            unreported, self._unreported = self._unreported, 0
+        since = f" ({unreported} more since the last such line)" if unreported else ""
+        self.emit(f"client {client} went away mid-request: {type(error).__name__}{since}")
+
+
+# ---------------------------------------------------------------- connections
+
+
+def open_listener(host: str, port: int) -> socket.socket:
+    """A bound, listening, non-blocking TCP socket (IPv6 when host is an IPv6 address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+    listener.setblocking(False)
+    return listener
+
+
+class _TooSlow(Exception):
+    """A deadline of the request being read passed."""
+
+
+class _Connection:
+    __slots__ = ("begun", "busy", "client", "evicted", "proven", "scope", "sock")
+
+    def __init__(self, sock: socket.socket, client: str):
+        self.sock = sock
+        self.client = client
+        self.scope = trio.CancelScope()
+        self.busy = False
+        """A whole request is being answered: never evicted."""
+        self.begun = False
+        """Bytes of a request not yet whole have arrived (an eviction or deadline then answers)."""
+        self.proven = False
+        """At least one request was answered (evicted after the newcomers)."""
+        self.evicted = False
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class HTTPServer:
+    """Serves HTTP/1.1 on a listening socket from the current trio loop until cancelled.
+
+    `handler` turns a whole request into a Response; it runs on the connection's task, so a slow
+    handler delays only its own connection. `count_error(status)` is told of every refusal this
+    layer answers itself (400, 408, 411, 413, 431, 503, 505).
+    """
+
+    def __init__(
+        self, listener: socket.socket, handler: Handler, limits: HTTPLimits, *,
+        count_error: Callable[[int], None] = lambda status: None, lost_clients: LostClientLog | None = None,
+    ):
+        self.listener = listener
+        self.handler = handler
+        self.limits = limits
+        self.count_error = count_error
+        self.lost_clients = lost_clients or LostClientLog()
+        # Insertion order is eviction order: newcomers by accept time; answered connections are
+        # moved to the end each time they start waiting for their next request.
+        self._newcomers: OrderedDict[_Connection, None] = OrderedDict()
+        self._proven: OrderedDict[_Connection, None] = OrderedDict()
+        self.evicted = 0
+        self.refused = 0
+        self._short_of_descriptors_logged = False
+
+    def open_connections(self) -> int:
+        return len(self._newcomers) + len(self._proven)
+
+    async def serve(self) -> None:
+        async with trio.open_nursery() as nursery:
+            await self._accept_forever(nursery)
+
+    # -------------------------------------------------------- accepting
+
+    async def _accept_forever(self, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                sock, address = self.listener.accept()
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self.listener)
+                continue
+            except OSError as error:
+                if error.errno in _RESOURCE_ERRNOS:
+                    # Out of descriptors: make room as at the connection cap, and let the close land.
+                    if not self._short_of_descriptors_logged:
+                        log.warning("accept failed (%s); evicting waiting connections to make room", error)
+                        self._short_of_descriptors_logged = True
+                    self._evict_one()
+                    await trio.sleep(0.01)
+                    continue
+                if error.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
+                    continue  # the peer gave up before we took it
+                raise
+            sock.setblocking(False)
+            try:
+                # One send per response, but the client's next request should not wait on Nagle.
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+            client = str(address[0]) if isinstance(address, tuple) else str(address)
+            if self.open_connections() >= self.limits.max_connections and not self._evict_one():
+                self._refuse(sock)
+            else:
+                connection = _Connection(sock, client)
+                self._newcomers[connection] = None
+                nursery.start_soon(self._serve_connection, connection)
+            # Each accept yields, so a flood of connects cannot starve the connections being served.
+            await trio.lowlevel.checkpoint()
+
+    def _evict_one(self) -> bool:
+        """Close the connection that has waited longest without a whole request; False if none waits."""
+        for table in (self._newcomers, self._proven):
+            for connection in table:
+                if not connection.busy:
+                    del table[connection]
+                    connection.evicted = True
+                    connection.scope.cancel()
+                    self.evicted += 1
+                    return True
+        return False
+
+    def _refuse(self, sock: socket.socket) -> None:
+        self.refused += 1
+        self.count_error(HTTPStatus.SERVICE_UNAVAILABLE)
+        answer = response_bytes(
+            HTTPStatus.SERVICE_UNAVAILABLE, error_body("too many open connections, all busy; retry later"),
+            {"Retry-After": "1"}, close=True,
+        )
+        try:
+            sock.send(answer)  # a fresh socket's send buffer takes it whole without waiting
+        except OSError:
+            pass
+        sock.close()
+
+    def _forget(self, connection: _Connection) -> None:
+        self._newcomers.pop(connection, None)
+        self._proven.pop(connection, None)
+
+    # -------------------------------------------------------- one connection
+
+    async def _serve_connection(self, connection: _Connection) -> None:
+        sock = connection.sock
+        answer_on_close: bytes | None = None
+        try:
+            with connection.scope:
+                answer_on_close = await self._serve_requests(connection)
+            if connection.evicted and connection.begun:
+                self.count_error(HTTPStatus.SERVICE_UNAVAILABLE)
+                answer_on_close = response_bytes(
+                    HTTPStatus.SERVICE_UNAVAILABLE,
+                    error_body("the connection was closed to make room for others; send whole requests promptly"),
+                    {"Retry-After": "1"}, close=True,
+                )
+        except (ConnectionError, TimeoutError) as error:
+            self.lost_clients.note(connection.client, error)
+        except Exception:  # a fault of ours: worth its traceback, but the service goes on
+            log.exception("connection from %s failed", connection.client)
+        finally:
+            self._forget(connection)
+            _close(sock, answer_on_close)
+
+    async def _serve_requests(self, connection: _Connection) -> bytes | None:
+        """Requests of one connection until it closes; returns a last answer to send, if any."""
+        sock, limits = connection.sock, self.limits
+        buffer = bytearray()
+        started = trio.current_time()  # the first request's clock runs from the accept
+        while True:
+            # The head (blank lines before it are skipped: some clients end a body with a stray CRLF).
+            while buffer.startswith(b"\r\n"):
+                del buffer[:2]
+            head_end = buffer.find(b"\r\n\r\n")
+            connection.begun = bool(buffer)
+            header_deadline = started + limits.header_timeout_s
+            request_deadline = started + limits.request_timeout_s
+            try:
+                while head_end < 0:
+                    if len(buffer) > limits.max_header_bytes:
+                        raise HTTPError(
+                            HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                            f"the request head is over {limits.max_header_bytes} bytes",
+                        )
+                    searched_from = max(0, len(buffer) - 3)
+                    if not await _receive(sock, buffer, min(header_deadline, request_deadline)):
+                        return None  # the client closed; a half-sent request is dropped unrun
+                    connection.begun = True
+                    head_end = buffer.find(b"\r\n\r\n", searched_from)
+                if head_end > limits.max_header_bytes:
+                    raise HTTPError(
+                        HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"the request head is over {limits.max_header_bytes} bytes"
+                    )
+                request = parse_head(bytes(buffer[:head_end]), limits.max_header_count)
+                request.client = connection.client
+                length = body_length(request)
+                body_start = head_end + 4
+                if length > limits.max_body_bytes:
+                    return await self._refuse_body(sock, request, buffer, body_start, length, request_deadline)
+                # The body.
+                if len(buffer) - body_start < length and request.headers.get("expect", "").lower() == "100-continue":
+                    await _send_all(sock, b"HTTP/1.1 100 Continue\r\n\r\n", request_deadline)
+                while len(buffer) - body_start < length:
+                    if not await _receive(sock, buffer, request_deadline):
+                        return None
+            except _TooSlow:
+                if not connection.begun:
+                    return None  # connected and said nothing: close without a word
+                self.count_error(HTTPStatus.REQUEST_TIMEOUT)
+                what = "head" if head_end < 0 else "body"
+                seconds = limits.header_timeout_s if head_end < 0 else limits.request_timeout_s
+                message = f"the request's {what} did not arrive within {min(seconds, limits.request_timeout_s)} s"
+                return response_bytes(HTTPStatus.REQUEST_TIMEOUT, error_body(message), close=True)
+            except HTTPError as error:
+                self.count_error(error.status)
+                return response_bytes(error.status, error_body(error.message), close=True)
+            body_end = body_start + length
+            request.body = bytes(buffer[body_start:body_end])
+            del buffer[:body_end]
+
+            # The answer. From here the request is whole: the connection is not evicted.
+            connection.busy, connection.begun = True, False
+            keep_alive = request.keep_alive()
+            response = await self.handler(request)
+            data = response_bytes(
+                response.status, response.body, response.headers, close=not keep_alive,
+                keep_alive_1_0=keep_alive and request.version == "HTTP/1.0",
+            )
+            if request.method == "HEAD":  # the head alone, Content-Length as for a GET
+                data = data[: len(data) - len(response.body)]
+            # A client that does not read its answers is cut off like one that does not send.
+            await _send_all(sock, data, trio.current_time() + limits.request_timeout_s)
+            if not keep_alive:
+                return None
+            connection.busy = False
+            if not connection.proven:
+                connection.proven = True
+                self._newcomers.pop(connection, None)
+            self._proven[connection] = None
+            self._proven.move_to_end(connection)
+
+            # The next request: wait for its first byte up to the keep-alive timeout.
+            if buffer:
+                await trio.lowlevel.checkpoint()  # pipelined requests still take turns with others
+            else:
+                with trio.move_on_after(limits.keep_alive_timeout_s):
+                    if not await _receive(sock, buffer, None):
+                        return None
+                if not buffer:
+                    return None  # idle too long
+            started = trio.current_time()
+
+    async def _refuse_body(
+        self, sock: socket.socket, request: Request, buffer: bytearray, body_start: int, length: int, deadline: float,
+    ) -> bytes:
+        """A 413, after reading the body away (up to a bound) so the client sees the answer, not a reset."""
+        self.count_error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+        answer = response_bytes(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            error_body(f"the body is {length} bytes; the limit is {self.limits.max_body_bytes}"), close=True,
+        )
+        waits_for_go_ahead = request.headers.get("expect", "").lower() == "100-continue"
+        if length <= MAX_DISCARDED_BODY_BYTES and not waits_for_go_ahead:
+            remaining = length - (len(buffer) - body_start)
+            del buffer[:]
+            try:
+                while remaining > 0:
+                    got = await _receive(sock, buffer, deadline)
+                    if not got:
+                        break
+                    remaining -= got
+                    del buffer[:]
+            except _TooSlow:
+                pass
+        return answer
+
+
+async def _receive(sock: socket.socket, buffer: bytearray, deadline: float | None) -> int:
+    """Appends what the socket has (waiting up to deadline) to buffer; 0 means the peer closed."""
+    while True:
+        try:
+            data = sock.recv(READ_SIZE)
+            break
+        except BlockingIOError:
+            pass
+        if deadline is None:
+            await trio.lowlevel.wait_readable(sock)
+            continue
+        if trio.current_time() >= deadline:
+            raise _TooSlow()
+        with trio.move_on_at(deadline):
+            await trio.lowlevel.wait_readable(sock)
+    buffer += data
+    return len(data)
+
+
+async def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            sent = sock.send(view)
+        except BlockingIOError:
+            with trio.move_on_at(deadline) as scope:
+                await trio.lowlevel.wait_writable(sock)
+            if scope.cancelled_caught:
+                raise TimeoutError("the client did not read its answer in time") from None
+            continue
+        view = view[sent:]
+
+
+def _close(sock: socket.socket, last_answer: bytes | None) -> None:
+    """Close a connection, sending a last answer first when there is one (never waiting for it)."""
+    if last_answer is not None:
+        try:
+            # Read away what the client already sent, or closing would reset the connection and
+            # could destroy the answer before the client reads it.
+            for _ in range(16):
+                if not sock.recv(READ_SIZE):
+                    break
+        except OSError:
+            pass
+        try:
+            sock.send(last_answer)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+    trio.lowlevel.notify_closing(sock)  # trio forgets the descriptor before the kernel reuses its number
+    sock.close()
