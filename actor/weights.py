@@ -21,9 +21,12 @@ bfloat16, bit for bit.
 The collective's receiving end (`CollectiveReceiver`) runs in the process where the model lives
 (the actor process for `hf`, vLLM's worker process for `vllm`). It joins the pair group the
 announcement names (forming it when the name is new: the first update, a learner restart, or a
-group that broke), receives every bucket into fresh buffers, checks each bucket's CRC32 when the
-learner sent one, and returns the tensors; the engine swaps them in between turns, so the model
-keeps generating with the old version while the bytes arrive. A failure (the learner gone, a
+group that broke), receives every bucket, checks each bucket's CRC32 when the learner sent one
+(in a second thread, while the next bucket arrives), and returns the tensors as views of the
+buckets. The buckets are received into the previous update's buffers when nothing refers to
+them any more (the engine has loaded or dropped that update), so their pages are already in
+memory. The engine swaps the tensors in between turns, so the model keeps generating with the
+old version while the bytes arrive. A failure (the learner gone, a
 wait past the announced timeout, a corrupt bucket) raises `CollectiveError` naming the learner's
 store and the group, and drops the group: the learner forms a new one when it sends again.
 """
@@ -47,6 +50,7 @@ from longhorizon.common.collective import (
     layout_of,
     local_address_towards,
     open_pair_group,
+    reusable_buckets,
     unpack_buckets,
 )
 from longhorizon.common.wire import CollectiveWeights, WeightsUpdate
@@ -161,33 +165,41 @@ class CollectiveReceiver:
         self._store_address: tuple[str, int] | None = None
         self._group = None
         self._group_name: str | None = None
+        self._buckets: list = []
+        """The last update's buffers, received into again once nothing else refers to them."""
 
     def receive(self, update: CollectiveWeights) -> dict:
         """The tensors of `update` ({name: tensor}, views of the received buckets). Blocking."""
-        import torch
+        from concurrent.futures import ThreadPoolExecutor
 
         layout = layout_of(update)
         where = f"the learner at {update.store_host}:{update.store_port}"
         if update.group_name != self._group_name:
             self._join(update, where)
         device = "cpu" if update.backend == "gloo" else self.device
-        buckets = [torch.empty(size, dtype=torch.uint8, device=device) for size in layout.bucket_sizes]
+        buckets = reusable_buckets(self._buckets, layout.bucket_sizes, device)
+        self._buckets = buckets
+        checks = []
         try:
-            for index, bucket in enumerate(buckets):
-                what = (
-                    f"receiving weights v{update.version} from {where} (group {update.group_name}), "
-                    f"bucket {index + 1} of {len(buckets)}"
-                )
-                broadcast_bucket(self._group, bucket, update.timeout_s, what)
-                if update.bucket_crc32:
-                    arrived = zlib.crc32(bucket.numpy())
-                    if arrived != update.bucket_crc32[index]:
-                        raise CollectiveError(
-                            f"{what}: arrived with CRC32 {arrived:08x}, the learner sent {update.bucket_crc32[index]:08x}"
-                        )
+            # zlib releases the GIL on large buffers: bucket i is checked while bucket i+1 arrives.
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-crc") as checker:
+                for index, bucket in enumerate(buckets):
+                    what = (
+                        f"receiving weights v{update.version} from {where} (group {update.group_name}), "
+                        f"bucket {index + 1} of {len(buckets)}"
+                    )
+                    broadcast_bucket(self._group, bucket, update.timeout_s, what)
+                    if update.bucket_crc32:
+                        checks.append((what, update.bucket_crc32[index], checker.submit(zlib.crc32, bucket.numpy())))
+            for what, sent, check in checks:
+                arrived = check.result()
+                if arrived != sent:
+                    raise CollectiveError(f"{what}: arrived with CRC32 {arrived:08x}, the learner sent {sent:08x}")
         except CollectiveError:
             self.close()
             raise
+        finally:
+            del checks  # the checker's numpy views, so the buffers can be reused next time
         return unpack_buckets(buckets, layout)
 
     def _join(self, update: CollectiveWeights, where: str) -> None:
@@ -215,3 +227,4 @@ class CollectiveReceiver:
         self.close_group()
         self._store = None
         self._store_address = None
+        self._buckets = []

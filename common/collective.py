@@ -92,15 +92,91 @@ def plan_buckets(tensors: Mapping[str, tuple[str, tuple[int, ...]]], bucket_byte
     return BucketLayout(tuple(slots), tuple(sizes))
 
 
-def pack_buckets(state: Mapping, layout: BucketLayout, device="cpu") -> list:
-    """Copies of the tensors of `state`, laid out in fresh byte buckets on `device`."""
-    import torch
-
-    buckets = [torch.empty(size, dtype=torch.uint8, device=device) for size in layout.bucket_sizes]
+def pack_buckets(
+    state: Mapping, layout: BucketLayout, device="cpu", *, into: list | None = None, packed=None,
+) -> list:
+    """Copies of the tensors of `state`, laid out in byte buckets on `device`: fresh ones, or
+    the buckets `into` (`reusable_buckets`), whose memory is already in place. `packed(bucket)`,
+    if given, is called with each bucket as soon as it is full (buckets fill in order)."""
+    buckets = reusable_buckets(into or [], layout.bucket_sizes, device)
+    filling = 0
     for slot in layout.slots:
+        while packed is not None and filling < slot.bucket:
+            packed(buckets[filling])
+            filling += 1
         tensor = state[slot.name]
         target = buckets[slot.bucket][slot.offset:slot.offset + slot.nbytes]
-        target.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+        copy_into(target.view(tensor.dtype).view(tensor.shape), tensor.detach())
+    while packed is not None and filling < len(buckets):
+        packed(buckets[filling])
+        filling += 1
+    return buckets
+
+
+def copy_into(target, source) -> None:
+    """`target.copy_(source)`; between CPU tensors of one dtype, both contiguous, a plain memcpy
+    on this thread instead. A copy is bound by memory bandwidth, which one thread nearly fills,
+    while torch's copy splits it over its intra-op threads: on a machine whose cores are busy
+    with other work, those threads wait for each other (on the 2-core VM of docs/benchmarks.md a
+    1 GB copy took 1-2.8 s on two threads, 0.22-0.35 s on one)."""
+    import numpy as np
+    import torch
+
+    plain = (torch.Tensor, torch.nn.Parameter)  # not a subclass with its own layout (a DTensor's shards)
+    if (
+        type(target) in plain and type(source) in plain
+        and target.device.type == "cpu" and source.device.type == "cpu" and target.dtype == source.dtype
+        and target.shape == source.shape and target.is_contiguous() and source.is_contiguous()
+        and not source.is_conj() and not source.is_neg()
+    ):
+        if source.numel():
+            np.copyto(_byte_array(target), _byte_array(source))
+        return
+    target.copy_(source)
+
+
+def _byte_array(tensor):
+    """The bytes of a contiguous CPU tensor as a writable numpy array over the same memory."""
+    import torch
+
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def sole_owner(tensor) -> bool:
+    """Whether nothing but `tensor` itself refers to its memory: no view of it (a tensor another
+    update handed out, a numpy array over it) is alive, so it may be written again. False when
+    torch cannot say."""
+    import torch
+
+    try:
+        # One reference from the tensor, one from the storage object made here to ask.
+        return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= 2
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def reusable_buckets(previous: list, sizes, device) -> list:
+    """Byte buckets of `sizes` on `device`: each one of `previous` at the same place where it has
+    that size, lives there and nothing else refers to it (`sole_owner`), else a new one.
+
+    New memory is the expensive part of a transfer on a machine that hands out pages lazily (on
+    the VM of docs/benchmarks.md, a copy into new pages ran at 0.24-3.7 GB/s against 1.3-9 GB/s
+    into memory already touched), so buffers are kept from one update to the next.
+    """
+    import torch
+
+    device = torch.device(device)
+    buckets = []
+    for index, size in enumerate(sizes):
+        old = previous[index] if index < len(previous) else None
+        if (
+            old is not None and old.numel() == size and old.dtype == torch.uint8
+            and old.device.type == device.type and (device.index is None or old.device == device)
+            and sole_owner(old)
+        ):
+            buckets.append(old)
+        else:
+            buckets.append(torch.empty(size, dtype=torch.uint8, device=device))
     return buckets
 
 

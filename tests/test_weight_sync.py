@@ -31,6 +31,7 @@ from longhorizon.common.collective import (
     RendezvousServer,
     announcement,
     broadcast_bucket,
+    bucket_checksums,
     layout_of,
     open_pair_group,
     pack_buckets,
@@ -82,6 +83,92 @@ def test_buckets_keep_dtypes_and_bytes_and_a_large_tensor_travels_alone():
     assert max(size for index, size in enumerate(layout.bucket_sizes) if index != slots["big"].bucket) <= 1000
     unpacked = unpack_buckets(pack_buckets(state, layout), layout)
     assert _digests(unpacked) == _digests(state)
+
+
+def test_copy_into_is_exact_for_every_layout_and_buckets_are_reused_only_when_unreferenced():
+    from longhorizon.common.collective import copy_into, reusable_buckets, sole_owner
+
+    for source in (torch.randn(5, 7), torch.randn(5, 7).to(torch.bfloat16), torch.arange(12).reshape(3, 4),
+                   torch.randn(6, 4).t(), torch.tensor(True), torch.ones(0, 3)):
+        target = torch.empty(source.shape, dtype=source.dtype)
+        copy_into(target, source)
+        assert torch.equal(target, source)
+    widened = torch.empty(3)
+    copy_into(widened, torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16))  # another dtype: torch casts
+    assert widened.tolist() == [1.5, -2.0, 3.25]
+
+    old = [torch.empty(100, dtype=torch.uint8), torch.empty(50, dtype=torch.uint8)]
+    assert sole_owner(old[0])
+    view = old[1][10:20].view(torch.int16)  # a tensor handed out from the second bucket
+    again = reusable_buckets(old, (100, 50, 8), "cpu")
+    assert again[0] is old[0] and again[1] is not old[1] and again[2].numel() == 8
+    assert not sole_owner(old[1])
+    array = again[0].numpy()  # a numpy view counts too
+    del view
+    assert reusable_buckets(again, (100, 50, 8), "cpu")[1] is again[1]
+    assert reusable_buckets(again, (100, 50, 8), "cpu")[0] is not again[0]
+    del array
+    assert reusable_buckets(again, (99,), "cpu")[0] is not again[0]  # another size: a new one
+
+
+def test_the_sender_writes_a_snapshot_into_a_retired_versions_buckets_never_one_being_sent():
+    sender = CollectiveSender(host="127.0.0.1", backend="gloo", timeout_s=5, bucket_bytes=1 << 20,
+                              announce=lambda actor_id, message: None)
+    try:
+        state = {"w": torch.randn(64, 64), "h": torch.randn(100).to(torch.bfloat16)}
+        first = sender.snapshot(state, 1)
+        sender.publish(first)
+        first_buckets = list(first.buckets)
+        second = sender.snapshot(state, 2)  # the first is the latest still: new buckets
+        assert all(a is not b for a, b in zip(second.buckets, first_buckets))
+        with sender._lock:
+            first.sending += 1  # a delivery thread is still sending version 1
+        sender.publish(second)
+        assert first.buckets == first_buckets and sender._spare == []
+        third = sender.snapshot(state, 3)
+        assert all(a is not b for a, b in zip(third.buckets, first_buckets))
+        with sender._lock:
+            first.sending -= 1
+            sender._retire_if_unused(first)  # what the delivery thread does when it is done
+        assert first.buckets == [] and sender._spare == first_buckets
+        changed = {name: t * 2 for name, t in state.items()}
+        fourth = sender.snapshot(changed, 4)
+        assert all(a is b for a, b in zip(fourth.buckets, first_buckets))
+        assert _digests(unpack_buckets(fourth.buckets, fourth.layout)) == _digests(changed)
+        assert fourth.checksums == bucket_checksums(fourth.buckets) != second.checksums  # taken while packing
+        assert _digests(unpack_buckets(second.buckets, second.layout)) == _digests(state)  # untouched
+    finally:
+        sender.close()
+
+
+def test_the_receiver_receives_into_the_last_updates_buffers_once_they_are_let_go():
+    server = RendezvousServer("127.0.0.1", timeout_s=30)
+    states = [{"w": torch.randn(32, 32) + version, "h": torch.randn(10).to(torch.bfloat16)} for version in range(3)]
+    try:
+        layout, message = _announcement_for(server, "weights/test/reuse", states[0], timeout_s=30.0)
+
+        def learner():
+            group = open_pair_group(server.store, "weights/test/reuse", 0, backend="gloo", timeout_s=30,
+                                    local_host="127.0.0.1", peer="test")
+            for state in states:
+                for bucket in pack_buckets(state, layout):
+                    broadcast_bucket(group, bucket, 30, "test")
+
+        thread = threading.Thread(target=learner, daemon=True)
+        thread.start()
+        receiver = CollectiveReceiver()
+        first = receiver.receive(message)
+        assert _digests(first) == _digests(states[0])
+        memory = first["w"].data_ptr()
+        del first  # loaded: nothing refers to its buffers now
+        second = receiver.receive(CollectiveWeights(**dict(vars(message), version=2)))
+        assert second["w"].data_ptr() == memory and _digests(second) == _digests(states[1])
+        third = receiver.receive(CollectiveWeights(**dict(vars(message), version=3)))  # the second is still held
+        assert third["w"].data_ptr() != memory
+        assert _digests(second) == _digests(states[1]) and _digests(third) == _digests(states[2])
+        thread.join(timeout=30)
+    finally:
+        server.close()
 
 
 def test_announcement_round_trips_on_the_control_channel_and_bad_layouts_are_refused():

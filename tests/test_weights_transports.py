@@ -87,3 +87,53 @@ def test_make_weights_update_builds_through_the_named_transport(tmp_path):
     state = {"w": torch.ones(2)}
     assert isinstance(make_weights_update(state, 1, "inline"), WeightsUpdate)
     assert make_weights_update(state, 1, "path", tmp_path).path.endswith("v000001")
+
+
+def _pointers(update) -> dict:
+    return {name: array.__array_interface__["data"][0] for name, array in update.tensors.items()}
+
+
+def _as_sent(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.view(torch.int16).numpy().view(np.uint16) if tensor.dtype == torch.bfloat16 else tensor.numpy()
+
+
+@pytest.mark.parametrize("held", ["message", "all frames", "the bfloat16 frame"])
+def test_inline_reuses_an_earlier_copy_only_once_nothing_refers_to_it(held):
+    state = {"w": torch.randn(256, 128), "h": torch.randn(65536).to(torch.bfloat16)}  # 128 KiB each
+    publisher = build_publisher("inline", PublisherContext())
+    first = publisher.build(state, 1)
+    first_memory = _pointers(first)
+    frames = encode(first)
+    assert len(frames) == 3  # both tensors travel as frames of their own (not in the header)
+    kept = {"message": first, "all frames": frames, "the bfloat16 frame": frames[2]}[held]
+    del first, frames
+    second = publisher.build({name: t * 2 for name, t in state.items()}, 2)
+    # Version 1's memory is still referred to (as ZeroMQ would while sending): new memory.
+    assert not set(_pointers(second).values()) & set(first_memory.values())
+    sent = kept.tensors["h"] if held == "message" else np.frombuffer(kept if held != "all frames" else kept[2], np.uint16)
+    assert np.array_equal(sent, _as_sent(state["h"]))  # what is in flight was not touched
+    del kept, sent, second
+    third = publisher.build({name: t * 3 for name, t in state.items()}, 3)
+    assert _pointers(third) == first_memory  # nothing refers to it now: written in place
+    for name, tensor in state.items():
+        assert np.array_equal(third.tensors[name], _as_sent(tensor * 3)), name
+
+
+def test_path_removes_the_oldest_folder_before_writing_the_new_one(tmp_path, monkeypatch):
+    from longhorizon.learner.weights import path as path_module
+
+    publisher = build_publisher("path", PublisherContext(weights_dir=tmp_path))
+    state = {"w": torch.randn(3, 2)}
+    for version in range(1, 4):
+        publisher.build(state, version)
+    seen = []
+    original = path_module.write_version
+
+    def spy(weights_dir, tensors, version):
+        seen.append(sorted(p.name for p in weights_dir.iterdir()))
+        return original(weights_dir, tensors, version)
+
+    monkeypatch.setattr(path_module, "write_version", spy)
+    publisher.build(state, 4)
+    assert seen == [["v000002", "v000003"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v000002", "v000003", "v000004"]

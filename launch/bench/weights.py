@@ -28,7 +28,14 @@ Payloads:
 After the last update the receiver's tensors are hashed and compared with the sender's
 (`identical`: bit for bit). Beside the transports the table gives the machine's limits: a plain
 memcpy, and raw ZeroMQ frames over tcp loopback between the two processes (no codec, nothing
-loaded), so each transport's GB/s can be read against them.
+loaded), so each transport's GB/s can be read against them. The loopback is measured again after
+every run, and each run is read against the mean of the rates just before and after it: on a
+machine shared with other work the rate moves by several times within minutes.
+
+Times are the median of `--repeats` updates after `--warmup` (3) untimed ones: by the fourth
+version every transport writes into memory kept from an earlier update (inline's and the
+collective's copies, the collective receiver's buffers, the path folder replacing its oldest), as
+in a long run. `first s` gives the first update of each run, with new memory everywhere.
 
 Both processes keep freed message buffers for reuse, as the learner and actors do
 (`common/memory.py`). Each run's peak resident memory is reported for both processes.
@@ -251,6 +258,8 @@ class TensorsTarget:
             self._copy_in(receiver.receive(one))
 
     def _copy_in(self, state: dict[str, Any]) -> None:
+        from longhorizon.common.collective import copy_into
+
         unknown = set(state) - set(self.tensors)
         if unknown:
             raise ValueError(f"unexpected tensors in the update: {sorted(unknown)[:5]}")
@@ -258,7 +267,7 @@ class TensorsTarget:
             target = self.tensors[name]
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} in the update, {tuple(target.shape)} here")
-            target.copy_(tensor)
+            copy_into(target, tensor)
 
     def state(self) -> dict[str, Any]:
         return self.tensors
@@ -508,7 +517,7 @@ class Settings:
     payloads: tuple[Payload, ...]
     transports: tuple[str, ...]
     repeats: int = 3
-    warmup: int = 1
+    warmup: int = 3
     loopback_frame_bytes: int = 64 << 20
     loopback_round_bytes: int = 1 << 30
     loopback_rounds: int = 3
@@ -581,14 +590,14 @@ def available_memory_bytes() -> int | None:
 def check_memory_for(label: str, state_bytes: int) -> None:
     """Refuse a payload that would not fit beside what the machine already holds.
 
-    With the source built, a run still needs the receiver's copy of the weights plus the update
-    in flight, which every transport moves at the state's own size (the sender's copy drains as
-    the receiver's frames fill, so the two sides' copies add up to about one).
+    With the source built, a run still needs the receiver's copy of the weights, the update in
+    flight, which every transport moves at the state's own size, and the copy inline and the
+    collective keep between updates to write the next one into.
     """
     available = available_memory_bytes()
     if available is None:
         return
-    needed = state_bytes * 2 + (1 << 30)  # plus a margin for the processes themselves
+    needed = state_bytes * 3 + (1 << 30)  # plus a margin for the processes themselves
     if needed > available:
         raise RuntimeError(
             f"{label}: about {needed / _GB:.1f} GB more memory needed, {available / _GB:.1f} GB available; "
@@ -613,6 +622,7 @@ def run_transport(
     weights_dir = Path(tied_folder("longhorizon-bench-weights-", settings.weights_dir))
     sender = BenchSender(transport_name, publisher, weights_dir, settings.timeout_s)
     timings = []
+    first_s = math.nan
     moved_bytes = 0
     try:
         for index in range(updates):
@@ -630,6 +640,8 @@ def run_transport(
                 "transfer_s": loaded["received_at"] - sent.built_at,
                 "load_s": loaded["loaded_at"] - loaded["received_at"],
             }
+            if index == 0:
+                first_s = timing["seconds"]
             if index >= settings.warmup:
                 timings.append(timing)
             progress(f"{payload.label} {transport_name} update {version}/{updates}: {timing['seconds']:.2f} s")
@@ -649,6 +661,7 @@ def run_transport(
         "moved_bytes": moved_bytes,
         "seconds": seconds,
         "seconds_each": [t["seconds"] for t in timings],
+        "first_s": first_s,
         "build_s": statistics.median(t["build_s"] for t in timings),
         "transfer_s": statistics.median(t["transfer_s"] for t in timings),
         "load_s": statistics.median(t["load_s"] for t in timings),
@@ -696,6 +709,7 @@ def bench_weights(
                 if time.monotonic() > deadline:
                     raise TimeoutError("the receiver's subscription did not reach the publisher in 60 s") from None
         loopback = loopback_rate(context, receiver, settings)
+        loopbacks = [loopback]
         progress(f"limits: memcpy {memcpy / _GB:.2f} GB/s, raw ZeroMQ frames over loopback {loopback / _GB:.2f} GB/s")
         for payload in settings.payloads:
             progress(f"preparing {payload.label}")
@@ -710,7 +724,14 @@ def bench_weights(
             for name in settings.transports:
                 run = run_transport(name, payload, source, source_digest, state_bytes, params, dtype,
                                     publisher, receiver, settings, progress)
-                run["share_of_loopback"] = run["gb_per_s"] * _GB / loopback
+                # The machine's rate moves with the load on it (other work shares the cores): each
+                # run is read against the loopback measured just before and just after it.
+                before, after = loopbacks[-1], loopback_rate(context, receiver, settings)
+                loopbacks.append(after)
+                run["loopback_gb_per_s"] = (before + after) / 2 / _GB
+                run["share_of_loopback"] = run["gb_per_s"] / run["loopback_gb_per_s"]
+                progress(f"{payload.label} {name}: {run['share_of_loopback']:.0%} of loopback "
+                         f"({before / _GB:.2f} GB/s before, {after / _GB:.2f} after)")
                 runs.append(run)
             del source
             gc.collect()
@@ -726,6 +747,7 @@ def bench_weights(
         "memcpy_gb_per_s": memcpy / _GB,
         "memcpy_new_pages_gb_per_s": memcpy_new_pages / _GB,
         "loopback_gb_per_s": loopback / _GB,
+        "loopback_range_gb_per_s": [min(loopbacks) / _GB, max(loopbacks) / _GB],
         "loopback_frame_bytes": settings.loopback_frame_bytes,
         "runs": runs,
         "all_identical": all(run["identical"] for run in runs),
@@ -735,8 +757,8 @@ def bench_weights(
 _RUN_COLUMNS = (
     Column("payload", 24, left=True), Column("transport", 9, left=True), Column("params", 8), Column("dtype", 8),
     Column("moved MB", 9, ".1f"), Column("s/update", 9, ".3f"), Column("build s", 8, ".3f"),
-    Column("send s", 7, ".3f"), Column("load s", 7, ".3f"), Column("GB/s", 6, ".2f"),
-    Column("of loopback", 12, ".0%"), Column("identical", 9), Column("peak MB send/recv", 18),
+    Column("send s", 7, ".3f"), Column("load s", 7, ".3f"), Column("first s", 8, ".3f"), Column("GB/s", 6, ".2f"),
+    Column("loopback", 9, ".2f"), Column("of loopback", 12, ".0%"), Column("identical", 9), Column("peak MB send/recv", 18),
 )
 
 
@@ -749,7 +771,9 @@ def print_report(result: dict[str, Any]) -> None:
     print(
         f"limits: memcpy {result['memcpy_gb_per_s']:.2f} GB/s ({result['memcpy_new_pages_gb_per_s']:.2f} into "
         f"new pages); raw ZeroMQ frames of "
-        f"{result['loopback_frame_bytes'] >> 20} MiB over loopback {result['loopback_gb_per_s']:.2f} GB/s"
+        f"{result['loopback_frame_bytes'] >> 20} MiB over loopback {result['loopback_gb_per_s']:.2f} GB/s at the "
+        f"start, {result['loopback_range_gb_per_s'][0]:.2f}-{result['loopback_range_gb_per_s'][1]:.2f} over the "
+        f"runs (each run's: the mean of the rates measured just before and after it)"
     )
     rows = []
     for run in result["runs"]:
@@ -757,11 +781,12 @@ def print_report(result: dict[str, Any]) -> None:
                          for key in ("sender_peak_rss_mb", "receiver_peak_rss_mb"))
         rows.append((run["payload"], run["transport"], f"{run['params'] / 1e6:.1f}M", run["dtype"],
                      run["moved_bytes"] / _MB, run["seconds"], run["build_s"], run["transfer_s"], run["load_s"],
-                     run["gb_per_s"], run["share_of_loopback"], "yes" if run["identical"] else "NO", peaks))
+                     run["first_s"], run["gb_per_s"], run["loopback_gb_per_s"], run["share_of_loopback"], "yes" if run["identical"] else "NO", peaks))
     print_table(_RUN_COLUMNS, rows)
     print("moved: inline, the tensors' frames on the socket (bfloat16 as 2 bytes a value); path, the "
           "safetensors file (the socket carries its location); collective, the buckets over the gloo "
-          "group. GB/s = moved / s per update.")
+          "group. GB/s = moved / s per update; of loopback: GB/s over the run's loopback GB/s. first s: the run's first update (new memory everywhere, "
+          "not in the median).")
     print_json(result)
 
 
@@ -801,7 +826,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--transports", type=_transport_list, default=default_transports(),
                         help=f"comma-separated, from {', '.join(transport_names())} (default the built-ins)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed updates per run (default %(default)s)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed updates first (default %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed updates first (default %(default)s: from the fourth version on, the path "
+                             "transport replaces its oldest folder and every transport writes into memory kept "
+                             "from an earlier update, as in a long run)")
     parser.add_argument("--loopback-frame-mib", type=positive_int, default=64,
                         help="frame size of the raw loopback limit, MiB (default %(default)s)")
     parser.add_argument("--loopback-mib", type=positive_int, default=1024,

@@ -53,7 +53,7 @@ class CollectivePublisher(WeightsPublisher):
         return self._sender().snapshot(state, version)
 
     def payload_bytes(self, built) -> int:
-        return int(sum(bucket.numel() * bucket.element_size() for bucket in built.buckets))
+        return int(built.layout.total_bytes)
 
     async def publish(self, built, broadcast) -> None:
         # In the background, per actor (training goes on meanwhile); actors that hold this

@@ -4,6 +4,14 @@ its location is broadcast; the actors read it from a filesystem they share with 
 Suits large models over many actors (the broadcast stays tiny, each actor reads at its own pace).
 A version is written to `vNNNNNN.partial` and renamed when complete, so an actor never reads half
 a folder; the newest few are kept, as actors may still be reading the previous one.
+
+Copies on the way: one, from the parameters into the file's pages in the page cache (safetensors
+writes each CPU tensor from its own memory; a GPU tensor is first copied to the CPU). The actor
+maps the file and reads the tensors in place (`actor/weights.py`), so its engine's copy into its
+parameters is the only copy on that side. The oldest version is removed before the new one is
+written, not after: the new file's pages then come from memory just freed, which a virtual
+machine has already backed (new pages cost several times more to write on the VM of
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -51,9 +59,16 @@ class PathPublisher(WeightsPublisher):
         weights_dir = self.context.weights_dir
         if weights_dir is None:
             raise ValueError("weights_transport 'path' needs a weights folder")
+        # Room for the new version first (the newest KEEP_VERSIONS - 1 stay): see the docstring.
+        prune_versions(weights_dir, keep=KEEP_VERSIONS - 1)
         folder = write_version(weights_dir, state, version)
-        prune_versions(weights_dir)
         return WeightsUpdate(version=version, path=str(folder.resolve()))
 
     def payload_bytes(self, built: WeightsUpdate) -> int:
         return int(sum(file.stat().st_size for file in Path(built.path).glob("*.safetensors")))
+
+    def close(self) -> None:
+        # The run is over (or this learner is): only the newest version can still be read, by an
+        # actor taking it as it stops or by a restarted learner's actors until its first update.
+        if self.context.weights_dir is not None and self.context.weights_dir.is_dir():
+            prune_versions(self.context.weights_dir, keep=1)
