@@ -32,6 +32,13 @@ from longhorizon.common.wire import (
 
 log = logging.getLogger(__name__)
 
+_ADMISSION_CHECK_S = 0.5
+
+
+class ActorRefused(RuntimeError):
+    """The learner refused this actor's connection (its run secret or CurveZMQ keys): a restart
+    with the same credentials would be refused again."""
+
 
 def sync_share(groups_per_step: int, num_actors: int, actor_index: int) -> int:
     """Groups actor `actor_index` generates per learner step in sync mode (the batch split evenly)."""
@@ -78,21 +85,24 @@ class Actor:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> str:
         """Run until the learner says stop (returns its reason) or the caller cancels."""
-        await self.endpoints.control.send(
-            Hello(
-                actor_id=self.actor_id,
-                pid=os.getpid(),
-                hostname=socket.gethostname(),
-                policy_version=self.engine.policy_version,
-                engine=self.config.actor.engine,
-            )
-        )
         stop_reason = ""
         # Collective weights are announced on the control socket and received by one task in
         # turn, so the control loop stays free for Stop while the bytes arrive.
         announced_weights, announcements = trio.open_memory_channel(math.inf)
         try:
             async with trio.open_nursery() as nursery:
+                # Watching from before the first send: a refused connection makes that send wait
+                # for ever.
+                nursery.start_soon(self._watch_admission)
+                await self.endpoints.control.send(
+                    Hello(
+                        actor_id=self.actor_id,
+                        pid=os.getpid(),
+                        hostname=socket.gethostname(),
+                        policy_version=self.engine.policy_version,
+                        engine=self.config.actor.engine,
+                    )
+                )
                 nursery.start_soon(self._receive_broadcasts)
                 nursery.start_soon(self._receive_collective_weights, announcements)
                 nursery.start_soon(self._heartbeats)
@@ -235,6 +245,16 @@ class Actor:
             invalid_reply_reward=self.config.actor.invalid_reply_reward,
             env_call_timeout_s=self.config.actor.env_call_timeout_s,
         )
+
+    async def _watch_admission(self) -> None:
+        """End the actor with a clear error once the learner has refused its connection: ZeroMQ
+        does not retry a refused handshake, so every send would otherwise wait for ever."""
+        refusal = getattr(self.endpoints.control, "refusal", lambda: None)
+        while True:
+            reason = refusal()
+            if reason is not None:
+                raise ActorRefused(f"{self.actor_id}: {reason}")
+            await trio.sleep(_ADMISSION_CHECK_S)
 
     async def _wait_for(self, condition, what: str) -> None:
         """Wait until `condition()` holds, saying what it waits for now and then (a learner that

@@ -40,6 +40,7 @@ from collections import deque
 from contextlib import ExitStack
 from dataclasses import dataclass
 from ipaddress import ip_address
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import trio
@@ -150,6 +151,10 @@ class Dealer(Protocol):
     async def send(self, message: Message) -> None: ...
 
     async def receive(self) -> Message: ...
+
+    def refusal(self) -> str | None:
+        """Why the learner refused this process's connection (its secret or keys), or None."""
+        ...
 
     def close(self) -> None: ...
 
@@ -414,12 +419,14 @@ def _open_socket(
     options: dict[int, int] | None = None,
     gate: "ZapGate | None" = None,
     credentials: "Credentials | None" = None,
+    before_connect: Callable[[zmq.Socket], None] | None = None,
 ) -> tuple[_TrioSocket, str]:
     """A configured, bound or connected socket, and its address (with the real port if bound).
 
     A bound socket with ``gate`` is a server guarded by that gate (CurveZMQ, or PLAIN with the
     run's secret); a connecting one with ``credentials`` (the run's client keys, or its secret)
-    is the matching client.
+    is the matching client. ``before_connect(socket)`` runs just before the bind or connect (a
+    monitor attached later could miss the first handshake's events).
     """
     if not isinstance(address, str) or "://" not in address:
         raise ValueError(f"{name}: {address!r} is not a ZeroMQ address like 'tcp://127.0.0.1:5555'")
@@ -451,6 +458,8 @@ def _open_socket(
             gate.protect(socket, name)
         for option, key in (credentials.client_options() if credentials is not None else {}).items():
             socket.setsockopt(option, key)
+        if before_connect is not None:
+            before_connect(socket)
         if bind:
             if gate is None or not gate.ENCRYPTS:
                 _warn_if_exposed(address, name)
@@ -732,11 +741,24 @@ class ZmqDealer(_ZmqReceiving):
         self.actor_id = actor_id
         self._limits = limits
         self._rejections = RateLimitedLog(f"control dealer {actor_id} rejected a message")
-        self._socket, self.address = _open_socket(
-            context=context, socket_type=zmq.DEALER, name=f"control dealer {actor_id}",
-            address=address, bind=False, send_hwm=hwm, receive_hwm=hwm, limits=limits,
-            identity=f"{actor_id}{CONNECTION_MARK}{secrets.token_hex(8)}", credentials=credentials,
-        )
+        # A handshake the learner refuses is not retried by ZeroMQ, and the socket then has no
+        # connection to queue on: every send would wait for ever. A monitor, attached before the
+        # first connection, tells us why. (A handshake cut off without detail, a learner
+        # restarting, is retried: not watched.)
+        monitors: list[zmq.Socket] = []
+        try:
+            self._socket, self.address = _open_socket(
+                context=context, socket_type=zmq.DEALER, name=f"control dealer {actor_id}",
+                address=address, bind=False, send_hwm=hwm, receive_hwm=hwm, limits=limits,
+                identity=f"{actor_id}{CONNECTION_MARK}{secrets.token_hex(8)}", credentials=credentials,
+                before_connect=lambda raw: monitors.append(raw.get_monitor_socket(_HANDSHAKE_EVENTS)),
+            )
+        except Exception:
+            for monitor in monitors:
+                monitor.close(linger=0)
+            raise
+        self._handshakes = monitors[0]
+        self._refusal: str | None = None
 
     async def send(self, message: Message) -> None:
         await self._socket.send_frames(encode(message))
@@ -749,6 +771,43 @@ class ZmqDealer(_ZmqReceiving):
             message = self._decode_or_count(frames)
             if message is not None:
                 return message
+
+    def refusal(self) -> str | None:
+        """Why the learner refused this socket's last handshake, or None (not refused, or a later
+        handshake succeeded). Never waits."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while not self._socket.closed:
+            try:
+                event = parse_monitor_message(self._handshakes.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            self._refusal = handshake_refusal(event["event"], event["value"])
+        return self._refusal
+
+    def close(self) -> None:
+        if not self._socket.closed:
+            self._socket.socket.disable_monitor()
+            self._handshakes.close(linger=0)
+        super().close()
+
+
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+
+
+def handshake_refusal(event: int, value: int) -> str | None:
+    """What a client socket's handshake event says about its admission: None for a success, else
+    why the peer refused it, in words an operator can act on."""
+    if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+        return None
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"the learner refused this process's credentials (ZAP status {value}): it does not hold "
+                "this run's secret or CurveZMQ keys")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return ("the learner speaks another security mechanism: one side has the run's secret or "
+                "CurveZMQ keys and the other not (or other kinds)")
+    return f"the handshake failed (ZeroMQ event {event}, value {value})"
 
 
 def zmq_learner_endpoints(
@@ -1008,6 +1067,9 @@ class InProcessDealer(_Decoding):
 
     async def send(self, message: Message) -> None:
         await self._to_router.send((self.actor_id, _detached(encode(message))))
+
+    def refusal(self) -> str | None:
+        return None  # one process, no handshake
 
     async def receive(self) -> Message:
         while True:

@@ -359,6 +359,11 @@ def supervise(
                     continue
                 if code == 0:  # stopped by the learner: training is ending
                     continue
+                if code == EXIT_DO_NOT_RESTART:  # refused by the learner: a restart would be too
+                    progress(f"{actor.name} stopped on an error a restart would repeat; not restarting it "
+                             f"(see {run_dir / 'logs' / f'{actor.name}.log'})")
+                    actor.give_up()
+                    continue
                 if actor.restarts >= _MAX_RESTARTS_PER_ACTOR:
                     progress(f"{actor.name} exited with {code} too often; not restarting")
                     actor.give_up()

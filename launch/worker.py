@@ -128,12 +128,18 @@ def nonfinite_error_in(error: BaseException):
     groups, or None when something else did."""
     from longhorizon.learner.worker import NonfiniteUpdatesError
 
+    return error_of_kind(error, NonfiniteUpdatesError)
+
+
+def error_of_kind(error: BaseException, kind: type[BaseException]):
+    """The error of `kind` that ended a process, alone or inside trio's exception groups, or None
+    when something else did."""
     while isinstance(error, BaseExceptionGroup):
-        found = error.split(NonfiniteUpdatesError)[0]
+        found = error.split(kind)[0]
         if found is None:
             return None
         error = found.exceptions[0]
-    return error if isinstance(error, NonfiniteUpdatesError) else None
+    return error if isinstance(error, kind) else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,16 +175,18 @@ def main(argv: list[str] | None = None) -> int:
         from longhorizon.common.memory import keep_freed_message_memory
 
         keep_freed_message_memory()
+    from longhorizon.actor.worker import ActorRefused
     from longhorizon.learner.worker import NonfiniteUpdatesError
 
     try:
         return trio.run(_main, args.role, config, args.index, credentials)
-    except (NonfiniteUpdatesError, BaseExceptionGroup) as error:
-        # Restarting from the checkpoint would replay the same inputs into the same failure.
-        nonfinite = nonfinite_error_in(error)
-        if nonfinite is None:
+    except (NonfiniteUpdatesError, ActorRefused, BaseExceptionGroup) as error:
+        # Restarting would meet the same failure: the learner's checkpoint replays the same
+        # inputs into it, an actor's credentials are refused again.
+        final = nonfinite_error_in(error) or error_of_kind(error, ActorRefused)
+        if final is None:
             raise
-        logging.getLogger(__name__).error("%s", nonfinite)
+        logging.getLogger(__name__).error("%s", final)
         from longhorizon.launch.launcher import EXIT_DO_NOT_RESTART
 
         return EXIT_DO_NOT_RESTART

@@ -271,3 +271,43 @@ def test_a_missing_or_unusable_secret_names_the_fix(text, message):
     environ = {} if text is None else {RUN_SECRET_VARIABLE: text}
     with pytest.raises(RunSecretError, match=message):
         credentials_for_process("actor", TransportConfig(), environ)
+
+
+@pytest.mark.parametrize("stranger", STRANGERS)
+async def test_an_actor_the_learner_refuses_stops_with_a_clear_error(tmp_path, secret, learner, stranger):
+    """ZeroMQ does not retry a refused handshake and a refused socket has nowhere to queue, so an
+    actor with the wrong credentials would wait for ever on its first send; it says why and stops."""
+    from longhorizon.actor.worker import ActorRefused, run_actor
+    from longhorizon.common.transport import zmq_actor_endpoints
+    from longhorizon.launch.worker import error_of_kind
+
+    stranger_secret, _ = STRANGERS[stranger]
+    config = load_config(None, [
+        f"run.output_dir={str(tmp_path)!r}", "env.name='codebook'", "actor.engine='scripted'",
+        "actor.scripted_policy='random'", "actor.num_actors=1",
+    ])
+    endpoints = zmq_actor_endpoints(
+        "actor-0", trajectory_address=learner.trajectories.address, broadcast_address=learner.broadcast.address,
+        control_address=learner.control.address, secret=stranger_secret(),
+    )
+    try:
+        with trio.fail_after(30):
+            with pytest.raises(BaseException) as ended:
+                await run_actor(config, 0, endpoints)
+    finally:
+        endpoints.close()
+    refused = error_of_kind(ended.value, ActorRefused)
+    assert refused is not None, ended.value
+    expected = "does not hold this run's secret" if stranger == "another run's secret" else "another security mechanism"
+    assert str(refused).startswith("actor-0: the learner ") and expected in str(refused)
+
+
+async def test_an_admitted_actor_reports_no_refusal(secret, learner):
+    member = ZmqDealer("actor-0", learner.control.address, credentials=secret)
+    try:
+        await member.send(_hello(pid=1, hostname="here"))
+        with trio.fail_after(10):
+            await learner.control.receive()
+        assert member.refusal() is None
+    finally:
+        member.close()
