@@ -23,6 +23,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
@@ -213,14 +214,36 @@ def prepare_run_dir(config: Config, *, progress=print) -> Path:
     return run_dir
 
 
-def format_progress(record: dict, total_steps: int) -> str:
+class ThroughputWindow:
+    """Episodes per second over the last few steps' records, from the learner's running count of
+    trajectories received and its clock: a step trained on groups that arrived during the one
+    before it shows the rate the actors keep, not 0."""
+
+    def __init__(self, steps: int = 5) -> None:
+        self._points: deque[tuple[float, float]] = deque(maxlen=steps + 1)
+
+    def add(self, record: dict) -> float | None:
+        """The rate up to `record`, or None while there is no earlier record to measure from."""
+        if "trajectories_received" not in record or "time" not in record:
+            return None
+        self._points.append((float(record["time"]), float(record["trajectories_received"])))
+        (first_time, first_count), (last_time, last_count) = self._points[0], self._points[-1]
+        if last_time <= first_time or last_count < first_count:  # one point, or a resumed run's counters
+            return None
+        return (last_count - first_count) / (last_time - first_time)
+
+
+def format_progress(record: dict, total_steps: int, episodes_per_s: float | None = None) -> str:
+    """One line per step. `episodes_per_s` (a `ThroughputWindow`'s) replaces the step's own
+    figure, which counts only what arrived during that step."""
+    rate = record.get("episodes_per_s", 0.0) if episodes_per_s is None else episodes_per_s
     return (
         f"step {record.get('step', 0):>4}/{total_steps}"
         f" | reward {record.get('reward_mean', 0.0):6.3f}"
         f" | success {record.get('success_rate', 0.0):5.1%}"
         f" | horizon {record.get('horizon_cap', 0)} (stage {record.get('horizon_stage', 0)})"
         f" | staleness {record.get('staleness_mean', 0.0):4.2f}"
-        f" | {record.get('episodes_per_s', 0.0):6.2f} ep/s"
+        f" | {rate:6.2f} ep/s"
         f" | {record.get('tokens_per_s', 0.0):7.1f} tok/s"
         f" | groups {record.get('groups_used', 0)} used, {record.get('groups_skipped_zero_variance', 0)} flat"
     )
@@ -312,6 +335,7 @@ def supervise(
     children = [*learner_ranks, *actors]
     learner = learner_ranks[0]
     metrics = MetricsFollower(run_dir)
+    throughput = ThroughputWindow()
     learner_log = run_dir / "logs" / "learner.log"
     learner_notes = LineFollower(learner_log)
     # Signal handlers can only be set from the main thread (a launcher run from a test's thread
@@ -329,7 +353,7 @@ def supervise(
             time.sleep(_POLL_INTERVAL_S)
             collect()
             for record in metrics.new_records():
-                progress(format_progress(record, config.run.total_steps))
+                progress(format_progress(record, config.run.total_steps, throughput.add(record)))
             for note in learner_warnings(learner_notes.new_lines()):
                 progress(note)
             learner_code = _learner_exit_code(learner_ranks)
@@ -400,7 +424,7 @@ def supervise(
     _stop_all(children)
     collect(final=True)
     for record in metrics.new_records():
-        progress(format_progress(record, config.run.total_steps))
+        progress(format_progress(record, config.run.total_steps, throughput.add(record)))
     if learner_code != 0:
         cause = last_error(learner_log)
         progress(f"the learner failed with exit code {learner_code}{f': {cause}' if cause else ''}; "

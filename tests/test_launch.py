@@ -124,3 +124,17 @@ def test_a_run_refused_before_it_starts_leaves_no_folder(tmp_path, capsys):
         assert main(["train", str(config), f"run.output_dir={tmp_path / 'runs'}", refused]) == 2
         assert "longhorizon: error:" in capsys.readouterr().err
         assert not (tmp_path / "runs").exists()
+
+
+def test_the_progress_line_shows_the_rate_over_the_last_steps_not_the_last_step_alone():
+    from longhorizon.launch.launcher import ThroughputWindow
+
+    window = ThroughputWindow(steps=2)
+    assert window.add({"time": 10.0, "trajectories_received": 40}) is None  # nothing to measure from
+    assert window.add({"time": 20.0, "trajectories_received": 80}) == pytest.approx(4.0)
+    # A step during which nothing arrived (it trained on groups already there) keeps the rate.
+    assert window.add({"time": 30.0, "trajectories_received": 80}) == pytest.approx(2.0)
+    assert window.add({"time": 40.0, "trajectories_received": 120}) == pytest.approx(2.0)  # (120-80)/(40-20)
+    assert window.add({"step": 1}) is None  # records from before the counter
+    line = format_progress({"step": 5, "episodes_per_s": 0.0}, 10, episodes_per_s=2.5)
+    assert "  2.50 ep/s" in line
