@@ -44,6 +44,9 @@ class RunConfig:
     launcher: str = "local"
     """Where the processes run: `local` (all on this machine) or `ray` (placed on a Ray cluster
     with the resources of [ray]; docs/cluster.md)."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept in `<run_dir>/checkpoints/`: the newest N (at least 1); older ones are
+    removed as each new one is written."""
 
 
 @dataclass(frozen=True)
@@ -519,6 +522,30 @@ class RayConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    enabled: bool = False
+    """Also log every metric record, the resolved config and the end-of-run plots to Weights &
+    Biases (the `wandb` extra: pip install 'longhorizon[wandb]')."""
+    project: str = "longhorizon"
+    """W&B project."""
+    name: str = ""
+    """W&B run name; "" uses run.name."""
+    entity: str = ""
+    """W&B entity (user or team); "" uses the account's default."""
+    mode: str = ""
+    """online, offline (written under the run folder, uploaded later with `wandb sync`) or
+    disabled; "" is online when WANDB_API_KEY is set, else offline. WANDB_MODE, when set, wins."""
+    tags: list = field(default_factory=list)
+    """W&B tags of the run."""
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """[logging.wandb]: Weights & Biases, beside metrics.jsonl and TensorBoard."""
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -532,6 +559,7 @@ class Config:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     rft: RFTConfig = field(default_factory=RFTConfig)
     sft_rl: SFTRLConfig = field(default_factory=SFTRLConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
     def run_dir(self) -> Path:

@@ -6,6 +6,9 @@ The lines are strict JSON: a value that is not a finite number (a NaN loss, an i
 norm) is written as null, and the record's `nonfinite_metrics` lists the keys that held one
 (nested keys joined by dots), so a reader can tell "not finite" from "not recorded". Files written
 before that, which hold bare `NaN` and `Infinity`, read back the same way.
+
+TensorBoard and Weights & Biases get the numbers under grouped names (`train/loss`,
+`rollout/reward_mean`, `system/tokens_per_s`: `metric_group`); metrics.jsonl keeps the flat keys.
 """
 
 from __future__ import annotations
@@ -13,13 +16,19 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import uuid
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True) -> None:
+    """Writes a run's metric records: every record to metrics.jsonl, its finite numbers to
+    TensorBoard and, with `logging.wandb.enabled` in `config`, to Weights & Biases (the resolved
+    config is logged there once, when the writer opens)."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True, config=None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", buffering=1)
@@ -31,20 +40,152 @@ class MetricsWriter:
                 self._tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"))
             except Exception as exc:  # metrics still go to JSONL
                 log.warning("TensorBoard logging disabled: %r", exc)
+        self._wandb = None
+        if config is not None and config.logging.wandb.enabled:
+            try:
+                self._wandb = start_wandb(config, Path(run_dir))
+            except Exception as exc:  # metrics still go to JSONL and TensorBoard
+                log.warning("Weights & Biases logging disabled: %r", exc)
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(strict_record(record), default=_jsonable, allow_nan=False) + "\n")
+        if self._tensorboard is None and self._wandb is None:
+            return
+        step = int(record.get("step", 0))
+        scalars = grouped_scalars(record)
         if self._tensorboard is not None:
-            step = int(record.get("step", 0))
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                    self._tensorboard.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self._tensorboard.add_scalar(key, value, step)
             self._tensorboard.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
         self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+METRIC_GROUPS = ("train", "rollout", "system", "eval")
+
+# Which group a flat metrics.jsonl key belongs to, by its start or its end; the first rule that
+# matches wins, and a key no rule names is a training figure (the trainer's own loss terms,
+# whose names depend on the algorithm, all land there).
+_GROUP_RULES: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("eval", ("eval_", "eval/"), ()),
+    ("system", (
+        "time", "version", "trajectories_", "groups_dropped_", "groups_resampled", "actors_",
+        "actor_episodes_", "rejected_", "control_rejected_", "auth_", "weights_", "memory", "mem_",
+        "rss", "cuda_", "gpu_", "broadcast", "queue", "buffer", "learner_step_seconds",
+    ), ("_per_s", "_seconds", "_bytes", "_mb", "_gb", "_s")),
+    ("rollout", (
+        "reward", "success", "staleness", "episode", "turns", "truncated", "cut_by_cap", "horizon_",
+        "groups_", "invalid_action", "failed_episodes", "target_",
+    ), ()),
+)
+
+
+def metric_group(name: str) -> str:
+    """The group of a flat metric key: `train` (losses, entropy, KL, gradient norm, clipping,
+    learning rate), `rollout` (rewards, success, turns, truncation, staleness, group outcomes),
+    `system` (throughput, time, memory, weights bytes, data counters) or `eval`."""
+    for group, starts, ends in _GROUP_RULES:
+        if name.startswith(starts) or (ends and name.endswith(ends)):
+            return group
+    return "train"
+
+
+def grouped_name(name: str) -> str:
+    """The TensorBoard tag and W&B key of a flat metric key, e.g. `train/loss`."""
+    return f"{metric_group(name)}/{name}"
+
+
+def grouped_scalars(record: dict) -> dict[str, float]:
+    """The record's finite numbers (booleans, text and nested tables left out) under grouped names;
+    `step` is the x-axis, not a figure."""
+    return {
+        grouped_name(key): value for key, value in record.items()
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    }
+
+
+WANDB_RUN_FILE = "wandb_run.json"
+"""In the run folder: the W&B run's id and settings, so every process of the run (the learner,
+a restarted learner, the launcher logging the plots) writes to one W&B run."""
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def wandb_mode(setting: str, environ: dict) -> str:
+    """The W&B mode to use: WANDB_MODE when set, else `setting`, else online with an API key
+    (WANDB_API_KEY) and offline without one."""
+    chosen = environ.get("WANDB_MODE") or setting
+    if chosen:
+        return chosen
+    return "online" if environ.get("WANDB_API_KEY") else "offline"
+
+
+def start_wandb(config, run_dir: Path):
+    """Start (or resume) the run's W&B run and log the resolved config; returns the wandb run."""
+    import wandb
+
+    from longhorizon.common.config import config_to_dict
+
+    settings = config.logging.wandb
+    run_dir = Path(run_dir)
+    saved = _read_wandb_file(run_dir)
+    init = {
+        "id": saved.get("id") or uuid.uuid4().hex[:12],
+        "project": settings.project,
+        "entity": settings.entity or None,
+        "name": settings.name or config.run.name,
+        "tags": list(settings.tags) or None,
+        "mode": wandb_mode(settings.mode, dict(os.environ)),
+        # Beside the run's other outputs, unless WANDB_DIR says where.
+        "dir": os.environ.get("WANDB_DIR") or str(run_dir.resolve()),
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / WANDB_RUN_FILE).write_text(json.dumps(init, indent=1) + "\n")
+    return wandb.init(**init, config=config_to_dict(config), resume="allow")
+
+
+def log_plots_to_wandb(run_dir: Path, paths: list[Path]) -> bool:
+    """Log the plot images at `paths` to the run's W&B run (named in its `wandb_run.json`, which
+    the learner writes when W&B logging is on); returns whether they were logged. Without that
+    file, or without the wandb package, nothing is logged."""
+    saved = _read_wandb_file(Path(run_dir))
+    if not saved.get("id") or not paths:
+        return False
+    try:
+        import wandb
+    except ImportError:
+        log.warning("%s names a W&B run but wandb is not installed: plots not logged", Path(run_dir) / WANDB_RUN_FILE)
+        return False
+    run = wandb.init(**saved, resume="allow")
+    try:
+        # After the learner's last step: an offline run written by this process starts its own
+        # count at 0, and a row logged below the run's last step would be dropped once synced.
+        steps = [record["step"] for record in read_metrics(run_dir) if isinstance(record.get("step"), int)]
+        step = max([run.step, *(last + 1 for last in steps[-1:])])
+        run.log({f"plots/{Path(path).stem}": wandb.Image(str(path)) for path in paths}, step=step)
+    finally:
+        run.finish()
+    return True
+
+
+def _read_wandb_file(run_dir: Path) -> dict:
+    path = Path(run_dir) / WANDB_RUN_FILE
+    if not path.is_file():
+        return {}
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        log.warning("%s is not JSON (%s): a new W&B run is started", path, error)
+        return {}
+    return saved if isinstance(saved, dict) else {}
 
 
 NONFINITE_KEY = "nonfinite_metrics"

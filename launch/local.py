@@ -76,6 +76,8 @@ def validate_config(config: Config) -> None:
             f"learner.max_abs_reward must be in (0, 1e12], got {config.learner.max_abs_reward!r}")
     require(config.learner.max_nonfinite_steps >= 1,
             f"learner.max_nonfinite_steps must be >= 1, got {config.learner.max_nonfinite_steps!r}")
+    require(config.run.keep_checkpoints >= 1, f"run.keep_checkpoints must be >= 1, got {config.run.keep_checkpoints!r}")
+    _check_wandb(config)
     try:
         learner_device = resolve_device(config.learner.device)
     except ModelError as error:
@@ -116,6 +118,21 @@ def validate_config(config: Config) -> None:
     from longhorizon.common.auth import auth_mechanism
 
     auth_mechanism(config.transport)
+
+
+def _check_wandb(config: Config) -> None:
+    """[logging.wandb]: a known mode, and the optional wandb package installed when it is on."""
+    import importlib.util
+
+    from longhorizon.common.metrics import WANDB_MODES
+
+    settings = config.logging.wandb
+    if settings.mode and settings.mode not in WANDB_MODES:
+        raise ConfigError(f"logging.wandb.mode must be one of {', '.join(WANDB_MODES)} or \"\" (auto), got {settings.mode!r}")
+    if not all(isinstance(tag, str) for tag in settings.tags):
+        raise ConfigError(f"logging.wandb.tags must be strings, got {settings.tags!r}")
+    if settings.enabled and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb.enabled needs the wandb package: pip install 'longhorizon[wandb]'")
 
 
 def _check_learner_ranks(config: Config, device) -> None:

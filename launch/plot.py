@@ -1,7 +1,8 @@
 """Plots of a training run from its metrics.jsonl: reward, success, horizon, staleness, throughput,
 and the groups that carried signal.
 
-Run as ``longhorizon plot RUN_DIR``; the PNGs go to ``RUN_DIR/plots/``.
+Run as ``longhorizon plot RUN_DIR``; the PNGs go to ``RUN_DIR/plots/``, and, when the run logs to
+Weights & Biases (its ``wandb_run.json``), into that W&B run too.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from longhorizon.common.metrics import read_metrics
+from longhorizon.common.metrics import log_plots_to_wandb, read_metrics
 
 __all__ = ["main", "moving_average", "plot_run", "signal_bars", "summed_staleness_histogram"]
 
@@ -116,7 +117,8 @@ def signal_bars(record: dict[str, Any]) -> list[tuple[str, str, float]]:
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
-    """Write the run's plots into ``run_dir/plots/`` and return their paths.
+    """Write the run's plots into ``run_dir/plots/`` (and log them to the run's W&B run, if it has
+    one) and return their paths.
 
     Metrics absent from every record are skipped with a logged note. Raises FileNotFoundError when
     there is no metrics file and ValueError when it holds no records.
@@ -199,6 +201,10 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         save(figure, "staleness.png")
     else:
         logger.warning("no %r in %s: staleness.png not drawn", _STALENESS_HISTOGRAM_KEY, run_dir)
+    try:
+        log_plots_to_wandb(run_dir, written)
+    except Exception as error:  # the PNGs are written whatever W&B makes of them
+        logger.warning("plots not logged to Weights & Biases: %r", error)
     return written
 
 

@@ -3,14 +3,17 @@
 Layout: `<run_dir>/checkpoints/step_000010/` holding
 - `model.safetensors` with the config and tokenizer files beside it: a Hugging Face folder that
   actors, eval and users load as it is (the whole model, gathered from the ranks);
-- `sharded/`: parameters and optimiser state written by every rank with
-  torch.distributed.checkpoint, which re-shards them on load, so a run saved at N ranks resumes
-  at any other number (one included);
+- `sharded/`: optimiser state, and with several ranks the parameters too, written by every rank
+  with torch.distributed.checkpoint, which re-shards them on load, so a run saved at N ranks
+  resumes at any other number (one included);
 - `state.pt`: step, version, horizon, counters, RNG and the trainer's own state (the adaptive
   entropy coefficient), written by rank 0.
+At one rank the parameters are the model folder's own (no LoRA, no critic: `sharded_model`), so
+they are stored once, there, and a resume at any number of ranks reads them from it.
 A checkpoint is written to a `.partial` folder and renamed, so a crash mid-write never leaves a
-half checkpoint that resume would pick up. (Checkpoints from before the sharded layout, with the
-optimiser inside `state.pt`, still resume at one rank.)
+half checkpoint that resume would pick up; only the newest `keep` (run.keep_checkpoints) stay.
+(Checkpoints from before the sharded layout, with the optimiser inside `state.pt`, still resume
+at one rank.)
 """
 
 from __future__ import annotations
@@ -50,8 +53,12 @@ def save_checkpoint(
     keep: int = 3,
 ) -> Path:
     """Write a checkpoint of `trainer`'s model and optimiser. With several ranks every rank calls
-    this at the same point (it gathers and writes collectively); rank 0 writes the rest."""
+    this at the same point (it gathers and writes collectively); rank 0 writes the rest. The
+    newest `keep` checkpoints stay, older ones are removed."""
     from safetensors.torch import save_file
+
+    if keep < 1:
+        raise ValueError(f"checkpoints to keep must be at least 1, got {keep}")
 
     ranks = trainer.ranks
     target = checkpoint_dir(run_dir, step)
@@ -71,10 +78,12 @@ def save_checkpoint(
                 for file in Path(model_folder).glob(pattern):
                     shutil.copy2(file, partial / file.name)
     del full
-    _save_sharded(trainer, partial / "sharded")
+    with_model = sharded_model(trainer)
+    _save_sharded(trainer, partial / "sharded", with_model=with_model)
     if ranks.is_main:
         torch.save(
             {
+                "sharded_model": with_model,
                 "step": step,
                 "version": version,
                 "horizon": asdict(horizon),
@@ -97,6 +106,16 @@ def save_checkpoint(
     return target
 
 
+def sharded_model(trainer) -> bool:
+    """Whether the parameters go into `sharded/` as well as into the model folder: with several
+    ranks (each writes its shard; the folder is gathered), with LoRA (the folder holds merged
+    weights, not the adapters that train) or with a critic (not in the folder). At one rank
+    without either, the folder holds exactly the parameters, and a second copy would only double
+    the checkpoint."""
+    return bool(trainer.ranks.distributed or getattr(trainer, "lora", None) is not None
+                or getattr(trainer, "value_model", None) is not None)
+
+
 def _barrier(ranks) -> None:
     if ranks.distributed:
         import torch.distributed as dist
@@ -104,27 +123,50 @@ def _barrier(ranks) -> None:
         dist.barrier()
 
 
-def _save_sharded(trainer, folder: Path) -> None:
+def _save_sharded(trainer, folder: Path, *, with_model: bool) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(trainer.policy, trainer.optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder),
-             no_dist=not trainer.ranks.distributed)
+    state = {"model": model_state, "optimizer": optimizer_state} if with_model else {"optimizer": optimizer_state}
+    dcp.save(state, checkpoint_id=str(folder), no_dist=not trainer.ranks.distributed)
 
 
-def _load_sharded(trainer, folder: Path) -> None:
+def _load_sharded(trainer, folder: Path, *, with_model: bool) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict, set_state_dict
 
     # The current layout's state dicts (this rank's shards) are filled in place from the files,
     # whatever number of ranks wrote them.
     model_state, optimizer_state = get_state_dict(trainer.policy, trainer.optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
+    state = {"model": model_state, "optimizer": optimizer_state} if with_model else {"optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=str(folder), no_dist=not trainer.ranks.distributed)
-    set_state_dict(
-        trainer.policy, trainer.optimizer,
-        model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+    if with_model:
+        set_state_dict(
+            trainer.policy, trainer.optimizer,
+            model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+        )
+    else:  # the parameters came from the model folder
+        set_optimizer_state_dict(trainer.policy, trainer.optimizer, optim_state_dict=state["optimizer"])
+
+
+def _load_model_folder(trainer, path: Path) -> None:
+    """The parameters from the checkpoint's model folder, into this rank's part of the model."""
+    from safetensors.torch import load_file
+
+    full = load_file(path / "model.safetensors")
+    if not trainer.ranks.distributed:
+        from longhorizon.common.models import load_state_into
+
+        load_state_into(trainer.model, full)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    # Every rank reads the whole file and keeps its own shard of each tensor; a tied output layer
+    # (stored once in the folder) is the embedding's parameter, so it is set with it.
+    set_model_state_dict(
+        trainer.policy, {f"model.{name}": tensor for name, tensor in full.items()},
+        options=StateDictOptions(full_state_dict=True, strict=False),
     )
 
 
@@ -141,8 +183,11 @@ def load_checkpoint(path: Path, *, trainer) -> dict:
     # On the CPU first: the optimiser moves its state to its parameters' device as it loads, so a
     # checkpoint written on one device resumes on another.
     state = torch.load(path / "state.pt", weights_only=False, map_location="cpu")
+    with_model = state.get("sharded_model", True)  # older checkpoints: always
+    if not with_model:
+        _load_model_folder(trainer, path)
     if (path / "sharded").is_dir():
-        _load_sharded(trainer, path / "sharded")
+        _load_sharded(trainer, path / "sharded", with_model=with_model)
     elif trainer.ranks.distributed:
         raise ValueError(
             f"{path} was written before sharded checkpoints: resume it with learner.num_ranks=1"

@@ -181,7 +181,7 @@ class Learner:
             )
         self.last_checkpoint_step = self.step
         self.horizon = self.schedule.at(self.step)
-        self.metrics = MetricsWriter(self.run_dir) if self.ranks.is_main else None
+        self.metrics = MetricsWriter(self.run_dir, config=config) if self.ranks.is_main else None
         self.weights_bytes = 0
         self.last_rank_command = time.monotonic()
         self.peers = PeerTable(config.learner.peer_timeout_s, self.counters)
@@ -492,7 +492,7 @@ class Learner:
             self.run_dir, trainer=self.trainer, step=self.step,
             version=self.version, horizon=self.horizon,
             counters=self._saved_counters() if self.ranks.is_main else {},
-            model_folder=self.model_path,
+            model_folder=self.model_path, keep=self.config.run.keep_checkpoints,
         )
         self.last_checkpoint_step = self.step
         return path
