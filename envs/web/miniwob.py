@@ -3,8 +3,9 @@
 Each MiniWoB task is a small web page that generates a problem from a seeded random generator,
 shows an instruction ("Click on the "OK" button.") and scores the agent's interaction itself. We
 serve the package's html folder from 127.0.0.1 (one static server per process), load a task page
-in a fresh browser context, seed it (`Math.seedrandom`), raise its episode time limit, start the
-episode and read the instruction from the page. After every action the page's raw reward is read:
+in a fresh browser context, seed it (`Math.seedrandom`, with the same number BrowserGym uses for
+that seed: see page_seed), raise its episode time limit, start the episode and read the instruction
+from the page. After every action the page's raw reward is read:
 the episode ends when the page says so, with reward = the raw reward (1 correct, -1 wrong or out
 of time, partial credit on a few tasks) and success = raw reward > 0. stop()/send_msg_to_user()
 ends it early with the raw reward so far (0 when the page has not scored yet).
@@ -12,7 +13,9 @@ ends it early with the raw reward so far (0 when the page has not scored yet).
 Tasks: the MiniWoB task types in TASK_NAMES that a text agent can solve through the action grammar
 (no dragging, drawing or reading pictures). A Task is one (type, seed) instance: train instances
 use seeds 0.. and test instances seeds from TEST_SEED_BASE, so both splits cover every type with
-different problems. The reset seed is not used: the task names the instance.
+different problems. The reset seed is not used: the task names the instance, and instance seed s
+shows the same problem as BrowserGym's `reset(seed=s)` on that task (tests/test_web_miniwob_seeds.py
+checks recorded instructions).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
 from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.web.actions import action_help
 from longhorizon.envs.web.browser import BrowserSession
@@ -33,6 +38,8 @@ from longhorizon.envs.web.policies import MINIWOB_SOLVERS, MiniWobOraclePolicy, 
 
 ENV_NAME = "miniwob"
 TEST_SEED_BASE = 1_000_000
+# BrowserGym draws the page's seed from [0, PAGE_SEED_END).
+PAGE_SEED_END = 1_000_000
 REWARD_MODES = ("raw", "success")
 
 # MiniWoB task types a text agent can do with click / fill / select_option / press / scroll.
@@ -63,7 +70,7 @@ _START_JS = """
   const style = document.createElement('style');
   style.textContent = '#reward-display, #click-canvas, #sync-task-cover { display: none !important; }';
   document.head.appendChild(style);
-  Math.seedrandom(seed);
+  Math.seedrandom(seed);  // a number, as in BrowserGym: seedrandom keys 5 and '5' differently
   core.EPISODE_MAX_TIME = maxTimeMs;
   core.startEpisodeReal();
   window.__longhorizonSeeded = true;
@@ -80,6 +87,19 @@ _STATUS_JS = """
   ? {done: WOB_DONE_GLOBAL, raw: WOB_RAW_REWARD_GLOBAL, reason: WOB_REWARD_REASON}
   : {done: false, raw: 0, reason: 'not on the page this episode started'}
 """
+
+
+def page_seed(seed: int) -> int:
+    """The number a MiniWoB page is seeded with (`Math.seedrandom(n)`) for instance seed `seed`.
+
+    BrowserGym's MiniWoB task makes `numpy.random.RandomState(seed)` and seeds the page with that
+    generator's first `randint(0, 1_000_000)`; doing the same gives its problem for the same seed.
+    The page must get it as a number: seedrandom turns a number into a different key than the
+    string of its digits.
+    """
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        raise ValueError(f"a MiniWoB seed must be an integer in [0, 2**32), got {seed!r}")
+    return int(np.random.RandomState(seed).randint(0, PAGE_SEED_END))
 
 
 def miniwob_html_dir() -> Path:
@@ -194,7 +214,7 @@ class MiniWobEnv(BrowserEnv):
         name = data.get("task")
         if name not in TASK_NAMES or not isinstance(data.get("seed"), int):
             raise ValueError(f"miniwob task {task.task_id!r} needs data {{'task': one of TASK_NAMES, 'seed': int}}, got {dict(data)}")
-        config = {"start_url": f"__MINIWOB__/miniwob/{name}.html", "sites": [], "miniwob_seed": data["seed"]}
+        config = {"start_url": f"__MINIWOB__/miniwob/{name}.html", "sites": [], "page_seed": page_seed(data["seed"])}
         return await super().reset(Task(task.env_name, task.task_id, task.split, task.category, config), seed=seed)
 
     async def _prepare_sites(self, task: Task, config: Mapping[str, Any]) -> tuple[list[str], dict[str, str]]:
@@ -202,7 +222,7 @@ class MiniWobEnv(BrowserEnv):
 
     async def _on_loaded(self, episode: Episode, seed: int | None) -> None:
         episode.goal = await episode.session.call(
-            _start_episode, str(episode.config["miniwob_seed"]), int(self.time_limit_s * 1000), timeout_s=20.0,
+            _start_episode, episode.config["page_seed"], int(self.time_limit_s * 1000), timeout_s=20.0,
         )
 
     async def _after_action(self, session: BrowserSession, episode: Episode) -> tuple[float, bool, dict] | None:
@@ -229,7 +249,7 @@ class MiniWobEnv(BrowserEnv):
         return reward, success, {"raw_reward": raw, "reward_reason": str(status.get("reason") or "")}
 
 
-async def _start_episode(session: BrowserSession, seed: str, max_time_ms: int) -> str:
+async def _start_episode(session: BrowserSession, seed: int, max_time_ms: int) -> str:
     """Asyncio side: seed and start the loaded task page; returns its instruction."""
     import asyncio
 

@@ -1,0 +1,76 @@
+"""Writes tests/data/miniwob_seeds.json: the MiniWoB instructions BrowserGym shows for each (task, seed).
+
+BrowserGym is not a dependency, so this replays its MiniWoB start-up on its own, without the env's
+code: for reset(seed=s) its task makes numpy.random.RandomState(s), puts the generator's first
+randint(0, 1_000_000) into the page source as a number literal (`Math.seedrandom(123456);`), sets
+core.EPISODE_MAX_TIME, calls core.startEpisodeReal(), waits for WOB_TASK_READY and takes
+core.getUtterance() (its "utterance" field when the page returns an object) as the goal. The pages
+are the `miniwob` package's, which are the same files as the MiniWoB++ commit BrowserGym pins.
+One browser; one page per task, reloaded for each seed.
+
+    .venv/bin/python tests/data/make_miniwob_seeds.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from playwright.sync_api import sync_playwright
+
+from longhorizon.envs.web.browser import CHROMIUM_ARGS, DEFAULT_CHROMIUM
+from longhorizon.envs.web.miniwob import StaticServer, miniwob_html_dir
+
+TASKS = ("click-button", "click-checkboxes", "enter-text", "choose-list", "click-link", "focus-text-2", "login-user")
+# focus-text is left out: its instruction is the same for every seed.
+# Train instances use seeds 0.., test instances seeds from 1_000_000 (miniwob.TEST_SEED_BASE).
+SEEDS = (0, 1, 2, 1_000_000, 1_000_001)
+# BrowserGym's defaults: a 500x320 viewport and a 1,000,000 ms episode.
+VIEWPORT = {"width": 500, "height": 320}
+EPISODE_MAX_TIME_MS = 1_000_000
+OUTPUT = Path(__file__).with_name("miniwob_seeds.json")
+
+
+def browsergym_page_seed(seed: int) -> int:
+    return int(np.random.RandomState(seed).randint(0, 1_000_000))
+
+
+def main() -> int:
+    server = StaticServer(miniwob_html_dir())
+    records = []
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=DEFAULT_CHROMIUM, args=list(CHROMIUM_ARGS))
+            try:
+                page = browser.new_page(viewport=VIEWPORT)
+                for task in TASKS:
+                    for seed in SEEDS:
+                        number = browsergym_page_seed(seed)
+                        page.goto(f"{server.url}/miniwob/{task}.html")
+                        page.evaluate(
+                            f"Math.seedrandom({number});\n"
+                            f"core.EPISODE_MAX_TIME = {EPISODE_MAX_TIME_MS};\n"
+                            "core.startEpisodeReal();\n"
+                        )
+                        page.wait_for_function("() => WOB_TASK_READY")
+                        utterance = page.evaluate("() => core.getUtterance()")
+                        if isinstance(utterance, dict):
+                            utterance = utterance["utterance"]
+                        records.append({"task": task, "seed": seed, "page_seed": number, "instruction": utterance})
+            finally:
+                browser.close()
+    finally:
+        server.stop()
+    fixture = {
+        "about": "MiniWoB instructions BrowserGym gives for reset(seed); written by tests/data/make_miniwob_seeds.py",
+        "records": records,
+    }
+    OUTPUT.write_text(json.dumps(fixture, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"wrote {len(records)} instructions to {OUTPUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
