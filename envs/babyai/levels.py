@@ -1,4 +1,13 @@
-"""The 40 BabyAI levels of the reference suite, task numbering, option checks and simulators."""
+"""The 40 BabyAI levels of the reference suite, task numbering, option checks and simulators.
+
+Each level is built as the reference builds it, so a seed gives the reference's layout and
+mission. The reference makes "BabyAI-<name>-v0" from minigrid 2.3.1 (its pin is `minigrid<2.5.0`)
+for each episode and resets it twice with the seed. Here minigrid 3 makes the same class with the
+same arguments, with two adjustments: GoToObjS6 comes from another id (see _ENV_ID_OVERRIDES), and
+the levels built on LevelGen generate missions as 2.3.1 did (see ReferenceMissions).
+tests/test_babyai_levels.py checks every level on a few seeds against layouts recorded from
+minigrid 2.3.1 by scripts/babyai-reference-layouts.
+"""
 
 from __future__ import annotations
 
@@ -23,11 +32,17 @@ LEVEL_NAMES: tuple[str, ...] = (
 )
 NUM_LEVELS = len(LEVEL_NAMES)
 
-# minigrid 3 renamed GoToObjS6-v0 (the reference's id) to -v1; the level is the same.
-_ENV_ID_OVERRIDES = {"GoToObjS6": "BabyAI-GoToObjS6-v1"}
+# Where minigrid 3 registers the reference's level under another id. minigrid 2.3.1's
+# "BabyAI-GoToObjS6-v0" is GoToObj with room_size=4 (a 4x4 grid, despite the name); minigrid 3
+# replaced it by "-v1" with room_size=6, a different level, and registers the old one as GoToObjS4.
+_ENV_ID_OVERRIDES = {"GoToObjS6": "BabyAI-GoToObjS4-v0"}
+
 
 def env_id(level: str) -> str:
-    """The gymnasium id of a level, e.g. "BabyAI-GoToRedBall-v0"."""
+    """The gymnasium id (in the installed minigrid 3) that builds a level as the reference does.
+
+    For every level but GoToObjS6 it is the reference's own id, e.g. "BabyAI-GoToRedBall-v0".
+    """
     if level not in LEVEL_NAMES:
         raise ValueError(f"unknown BabyAI level {level!r}; known levels: {', '.join(LEVEL_NAMES)}")
     return _ENV_ID_OVERRIDES.get(level, f"BabyAI-{level}-v0")
@@ -95,6 +110,49 @@ def task_level_and_seed(task: Task) -> tuple[str, int]:
     return level, seed
 
 
+class ReferenceMissions:
+    """Mixin over a minigrid 3 LevelGen level: mission generation as minigrid 2.3.1 does it.
+
+    minigrid 2.3.1 leaves `locked_room` as the last mission left it when a mission adds no locked
+    room; minigrid 3 clears it first. The kept room belongs to an earlier grid, yet levels with
+    implicit_unlock=False (SynthS5R2, SynthLoc, SynthSeq) still keep objects at its coordinates out
+    of the instruction, so a mission, and through rejected samples the layout, can depend on the
+    mission generated before it. Only the clearing differs from minigrid 3's own method.
+    """
+
+    def gen_mission(self) -> None:
+        if self._rand_float(0, 1) < self.locked_room_prob:
+            self.add_locked_room()
+        self.connect_all()
+        self.add_distractors(num_distractors=self.num_dists, all_unique=False)
+        # The agent goes in after the objects, and not into this grid's locked room.
+        while True:
+            self.place_agent()
+            if self.room_from_pos(*self.agent_pos) is not self.locked_room:
+                break
+        if not self.unblocking:
+            self.check_objs_reachable()
+        self.instrs = self.rand_instr(action_kinds=self.action_kinds, instr_kinds=self.instr_kinds)
+
+
+def build_simulator(level: str) -> Any:
+    """A new, not yet reset minigrid simulator (the unwrapped env) for a level, as the reference builds it."""
+    import dataclasses
+    import importlib
+
+    import gymnasium
+    import minigrid  # noqa: F401  (importing it registers the BabyAI ids with gymnasium)
+    from minigrid.envs.babyai.core.levelgen import LevelGen
+
+    spec = gymnasium.spec(env_id(level))
+    module_name, _, class_name = spec.entry_point.partition(":")
+    level_class = getattr(importlib.import_module(module_name), class_name)
+    if issubclass(level_class, LevelGen):
+        reference_class = type(f"Reference{class_name}", (ReferenceMissions, level_class), {})
+        spec = dataclasses.replace(spec, entry_point=reference_class)
+    return gymnasium.make(spec).unwrapped
+
+
 class LevelSimulators:
     """One minigrid simulator per level, built on first use and reset for each episode."""
 
@@ -102,16 +160,18 @@ class LevelSimulators:
         self._by_level: dict[str, Any] = {}
 
     def start(self, level: str, seed: int) -> Any:
-        """The level's simulator, reset to the layout of `seed`."""
-        import gymnasium
-        import minigrid  # noqa: F401  (importing it registers the BabyAI ids with gymnasium)
-
+        """The level's simulator, reset to the layout the reference plays for `seed`."""
         simulator = self._by_level.get(level)
         if simulator is None:
-            simulator = gymnasium.make(env_id(level)).unwrapped
+            simulator = build_simulator(level)
             self._by_level[level] = simulator
         # Level generation prints every rejected layout sample; that noise is not ours to show.
         with contextlib.redirect_stdout(io.StringIO()):
+            if isinstance(simulator, ReferenceMissions):
+                # The reference makes a new env for each episode and resets it twice with the seed;
+                # the second mission starts from the locked room the first one left.
+                simulator.locked_room = None
+                simulator.reset(seed=seed)
             simulator.reset(seed=seed)
         return simulator
 
