@@ -116,6 +116,22 @@ def signal_bars(record: dict[str, Any]) -> list[tuple[str, str, float]]:
     return [(task_label, task_colour, mixed), (format_label, format_colour, used - mixed), *rest]
 
 
+def style_step_axes(axes, run_name: str, what: str, values: Sequence[float] = ()) -> None:
+    """What every per-step plot shares: the run's name and what is drawn as the title, whole steps
+    on the x axis, and a constant series drawn on a readable range rather than matplotlib's
+    +-0.04 around it (a run at 0% success all along)."""
+    from matplotlib.ticker import MaxNLocator
+
+    axes.set_title(f"{run_name}: {what}", fontsize=10)
+    axes.set_xlabel("learner step")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    finite = [value for value in values if math.isfinite(value)]
+    if finite and min(finite) == max(finite):
+        value = finite[0]
+        spread = abs(value) if value else 1.0
+        axes.set_ylim(value - spread if value else 0.0, value + spread)
+
+
 def plot_run(run_dir: str | Path) -> list[Path]:
     """Write the run's plots into ``run_dir/plots/`` (and log them to the run's W&B run, if it has
     one) and return their paths.
@@ -159,7 +175,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             axes.legend(loc="best", fontsize=8)
         if key == "horizon_cap":
             axes.yaxis.set_major_locator(MaxNLocator(integer=True))
-        axes.set_xlabel("learner step")
+        style_step_axes(axes, run_dir.name, label, values)
         axes.set_ylabel(label)
         axes.grid(alpha=0.3)
         save(figure, file_name)
@@ -181,7 +197,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             bottom = [below + value for below, value in zip(bottom, values)]
         axes.set_ylim(0, max(max(bottom), 1.0) * 1.35)  # room for the legend
         axes.yaxis.set_major_locator(MaxNLocator(integer=True))
-        axes.set_xlabel("learner step")
+        style_step_axes(axes, run_dir.name, "groups with and without signal")
         axes.set_ylabel("groups in the step's batch")
         axes.legend(loc="best", fontsize=8)
         save(figure, "signal.png")
@@ -196,6 +212,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         axes.bar(staleness_values, [histogram[value] for value in staleness_values])
         if len(staleness_values) <= 20:  # one labelled tick per bar while they stay legible
             axes.set_xticks(staleness_values)
+        axes.set_title(f"{run_dir.name}: staleness of the trajectories trained on", fontsize=10)
         axes.set_xlabel("staleness (policy versions behind the learner)")
         axes.set_ylabel("trajectories used")
         save(figure, "staleness.png")

@@ -132,3 +132,25 @@ def test_signal_bars_split_used_groups_by_outcome_where_the_record_has_outcomes(
     assert [(label.split(":")[0], value) for label, _, value in bars] == [
         ("used", 1), ("used", 1), ("flat (one reward)", 1), ("too small", 1)]
     assert "one outcome" in bars[1][0]
+
+
+def test_step_plots_are_titled_with_the_run_take_whole_steps_and_show_a_constant_series_readably():
+    from matplotlib.figure import Figure
+
+    from longhorizon.launch.plot import style_step_axes
+
+    axes = Figure().add_subplot()
+    axes.plot([1, 2, 3], [0.0, 0.0, 0.0])
+    style_step_axes(axes, "codebook", "training success", [0.0, 0.0, 0.0])
+    assert axes.get_title() == "codebook: training success"
+    assert axes.get_ylim() == (0.0, 1.0)  # not matplotlib's -0.055..0.055 around 0
+    ticks = axes.xaxis.get_major_locator().tick_values(1, 3)
+    assert all(float(tick).is_integer() for tick in ticks)
+    axes = Figure().add_subplot()
+    style_step_axes(axes, "run", "reward", [0.5, 0.5])
+    assert axes.get_ylim() == (0.0, 1.0)
+    axes = Figure().add_subplot()
+    axes.plot([1, 2], [0.2, 0.7])
+    style_step_axes(axes, "run", "reward", [0.2, 0.7])
+    low, high = axes.get_ylim()
+    assert low < 0.2 and high > 0.7 and high - low < 1.0  # a varying series keeps matplotlib's range
