@@ -95,7 +95,7 @@ def run_dpo(config: Config, *, note: Callable[[str], None] = print, progress_str
     if learner.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=dpo.learning_rate, weight_decay=dpo.weight_decay)
-    metrics = MetricsWriter(run_dir)
+    metrics = MetricsWriter(run_dir, config=config)
     bar = ProgressBar("dpo", len(plan), stream=progress_stream)
     started = time.perf_counter()
     records: list[dict] = []

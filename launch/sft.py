@@ -110,7 +110,7 @@ def run_sft(config: Config, *, note: Callable[[str], None] = print, progress_str
     chunk_tokens = learner.logprob_chunk_tokens if chunked else 0
     pad_token_id = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else chat_tokenizer.eos_token_id
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.learning_rate, weight_decay=sft.weight_decay)
-    metrics = MetricsWriter(run_dir)
+    metrics = MetricsWriter(run_dir, config=config)
     bar = ProgressBar("sft", len(plan), stream=progress_stream)
     started = time.perf_counter()
     losses: list[float] = []
