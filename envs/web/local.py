@@ -77,4 +77,4 @@ def random_policy(**options: Any) -> Any:
 
 # The registry (envs/base.py) finds this env here by name.
 SPEC = EnvSpec(name=ENV_NAME, factory=make_local_env, tasks=local_tasks,
-               policies={"oracle": oracle_policy, "random": random_policy})
+               policies={"oracle": oracle_policy, "random": random_policy}, needs=("playwright",), extra="web")

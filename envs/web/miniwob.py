@@ -290,6 +290,8 @@ SPEC = EnvSpec(
     factory=MiniWobEnv,
     tasks=tasks,
     policies={"oracle": _oracle_policy, "random": _random_policy},
+    needs=("playwright", "miniwob"),
+    extra="web",
 )
 
 ORACLE_TASKS = tuple(sorted(MINIWOB_SOLVERS))

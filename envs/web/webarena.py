@@ -256,4 +256,6 @@ SPEC = EnvSpec(
     factory=WebArenaEnv,
     tasks=tasks,
     policies={"oracle": _plan_oracle, "random": _random},
+    needs=("playwright",),
+    extra="web",
 )
