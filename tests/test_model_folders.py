@@ -37,3 +37,19 @@ def test_a_tiny_model_path_builds_once_and_leaves_no_scratch_folder(tmp_path):
     assert require_model_folder(folder) == folder
     with pytest.raises(ModelError, match="no folder"):
         require_model_folder(tmp_path / "absent")
+
+
+def test_models_are_kept_in_the_users_cache_whatever_folder_a_command_runs_from(tmp_path, monkeypatch):
+    from longhorizon.common.models import model_cache
+
+    monkeypatch.delenv("LONGHORIZON_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert model_cache() == model_cache("") == tmp_path / "xdg" / "longhorizon" / "models"
+    monkeypatch.setenv("LONGHORIZON_CACHE", str(tmp_path / "mine"))
+    assert model_cache() == tmp_path / "mine" / "models"
+    assert model_cache(tmp_path / "chosen") == tmp_path / "chosen"  # model.cache_dir wins
+    # A relative tiny folder lands in the cache, not in the current folder.
+    monkeypatch.chdir(tmp_path)
+    folder = resolve_model_path("tiny:tiny-test:s0,a0")
+    assert folder == tmp_path / "mine" / "models" / "tiny-test" and (folder / "config.json").is_file()
+    assert not (tmp_path / "tiny-test").exists()

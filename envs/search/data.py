@@ -17,10 +17,10 @@ import fcntl
 import functools
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from longhorizon.common.paths import user_cache
 from longhorizon.envs.search.builtin import CORPUS_FILE, QUESTIONS_FILE, builtin_fingerprint, write_builtin
 from longhorizon.envs.search.retriever import corpus_fingerprint
 
@@ -44,10 +44,8 @@ class QAItem:
 
 
 def cache_root() -> Path:
-    """The search env's cache folder: $LONGHORIZON_CACHE/search, else ~/.cache/longhorizon/search."""
-    root = os.environ.get("LONGHORIZON_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "longhorizon")
-    return Path(root) / "search"
+    """The search env's cache folder: `search/` under the user's cache (common/paths.py)."""
+    return user_cache("search")
 
 
 def hash_split(key: str) -> str:

@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --model-shape: model whose tokenizer is borrowed (default %(default)s)")
     parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                         help="vllm: dummy starts with random weights (no weight updates) (default %(default)s)")
-    parser.add_argument("--cache-dir", default=".cache/models", help="model cache folder (default %(default)s)")
+    parser.add_argument("--cache-dir", default="", help="model cache folder (default: models/ in the user's cache)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 4, 8], help="comma-separated (default 1,4,8)")
     parser.add_argument("--new-tokens", type=int, default=32, help="max new tokens per request (default %(default)s)")

@@ -819,7 +819,7 @@ def _transport_list(text: str) -> tuple[str, ...]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longhorizon bench weights", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model folder or name (default %(default)s)")
-    parser.add_argument("--model-cache", default=".cache/models", help="where converted models live")
+    parser.add_argument("--model-cache", default="", help="where converted models live (default: models/ in the user's cache)")
     parser.add_argument("--no-model", action="store_true", help="skip the model payload")
     parser.add_argument("--synthetic-params", type=_non_negative_float, default=1.5e9,
                         help="parameters of the synthetic bfloat16 state dict; 0 skips it (default %(default)g)")

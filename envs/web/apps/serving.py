@@ -17,6 +17,7 @@ import weakref
 from pathlib import Path
 from typing import Sequence
 
+from longhorizon.common.paths import user_cache
 from longhorizon.common.processes import TiedProcess, remove_tied_folder, tied_folder
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -41,11 +42,8 @@ def free_port() -> int:
 
 
 def cache_dir(*parts: str) -> Path:
-    """A folder under the user's cache ($LONGHORIZON_CACHE, else ~/.cache/longhorizon), created on demand."""
-    root = os.environ.get("LONGHORIZON_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "longhorizon"
-    )
-    path = Path(root, *parts)
+    """A folder under the user's cache (common/paths.py), created on demand."""
+    path = user_cache(*parts)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
