@@ -25,6 +25,10 @@ class Example:
     advantage: float
     # ppo: each token's reward (turn rewards at the turn's last token); None for the others.
     token_rewards: np.ndarray | None = None
+    # Which group of the step it came from (its members share a prompt): with
+    # learner.shared_prefix a micro-batch holds one group's members and encodes their common
+    # prefix once (learner/shared_prefix.py). None: shares nothing.
+    group: int | None = None
 
 
 @dataclass
@@ -37,6 +41,9 @@ class PaddedBatch:
     behaviour_logprobs: torch.Tensor  # [B, L-1]
     advantages: torch.Tensor  # [B], or [B, L-1] per token (ppo)
     token_rewards: torch.Tensor | None = None  # [B, L-1] (ppo)
+    # Tokens every row starts with, encoded once for the whole micro-batch (learner/shared_prefix.py);
+    # 0: each row is encoded on its own.
+    prefix_length: int = 0
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -45,11 +52,12 @@ class PaddedBatch:
         return PaddedBatch(*(None if tensor is None else tensor.to(device) for tensor in (
             self.input_ids, self.attention_mask, self.loss_mask, self.behaviour_logprobs, self.advantages,
             self.token_rewards,
-        )))
+        )), prefix_length=self.prefix_length)
 
 
-def pad_examples(examples: list[Example], pad_token_id: int) -> PaddedBatch:
-    """The examples as one right-padded batch, aligned on the predicted tokens."""
+def pad_examples(examples: list[Example], pad_token_id: int, prefix_length: int = 0) -> PaddedBatch:
+    """The examples as one right-padded batch, aligned on the predicted tokens; with
+    `prefix_length`, its first tokens, which every example must share, are encoded once."""
     longest = max(len(e.token_ids) for e in examples)
     count = len(examples)
     input_ids = torch.full((count, longest), pad_token_id, dtype=torch.long)
@@ -72,7 +80,13 @@ def pad_examples(examples: list[Example], pad_token_id: int) -> PaddedBatch:
         token_rewards = token_rewards[:, 1:]
     # Token t is predicted from the tokens before it, so targets, masks, behaviour log-probs and
     # rewards drop their first position.
-    return PaddedBatch(input_ids, attention_mask, loss_mask[:, 1:], behaviour[:, 1:], advantages, token_rewards)
+    if prefix_length:
+        shortest = min(len(e.token_ids) for e in examples)
+        if not 0 < prefix_length < shortest or bool((input_ids[:, :prefix_length] != input_ids[:1, :prefix_length]).any()):
+            raise ValueError(f"a shared prefix of {prefix_length} tokens is not shared by every example "
+                             f"with at least one token after it (shortest {shortest})")
+    return PaddedBatch(input_ids, attention_mask, loss_mask[:, 1:], behaviour[:, 1:], advantages, token_rewards,
+                       prefix_length)
 
 
 def token_logprobs(
@@ -86,14 +100,40 @@ def token_logprobs(
     `[B, chunk, vocabulary]` logits exist at once, never the whole micro-batch's (for a
     vocabulary of 49k, 4,096 positions of fp32 logits are 0.8 GB, and the backward pass keeps
     several copies). The model must split into a decoder and an output layer (`split_output_layer`).
+    A batch with a `prefix_length` runs that shared prefix once (learner/shared_prefix.py).
     """
     targets = batch.input_ids[:, 1:]
     parts = split_output_layer(model) if chunk_tokens > 0 else None
+    if batch.prefix_length:
+        from longhorizon.learner.shared_prefix import run_shared_prefix
+
+        if parts is None:
+            return run_shared_prefix(
+                model, model, batch.input_ids, batch.attention_mask, batch.prefix_length,
+                lambda output: output.logits,
+                lambda logits, chosen: logprobs_from_logits(logits, chosen, temperature, with_entropy), with_entropy,
+            )
+        decoder, output_layer = parts
+        return run_shared_prefix(
+            model, decoder, batch.input_ids, batch.attention_mask, batch.prefix_length,
+            lambda output: output.last_hidden_state,
+            lambda hidden, chosen: chunked_output_logprobs(output_layer, hidden, chosen, temperature, chunk_tokens,
+                                                           with_entropy),
+            with_entropy,
+        )
     if parts is None:
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
         return logprobs_from_logits(logits, targets, temperature, with_entropy)
     decoder, output_layer = parts
     hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state[:, :-1]
+    return chunked_output_logprobs(output_layer, hidden, targets, temperature, chunk_tokens, with_entropy)
+
+
+def chunked_output_logprobs(output_layer, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                            chunk_tokens: int, with_entropy: bool = False):
+    """Log-probs (and entropy) of `targets` [B, T] from the decoder's `hidden` [B, T, H], the
+    output layer run over about `chunk_tokens` positions of the batch at a time (recomputed in the
+    backward pass when training)."""
     positions = max(1, chunk_tokens // max(1, hidden.shape[0]))
     pieces = []
     for start in range(0, hidden.shape[1], positions):

@@ -72,13 +72,17 @@ def usable_groups(groups) -> tuple[list[list], int, int]:
     return kept, failed, too_small
 
 
-def example_from(trajectory, advantage: float, token_rewards: np.ndarray | None = None) -> Example:
+def example_from(trajectory, advantage: float, token_rewards: np.ndarray | None = None,
+                 group: int | None = None) -> Example:
+    """`group`: the index of the member's group in the step (its members share a prompt, which
+    learner.shared_prefix encodes once)."""
     return Example(
         token_ids=np.asarray(trajectory.token_ids, dtype=np.int64),
         loss_mask=np.asarray(trajectory.loss_mask, dtype=np.float32),
         behaviour_logprobs=np.asarray(trajectory.behaviour_logprobs, dtype=np.float32),
         advantage=float(advantage),
         token_rewards=token_rewards,
+        group=group,
     )
 
 
@@ -95,7 +99,7 @@ def score_each_group(groups, rewards_of: RewardsOf, advantages_of: AdvantagesOf,
     examples: list[Example] = []
     used = flat_groups = flat_sequences = 0
     flat_tokens = 0.0
-    for members in kept:
+    for index, members in enumerate(kept):
         rewards = rewards_of(members)
         if not group_has_signal(rewards):
             flat_groups += 1
@@ -105,7 +109,7 @@ def score_each_group(groups, rewards_of: RewardsOf, advantages_of: AdvantagesOf,
                 continue
         else:
             used += 1
-        examples += [example_from(t, value) for t, value in zip(members, advantages_of(rewards))]
+        examples += [example_from(t, value, group=index) for t, value in zip(members, advantages_of(rewards))]
     return ScoredBatch(examples, used, flat_groups, too_small, failed, FlatShare(flat_tokens, flat_sequences))
 
 
@@ -115,7 +119,7 @@ def score_whole_batch(groups, rewards_of: RewardsOf, advantages_of: AdvantagesOf
     kept, failed, too_small = usable_groups(groups)
     if not kept:
         return ScoredBatch([], 0, 0, too_small, failed)
-    members = [t for group in kept for t in group]
+    members = [(index, t) for index, group in enumerate(kept) for t in group]
     rewards = np.concatenate([rewards_of(group) for group in kept])
-    examples = [example_from(t, value) for t, value in zip(members, advantages_of(rewards))]
+    examples = [example_from(t, value, group=index) for (index, t), value in zip(members, advantages_of(rewards))]
     return ScoredBatch(examples, len(kept), 0, too_small, failed)

@@ -41,6 +41,7 @@ from longhorizon.learner.logprobs import (
 )
 from longhorizon.learner.losses import aggregate, kl_penalty, sampled_entropy
 from longhorizon.learner.scoring import FlatShare, ScoredBatch
+from longhorizon.learner.shared_prefix import plan_group_micro_batches, shared_prefix_matches
 
 
 def learning_rate_at(step: int, base: float, warmup_steps: int) -> float:
@@ -144,6 +145,7 @@ class Trainer:
                 type(model).__name__,
             )
             self.chunk_tokens = 0
+        self.shared_prefix = self._shared_prefix_usable(model)
         self.policy = PolicyLogprobs(model, self.temperature, self.chunk_tokens)
         # An algorithm with a learned critic brings its value model: a submodule of the policy
         # wrapper, trained by the same optimiser and saved in the same sharded checkpoint, so the
@@ -170,10 +172,34 @@ class Trainer:
             weight_decay=config.weight_decay,
         )
 
+    def _shared_prefix_usable(self, model) -> bool:
+        """learner.shared_prefix where it is known to give the plain pass's results: one rank (FSDP2
+        with each layer called twice in one forward, prefix then members, is untested) and a
+        model whose shared-prefix log-probs match its plain ones (`shared_prefix_matches`).
+        Elsewhere the plain pass runs, the same update at more compute, and the log says so."""
+        if not self.config.shared_prefix:
+            return False
+        reason = None
+        if self.ranks.distributed:
+            reason = "with several learner ranks"
+        elif not shared_prefix_matches(model):
+            reason = f"for {type(model).__name__}, whose shared-prefix log-probs differ from its plain ones"
+        if reason is not None:
+            logging.getLogger(__name__).warning(
+                "learner.shared_prefix is not used %s: each member's prompt is encoded on its own", reason)
+            return False
+        return True
+
     def _micro_batches(self, examples: list[Example]) -> list[PaddedBatch]:
-        micro_batches = [pad_examples(chunk, self.pad_token_id).to(self.device) for chunk in plan_micro_batches(
-            examples, self.config.micro_batch_size, self.config.max_tokens_per_micro_batch,
-        )] if examples else []
+        config = self.config
+        if self.shared_prefix:
+            # One group's members per micro-batch, their common prefix encoded once.
+            plan = plan_group_micro_batches(examples, config.micro_batch_size, config.max_tokens_per_micro_batch)
+        else:
+            plan = [(chunk, 0) for chunk in plan_micro_batches(
+                examples, config.micro_batch_size, config.max_tokens_per_micro_batch)]
+        micro_batches = [pad_examples(chunk, self.pad_token_id, prefix).to(self.device)
+                         for chunk, prefix in plan] if examples else []
         if self.ranks.distributed:
             most = distributed.all_reduce_max(len(micro_batches))
             micro_batches += [idle_micro_batch(self.pad_token_id, self.device)] * (most - len(micro_batches))

@@ -1,0 +1,304 @@
+"""A group's common prefix encoded once gives the plain forward pass's log-probs and gradients."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from longhorizon.common.config import LearnerConfig
+from longhorizon.learner.logprobs import Example, pad_examples, token_logprobs
+from longhorizon.learner.shared_prefix import (
+    common_prefix_length,
+    computed_tokens,
+    plan_group_micro_batches,
+    shareable_prefix_length,
+)
+from longhorizon.learner.trainer import Trainer, score_groups
+
+VOCABULARY = 40
+RTOL, ATOL = 1e-5, 1e-7
+
+
+def _assert_same_gradient(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    """Equal to 1e-5 of the gradient's own scale. The models' RMSNorm computes in float32 even in
+    a float64 model, so a gradient summed over rows (each member's copy of the prompt) and one
+    summed inside the single prefix round differently, at about 1e-7 of the largest entry."""
+    scale = float(expected.abs().max())
+    difference = float((actual - expected).abs().max())
+    assert difference <= RTOL * scale + 1e-12, f"{name}: differs by {difference:.3g} at a scale of {scale:.3g}"
+
+
+def test_common_prefix_length_by_hand():
+    assert common_prefix_length([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
+    assert common_prefix_length([[1, 2, 3], [1, 2, 3]]) == 3
+    assert common_prefix_length([[1, 2, 3], [1, 2]]) == 2
+    assert common_prefix_length([[7, 2], [1, 2]]) == 0
+    assert common_prefix_length([[4, 5, 6]]) == 3
+    assert common_prefix_length([]) == 0
+    assert common_prefix_length([np.array([1, 2, 3]), np.array([1, 2, 9, 9])]) == 2
+
+
+def test_the_shared_prefix_leaves_every_member_a_token_and_needs_two_members():
+    assert shareable_prefix_length([[1, 2, 3], [1, 2, 3]]) == 2  # identical: the last token stays
+    assert shareable_prefix_length([[1, 2], [1, 2, 3, 4]]) == 1
+    assert shareable_prefix_length([[1, 2, 3, 4], [1, 2, 5]]) == 2
+    assert shareable_prefix_length([[1, 2, 3]]) == 0
+    assert computed_tokens(torch.zeros(3, 10), 4) == 4 + 3 * 6
+    assert computed_tokens(torch.zeros(3, 10), 0) == 30
+
+
+def _example(tokens, group=None, advantage=1.0, prompt=0) -> Example:
+    tokens = np.asarray(tokens, dtype=np.int64)
+    mask = np.zeros(len(tokens), np.float32)
+    mask[prompt:] = 1.0
+    return Example(tokens, mask, np.zeros(len(tokens), np.float32), advantage, group=group)
+
+
+def test_micro_batches_hold_one_group_each_within_the_computed_token_budget():
+    prompt = [5, 6, 7, 8, 9, 10]
+    group_a = [_example(prompt + [1] * n, group=0) for n in (2, 3, 4, 5)]
+    group_b = [_example([3, 3] + [2] * n, group=1) for n in (1, 2)]
+    loose = [_example([1, 2, 3]), _example([1, 2, 4])]
+    plan = plan_group_micro_batches(group_a + group_b + loose, max_sequences=8, max_tokens=18, min_prefix=1)
+    by_group = {}
+    for chunk, prefix in plan:
+        groups = {e.group for e in chunk}
+        assert len(groups) == 1
+        by_group.setdefault(groups.pop(), []).append((len(chunk), prefix))
+    # Group a shares the prompt and [1, 1], cut to 7 tokens so that its shortest member (8 tokens)
+    # keeps one: members of 8, 9, 10 tokens compute 7 + 3 x 3 = 16 <= 18 tokens, the fourth (11)
+    # would make 7 + 4 x 4 = 23, so it is alone and shares nothing.
+    assert by_group[0] == [(3, 7), (1, 0)]
+    assert by_group[1] == [(2, 2)]
+    assert by_group[None] == [(2, 0)]  # without a group, nothing is shared
+    # A group whose common prefix is short is cut with the examples without a group.
+    plan = plan_group_micro_batches(group_a + group_b, max_sequences=8, max_tokens=18, min_prefix=3)
+    assert [(sorted({e.group for e in chunk}), prefix) for chunk, prefix in plan] == [
+        ([0], 7), ([0], 0), ([1], 0)]
+
+
+def test_a_prefix_the_examples_do_not_share_is_refused():
+    with pytest.raises(ValueError, match="not shared"):
+        pad_examples([_example([1, 2, 3]), _example([1, 4, 3])], 0, prefix_length=2)
+    with pytest.raises(ValueError, match="at least one token after"):
+        pad_examples([_example([1, 2, 3]), _example([1, 2, 3, 4])], 0, prefix_length=3)
+
+
+def _tiny_model(kind: str = "qwen2", seed: int = 0):
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    torch.manual_seed(seed)
+    settings = {"vocab_size": VOCABULARY, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**settings, tie_word_embeddings=True))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**settings, tie_word_embeddings=False))
+    return model.double().train()
+
+
+def _group(case: str, seed: int = 0) -> tuple[list[Example], int]:
+    """A group's members and the prefix they share: a common prompt, members that share more
+    than the prompt, or members of very different lengths."""
+    rng = np.random.default_rng(seed)
+    prompt = list(rng.integers(0, VOCABULARY, 9))
+    if case == "prompt":
+        tails = [[1, 5, 7], [2, 8, 8, 3], [3, 4, 1, 1, 2]]
+    elif case == "beyond_prompt":  # the same first reply, then different
+        tails = [[11, 12, 13, 1, 5], [11, 12, 13, 2], [11, 12, 13, 3, 3, 3]]
+    else:
+        tails = [[1], [2] + list(rng.integers(0, VOCABULARY, 14)), [3, 4]]
+    examples = [_example(prompt + tail, group=0, advantage=advantage, prompt=len(prompt))
+                for tail, advantage in zip(tails, (1.0, -0.5, 0.25))]
+    return examples, shareable_prefix_length([e.token_ids for e in examples])
+
+
+def _loss_and_gradients(model, batch, chunk_tokens: int, with_entropy: bool):
+    model.zero_grad(set_to_none=True)
+    if with_entropy:
+        logprobs, entropy = token_logprobs(model, batch, 0.7, chunk_tokens, with_entropy=True)
+    else:
+        logprobs, entropy = token_logprobs(model, batch, 0.7, chunk_tokens), None
+    loss = (logprobs * batch.loss_mask * batch.advantages[:, None]).sum()
+    if entropy is not None:
+        loss = loss + 0.1 * (entropy * batch.loss_mask).sum()
+    loss.backward()
+    gradients = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    valid = batch.attention_mask[:, 1:].bool()  # positions whose target is a real token
+    return logprobs.detach()[valid], None if entropy is None else entropy.detach()[valid], gradients
+
+
+def _assert_same_as_plain(model, examples, prefix, chunk_tokens=0, with_entropy=False):
+    plain = _loss_and_gradients(model, pad_examples(examples, 0), chunk_tokens, with_entropy)
+    shared = _loss_and_gradients(model, pad_examples(examples, 0, prefix), chunk_tokens, with_entropy)
+    torch.testing.assert_close(shared[0], plain[0], rtol=RTOL, atol=ATOL)
+    if with_entropy:
+        torch.testing.assert_close(shared[1], plain[1], rtol=RTOL, atol=ATOL)
+    assert shared[2].keys() == plain[2].keys() and plain[2]
+    for name in plain[2]:
+        _assert_same_gradient(shared[2][name], plain[2][name], name)
+    # The prompt's own gradient is there: a member-only pass would miss most of it.
+    assert any(float(g.abs().max()) > 1e-4 for g in shared[2].values())
+
+
+@pytest.mark.parametrize("case,expected_prefix", [("prompt", 9), ("beyond_prompt", 12), ("lengths", 9)])
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("chunk_tokens", [0, 4])
+def test_log_probs_and_gradients_equal_the_plain_pass(case, expected_prefix, kind, chunk_tokens):
+    examples, prefix = _group(case)
+    assert prefix == expected_prefix
+    _assert_same_as_plain(_tiny_model(kind), examples, prefix, chunk_tokens)
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 4])
+def test_entropy_and_its_gradient_equal_the_plain_pass(chunk_tokens):
+    examples, prefix = _group("lengths")
+    _assert_same_as_plain(_tiny_model(), examples, prefix, chunk_tokens, with_entropy=True)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_equal_under_gradient_checkpointing(kind):
+    examples, prefix = _group("beyond_prompt")
+    model = _tiny_model(kind)
+    reference = _loss_and_gradients(model, pad_examples(examples, 0), 4, False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    _assert_same_as_plain(model, examples, prefix, chunk_tokens=4, with_entropy=True)
+    shared = _loss_and_gradients(model, pad_examples(examples, 0, prefix), 4, False)
+    for name in reference[2]:  # and the same as without checkpointing
+        _assert_same_gradient(shared[2][name], reference[2][name], name)
+    # The layers were only let keep the cache for the shared pass.
+    assert not any(getattr(m, "_can_checkpoint_with_cache", False) for m in model.modules())
+
+
+def test_equal_with_lora_adapters():
+    from longhorizon.common.lora import apply_lora, lora_settings
+
+    model = apply_lora(_tiny_model(), lora_settings({"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}))
+    with torch.no_grad():  # adapters away from their zero start, so every adapter has a gradient
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.1)
+    examples, prefix = _group("prompt")
+    _assert_same_as_plain(model, examples, prefix, chunk_tokens=4)
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in name for name in trained)
+
+
+def test_the_no_gradient_pass_equals_the_plain_one():
+    examples, prefix = _group("lengths")
+    model = _tiny_model().eval()
+    with torch.no_grad():
+        plain = token_logprobs(model, pad_examples(examples, 0), 1.0, 4)
+        shared = token_logprobs(model, pad_examples(examples, 0, prefix), 1.0, 4)
+    valid = pad_examples(examples, 0).attention_mask[:, 1:].bool()
+    torch.testing.assert_close(shared[valid], plain[valid], rtol=RTOL, atol=ATOL)
+
+
+def _scored_groups():
+    """Three groups of four members: each group's prompt, then replies of different lengths
+    (two members of the first group share their first reply)."""
+    rng = np.random.default_rng(3)
+    groups = []
+    for index in range(3):
+        prompt = list(rng.integers(0, VOCABULARY, 16 + index))
+        trajectories = []
+        for member in range(4):
+            reply = list(rng.integers(0, VOCABULARY, 3 + 2 * member))
+            if index == 0 and member < 2:
+                reply = [7, 7, 7] + reply
+            tokens = np.array(prompt + reply, dtype=np.int64)
+            mask = np.r_[np.zeros(len(prompt)), np.ones(len(reply))].astype(np.float32)
+            trajectories.append(SimpleNamespace(
+                reward=float((member + index) % 2), error="", token_ids=tokens, loss_mask=mask,
+                behaviour_logprobs=(-rng.random(len(tokens)) * mask).astype(np.float32),
+            ))
+        groups.append(SimpleNamespace(trajectories=trajectories))
+    return groups
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    {"optimizer_steps_per_batch": 2, "entropy_coef": 0.01},  # a separate proximal pass, the entropy term
+    {"gradient_checkpointing": True, "algorithm": "rloo", "kl_coef": 0.05},  # a reference model's pass
+])
+def test_a_whole_step_on_scored_groups_updates_the_same(settings):
+    base = dict(learning_rate=1e-3, micro_batch_size=8, max_tokens_per_micro_batch=256, logprob_chunk_tokens=8,
+                **settings)
+    scored = score_groups(_scored_groups(), LearnerConfig(**base))
+    assert {e.group for e in scored.examples} == {0, 1, 2}
+    model = _tiny_model()
+    results = []
+    for shared in (False, True):
+        config = LearnerConfig(**base, shared_prefix=shared)
+        reference = copy.deepcopy(model).eval() if config.kl_coef > 0 else None
+        trainer = Trainer(copy.deepcopy(model), config, reference_model=reference)
+        micro = trainer._micro_batches(scored.examples)
+        assert all(m.prefix_length > 0 for m in micro) == shared
+        metrics = trainer.step(scored.examples, scored.flat)
+        results.append((metrics, dict(trainer.model.named_parameters())))
+    (plain_metrics, plain), (shared_metrics, shared) = results
+    for key in ("loss", "grad_norm", "train_tokens", "entropy_estimate", *(["kl"] if "kl_coef" in settings else [])):
+        assert shared_metrics[key] == pytest.approx(plain_metrics[key], rel=1e-5, abs=1e-9), key
+    for name, parameter in plain.items():
+        _assert_same_gradient(shared[name].grad, parameter.grad, name)
+        torch.testing.assert_close(shared[name].detach(), parameter.detach(), rtol=RTOL, atol=1e-6, msg=name)
+    moved = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(plain.values(), model.parameters()))
+    assert moved > 1e-4  # the step did update the parameters
+
+
+def test_a_model_whose_shared_pass_differs_keeps_the_plain_one(monkeypatch, caplog):
+    from longhorizon.learner import shared_prefix
+
+    assert shared_prefix.shared_prefix_matches(_tiny_model("llama"))
+    assert Trainer(_tiny_model(), LearnerConfig(shared_prefix=True)).shared_prefix
+
+    def broken(run, *args, **kwargs):
+        raise TypeError("this model takes no past_key_values")
+
+    monkeypatch.setattr(shared_prefix, "shared_prefix_forward", broken)
+    assert not shared_prefix.shared_prefix_matches(_tiny_model())
+    with caplog.at_level("WARNING"):
+        trainer = Trainer(_tiny_model(), LearnerConfig(shared_prefix=True))
+    assert not trainer.shared_prefix and "is not used" in caplog.text
+    examples, _ = _group("prompt")
+    assert all(m.prefix_length == 0 for m in trainer._micro_batches(examples))
+
+
+def test_a_model_with_sliding_window_layers_is_refused():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=VOCABULARY, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+    ))
+    examples, prefix = _group("prompt")
+    with pytest.raises(ValueError, match="full attention in every layer"):
+        token_logprobs(model, pad_examples(examples, 0, prefix))
+
+
+def test_the_learner_bench_builds_groups_that_share_the_recorded_prompt():
+    from longhorizon.launch.bench.learner import PROMPT_TOKENS, _examples, build_parser, main
+
+    args = build_parser().parse_args(["--shape", "textcraft", "--tokens", "1024", "--sequences", "12",
+                                      "--group-size", "8"])
+    examples = _examples(args, 1000)
+    assert [e.group for e in examples] == [0] * 8 + [1] * 4
+    prompt = PROMPT_TOKENS["textcraft"]
+    first, second = examples[:8], examples[8:]
+    assert common_prefix_length([e.token_ids for e in first]) >= prompt
+    assert common_prefix_length([e.token_ids for e in second]) >= prompt
+    assert max(len(e.token_ids) for e in first) == 1024
+    assert min(len(e.token_ids) for e in first) == prompt + round((1024 - prompt) / 2)
+    assert all(e.loss_mask[:prompt].sum() == 0 and e.loss_mask[prompt:].all() for e in examples)
+    assert main(["--shape", "random", "--shared-prefix", "on"]) == 2  # sharing needs groups
+    assert main(["--shape", "codebook", "--tokens", "20"]) == 2  # shorter than the prompt
