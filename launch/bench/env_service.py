@@ -192,8 +192,9 @@ class _JunkFigures:
     refused: int = 0
 
 
-async def _trickler(host: str, port: int, interval_s: float, delay_s: float, figures: _JunkFigures) -> None:
-    """A never-ending request head, one byte per interval; reconnects when cut."""
+async def _reconnecting(host: str, port: int, delay_s: float, figures: _JunkFigures, behave) -> None:
+    """A junk client: connect, `behave(stream)` until the service cuts it (counted), wait
+    `delay_s`, connect again; a refused connect is counted and retried after the same wait."""
     while True:
         try:
             stream = await trio.open_tcp_stream(host, port)
@@ -203,40 +204,38 @@ async def _trickler(host: str, port: int, interval_s: float, delay_s: float, fig
             continue
         figures.connects += 1
         try:
-            await stream.send_all(b"POST /create HTTP/1.1\r\nHost: service\r\nX-Slow: ")
-            while True:
-                await trio.sleep(interval_s)
-                await stream.send_all(b"a")
-        except (trio.BrokenResourceError, OSError):
-            figures.cuts += 1
+            try:
+                await behave(stream)
+            except (trio.BrokenResourceError, OSError):
+                pass
+            figures.cuts += 1  # the service ended it (not the bench's own cancellation)
         finally:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
         await trio.sleep(delay_s)
+
+
+async def _trickler(host: str, port: int, interval_s: float, delay_s: float, figures: _JunkFigures) -> None:
+    """A never-ending request head, one byte per interval; reconnects when cut."""
+    async def trickle(stream) -> None:
+        await stream.send_all(b"POST /create HTTP/1.1\r\nHost: service\r\nX-Slow: ")
+        while True:
+            await trio.sleep(interval_s)
+            await stream.send_all(b"a")
+
+    await _reconnecting(host, port, delay_s, figures, trickle)
 
 
 async def _cut_off(host: str, port: int, delay_s: float, figures: _JunkFigures) -> None:
     """A whole /create head whose body never comes; waits to be cut, then reconnects."""
     head = b"POST /create HTTP/1.1\r\nHost: service\r\nContent-Type: application/json\r\nContent-Length: 64\r\n\r\n"
-    while True:
-        try:
-            stream = await trio.open_tcp_stream(host, port)
-        except OSError:
-            figures.refused += 1
-            await trio.sleep(delay_s)
-            continue
-        figures.connects += 1
-        try:
-            await stream.send_all(head)
-            while await stream.receive_some(4096):
-                pass
-            figures.cuts += 1
-        except (trio.BrokenResourceError, OSError):
-            figures.cuts += 1
-        finally:
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
-        await trio.sleep(delay_s)
+
+    async def send_head_and_wait(stream) -> None:
+        await stream.send_all(head)
+        while await stream.receive_some(4096):
+            pass
+
+    await _reconnecting(host, port, delay_s, figures, send_head_and_wait)
 
 
 async def _junk(host: str, port: int, count: int, interval_s: float, delay_s: float, seconds: float) -> _JunkFigures:
