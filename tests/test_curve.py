@@ -83,6 +83,21 @@ async def intruder_sends(intruder, message) -> None:
         await intruder.send(message)
 
 
+async def assert_push_refused(learner, intruder, member, caplog, reasons: tuple[str, ...]) -> None:
+    """`intruder` pushes a trajectory and is refused (logged for one of `reasons`); `member`'s
+    trajectory arrives, the intruder's never does. Closes both."""
+    await intruder_sends(intruder, make_trajectory(5, episode=1))
+    await refused_once(learner, caplog, reasons)
+    await member.send(make_trajectory(5, episode=2))
+    with trio.fail_after(10):
+        assert (await learner.trajectories.receive()).trajectory_id == "actor-0/episode-2"
+    with trio.move_on_after(0.5) as nothing_more:
+        await learner.trajectories.receive()
+    assert nothing_more.cancelled_caught, "the intruder's trajectory got through"
+    intruder.close()
+    member.close()
+
+
 async def refused_once(learner, caplog, reasons: tuple[str, ...]) -> None:
     """Wait until the learner has refused a connection and logged why (its gate's thread counts,
     then logs)."""
@@ -128,16 +143,7 @@ async def test_a_peer_without_the_keys_cannot_push_a_trajectory(keys, learner, c
     address = learner.trajectories.address
     intruder = ZmqPushSender(address, context=client_context, credentials=stranger_keys(keys))
     member = ZmqPushSender(address, context=client_context, credentials=keys.for_role("actor"))
-    await intruder_sends(intruder, make_trajectory(5, episode=1))
-    await refused_once(learner, caplog, reason)
-    await member.send(make_trajectory(5, episode=2))
-    with trio.fail_after(10):
-        assert (await learner.trajectories.receive()).trajectory_id == "actor-0/episode-2"
-    with trio.move_on_after(0.5) as nothing_more:
-        await learner.trajectories.receive()
-    assert nothing_more.cancelled_caught, "the intruder's trajectory got through"
-    intruder.close()
-    member.close()
+    await assert_push_refused(learner, intruder, member, caplog, reason)
 
 
 @pytest.mark.parametrize("stranger", STRANGERS)

@@ -29,9 +29,9 @@ from longhorizon.common.transport import (
     zmq_learner_endpoints,
 )
 from longhorizon.common.wire import Heartbeat, Hello, Stop
-from tests.test_transport import make_trajectory
 from tests.test_curve import (
     assert_broadcast_unheard,
+    assert_push_refused,
     intruder_sends,
     refused_once,
 )
@@ -81,16 +81,7 @@ async def test_a_stranger_without_the_run_secret_cannot_push_a_trajectory(
     address = learner.trajectories.address
     intruder = ZmqPushSender(address, context=client_context, credentials=stranger_secret())
     member = ZmqPushSender(address, context=client_context, credentials=secret)
-    await intruder_sends(intruder, make_trajectory(5, episode=1))
-    await refused_once(learner, caplog, reasons)
-    await member.send(make_trajectory(5, episode=2))
-    with trio.fail_after(10):
-        assert (await learner.trajectories.receive()).trajectory_id == "actor-0/episode-2"
-    with trio.move_on_after(0.5) as nothing_more:
-        await learner.trajectories.receive()
-    assert nothing_more.cancelled_caught, "the stranger's trajectory got through"
-    intruder.close()
-    member.close()
+    await assert_push_refused(learner, intruder, member, caplog, reasons)
 
 
 async def test_a_stranger_without_the_run_secret_cannot_read_a_broadcast(secret, learner, client_context, caplog):
