@@ -22,7 +22,7 @@ from longhorizon.envs.agents import ActionParseError, AgentLoop, agent_loop_for
 from longhorizon.actor.engines.base import Engine, GenerationRequest
 from longhorizon.common.chat import TokenConversation
 from longhorizon.common.codec import pack_arrays
-from longhorizon.common.wire import Trajectory
+from longhorizon.common.wire import CHAT_ROLES, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +146,18 @@ def to_trajectory(
     group_id: str,
     group_size: int,
     horizon_cap: int,
+    with_messages: bool = False,
 ) -> Trajectory:
-    """Package a finished episode for the learner."""
+    """Package a finished episode for the learner; `with_messages` adds the conversation's chat
+    messages (for a run that saves the episodes it trains on)."""
+    messages = None
+    if with_messages and result.conversation is not None:
+        messages = [{"role": m["role"], "content": m["content"]} for m in result.conversation.messages]
+        if any(m["role"] not in CHAT_ROLES for m in messages):
+            # An agent loop of other roles: the episode still trains, it just cannot be saved.
+            log.warning("episode on task %s has a chat role outside %s: its messages are not sent",
+                        task.task_id, ", ".join(CHAT_ROLES))
+            messages = None
     if result.conversation is not None:
         # One buffer for all per-token arrays: the wire sends it as a single zero-copy frame.
         arrays = pack_arrays(result.conversation.arrays())
@@ -186,6 +196,7 @@ def to_trajectory(
         env_seconds=result.env_seconds,
         text=text,
         error=result.error,
+        messages=messages,
     )
 
 
@@ -273,9 +284,10 @@ async def run_group(
     invalid_reply_reward: float = 0.0,
     env_call_timeout_s: float = DEFAULT_ENV_CALL_TIMEOUT_S,
     agent: AgentLoop | str = "",
+    with_messages: bool = False,
 ) -> list[Trajectory]:
     """Run G episodes of one task concurrently; each trajectory is handed over as soon as it ends.
-    `agent` as in run_episode."""
+    `agent` as in run_episode, `with_messages` as in to_trajectory."""
     trajectories: list[Trajectory] = []
 
     async def one(member: int) -> None:
@@ -297,7 +309,7 @@ async def run_group(
         env_pool.release(env, broken=bool(result.error))
         trajectory = to_trajectory(
             result, actor_id=actor_id, task=task, group_id=group_id, group_size=group_size,
-            horizon_cap=horizon_cap,
+            horizon_cap=horizon_cap, with_messages=with_messages,
         )
         trajectories.append(trajectory)
         await on_trajectory(trajectory)

@@ -244,6 +244,8 @@ class Actor:
             on_trajectory=self._send,
             invalid_reply_reward=self.config.actor.invalid_reply_reward,
             env_call_timeout_s=self.config.actor.env_call_timeout_s,
+            # Only a run that saves its episodes sends their messages (the learner writes them).
+            with_messages=self.config.run.save_episodes,
         )
 
     async def _watch_admission(self) -> None:

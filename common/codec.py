@@ -22,6 +22,7 @@ import msgpack
 import numpy as np
 
 from longhorizon.common.wire import (
+    CHAT_ROLES,
     MESSAGE_TYPES,
     TENSOR_DTYPE_BYTES,
     ActorStats,
@@ -115,6 +116,7 @@ _KIND_BY_ANNOTATION: dict[Any, str] = {
     np.ndarray: "array",
     dict[str, np.ndarray] | None: "tensors",
     str | None: "optional_str",
+    list[dict[str, str]] | None: "optional_chat",
 }
 
 
@@ -441,6 +443,35 @@ def _normalise_str_list(spec: _FieldSpec, value: Any) -> list[str]:
     return list(value)
 
 
+def _chat_messages(where: str, value: Any, limits: WireLimits | None) -> list[dict[str, str]] | None:
+    """None, or chat messages checked (the same rules both ways; sizes only against `limits`):
+    a list of maps with exactly the keys role (one of CHAT_ROLES) and content (a string)."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        _fail(f"{where} must be a list of chat messages or None, got {type(value).__name__}")
+    if limits is not None and len(value) > limits.max_list_items:
+        _fail(f"{where} has {len(value)} items, more than the limit {limits.max_list_items}")
+    messages = []
+    for index, message in enumerate(value):
+        if not isinstance(message, Mapping) or set(message) != {"role", "content"}:
+            _fail(f"{where}[{index}] must be a map with exactly the keys role and content, got {_short(message)}")
+        role, content = message["role"], message["content"]
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            _fail(f"{where}[{index}].role must be one of {', '.join(CHAT_ROLES)}, got {_short(role)}")
+        if not isinstance(content, str):
+            _fail(f"{where}[{index}].content must be a str, got {type(content).__name__}")
+        if limits is not None and len(content) > limits.max_text_chars:
+            _fail(f"{where}[{index}].content has {len(content)} characters, "
+                  f"more than the limit {limits.max_text_chars}")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _normalise_chat(spec: _FieldSpec, value: Any) -> list[dict[str, str]] | None:
+    return _chat_messages(spec.where, value, None)
+
+
 def _normalise_array(spec: _FieldSpec, value: Any) -> np.ndarray:
     return _wire_array(spec.where, value, spec.dtype)
 
@@ -462,6 +493,7 @@ _NORMALISERS: dict[str, Callable[[_FieldSpec, Any], Any]] = {
     "str": _normalise_str,
     "text": _normalise_str,
     "optional_str": _normalise_optional_str,
+    "optional_chat": _normalise_chat,
     "int": _normalise_int_field,
     "float": _normalise_float_field,
     "bool": _normalise_bool,
@@ -751,6 +783,10 @@ def _decode_str_list(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: W
     return [_decode_str(f"{spec.where}[{index}]", item, limits.max_string_chars) for index, item in enumerate(items)]
 
 
+def _decode_chat(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits) -> list[dict[str, str]] | None:
+    return _chat_messages(spec.where, raw, limits)
+
+
 def _decode_array_field(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits) -> np.ndarray:
     return _decode_array(spec.where, raw, spec.dtype, cursor, limits)
 
@@ -776,6 +812,7 @@ _DECODERS: dict[str, Callable[[_FieldSpec, Any, _FrameCursor, WireLimits], Any]]
     "str": _decode_str_field,
     "text": _decode_text_field,
     "optional_str": _decode_optional_str,
+    "optional_chat": _decode_chat,
     "int": _decode_int_field,
     "float": _decode_float_field,
     "bool": _decode_bool,

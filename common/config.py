@@ -47,6 +47,11 @@ class RunConfig:
     keep_checkpoints: int = 3
     """Checkpoints kept in `<run_dir>/checkpoints/`: the newest N (at least 1); older ones are
     removed as each new one is written."""
+    save_episodes: bool = False
+    """Write every episode the learner trained on to `<run_dir>/episodes/episodes-NNNN.jsonl`
+    (conversation files that `sft` and `dpo` read, with the step, policy versions, reward,
+    advantage and group of each; docs/offline.md). The actors then send each episode's chat
+    messages with its tokens."""
 
 
 @dataclass(frozen=True)
@@ -474,16 +479,28 @@ class RFTConfig:
 class SFTRLConfig:
     """`longhorizon experiment sft-rl`: the base model (model.path), then supervised fine-tuning on
     scripted oracle play of env.train_split ([sft] settings), then RL from the SFT checkpoint
-    ([run], [actor], [learner], [horizon]); each evaluated greedily on env.eval_split, whose tasks
-    must be none of the train split's (docs/results.md)."""
+    ([run], [actor], [learner], [horizon]); each evaluated on env.eval_split, whose tasks must be
+    none of the train split's (docs/results.md)."""
 
     oracle_episodes: int = 256
     """Oracle episodes of env.train_split (each task in turn) to fine-tune on; 0 skips SFT and RL
     starts from model.path."""
     oracle_policy: str = "oracle"
     """The env's scripted policy that plays them."""
+    sft_checkpoint: str = ""
+    """An SFT checkpoint made before (e.g. by an earlier run of this command): evaluated as the sft
+    phase and the RL runs start from it, instead of collecting and fine-tuning again."""
     eval_episodes: int = 100
-    """Greedy episodes of env.eval_split per evaluation (its first tasks), at the last horizon stage."""
+    """Tasks of env.eval_split per evaluation (its first ones), played at the last horizon stage."""
+    eval_samples: int = 1
+    """Episodes per evaluated task; more than 1 needs eval_temperature > 0."""
+    eval_temperature: float = 0.0
+    """Sampling temperature of the evaluations (actor.sampling's other settings); 0: greedy."""
+    eval_base: bool = True
+    """Evaluate the base model (model.path)."""
+    rl_seeds: list = field(default_factory=list)
+    """One RL run from the SFT checkpoint per seed (run.seed = the seed), each evaluated, and their
+    held-out episodes pooled against the SFT checkpoint's; empty: one run at run.seed."""
     torch_threads: int = 0
     """CPU threads for torch in the evaluations and SFT, which run alone (0: every core); the RL
     phase uses actor.torch_threads and learner.torch_threads."""

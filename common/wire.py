@@ -29,13 +29,17 @@ def _long_text_field(default: str | None = None) -> Any:
     return field(default=default, metadata={"long_text": True})
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+"""The roles a chat message of a trajectory may have."""
+
+
 @dataclass(kw_only=True, eq=False)
 class Trajectory:
     """One finished episode: everything the learner needs to use it in an update."""
 
     TYPE_TAG: ClassVar[str] = "trajectory"
-    # 2: invalid_actions added.
-    SCHEMA_VERSION: ClassVar[int] = 2
+    # 2: invalid_actions added. 3: messages added.
+    SCHEMA_VERSION: ClassVar[int] = 3
 
     # Unique per episode, so the learner can drop a trajectory that arrives twice.
     trajectory_id: str
@@ -85,6 +89,10 @@ class Trajectory:
     text: str = _long_text_field(default="")
     # "" normally; otherwise what failed (environment or engine), so failures are visible.
     error: str = _long_text_field(default="")
+    # The conversation as chat messages ({"role": ..., "content": ...}, roles in CHAT_ROLES), for
+    # a run that saves the episodes it trains on (`run.save_episodes`); None otherwise, so the
+    # text of every turn does not travel twice for nothing.
+    messages: list[dict[str, str]] | None = None
 
 
 @dataclass(kw_only=True, eq=False)

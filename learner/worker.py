@@ -26,6 +26,7 @@ from longhorizon.learner.buffer import GroupBuffer, staleness
 from longhorizon.learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from longhorizon.learner.curriculum import AdaptiveState, make_schedule
 from longhorizon.learner.distributed import Ranks
+from longhorizon.learner.episode_log import open_episode_log
 from longhorizon.learner.peers import PeerTable
 from longhorizon.learner.scoring import ScoredBatch
 from longhorizon.learner.trainer import Trainer
@@ -182,6 +183,9 @@ class Learner:
         self.last_checkpoint_step = self.step
         self.horizon = self.schedule.at(self.step)
         self.metrics = MetricsWriter(self.run_dir, config=config) if self.ranks.is_main else None
+        # run.save_episodes: every episode trained on, as conversation files (None when off).
+        self.episode_log = (open_episode_log(config, self.run_dir, tokenizer, self.model_path, start_step=self.step)
+                            if self.ranks.is_main else None)
         self.weights_bytes = 0
         self.last_rank_command = time.monotonic()
         self.peers = PeerTable(config.learner.peer_timeout_s, self.counters)
@@ -614,6 +618,9 @@ class Learner:
                 checkpoint = self.step % learner.checkpoint_every == 0 or last_step
                 if checkpoint:
                     record["checkpoint"] = str(checkpoint_dir(self.run_dir, self.step))
+                if self.episode_log is not None:
+                    await trio.to_thread.run_sync(
+                        self.episode_log.write_step, self.step, trained_version, groups, scored, train_metrics)
                 self.metrics.write(record)
                 if checkpoint:
                     await trio.to_thread.run_sync(self._checkpoint)
