@@ -18,6 +18,8 @@ class EvalResult:
     success_rate: float
     mean_reward: float
     failed_episodes: int
+    # Task id -> (successes, episodes played without an error) for that task.
+    by_task: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
 
 async def evaluate(
@@ -33,8 +35,10 @@ async def evaluate(
     concurrency: int = 32,
     seed: int = 0,
     agent: str = "",
+    samples_per_task: int = 1,
 ) -> EvalResult:
-    """Play the first `episodes` tasks of `split` (cycling if there are fewer) with `engine`;
+    """Play the first `episodes` tasks of `split` (cycling if there are fewer) with `engine`,
+    `samples_per_task` episodes of each (worth more than one only when the engine samples);
     `agent` names the agent loop (empty: the env's own prompt format)."""
     from longhorizon.envs.base import list_tasks, make_env
 
@@ -42,21 +46,29 @@ async def evaluate(
     pool = EnvPool(lambda: make_env(env_name, **env_options))
     limiter = trio.CapacityLimiter(concurrency)
     results = []
+    by_task: dict[str, list[int]] = {}
 
-    async def one(index: int) -> None:
+    async def one(index: int, sample: int) -> None:
+        task = tasks[index % len(tasks)]
+        number = index * samples_per_task + sample
         async with limiter:
             env = pool.acquire()
             result = await run_episode(
-                env, engine, tasks[index % len(tasks)], horizon_cap=horizon_cap,
+                env, engine, task, horizon_cap=horizon_cap,
                 max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens,
-                seed=seed + index, episode_id=f"eval-{index}", agent=agent,
+                seed=seed + number, episode_id=f"eval-{number}", agent=agent,
             )
             pool.release(env, broken=bool(result.error))
             results.append(result)
+            if not result.error:
+                counts = by_task.setdefault(task.task_id, [0, 0])
+                counts[0] += bool(result.success)
+                counts[1] += 1
 
     async with trio.open_nursery() as nursery:
         for index in range(episodes):
-            nursery.start_soon(one, index)
+            for sample in range(samples_per_task):
+                nursery.start_soon(one, index, sample)
     await pool.close()
     played = [r for r in results if not r.error]
     count = max(len(played), 1)
@@ -65,6 +77,7 @@ async def evaluate(
         success_rate=sum(r.success for r in played) / count,
         mean_reward=sum(r.reward for r in played) / count,
         failed_episodes=len(results) - len(played),
+        by_task={task_id: (wins, tries) for task_id, (wins, tries) in sorted(by_task.items())},
     )
 
 

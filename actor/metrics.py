@@ -42,6 +42,22 @@ def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float
     return max(0.0, centre - spread), min(1.0, centre + spread)
 
 
+def two_proportion_test(successes_a: int, trials_a: int, successes_b: int, trials_b: int) -> dict:
+    """Pooled two-proportion z-test of rate b against rate a: the difference b - a, its z score and
+    the one-sided p-value that b is not above a (normal approximation; each episode counted as an
+    independent trial)."""
+    for successes, trials in ((successes_a, trials_a), (successes_b, trials_b)):
+        if trials <= 0 or not 0 <= successes <= trials:
+            raise ValueError(f"need 0 <= successes <= trials and trials > 0, got {successes}/{trials}")
+    rate_a, rate_b = successes_a / trials_a, successes_b / trials_b
+    pooled = (successes_a + successes_b) / (trials_a + trials_b)
+    spread = math.sqrt(pooled * (1 - pooled) * (1 / trials_a + 1 / trials_b))
+    if spread == 0:  # both at 0% or both at 100%: no evidence either way
+        return {"difference": rate_b - rate_a, "z": 0.0, "p_one_sided": 0.5}
+    z = (rate_b - rate_a) / spread
+    return {"difference": rate_b - rate_a, "z": z, "p_one_sided": 0.5 * math.erfc(z / math.sqrt(2))}
+
+
 def mean_interval(values: Sequence[float], z: float = 1.96) -> tuple[float, float, float]:
     """Mean and its normal-approximation interval (mean, low, high)."""
     if not values:

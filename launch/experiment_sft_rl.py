@@ -3,19 +3,21 @@ then from RL?
 
 `longhorizon experiment sft-rl CONFIG [overrides]` runs, into the config's run directory:
 
-1. base: model.path played greedily on env.eval_split (`sft_rl.eval_episodes` episodes, at the
-   last horizon stage);
+1. base: model.path played on env.eval_split (`sft_rl.eval_episodes` tasks, `sft_rl.eval_samples`
+   episodes each, greedy or at `sft_rl.eval_temperature`, at the last horizon stage);
 2. sft: `sft_rl.oracle_episodes` episodes of env.train_split played by the env's scripted oracle
    (`longhorizon collect`'s code) and `longhorizon sft`'s run on them ([sft] settings), the
-   result evaluated the same way;
-3. rl: `longhorizon train` ([run], [actor], [learner], [horizon]) from the SFT checkpoint, its
-   final checkpoint evaluated the same way.
+   result evaluated the same way; or `sft_rl.sft_checkpoint`, made before, evaluated;
+3. rl: `longhorizon train` ([run], [actor], [learner], [horizon]) from the SFT checkpoint, once
+   per seed of `sft_rl.rl_seeds`, each final checkpoint evaluated the same way; with several seeds
+   their held-out episodes are also pooled.
 
 The held-out split is checked first: no task of env.eval_split may equal a task of
 env.train_split, so nothing evaluated was fine-tuned or trained on. Every evaluation reports its
-successes with a 95% Wilson interval, and every phase its wall time. Outputs: `summary.json`,
-`held_out.png` (held-out success per phase), `oracle.jsonl`, `sft/` and `rl/` (the runs, with the
-RL run's training curves). It prints a table, then one line of JSON.
+successes with a 95% Wilson interval, every phase its wall time, and each RL result a pooled
+two-proportion test against the SFT checkpoint's. Outputs: `summary.json`, `held_out.png`
+(held-out success per phase), `oracle.jsonl`, `sft/` and `rl/` (or `rl-seed<N>/`: the runs, with
+their training curves). It prints a table, then one line of JSON.
 """
 
 from __future__ import annotations
@@ -30,9 +32,6 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from longhorizon.common.config import Config, ConfigError, dump_toml
-
-PHASES = ("base", "sft", "rl")
-
 
 def held_out_overlap(config: Config) -> list[str]:
     """The eval-split task ids whose task data is also a train-split task's (a leak), sorted."""
@@ -52,8 +51,23 @@ def check_sft_rl_config(config: Config) -> None:
     settings = config.sft_rl
     if settings.oracle_episodes < 0 or settings.eval_episodes < 1:
         raise ConfigError("sft_rl.oracle_episodes must be >= 0 (0: no SFT) and sft_rl.eval_episodes >= 1")
-    if not settings.oracle_episodes and not settings.rl:
+    if not settings.oracle_episodes and not settings.sft_checkpoint and not settings.rl:
         raise ConfigError("sft_rl.oracle_episodes = 0 and sft_rl.rl = false leave nothing to train")
+    if settings.eval_samples < 1 or settings.eval_temperature < 0:
+        raise ConfigError("sft_rl.eval_samples must be >= 1 and sft_rl.eval_temperature >= 0 (0: greedy)")
+    if settings.eval_samples > 1 and settings.eval_temperature == 0:
+        raise ConfigError(f"sft_rl.eval_samples = {settings.eval_samples} plays each task alike when greedy: set "
+                          f"sft_rl.eval_temperature > 0 (e.g. actor.sampling.temperature) or eval_samples = 1")
+    seeds = settings.rl_seeds
+    if any(not isinstance(seed, int) or isinstance(seed, bool) for seed in seeds) or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"sft_rl.rl_seeds must be distinct integers, got {seeds!r}")
+    if settings.sft_checkpoint:
+        from longhorizon.common.models import ModelError, require_model_folder
+
+        try:
+            require_model_folder(settings.sft_checkpoint)
+        except ModelError as error:
+            raise ConfigError(f"sft_rl.sft_checkpoint: {error}") from None
     if config.env.train_split == config.env.eval_split:
         raise ConfigError(f"env.eval_split and env.train_split are both {config.env.eval_split!r}: the "
                           f"evaluation must be on tasks nothing trained on")
@@ -72,7 +86,7 @@ def check_sft_rl_config(config: Config) -> None:
         if not trains_a_model:
             raise ConfigError(f"the RL phase trains a model: set actor.engine to an engine that samples from a "
                               f"local model and takes its weight updates (got {config.actor.engine!r})")
-    if settings.oracle_episodes:
+    if settings.oracle_episodes and not settings.sft_checkpoint:
         from longhorizon.envs.base import get_env_spec
 
         policies = get_env_spec(config.env.name).policies
@@ -89,6 +103,40 @@ def wilson_entry(evaluation: dict) -> dict:
     successes = round(evaluation["success_rate"] * played)
     low, high = wilson_interval(successes, played)
     return {**evaluation, "played": played, "successes": successes, "wilson_low": low, "wilson_high": high}
+
+
+def pooled_entry(entries: list[dict]) -> dict:
+    """Several runs' evaluations of the same tasks as one: episodes, successes and times summed,
+    the Wilson interval of the pooled rate."""
+    from longhorizon.actor.metrics import wilson_interval
+
+    played = sum(entry["played"] for entry in entries)
+    successes = sum(entry["successes"] for entry in entries)
+    low, high = wilson_interval(successes, played)
+    by_task: dict[str, list[int]] = {}
+    for entry in entries:
+        for task_id, (wins, tries) in entry.get("by_task", {}).items():
+            counts = by_task.setdefault(task_id, [0, 0])
+            counts[0] += wins
+            counts[1] += tries
+    return {"runs": len(entries), "episodes": sum(entry["episodes"] for entry in entries), "played": played,
+            "failed_episodes": sum(entry["failed_episodes"] for entry in entries), "successes": successes,
+            "success_rate": successes / played, "wilson_low": low, "wilson_high": high,
+            "train_seconds": sum(entry.get("train_seconds", 0.0) for entry in entries),
+            "eval_seconds": sum(entry.get("eval_seconds", 0.0) for entry in entries),
+            "by_task": dict(sorted(by_task.items()))}
+
+
+def against_sft(summary: dict) -> dict:
+    """Each RL result (every run, and the pooled one) against the SFT checkpoint's held-out
+    episodes: the pooled two-proportion test (`two_proportion_test`), keyed by phase."""
+    from longhorizon.actor.metrics import two_proportion_test
+
+    sft = summary["phases"].get("sft")
+    if sft is None:
+        return {}
+    return {phase: two_proportion_test(sft["successes"], sft["played"], entry["successes"], entry["played"])
+            for phase, entry in summary["phases"].items() if phase.startswith("rl")}
 
 
 def _phase_config(config: Config, run_dir: Path, name: str, **sections) -> Config:
@@ -114,30 +162,42 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
     (run_dir / "config.toml").write_text(dump_toml(config))
     summary: dict = {"run_dir": str(run_dir), "env": config.env.name, "env_options": dict(config.env.options), "model": base_model,
                      "eval_split": config.env.eval_split, "eval_episodes": settings.eval_episodes,
+                     "eval_samples": settings.eval_samples, "eval_temperature": settings.eval_temperature,
                      "eval_horizon": max(config.horizon.stages), "phases": {}}
     started = time.perf_counter()
 
     def save() -> None:
         summary["seconds"] = time.perf_counter() - started
+        summary["against_sft"] = against_sft(summary)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
     # Evaluations and SFT run alone on the machine: they take every core unless told otherwise.
     threads = settings.torch_threads or os.cpu_count() or 1
     eval_config = dataclasses.replace(config, actor=dataclasses.replace(config.actor, torch_threads=threads))
+    how = ("greedy" if settings.eval_temperature == 0 else
+           f"{settings.eval_samples} sampled at temperature {settings.eval_temperature:g} per task")
 
     def evaluate(phase: str, model: str, extra: dict) -> None:
         began = time.perf_counter()
-        note(f"{phase}: evaluating {model} on {settings.eval_episodes} {config.env.eval_split} episodes")
-        entry = wilson_entry(evaluate_model(eval_config, model, settings.eval_episodes))
+        note(f"{phase}: evaluating {model} on {settings.eval_episodes} {config.env.eval_split} tasks ({how})")
+        entry = wilson_entry(evaluate_model(eval_config, model, settings.eval_episodes,
+                                            samples_per_task=settings.eval_samples,
+                                            temperature=settings.eval_temperature))
         entry.update({"eval_seconds": time.perf_counter() - began, **extra, "model": model})
         summary["phases"][phase] = entry
         note(f"{phase}: held-out success {entry['success_rate']:.1%} "
              f"[{entry['wilson_low']:.1%}, {entry['wilson_high']:.1%}] ({entry['successes']}/{entry['played']})")
         save()
 
-    evaluate("base", base_model, {"train_seconds": 0.0})
+    if settings.eval_base:
+        evaluate("base", base_model, {"train_seconds": 0.0})
     policy = base_model
-    if settings.oracle_episodes:
+    if settings.sft_checkpoint:
+        policy = str(Path(settings.sft_checkpoint).resolve())
+        summary["sft"] = {"model": policy, "train_seconds": 0.0, "made_before": True}
+        if settings.eval_sft or not settings.rl:
+            evaluate("sft", policy, summary["sft"])
+    elif settings.oracle_episodes:
         began = time.perf_counter()
         oracle_file = run_dir / "oracle.jsonl"
         collect_config = dataclasses.replace(config, actor=dataclasses.replace(
@@ -162,34 +222,54 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
         from longhorizon.launch.plot import plot_run
         from longhorizon.launch.report import format_report, load_summary
 
-        began = time.perf_counter()
-        rl_config = _phase_config(config, run_dir, "rl", model=dataclasses.replace(config.model, path=policy))
-        code = launch(rl_config, progress=note)
-        if code != 0:
-            save()
-            raise RuntimeError(f"the RL run ended with exit code {code}; see {rl_config.run_dir / 'logs'}")
-        train_seconds = time.perf_counter() - began
-        plot_run(rl_config.run_dir)
-        note(format_report(load_summary(rl_config.run_dir)))
-        checkpoint = latest_checkpoint(rl_config.run_dir)
-        evaluate("rl", str(checkpoint), {"train_seconds": train_seconds, "rl_steps": config.run.total_steps})
+        seeds = settings.rl_seeds or [config.run.seed]
+        names = [f"rl-seed{seed}" for seed in seeds] if settings.rl_seeds else ["rl"]
+        for seed, name in zip(seeds, names):
+            began = time.perf_counter()
+            rl_config = _phase_config(config, run_dir, name, model=dataclasses.replace(config.model, path=policy))
+            rl_config = dataclasses.replace(rl_config, run=dataclasses.replace(rl_config.run, seed=seed))
+            note(f"{name}: training from {policy} (run.seed = {seed})")
+            code = launch(rl_config, progress=note)
+            if code != 0:
+                save()
+                raise RuntimeError(f"the RL run {name} ended with exit code {code}; see {rl_config.run_dir / 'logs'}")
+            train_seconds = time.perf_counter() - began
+            plot_run(rl_config.run_dir)
+            note(format_report(load_summary(rl_config.run_dir)))
+            checkpoint = latest_checkpoint(rl_config.run_dir)
+            evaluate(name, str(checkpoint), {"train_seconds": train_seconds, "rl_steps": config.run.total_steps,
+                                             "seed": seed})
+        if len(names) > 1:
+            summary["phases"]["rl"] = pooled_entry([summary["phases"][name] for name in names])
     save()
     plot_held_out(summary, run_dir / "held_out.png")
     return summary
 
 
+def phase_label(phase: str, summary: dict) -> str:
+    """A phase's name in tables and plots: `rl-seed3` reads `rl, seed 3`; the pooled row names its runs."""
+    if phase.startswith("rl-seed"):
+        return f"rl, seed {phase[len('rl-seed'):]}"
+    if phase == "rl" and summary["phases"]["rl"].get("runs", 1) > 1:
+        return f"rl, {summary['phases']['rl']['runs']} runs pooled"
+    return phase
+
+
 def format_table(summary: dict) -> str:
     rows = ["| phase | held-out success | 95% Wilson | successes | train wall time | eval wall time |",
             "|---|---|---|---|---|---|"]
-    for phase in PHASES:
-        entry = summary["phases"].get(phase)
-        if entry is None:
-            if phase == "sft" and "sft" in summary:  # trained, not evaluated (sft_rl.eval_sft = false)
-                rows.append(f"| sft | not evaluated | | | {summary['sft']['train_seconds'] / 60:.1f} min | - |")
-            continue
+    if "sft" not in summary["phases"] and "sft" in summary:  # trained, not evaluated (sft_rl.eval_sft = false)
+        rows.insert(2 + ("base" in summary["phases"]),
+                    f"| sft | not evaluated | | | {summary['sft']['train_seconds'] / 60:.1f} min | - |")
+    for phase, entry in summary["phases"].items():
         trained = f"{entry['train_seconds'] / 60:.1f} min" if phase != "base" else "-"
-        rows.append(f"| {phase} | {entry['success_rate']:.1%} | [{entry['wilson_low']:.1%}, {entry['wilson_high']:.1%}] "
-                    f"| {entry['successes']}/{entry['played']} | {trained} | {entry['eval_seconds'] / 60:.1f} min |")
+        rows.append(f"| {phase_label(phase, summary)} | {entry['success_rate']:.1%} | [{entry['wilson_low']:.1%}, "
+                    f"{entry['wilson_high']:.1%}] | {entry['successes']}/{entry['played']} | {trained} | "
+                    f"{entry['eval_seconds'] / 60:.1f} min |")
+    tests = summary.get("against_sft") or {}
+    for phase, test in tests.items():
+        rows.append(f"\n{phase_label(phase, summary)} against sft: {100 * test['difference']:+.1f} points, "
+                    f"z = {test['z']:.2f}, one-sided p = {test['p_one_sided']:.3g}")
     return "\n".join(rows)
 
 
@@ -200,7 +280,7 @@ def plot_held_out(summary: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    phases = [phase for phase in PHASES if phase in summary["phases"]]
+    phases = list(summary["phases"])
     entries = [summary["phases"][phase] for phase in phases]
     rates = [100 * entry["success_rate"] for entry in entries]
     # Clamped at 0: at 0% or 100% the bound equals the rate up to rounding.
@@ -208,15 +288,19 @@ def plot_held_out(summary: dict, path: Path) -> Path:
               [max(0.0, 100 * entry["wilson_high"] - rate) for rate, entry in zip(rates, entries)]]
     trained_first = "sft" in summary["phases"] or "sft" in summary
     labels = {"base": "base", "sft": "after SFT", "rl": "after SFT + RL" if trained_first else "after RL"}
+    if summary["phases"].get("rl", {}).get("runs", 1) > 1:
+        labels["rl"] += ", pooled"
+    labels.update({phase: f"RL seed {phase[len('rl-seed'):]}" for phase in phases if phase.startswith("rl-seed")})
     colours = {"base": "tab:gray", "sft": "tab:blue", "rl": "tab:green"}
-    figure, axes = plt.subplots(figsize=(5, 3.5))
+    figure, axes = plt.subplots(figsize=(max(5.0, 1.4 * len(phases)), 3.5))
     axes.bar([labels[phase] for phase in phases], rates, yerr=errors, capsize=6,
-             color=[colours[phase] for phase in phases])
+             color=[colours.get(phase, "tab:olive") for phase in phases])
     for index, (rate, entry) in enumerate(zip(rates, entries)):
         axes.text(index, rate + 1, f"{rate:.0f}%\n{entry['successes']}/{entry['played']}", ha="center", va="bottom",
                   fontsize=8)
     axes.set_ylim(0, 100)
-    axes.set_ylabel(f"held-out success (%), {summary['eval_episodes']} episodes")
+    per_task = f" x {summary['eval_samples']}" if summary.get("eval_samples", 1) > 1 else ""
+    axes.set_ylabel(f"held-out success (%), {summary['eval_episodes']}{per_task} episodes")
     axes.set_title(f"{summary['env']} {summary['env_options']}", fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -241,5 +325,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"summary: {Path(summary['run_dir']) / 'summary.json'}  plot: {Path(summary['run_dir']) / 'held_out.png'}")
     compact = {phase: {key: entry[key] for key in ("success_rate", "successes", "played", "wilson_low", "wilson_high")}
                for phase, entry in summary["phases"].items()}
-    print(json.dumps({"experiment": "sft-rl", "seconds": round(summary["seconds"], 1), "phases": compact}))
+    print(json.dumps({"experiment": "sft-rl", "seconds": round(summary["seconds"], 1), "phases": compact,
+                      "against_sft": summary["against_sft"]}))
     return 0

@@ -21,6 +21,8 @@ on the env's held-out split, and writes Hugging Face folders an RL run starts fr
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import time
 from pathlib import Path
@@ -44,8 +46,11 @@ from longhorizon.learner.logprobs import chunked_logprobs_match, pad_examples, p
 from longhorizon.learner.trainer import learning_rate_at
 
 
-def evaluate_model(config: Config, model_folder: str | Path, episodes: int) -> dict:
-    """Greedy held-out success of a model folder on env.eval_split (first `episodes` tasks)."""
+def evaluate_model(config: Config, model_folder: str | Path, episodes: int, *, samples_per_task: int = 1,
+                   temperature: float = 0.0) -> dict:
+    """Held-out success of a model folder on env.eval_split: its first `episodes` tasks,
+    `samples_per_task` episodes each, greedy at temperature 0 and sampled (actor.sampling's other
+    settings) above it."""
     import trio
 
     from longhorizon.actor.engines.factory import build_engine
@@ -53,7 +58,10 @@ def evaluate_model(config: Config, model_folder: str | Path, episodes: int) -> d
 
     # The engine that plays is a model engine whatever actor.engine says (a scripted oracle or an
     # endpoint played the data): the factory's `checkpoint` purpose picks it.
-    engine = build_engine(config, "checkpoint", model_path=str(model_folder), greedy=True)
+    if temperature > 0:
+        sampling = dataclasses.replace(config.actor.sampling, temperature=temperature)
+        config = dataclasses.replace(config, actor=dataclasses.replace(config.actor, sampling=sampling))
+    engine = build_engine(config, "checkpoint", model_path=str(model_folder), greedy=temperature <= 0)
 
     async def play():
         try:
@@ -61,13 +69,16 @@ def evaluate_model(config: Config, model_folder: str | Path, episodes: int) -> d
                 engine, config.env.name, dict(config.env.options), split=config.env.eval_split, episodes=episodes,
                 horizon_cap=max(config.horizon.stages), max_new_tokens=config.actor.sampling.max_new_tokens,
                 max_context_tokens=config.actor.max_context_tokens, seed=config.run.seed, agent=config.actor.agent,
+                samples_per_task=samples_per_task,
             )
         finally:
             await engine.close()
 
     result = trio.run(play)
     return {"split": config.env.eval_split, "episodes": result.episodes, "success_rate": result.success_rate,
-            "mean_reward": result.mean_reward, "failed_episodes": result.failed_episodes}
+            "mean_reward": result.mean_reward, "failed_episodes": result.failed_episodes,
+            "samples_per_task": samples_per_task, "temperature": max(temperature, 0.0),
+            "by_task": {task_id: list(counts) for task_id, counts in result.by_task.items()}}
 
 
 def run_sft(config: Config, *, note: Callable[[str], None] = print, progress_stream=None) -> dict:

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from longhorizon.actor.metrics import mean_interval, mean_pass_at_k, pass_at_k, wilson_interval
+from longhorizon.actor.metrics import mean_interval, mean_pass_at_k, pass_at_k, two_proportion_test, wilson_interval
 
 
 def test_pass_at_k_hand_computed():
@@ -39,6 +39,25 @@ def test_mean_pass_at_k_and_intervals():
     assert low < 0.5 < high and low == pytest.approx(1 - high)
     mean, low, high = mean_interval([1.0, 2.0, 3.0])
     assert mean == 2.0 and high - mean == pytest.approx(1.96 * 1.0 / math.sqrt(3))
+
+
+def test_two_proportion_test_hand_computed():
+    # 14/27 against 20/27: pooled rate 34/54, standard error sqrt(p(1-p) * 2/27) = 0.13143,
+    # z = (20/27 - 14/27) / 0.13143 = 1.6908, one-sided p = 1 - Phi(1.6908) = 0.0454.
+    test = two_proportion_test(14, 27, 20, 27)
+    assert test["difference"] == pytest.approx(6 / 27)
+    assert test["z"] == pytest.approx(1.6908, abs=1e-4) and test["p_one_sided"] == pytest.approx(0.0454, abs=1e-4)
+    # The other way round: the same z with its sign flipped, p on the other tail.
+    back = two_proportion_test(20, 27, 14, 27)
+    assert back["z"] == pytest.approx(-test["z"]) and back["p_one_sided"] == pytest.approx(1 - test["p_one_sided"])
+    # Unequal sizes: 50/100 against 30/40, pooled 80/140; se = sqrt(4/7 * 3/7 * (1/100 + 1/40)) = 0.092582.
+    assert two_proportion_test(50, 100, 30, 40)["z"] == pytest.approx(0.25 / 0.092582, abs=1e-4)
+    # Both at 0%: no evidence either way.
+    assert two_proportion_test(0, 10, 0, 20) == {"difference": 0.0, "z": 0.0, "p_one_sided": 0.5}
+    with pytest.raises(ValueError, match="successes <= trials"):
+        two_proportion_test(5, 4, 1, 2)
+    with pytest.raises(ValueError, match="trials > 0"):
+        two_proportion_test(0, 0, 1, 2)
 
 
 def test_eval_command_reproduces_the_scripted_policies_known_rates(tmp_path, capsys):

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from longhorizon.common.config import ConfigError, load_config
-from longhorizon.launch.experiment_sft_rl import check_sft_rl_config, format_table, held_out_overlap, run_sft_rl, wilson_entry
+from longhorizon.launch.experiment_sft_rl import (
+    against_sft, check_sft_rl_config, format_table, held_out_overlap, pooled_entry, run_sft_rl, wilson_entry)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HELD_OUT = "env.options={num_turns = 3, num_symbols = 4, num_actions = 4, held_out_sequences = true}"
@@ -110,7 +111,9 @@ def test_each_phase_improves_on_held_out_sequences_it_never_trained_on(tmp_path,
     rl_config = load_config(run_dir / "rl" / "config.toml")
     assert rl_config.model.path == phases["sft"]["model"] and rl_config.env.train_split == "train"
     table = format_table(summary)
-    assert table.count("\n") == 4 and "| rl |" in table
+    assert "| rl |" in table and "rl against sft: " in table
+    assert summary["against_sft"]["rl"]["difference"] == pytest.approx(
+        phases["rl"]["success_rate"] - phases["sft"]["success_rate"])
     assert any(line.startswith("steps 4 (last 4)") for line in lines)  # the RL run's report
 
 
@@ -122,6 +125,67 @@ def test_the_sft_checkpoint_may_go_unevaluated(tmp_path, tiny_codebook_model):
     assert list(summary["phases"]) == ["base", "rl"] and summary["sft"]["sft_steps"] == 2
     assert load_config(config.run_dir / "rl" / "config.toml").model.path == summary["sft"]["model"]
     assert "| sft | not evaluated |" in format_table(summary)
+
+
+def test_sampled_evaluations_and_several_seeds_are_checked(tmp_path, tiny_codebook_model):
+    with pytest.raises(ConfigError, match="plays each task alike when greedy"):
+        check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.eval_samples=4"))
+    with pytest.raises(ConfigError, match="eval_temperature >= 0"):
+        check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.eval_temperature=-1.0"))
+    with pytest.raises(ConfigError, match="distinct integers"):
+        check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.rl_seeds=[1, 1]"))
+    with pytest.raises(ConfigError, match="sft_rl.sft_checkpoint: .*nowhere"):
+        check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.sft_checkpoint='nowhere'"))
+    check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.eval_samples=4", "sft_rl.eval_temperature=1.0",
+                                "sft_rl.rl_seeds=[1, 2]", f"sft_rl.sft_checkpoint={str(tiny_codebook_model)!r}"))
+
+
+def test_runs_pool_into_one_entry_tested_against_sft():
+    runs = [wilson_entry({"episodes": 40, "failed_episodes": 0, "success_rate": 0.75, "mean_reward": 0.75,
+                          "by_task": {"a": [15, 20], "b": [15, 20]}, "train_seconds": 60.0, "eval_seconds": 5.0}),
+            wilson_entry({"episodes": 42, "failed_episodes": 2, "success_rate": 0.5, "mean_reward": 0.5,
+                          "by_task": {"a": [12, 20], "b": [8, 20]}, "train_seconds": 70.0, "eval_seconds": 6.0})]
+    pooled = pooled_entry(runs)
+    assert (pooled["runs"], pooled["played"], pooled["successes"]) == (2, 80, 50)
+    assert pooled["success_rate"] == pytest.approx(50 / 80) and pooled["failed_episodes"] == 2
+    assert pooled["by_task"] == {"a": [27, 40], "b": [23, 40]}
+    assert (pooled["train_seconds"], pooled["eval_seconds"]) == (130.0, 11.0)
+    sft = wilson_entry({"episodes": 40, "failed_episodes": 0, "success_rate": 0.5, "mean_reward": 0.5})
+    summary = {"phases": {"sft": sft, "rl-seed1": runs[0], "rl-seed2": runs[1], "rl": pooled}}
+    tests = against_sft(summary)
+    assert list(tests) == ["rl-seed1", "rl-seed2", "rl"]
+    # 20/40 against 50/80: pooled 70/120, se = sqrt(7/12 * 5/12 * (1/40 + 1/80)) = 0.095470.
+    assert tests["rl"]["z"] == pytest.approx(0.125 / 0.095470, abs=1e-4)
+    assert against_sft({"phases": {"rl": pooled}}) == {}
+
+
+@pytest.mark.slow
+def test_rl_runs_per_seed_from_a_checkpoint_made_before_with_sampled_evaluations(tmp_path, tiny_codebook_model):
+    config = _config(tmp_path, tiny_codebook_model, "sft_rl.eval_base=false",
+                     f"sft_rl.sft_checkpoint={str(tiny_codebook_model)!r}", "sft_rl.rl_seeds=[5, 6]",
+                     "run.total_steps=1", "sft_rl.eval_episodes=10", "sft_rl.eval_samples=3",
+                     "sft_rl.eval_temperature=1.0")
+    lines = []
+    summary = run_sft_rl(config, note=lines.append)
+    phases = summary["phases"]
+    assert list(phases) == ["sft", "rl-seed5", "rl-seed6", "rl"]
+    assert not (config.run_dir / "oracle.jsonl").exists() and phases["sft"]["model"] == str(tiny_codebook_model)
+    for phase in ("sft", "rl-seed5", "rl-seed6"):
+        entry = phases[phase]
+        assert entry["played"] == 30 and entry["samples_per_task"] == 3 and entry["temperature"] == 1.0
+        assert len(entry["by_task"]) == 10 and all(tries == 3 for _, tries in entry["by_task"].values())
+        assert sum(wins for wins, _ in entry["by_task"].values()) == entry["successes"]
+    for seed in (5, 6):
+        rl_config = load_config(config.run_dir / f"rl-seed{seed}" / "config.toml")
+        assert rl_config.run.seed == seed and rl_config.model.path == str(tiny_codebook_model)
+        assert phases[f"rl-seed{seed}"]["model"].startswith(str(config.run_dir / f"rl-seed{seed}" / "checkpoints"))
+    assert phases["rl"]["played"] == 60
+    assert phases["rl"]["successes"] == phases["rl-seed5"]["successes"] + phases["rl-seed6"]["successes"]
+    assert list(summary["against_sft"]) == ["rl-seed5", "rl-seed6", "rl"]
+    table = format_table(summary)
+    assert "| rl, seed 5 |" in table and "| rl, 2 runs pooled |" in table and "rl, 2 runs pooled against sft" in table
+    assert json.loads((config.run_dir / "summary.json").read_text())["against_sft"] == summary["against_sft"]
+    assert any("3 sampled at temperature 1 per task" in line for line in lines)
 
 
 def _sequences(config, split):
