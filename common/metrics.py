@@ -9,6 +9,7 @@ before that, which hold bare `NaN` and `Infinity`, read back the same way.
 
 TensorBoard and Weights & Biases get the numbers under grouped names (`train/loss`,
 `rollout/reward_mean`, `system/tokens_per_s`: `metric_group`); metrics.jsonl keeps the flat keys.
+W&B charts them against the learner step, logged in every row as `train/step` (`WandbLog`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class MetricsWriter:
                 self._tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"))
             except Exception as exc:  # metrics still go to JSONL
                 log.warning("TensorBoard logging disabled: %r", exc)
-        self._wandb = None
+        self._wandb: WandbLog | None = None
         if config is not None and config.logging.wandb.enabled:
             try:
                 self._wandb = start_wandb(config, Path(run_dir))
@@ -58,7 +59,7 @@ class MetricsWriter:
                 self._tensorboard.add_scalar(key, value, step)
             self._tensorboard.flush()
         if self._wandb is not None:
-            self._wandb.log(scalars, step=step)
+            self._wandb.log(scalars, learner_step=step)
 
     def close(self) -> None:
         self._file.close()
@@ -114,7 +115,14 @@ def grouped_scalars(record: dict) -> dict[str, float]:
 
 WANDB_RUN_FILE = "wandb_run.json"
 """In the run folder: the W&B run's id and settings, so every process of the run (the learner,
-a restarted learner, the launcher logging the plots) writes to one W&B run."""
+a restarted learner, the launcher logging the plots) writes to one W&B run, and the W&B step its
+next row takes (`next_step`)."""
+
+# The keys of WANDB_RUN_FILE that are wandb.init's arguments.
+_WANDB_INIT_KEYS = ("id", "project", "entity", "name", "tags", "mode", "dir")
+
+WANDB_STEP_METRIC = "train/step"
+"""The learner step, logged in every W&B row and set as the x-axis of every other metric."""
 
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -128,8 +136,38 @@ def wandb_mode(setting: str, environ: dict) -> str:
     return "online" if environ.get("WANDB_API_KEY") else "offline"
 
 
-def start_wandb(config, run_dir: Path):
-    """Start (or resume) the run's W&B run and log the resolved config; returns the wandb run."""
+class WandbLog:
+    """One process's rows in the run's W&B run.
+
+    W&B keeps a row only if its own step is above every step the run has logged; a learner that
+    resumes from a checkpoint trains the steps after it again, so the learner step cannot be W&B's
+    step. Each row instead carries the learner step as `train/step`, which every chart uses as
+    its x-axis, and takes the next W&B step, counted across the run's processes: the larger of
+    what W&B reports (online, a resumed run continues from the server's last step) and the
+    `next_step` in wandb_run.json (offline, a resumed run counts from 0 again, and the run's
+    offline folders, synced in order, must continue one another). The steps trained again show
+    twice against `train/step`: the first attempt's rows and the resumed learner's."""
+
+    def __init__(self, run, run_dir: Path) -> None:
+        self.run = run
+        self.run_dir = Path(run_dir)
+        self._next_step = max(int(run.step), _saved_next_step(_read_wandb_file(self.run_dir)))
+        run.define_metric(WANDB_STEP_METRIC)
+        run.define_metric("*", step_metric=WANDB_STEP_METRIC)
+
+    def log(self, row: dict, *, learner_step: int) -> None:
+        step = self._next_step
+        self._next_step += 1
+        # Saved before the row is logged: a crash in between skips a W&B step, never reuses one.
+        _update_wandb_file(self.run_dir, next_step=self._next_step)
+        self.run.log({WANDB_STEP_METRIC: learner_step, **row}, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+def start_wandb(config, run_dir: Path) -> WandbLog:
+    """Start (or resume) the run's W&B run and log the resolved config."""
     import wandb
 
     from longhorizon.common.config import config_to_dict
@@ -148,8 +186,9 @@ def start_wandb(config, run_dir: Path):
         "dir": os.environ.get("WANDB_DIR") or str(run_dir.resolve()),
     }
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / WANDB_RUN_FILE).write_text(json.dumps(init, indent=1) + "\n")
-    return wandb.init(**init, config=config_to_dict(config), resume="allow")
+    _update_wandb_file(run_dir, **init)
+    # resume="allow": a restarted learner (or the plots' process) continues the same W&B run.
+    return WandbLog(wandb.init(**init, config=config_to_dict(config), resume="allow"), run_dir)
 
 
 def log_plots_to_wandb(run_dir: Path, paths: list[Path]) -> bool:
@@ -164,13 +203,12 @@ def log_plots_to_wandb(run_dir: Path, paths: list[Path]) -> bool:
     except ImportError:
         log.warning("%s names a W&B run but wandb is not installed: plots not logged", Path(run_dir) / WANDB_RUN_FILE)
         return False
-    run = wandb.init(**saved, resume="allow")
+    run = WandbLog(wandb.init(**{key: saved[key] for key in _WANDB_INIT_KEYS if key in saved}, resume="allow"), run_dir)
     try:
-        # After the learner's last step: an offline run written by this process starts its own
-        # count at 0, and a row logged below the run's last step would be dropped once synced.
+        # At the learner's last step, in a row after every row the learner logged.
         steps = [record["step"] for record in read_metrics(run_dir) if isinstance(record.get("step"), int)]
-        step = max([run.step, *(last + 1 for last in steps[-1:])])
-        run.log({f"plots/{Path(path).stem}": wandb.Image(str(path)) for path in paths}, step=step)
+        run.log({f"plots/{Path(path).stem}": wandb.Image(str(path)) for path in paths},
+                learner_step=steps[-1] if steps else 0)
     finally:
         run.finish()
     return True
@@ -186,6 +224,20 @@ def _read_wandb_file(run_dir: Path) -> dict:
         log.warning("%s is not JSON (%s): a new W&B run is started", path, error)
         return {}
     return saved if isinstance(saved, dict) else {}
+
+
+def _saved_next_step(saved: dict) -> int:
+    step = saved.get("next_step")
+    return step if isinstance(step, int) and not isinstance(step, bool) and step > 0 else 0
+
+
+def _update_wandb_file(run_dir: Path, **values) -> None:
+    """Set `values` in the run's wandb_run.json, keeping its other keys; written whole to a new file
+    and renamed, so a crash midway leaves the earlier file."""
+    path = Path(run_dir) / WANDB_RUN_FILE
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({**_read_wandb_file(run_dir), **values}, indent=1) + "\n")
+    partial.replace(path)
 
 
 NONFINITE_KEY = "nonfinite_metrics"
