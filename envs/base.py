@@ -102,7 +102,8 @@ def check_env_packages(spec: EnvSpec) -> None:
     missing = [package for package in spec.needs if importlib.util.find_spec(package) is None]
     if missing:
         install = f"pip install 'longhorizon[{spec.extra}]'" if spec.extra else f"pip install {' '.join(missing)}"
-        raise MissingEnvPackage(f"env {spec.name!r} needs {', '.join(missing)}, which is not installed: {install}")
+        verb = "is" if len(missing) == 1 else "are"
+        raise MissingEnvPackage(f"env {spec.name!r} needs {', '.join(missing)}, which {verb} not installed: {install}")
 
 
 # Each built-in env's module holds its EnvSpec as `SPEC`; the registry imports a module only when

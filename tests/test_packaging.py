@@ -105,6 +105,10 @@ def test_an_env_whose_packages_are_missing_names_the_extra_to_install(monkeypatc
         get_env_spec("babyai")
     assert main(["train", "babyai", "--no-plots"]) == 2  # the config check, before any process starts
     assert "pip install 'longhorizon[babyai]'" in capsys.readouterr().err
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (
+        None if name in ("minigrid", "gymnasium") else real_find_spec(name, *args)))
+    with pytest.raises(MissingEnvPackage, match=r"needs minigrid, gymnasium, which are not installed: "):
+        get_env_spec("babyai")
 
 
 def test_the_toy_envs_and_the_learner_import_no_env_familys_package():
