@@ -197,6 +197,8 @@ def _rft(args: argparse.Namespace) -> int:
 def _experiment(args: argparse.Namespace) -> int:
     if args.experiment_command == "sft-rl":
         from longhorizon.launch.experiment_sft_rl import main
+    elif args.experiment_command == "freezes":
+        from longhorizon.launch.experiment_freezes import main
     else:
         from longhorizon.launch.experiment_horizons import main
 
@@ -327,6 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     sft_rl = experiment_commands.add_parser(
         "sft-rl", help="held-out success of the base model, after SFT on oracle play, after RL", add_help=False)
     sft_rl.add_argument("rest", nargs=argparse.REMAINDER)
+    freezes = experiment_commands.add_parser(
+        "freezes", help="train a config over several seeds: how many runs froze, steps to 95%% success",
+        add_help=False)
+    freezes.add_argument("rest", nargs=argparse.REMAINDER)
     experiment.set_defaults(handler=_experiment)
 
     bench = commands.add_parser(
@@ -338,7 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subcommands that parse their own arguments (their --help included).
 _PASS_THROUGH = {("bench",): "bench", ("eval",): "eval", ("serve-model",): "serve-model", ("env", "play"): "play",
-                 ("experiment", "horizons"): "horizons", ("experiment", "sft-rl"): "sft-rl"}
+                 ("experiment", "horizons"): "horizons", ("experiment", "sft-rl"): "sft-rl",
+                 ("experiment", "freezes"): "freezes"}
 
 
 # Where an output folder cannot be written: read-only, not ours, or full. Said in one line, as a
