@@ -44,7 +44,7 @@ def test_splits_that_share_tasks_are_refused(tmp_path, tiny_codebook_model):
         check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "actor.engine='scripted'"))
 
 
-@pytest.mark.parametrize("name", ["quickstart.toml", "textcraft-sft-rl.toml"])
+@pytest.mark.parametrize("name", ["quickstart.toml", "textcraft-sft-rl.toml", "textcraft-rl-over-sft.toml"])
 def test_the_shipped_textcraft_configs_hold_out_their_goals(name):
     config = load_config(REPO_ROOT / "configs" / name)
     check_sft_rl_config(config)
