@@ -178,10 +178,10 @@ class LearnerConfig:
     """Micro-batches of one group's members each, their common prefix (the prompt, or more)
     encoded once and its keys and values reused by every member, gradients from all of them
     flowing back into it: the same log-probs and gradients as encoding each member whole, with
-    less compute (learner/shared_prefix.py). For algorithms whose examples say their group (grpo
-    and its kin, not ppo). With several learner ranks, or a model whose shared pass does not match
-    its plain one at start-up, each member is encoded whole (logged). With dropout, a group's
-    members share the prefix's dropout mask."""
+    less compute (learner/shared_prefix.py). For every built-in algorithm (their examples say
+    their group); with several learner ranks a group's micro-batches are dealt to ranks whole. With
+    a model whose shared pass does not match its plain one at start-up, each member is encoded
+    whole (logged). With dropout, a group's members share the prefix's dropout mask."""
     peer_timeout_s: float = 30.0
     """An actor silent (no heartbeat) for this long is reported lost and no longer sent to."""
     sync_batch_timeout_s: float = 600.0

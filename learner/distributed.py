@@ -156,7 +156,8 @@ def decoder_layers(model):
 
 
 def split_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
-    """Indices of `lengths` dealt to `parts` ranks so that their token totals are close.
+    """Indices of `lengths` dealt to `parts` ranks so that their token totals are close (the
+    lengths of sequences, or the tokens computed by pieces dealt whole: `Trainer.deal_examples`).
 
     Longest first, each to the rank with the fewest tokens so far (ties: the lower rank, then
     fewer sequences): the largest total is at most the ideal share plus one sequence. Each rank's
@@ -212,13 +213,19 @@ def all_reduce_sum(values: list[float]) -> list[float]:
 
 
 def all_reduce_max(value: int) -> int:
+    """The largest of an integer over the ranks."""
+    return all_reduce_max_each([value])[0]
+
+
+def all_reduce_max_each(values: list[int]) -> list[int]:
+    """The largest of each of a few integers over the ranks (one collective for all of them)."""
     import torch
     import torch.distributed as dist
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    tensor = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
+    return [int(value) for value in tensor.tolist()]
 
 
 def destroy_process_group() -> None:

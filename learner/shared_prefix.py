@@ -56,45 +56,123 @@ MIN_SHARED_PREFIX = 16
 encoding the few shared tokens once saves (and members whose prompts differ share nothing)."""
 
 
+def _cut_under(lengths: Sequence[int], shared: int, max_sequences: int, cap: int) -> list[int]:
+    """Sizes of the micro-batches that `lengths` (sorted, shortest first) are cut into, front to
+    back: each takes members while it holds at most `max_sequences` of them and computes at most
+    `cap` tokens (`shared` once, plus each member padded to the longest so far after it); a member
+    alone is never refused."""
+    sizes: list[int] = []
+    count = 0
+    for length in lengths:
+        computed = shared + (count + 1) * (length - shared)
+        if count and (count + 1 > max_sequences or computed > cap):
+            sizes.append(count)
+            count = 0
+        count += 1
+    if count:
+        sizes.append(count)
+    return sizes
+
+
+def balanced_cut(lengths: Sequence[int], shared: int, max_sequences: int, max_tokens: int) -> list[int]:
+    """Sizes of the micro-batches one group's members (`lengths`, sorted, shortest first, sharing
+    `shared` tokens) are cut into: the fewest the budget allows, and among cuts into that many, the
+    one whose costliest micro-batch computes the fewest tokens, cut front to back under that cost.
+
+    Cutting front to back under the budget alone fills the first micro-batches and leaves the last
+    with what remains, often one member, which then shares nothing and encodes the prefix again:
+    eight members of a group under a budget that holds seven go 4 + 4, not 7 + 1.
+    """
+    max_sequences, max_tokens = max(1, max_sequences), max(1, max_tokens)
+    fewest = len(_cut_under(lengths, shared, max_sequences, max_tokens))
+    # Every cost a micro-batch of two or more members within the budget can have, and 0 (each
+    # member alone): the lowest cap that still cuts into `fewest` is one of them, and fewer
+    # micro-batches come of a larger cap, so a binary search finds it.
+    caps = sorted({0} | {
+        shared + (end - start) * (lengths[end - 1] - shared)
+        for start in range(len(lengths))
+        for end in range(start + 2, min(len(lengths), start + max_sequences) + 1)
+    })
+    caps = [cap for cap in caps if cap <= max_tokens]
+    low, high = 0, len(caps) - 1  # caps[high] cuts as the budget does, into `fewest`
+    while low < high:
+        middle = (low + high) // 2
+        if len(_cut_under(lengths, shared, max_sequences, caps[middle])) <= fewest:
+            high = middle
+        else:
+            low = middle + 1
+    return _cut_under(lengths, shared, max_sequences, caps[low])
+
+
+def _group_micro_batches(examples: list, max_sequences: int, max_tokens: int,
+                         min_prefix: int) -> tuple[list[list[int]], list[int]]:
+    """(the micro-batches of the groups that share a prefix, as indices into `examples`; the
+    indices of the other examples), as `plan_group_micro_batches` describes."""
+    groups: dict[int, list[int]] = {}
+    loose: list[int] = []
+    for index, example in enumerate(examples):
+        if getattr(example, "group", None) is None:
+            loose.append(index)
+        else:
+            groups.setdefault(example.group, []).append(index)
+    chunks: list[list[int]] = []
+    for key in sorted(groups):
+        members = sorted(groups[key], key=lambda i: len(examples[i].token_ids))
+        lengths = [len(examples[i].token_ids) for i in members]
+        shared = shareable_prefix_length([examples[i].token_ids for i in members])
+        if shared < min_prefix:
+            loose += members
+            continue
+        start = 0
+        for size in balanced_cut(lengths, shared, max_sequences, max_tokens):
+            chunks.append(members[start:start + size])
+            start += size
+    return chunks, loose
+
+
 def plan_group_micro_batches(examples: list, max_sequences: int, max_tokens: int,
                              min_prefix: int = MIN_SHARED_PREFIX) -> list[tuple[list, int]]:
     """A step's examples cut into micro-batches: (examples, prefix length).
 
     The members of a group (the same `group`) whose common prefix is at least `min_prefix` tokens
-    go together, sorted by length and cut where the next member would pass `max_sequences` or make
-    the tokens computed (the group's common prefix once, plus each member's padded rest) pass
-    `max_tokens`; each micro-batch shares its own members' longest common prefix, at least the
-    group's. The other examples (no group, or a group without such a prefix) are cut as
-    `plan_micro_batches` cuts them and share nothing, as is a micro-batch left with one member.
+    go together, sorted by length and cut by `balanced_cut` (at most `max_sequences` members and
+    `max_tokens` tokens computed, the group's common prefix counted once, in as few micro-batches
+    as that allows, evened out); each micro-batch shares its own members' longest common prefix,
+    at least the group's. The other examples (no group, or a group without such a prefix) are cut
+    as `plan_micro_batches` cuts them and share nothing, as does a micro-batch left with one member.
     """
     from longhorizon.learner.logprobs import plan_micro_batches
 
     max_sequences, max_tokens = max(1, max_sequences), max(1, max_tokens)
-    groups: dict[int, list] = {}
-    loose = []
-    for example in examples:
-        if getattr(example, "group", None) is None:
-            loose.append(example)
-        else:
-            groups.setdefault(example.group, []).append(example)
-    planned: list[tuple[list, int]] = []
-    for key in sorted(groups):
-        members = sorted(groups[key], key=lambda e: len(e.token_ids))
-        shared = shareable_prefix_length([e.token_ids for e in members])
-        if shared < min_prefix:
-            loose += members
-            continue
-        current: list = []
-        for example in members:
-            length = len(example.token_ids)  # the longest so far, as the list is sorted
-            computed = shared + (len(current) + 1) * (length - shared)
-            if current and (len(current) + 1 > max_sequences or computed > max_tokens):
-                planned.append((current, shareable_prefix_length([e.token_ids for e in current])))
-                current = []
-            current.append(example)
-        planned.append((current, shareable_prefix_length([e.token_ids for e in current])))
-    planned += [(chunk, 0) for chunk in plan_micro_batches(loose, max_sequences, max_tokens)]
+    chunks, loose = _group_micro_batches(examples, max_sequences, max_tokens, min_prefix)
+    planned = []
+    for chunk in chunks:
+        members = [examples[i] for i in chunk]
+        planned.append((members, shareable_prefix_length([e.token_ids for e in members])))
+    loose_examples = [examples[i] for i in loose]
+    planned += [(chunk, 0) for chunk in plan_micro_batches(loose_examples, max_sequences, max_tokens)]
     return planned
+
+
+def sharing_units(examples: list, max_sequences: int, max_tokens: int,
+                  min_prefix: int = MIN_SHARED_PREFIX) -> list[tuple[list[int], int]]:
+    """The pieces a step's examples may be dealt to learner ranks in without losing a shared
+    prefix, each (indices into `examples`, tokens its forward pass computes): each micro-batch
+    `plan_group_micro_batches` makes of a group (its prefix once, its members padded to the
+    longest), and every other example alone (its length).
+
+    A group of several micro-batches encodes its prefix once per micro-batch on one rank as well,
+    so its micro-batches may go to different ranks at no extra compute; dealing these pieces
+    rather than whole groups keeps the ranks even when a step has few groups, or groups of very
+    different lengths."""
+    max_sequences, max_tokens = max(1, max_sequences), max(1, max_tokens)
+    chunks, loose = _group_micro_batches(examples, max_sequences, max_tokens, min_prefix)
+    units = []
+    for chunk in chunks:
+        prefix = shareable_prefix_length([examples[i].token_ids for i in chunk])
+        longest = max(len(examples[i].token_ids) for i in chunk)
+        units.append((chunk, prefix + len(chunk) * (longest - prefix)))
+    return units + [([i], len(examples[i].token_ids)) for i in loose]
 
 
 def computed_tokens(input_ids: torch.Tensor, prefix_length: int) -> int:

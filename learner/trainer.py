@@ -41,7 +41,11 @@ from longhorizon.learner.logprobs import (
 )
 from longhorizon.learner.losses import aggregate, kl_penalty, sampled_entropy
 from longhorizon.learner.scoring import FlatShare, ScoredBatch
-from longhorizon.learner.shared_prefix import plan_group_micro_batches, shared_prefix_matches
+from longhorizon.learner.shared_prefix import (
+    plan_group_micro_batches,
+    shared_prefix_matches,
+    sharing_units,
+)
 
 
 def learning_rate_at(step: int, base: float, warmup_steps: int) -> float:
@@ -86,12 +90,14 @@ class PolicyLogprobs(torch.nn.Module):
         return token_logprobs(self.model, batch, self.temperature, self.chunk_tokens, with_entropy)
 
 
-def idle_micro_batch(pad_token_id: int, device) -> PaddedBatch:
+def idle_micro_batch(pad_token_id: int, device, shared: bool = False) -> PaddedBatch:
     """Two pad tokens and no loss: a rank with fewer micro-batches than the others runs these, so
     that every rank enters the same number of forward and backward passes (FSDP2 gathers and
-    reduces in each)."""
+    reduces in each). `shared`: the first token as a shared prefix, so that it calls each layer
+    twice, as a micro-batch with a shared prefix does."""
     ids = torch.full((1, 2), pad_token_id, dtype=torch.long)
-    return PaddedBatch(ids, torch.ones_like(ids), torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1)).to(device)
+    return PaddedBatch(ids, torch.ones_like(ids), torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1),
+                       prefix_length=1 if shared else 0).to(device)
 
 
 class Trainer:
@@ -173,22 +179,33 @@ class Trainer:
         )
 
     def _shared_prefix_usable(self, model) -> bool:
-        """learner.shared_prefix where it is known to give the plain pass's results: one rank (FSDP2
-        with each layer called twice in one forward, prefix then members, is untested) and a
-        model whose shared-prefix log-probs match its plain ones (`shared_prefix_matches`).
+        """learner.shared_prefix where it is known to give the plain pass's results: a model whose
+        shared-prefix log-probs match its plain ones (`shared_prefix_matches`), on every rank.
         Elsewhere the plain pass runs, the same update at more compute, and the log says so."""
         if not self.config.shared_prefix:
             return False
-        reason = None
-        if self.ranks.distributed:
-            reason = "with several learner ranks"
-        elif not shared_prefix_matches(model):
-            reason = f"for {type(model).__name__}, whose shared-prefix log-probs differ from its plain ones"
-        if reason is not None:
+        usable = shared_prefix_matches(model)
+        if self.ranks.distributed:  # the ranks must agree: their passes meet in FSDP2's collectives
+            usable = distributed.all_reduce_max(0 if usable else 1) == 0
+        if not usable:
             logging.getLogger(__name__).warning(
-                "learner.shared_prefix is not used %s: each member's prompt is encoded on its own", reason)
-            return False
-        return True
+                "learner.shared_prefix is not used for %s, whose shared-prefix log-probs differ from its plain "
+                "ones: each member's prompt is encoded on its own", type(model).__name__)
+        return usable
+
+    def deal_examples(self, examples: list[Example]) -> list[list[Example]]:
+        """A step's examples dealt to the ranks (one list per rank, in the examples' order), their
+        tokens computed about even. With the shared prefix, the members of one micro-batch of a
+        group stay together (`sharing_units`), so each rank encodes the prefixes one rank would;
+        without it, each example goes alone. Every rank's loss is weighted by the whole step's
+        tokens (`_shares`), so the dealing does not change the update."""
+        config = self.config
+        if self.shared_prefix:
+            units = sharing_units(examples, config.micro_batch_size, config.max_tokens_per_micro_batch)
+        else:
+            units = [([index], len(example.token_ids)) for index, example in enumerate(examples)]
+        shares = distributed.split_by_tokens([load for _, load in units], self.ranks.world_size)
+        return [[examples[i] for i in sorted(i for unit in share for i in units[unit][0])] for share in shares]
 
     def _micro_batches(self, examples: list[Example]) -> list[PaddedBatch]:
         config = self.config
@@ -201,8 +218,17 @@ class Trainer:
         micro_batches = [pad_examples(chunk, self.pad_token_id, prefix).to(self.device)
                          for chunk, prefix in plan] if examples else []
         if self.ranks.distributed:
-            most = distributed.all_reduce_max(len(micro_batches))
-            micro_batches += [idle_micro_batch(self.pad_token_id, self.device)] * (most - len(micro_batches))
+            # FSDP2 gathers a layer's parameters at each call and reduces its gradients after each
+            # call's backward pass: every rank must call the layers alike, micro-batch by
+            # micro-batch. A shared prefix calls each layer twice, so the micro-batches with one
+            # come first on every rank, then the plain ones, each run topped up with idle ones.
+            shared = [micro for micro in micro_batches if micro.prefix_length]
+            plain = [micro for micro in micro_batches if not micro.prefix_length]
+            most_shared, most_plain = distributed.all_reduce_max_each([len(shared), len(plain)])
+            micro_batches = (
+                shared + [idle_micro_batch(self.pad_token_id, self.device, shared=True)] * (most_shared - len(shared))
+                + plain + [idle_micro_batch(self.pad_token_id, self.device)] * (most_plain - len(plain))
+            )
         return micro_batches
 
     def _logprobs(self, policy: PolicyLogprobs, micro: PaddedBatch, with_entropy: bool = False):

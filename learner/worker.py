@@ -513,16 +513,16 @@ class Learner:
             self.last_rank_command = time.monotonic()
 
     def _update(self, scored: ScoredBatch) -> dict:
-        """One update step over every rank: rank 0 deals the examples out by tokens (and every
-        rank gets the flat groups' share of the denominator)."""
+        """One update step over every rank: rank 0 deals the examples out by tokens computed,
+        keeping the members that share a prefix together (and every rank gets the flat groups'
+        share of the denominator)."""
         if not self.ranks.distributed:
             return self.trainer.step(scored.examples, scored.flat)
-        from longhorizon.learner.distributed import scatter_objects, split_by_tokens
+        from longhorizon.learner.distributed import scatter_objects
 
         self._command_ranks("step")
-        examples = scored.examples
-        shares = split_by_tokens([len(e.token_ids) for e in examples], self.ranks.world_size)
-        mine, flat = scatter_objects([([examples[i] for i in share], scored.flat) for share in shares], self.ranks)
+        shares = self.trainer.deal_examples(scored.examples)
+        mine, flat = scatter_objects([(share, scored.flat) for share in shares], self.ranks)
         return self.trainer.step(mine, flat)
 
     def _weights_state_dict(self) -> dict:

@@ -238,3 +238,12 @@ def test_learner_bench_runs_ranks_in_processes(tiny_codebook_model, capsys):
     # Rank 0 holds two of the three sequences (split by tokens): one micro-batch.
     assert all(run["micro_batches"] == 1 and run["step_s"] > 0 for run in result["runs"])
     assert bench_learner(["--ranks", "0"]) == 2
+    # Two ranks with the shared prefix: each rank encodes its group's 32-token prompt once.
+    assert bench_learner([
+        "--model", str(tiny_codebook_model), "--shape", "codebook", "--tokens", "64", "--sequences", "8",
+        "--group-size", "4", "--steps", "1", "--device", "cpu", "--ranks", "2", "--shared-prefix", "off,on",
+    ]) == 0
+    runs = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"]
+    off, on = (next(run for run in runs if run["kind"] == "longhorizon" and run["shared_prefix"] is shared)
+               for shared in (False, True))
+    assert off["tokens_trained"] == on["tokens_trained"] and on["tokens_computed"] == off["tokens_computed"] - 2 * 3 * 32

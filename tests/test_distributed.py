@@ -94,18 +94,61 @@ def _examples(lengths=(9, 14, 6, 11, 7), vocabulary=15, seed=0):
 LORA = {"lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}}
 
 
-def _trainer(model_folder, ranks, settings=None):
-    """A trainer on CONFIG, with `settings` (learner keys) on top."""
+def _trainer(model_folder, ranks, settings=None, float64=False):
+    """A trainer on CONFIG, with `settings` (learner keys) on top; `float64`: the model in double
+    precision."""
     from longhorizon.common.models import load_causal_lm
     from longhorizon.learner.trainer import Trainer
 
     torch.manual_seed(0)
-    return Trainer(load_causal_lm(model_folder), LearnerConfig(**{**CONFIG, **(settings or {})}), ranks=ranks)
+    model = load_causal_lm(model_folder)
+    if float64:
+        model = model.double()
+    return Trainer(model, LearnerConfig(**{**CONFIG, **(settings or {})}), ranks=ranks)
 
 
-def _rank_main(rank, world_size, port, model_folder, out_dir, lengths, checkpoint, settings, flat):
+def _grouped_examples(seed=1):
+    """Three groups (4, 3 and 2 members) each sharing a prompt of 17 to 19 tokens, then replies of
+    2 to 8 tokens, and two examples without a group (48 and 9 tokens)."""
+    from longhorizon.learner.logprobs import Example
+
+    rng = np.random.default_rng(seed)
+
+    def example(prompt, reply, group):
+        tokens = np.concatenate([prompt, reply]).astype(np.int64)
+        mask = np.r_[np.zeros(len(prompt)), np.ones(len(reply))].astype(np.float32)
+        return Example(
+            token_ids=tokens, loss_mask=mask,
+            behaviour_logprobs=(rng.normal(-2.5, 0.3, len(tokens)) * mask).astype(np.float32),
+            advantage=float(rng.normal()),
+            token_rewards=np.where(np.arange(len(tokens)) == len(tokens) - 1, rng.random(), 0.0).astype(np.float32),
+            group=group,
+        )
+
+    examples = []
+    for group, size in enumerate((4, 3, 2)):
+        prompt = rng.integers(2, 15, size=17 + group)
+        examples += [example(prompt, rng.integers(2, 15, size=int(rng.integers(2, 9))), group) for _ in range(size)]
+    examples += [example(rng.integers(2, 15, size=3), rng.integers(2, 15, size=length), None) for length in (45, 6)]
+    return examples
+
+
+def _gradients(trainer) -> dict[str, torch.Tensor]:
+    """Every trained parameter's gradient, whole (a collective with several ranks: each rank holds
+    a shard)."""
+    gradients = {}
+    for name, parameter in trainer.policy.named_parameters():
+        if parameter.requires_grad:
+            grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
+            gradients[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
+    return gradients
+
+
+def _rank_main(rank, world_size, port, model_folder, out_dir, lengths, checkpoint, settings, flat, grouped):
     """One rank: a step on its share of the examples, then the gathered weights (and optionally a
-    sharded checkpoint), saved by rank 0 for the test to compare."""
+    sharded checkpoint), saved by rank 0 for the test to compare. `grouped`: the examples of
+    `_grouped_examples` in double precision, dealt as the learner deals them (`deal_examples`),
+    and the gradients gathered too."""
     from longhorizon.learner.checkpoint import save_checkpoint
     from longhorizon.learner.curriculum import HorizonState
     from longhorizon.learner.distributed import destroy_process_group, init_process_group
@@ -115,17 +158,22 @@ def _rank_main(rank, world_size, port, model_folder, out_dir, lengths, checkpoin
     init_process_group(ranks, torch.device("cpu"), timeout_s=120)
     try:
         torch.set_num_threads(1)
-        trainer = _trainer(model_folder, ranks, settings)
-        examples = _examples(lengths)
-        share = split_by_tokens([len(e.token_ids) for e in examples], world_size)[rank]
-        metrics = trainer.step([examples[i] for i in share], FlatShare(*flat))
+        trainer = _trainer(model_folder, ranks, settings, float64=grouped)
+        if grouped:
+            mine = trainer.deal_examples(_grouped_examples())[rank]
+        else:
+            examples = _examples(lengths)
+            mine = [examples[i] for i in split_by_tokens([len(e.token_ids) for e in examples], world_size)[rank]]
+        metrics = trainer.step(mine, FlatShare(*flat))
+        gradients = _gradients(trainer) if grouped else {}
         state = trainer.full_state_dict()
         sent = trainer.actor_weights()
         if checkpoint:
             save_checkpoint(out_dir, trainer=trainer, step=1, version=1, horizon=HorizonState(cap=3, stage=0, step=1),
                             counters={}, model_folder=model_folder)
         if rank == 0:
-            torch.save({"state": state, "sent": sent, "metrics": metrics}, os.path.join(out_dir, "ranks.pt"))
+            torch.save({"state": state, "sent": sent, "metrics": metrics, "gradients": gradients,
+                        "shared_prefix": trainer.shared_prefix}, os.path.join(out_dir, "ranks.pt"))
         else:
             assert state == {} and sent == {}  # only rank 0 receives the gathered weights
     finally:
@@ -139,9 +187,9 @@ def _free_port() -> int:
 
 
 def _run_ranks(world_size, model_folder, out_dir, lengths=(9, 14, 6, 11, 7), checkpoint=False, settings=None,
-               flat=(0.0, 0)):
+               flat=(0.0, 0), grouped=False):
     mp.spawn(_rank_main, args=(world_size, _free_port(), str(model_folder), str(out_dir), lengths, checkpoint, settings,
-                               flat),
+                               flat, grouped),
              nprocs=world_size, join=True)
     return torch.load(os.path.join(out_dir, "ranks.pt"))
 
@@ -200,6 +248,71 @@ def test_two_ranks_train_lora_adapters_exactly_as_one(tmp_path, tiny_codebook_mo
     assert _relative_error(sent, before) > 1e-3  # the adapters trained
     assert _relative_error(sent, two["sent"]) <= 1e-5
     assert _relative_error(one.full_state_dict(), two["state"]) <= 1e-5
+
+
+def test_the_learner_deals_a_step_in_pieces_that_keep_a_shared_prefix():
+    """How `_grouped_examples` is dealt to two ranks (micro-batches of 3 at most): each of group
+    0's two micro-batches goes to another rank, and the ranks get different numbers of micro-batches
+    with a shared prefix (1 and 3) and without (1 and 0), so the next test's ranks top up both runs
+    with idle micro-batches."""
+    from longhorizon.learner.shared_prefix import plan_group_micro_batches, sharing_units
+
+    examples = _grouped_examples()
+    units = sharing_units(examples, 3, 4096)
+    shares = split_by_tokens([load for _, load in units], 2)
+    dealt = [[examples[i] for unit in share for i in units[unit][0]] for share in shares]
+    assert sorted(id(e) for share in dealt for e in share) == sorted(id(e) for e in examples)
+    assert {e.group for e in dealt[0]} & {e.group for e in dealt[1]} == {0}
+    runs = []
+    for share in dealt:
+        plan = plan_group_micro_batches(share, 3, 4096)
+        runs.append((sum(1 for _, prefix in plan if prefix), sum(1 for _, prefix in plan if not prefix)))
+    assert runs == [(1, 1), (3, 0)]
+
+
+def _assert_same_gradient(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    """Equal to 1e-5 of the gradient's own scale (RMSNorm computes in float32 even in a float64
+    model: tests/test_shared_prefix.py)."""
+    scale = float(expected.abs().max())
+    difference = float((actual - expected).abs().max())
+    assert difference <= 1e-5 * scale + 1e-12, f"{name}: differs by {difference:.3g} at a scale of {scale:.3g}"
+
+
+@pytest.mark.parametrize("algorithm,lora", [("grpo", False), ("grpo", True), ("gspo", False), ("ppo", False),
+                                            ("ppo", True)],
+                         ids=["grpo", "grpo-lora", "gspo", "ppo", "ppo-lora"])
+def test_two_ranks_with_the_shared_prefix_train_exactly_as_one_without(tmp_path, tiny_codebook_model, algorithm,
+                                                                        lora):
+    """float64, two optimiser steps with a proximal pass: the loss, every trained parameter's
+    gradient (of the second pass) and the parameters after the step are the plain one-rank step's,
+    to 1e-5. Each rank encodes its groups' prefixes once, FSDP2 gathering and reducing each layer
+    once per call (prefix, then members), and the ranks' different numbers of shared and plain
+    micro-batches are evened out with idle ones; ppo's critic (on the policy's backbone) runs the
+    plain pass beside it."""
+    settings = {"algorithm": algorithm, "micro_batch_size": 3, **(LORA if lora else {})}
+    one = _trainer(tiny_codebook_model, Ranks.single(), {**settings, "shared_prefix": False}, float64=True)
+    before = {k: v.clone() for k, v in one.full_state_dict().items()}
+    one_metrics = one.step(_grouped_examples())
+    one_gradients = _gradients(one)
+    two = _run_ranks(2, tiny_codebook_model, tmp_path, settings={**settings, "shared_prefix": True}, grouped=True)
+
+    assert two["shared_prefix"]
+    names = ["loss", "train_tokens", "train_sequences", "grad_norm", "ratio_max"]
+    for name in names + (["value_loss"] if algorithm == "ppo" else []):
+        assert two["metrics"][name] == pytest.approx(one_metrics[name], rel=1e-5, abs=1e-9), name
+    assert sorted(two["gradients"]) == sorted(one_gradients) and one_gradients
+    assert all(".lora_" in name or "value_model.head" in name for name in one_gradients) == lora
+    for name, gradient in one_gradients.items():
+        _assert_same_gradient(two["gradients"][name], gradient, name)
+    # The update itself (after - before) to 1e-5 of its size. Not entry by entry: Adam divides each
+    # entry's gradient by its own magnitude, so an entry whose gradient is near 0 (of the order of
+    # Adam's eps) turns the 1e-7 rounding of RMSNorm's float32 into a difference of about 1e-6 of
+    # its update (one entry in thousands).
+    after = one.full_state_dict()
+    one_update = {name: after[name] - before[name] for name in before}
+    two_update = {name: two["state"][name] - before[name] for name in before}
+    assert _relative_error(after, before) > 1e-4  # the step moved the weights
+    assert _relative_error(one_update, two_update) <= 1e-5
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])

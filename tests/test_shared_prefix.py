@@ -12,10 +12,13 @@ import torch
 from longhorizon.common.config import LearnerConfig
 from longhorizon.learner.logprobs import Example, pad_examples, token_logprobs
 from longhorizon.learner.shared_prefix import (
+    _cut_under,
+    balanced_cut,
     common_prefix_length,
     computed_tokens,
     plan_group_micro_batches,
     shareable_prefix_length,
+    sharing_units,
 )
 from longhorizon.learner.trainer import Trainer, score_groups
 
@@ -70,15 +73,52 @@ def test_micro_batches_hold_one_group_each_within_the_computed_token_budget():
         assert len(groups) == 1
         by_group.setdefault(groups.pop(), []).append((len(chunk), prefix))
     # Group a shares the prompt and [1, 1], cut to 7 tokens so that its shortest member (8 tokens)
-    # keeps one: members of 8, 9, 10 tokens compute 7 + 3 x 3 = 16 <= 18 tokens, the fourth (11)
-    # would make 7 + 4 x 4 = 23, so it is alone and shares nothing.
-    assert by_group[0] == [(3, 7), (1, 0)]
+    # keeps one. All four members would compute 7 + 4 x 4 = 23 > 18 tokens, so two micro-batches:
+    # 3 + 1 costs 7 + 3 x 3 = 16 and 11 (the last member alone shares nothing), 2 + 2 costs
+    # 7 + 2 x 2 = 11 and 7 + 2 x 4 = 15, the cheaper costliest one. The second pair shares its own
+    # longest common prefix, the prompt and [1, 1, 1] (9 tokens).
+    assert by_group[0] == [(2, 7), (2, 9)]
     assert by_group[1] == [(2, 2)]
     assert by_group[None] == [(2, 0)]  # without a group, nothing is shared
     # A group whose common prefix is short is cut with the examples without a group.
     plan = plan_group_micro_batches(group_a + group_b, max_sequences=8, max_tokens=18, min_prefix=3)
     assert [(sorted({e.group for e in chunk}), prefix) for chunk, prefix in plan] == [
-        ([0], 7), ([0], 0), ([1], 0)]
+        ([0], 7), ([0], 9), ([1], 0)]
+
+
+def test_a_group_is_cut_into_the_fewest_micro_batches_then_evened_out():
+    # Eight members of 20 tokens sharing 10, at most seven per micro-batch: two micro-batches,
+    # 4 + 4 (10 + 4 x 10 = 50 tokens each) rather than 7 + 1 (80, then 20).
+    assert _cut_under([20] * 8, 10, 7, 1000) == [7, 1]
+    assert balanced_cut([20] * 8, 10, 7, 1000) == [4, 4]
+    # The TextCraft-shaped group of the learner bench: a 542-token prompt, members of 783 to 1,024
+    # tokens, four per micro-batch and 2,048 tokens computed at most. Front to back the budget
+    # cuts 4 + 3 + 1 (542 + 4 x 344 = 1,918, 542 + 3 x 448 = 1,886, then 1,024 alone: 4,828
+    # tokens). Three micro-batches are the fewest; 3 + 3 + 2 computes 542 + 3 x 310 = 1,472,
+    # 542 + 3 x 413 = 1,781 and 542 + 2 x 482 = 1,506 (4,759 tokens), and no cut into three has a
+    # cheaper costliest micro-batch (4 + 2 + 2: 1,918; 2 + 3 + 3 and 3 + 2 + 3: 1,988).
+    textcraft = [783, 817, 852, 886, 921, 955, 990, 1024]
+    assert _cut_under(textcraft, 542, 4, 2048) == [4, 3, 1]
+    assert balanced_cut(textcraft, 542, 4, 2048) == [3, 3, 2]
+    # Evened out by tokens, not by members: five short members and a long one cost 10 + 5 x 10 = 60
+    # and 40; 4 + 2 would cost 50 and 10 + 2 x 30 = 70.
+    assert balanced_cut([20, 20, 20, 20, 20, 40], 10, 8, 100) == [5, 1]
+    # A member over the budget is alone; one that fits needs no cut; none, no micro-batch.
+    assert balanced_cut([10, 12, 100], 8, 4, 30) == [2, 1]
+    assert balanced_cut([10, 12], 8, 4, 30) == [2]
+    assert balanced_cut([], 8, 4, 30) == []
+    assert balanced_cut([20, 20, 20], 10, 2, 1000) == [2, 1]  # three members, two at most
+
+
+def test_examples_are_dealt_to_ranks_in_pieces_that_keep_a_shared_prefix():
+    prompt = [5, 6, 7, 8, 9, 10]
+    examples = ([_example(prompt + [1] * n, group=0) for n in (2, 3, 4, 5)]  # indices 0-3
+                + [_example([3, 3] + [2] * n, group=1) for n in (1, 2)]  # 4-5: shares 2 < 3 tokens
+                + [_example([1, 2, 3])])  # 6: no group
+    units = sharing_units(examples, max_sequences=8, max_tokens=18, min_prefix=3)
+    # Group 0 in its two micro-batches (7 + 2 x 2 = 11 and 9 + 2 x (11 - 9) = 13 tokens computed),
+    # every other example alone at its length (those without a group first).
+    assert units == [([0, 1], 11), ([2, 3], 13), ([6], 3), ([4], 3), ([5], 4)]
 
 
 def test_a_prefix_the_examples_do_not_share_is_refused():
@@ -219,7 +259,8 @@ def _scored_groups():
             tokens = np.array(prompt + reply, dtype=np.int64)
             mask = np.r_[np.zeros(len(prompt)), np.ones(len(reply))].astype(np.float32)
             trajectories.append(SimpleNamespace(
-                reward=float((member + index) % 2), error="", token_ids=tokens, loss_mask=mask,
+                reward=float((member + index) % 2), turn_rewards=[float((member + index) % 2)], error="",
+                token_ids=tokens, loss_mask=mask,
                 behaviour_logprobs=(-rng.random(len(tokens)) * mask).astype(np.float32),
             ))
         groups.append(SimpleNamespace(trajectories=trajectories))
@@ -254,6 +295,60 @@ def test_a_whole_step_on_scored_groups_updates_the_same(settings):
         torch.testing.assert_close(shared[name].detach(), parameter.detach(), rtol=RTOL, atol=1e-6, msg=name)
     moved = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(plain.values(), model.parameters()))
     assert moved > 1e-4  # the step did update the parameters
+
+
+def _updates_alike(plain: Trainer, shared: Trainer, start: dict, metrics: tuple[dict, dict], names) -> None:
+    """The same metrics `names` (to 1e-5), every trained parameter's gradient (to 1e-5 of its
+    scale) and update (to 1e-5 of the whole update's size: Adam divides each entry's gradient by
+    its own magnitude, so an entry whose gradient is near 0 turns the 1e-7 rounding of RMSNorm's
+    float32 into a larger difference of its own update)."""
+    plain_metrics, shared_metrics = metrics
+    for key in names:
+        assert shared_metrics[key] == pytest.approx(plain_metrics[key], rel=1e-5, abs=1e-9), key
+    shared_parameters = dict(shared.policy.named_parameters())
+    trained = [(name, p) for name, p in plain.policy.named_parameters() if p.requires_grad]
+    assert trained
+    for name, parameter in trained:
+        _assert_same_gradient(shared_parameters[name].grad, parameter.grad, name)
+    plain_update = torch.cat([(p.detach() - start[name]).flatten() for name, p in trained])
+    shared_update = torch.cat([(shared_parameters[name].detach() - start[name]).flatten() for name, p in trained])
+    assert float(plain_update.norm()) > 1e-4  # the step did update the parameters
+    assert float((shared_update - plain_update).norm()) <= 1e-5 * float(plain_update.norm())
+
+
+LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("algorithm", ["grpo", "dapo", "gspo", "cispo", "ppo"])
+def test_every_algorithm_updates_the_same_with_the_shared_prefix(algorithm, lora):
+    """Two optimiser steps (a separate proximal pass), micro-batches of at most three members (each
+    group of four cut 2 + 2); ppo's examples keep their groups too, its critic on the policy's
+    backbone (a plain pass beside the shared one). With LoRA the adapters start away from 0, as
+    they are after some training, so that every adapter has a gradient."""
+    base = dict(algorithm=algorithm, learning_rate=1e-3, micro_batch_size=3, max_tokens_per_micro_batch=256,
+                logprob_chunk_tokens=8, optimizer_steps_per_batch=2, **({"lora": LORA} if lora else {}))
+    scored = score_groups(_scored_groups(), LearnerConfig(**base))
+    assert {e.group for e in scored.examples} == {0, 1, 2}
+    model = _tiny_model()
+    trainers, metrics = [], []
+    for shared in (False, True):
+        torch.manual_seed(0)  # the adapters' and the critic's start
+        trainer = Trainer(copy.deepcopy(model), LearnerConfig(**base, shared_prefix=shared))
+        if lora:
+            generator = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for name, parameter in trainer.model.named_parameters():
+                    if "lora_B" in name:
+                        parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * 0.1)
+        if not trainers:
+            start = {name: p.detach().clone() for name, p in trainer.policy.named_parameters()}
+        assert [(len(m), m.prefix_length > 0) for m in trainer._micro_batches(scored.examples)] == (
+            [(2, True)] * 6 if shared else [(3, False)] * 4)
+        metrics.append(trainer.step(scored.examples, scored.flat))
+        trainers.append(trainer)
+    names = ["loss", "grad_norm", "train_tokens", "entropy_estimate"] + (["value_loss"] if algorithm == "ppo" else [])
+    _updates_alike(*trainers, start, tuple(metrics), names)
 
 
 def test_a_model_whose_shared_pass_differs_keeps_the_plain_one(monkeypatch, caplog):
@@ -300,5 +395,10 @@ def test_the_learner_bench_builds_groups_that_share_the_recorded_prompt():
     assert max(len(e.token_ids) for e in first) == 1024
     assert min(len(e.token_ids) for e in first) == prompt + round((1024 - prompt) / 2)
     assert all(e.loss_mask[:prompt].sum() == 0 and e.loss_mask[prompt:].all() for e in examples)
+    # Its group of eight (783 to 1,024 tokens) in micro-batches of four and 2,048 tokens computed:
+    # 3 + 3 + 2 (test_a_group_is_cut_into_the_fewest_micro_batches_then_evened_out).
+    assert sorted(len(e.token_ids) for e in first) == [783, 817, 852, 886, 921, 955, 990, 1024]
+    plan = plan_group_micro_batches(first, 4, 2048)
+    assert [len(chunk) for chunk, _ in plan] == [3, 3, 2] and all(prefix >= prompt for _, prefix in plan)
     assert main(["--shape", "random", "--shared-prefix", "on"]) == 2  # sharing needs groups
     assert main(["--shape", "codebook", "--tokens", "20"]) == 2  # shorter than the prompt

@@ -262,8 +262,6 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--tokens must exceed the prompt ({_prompt_tokens(args)} tokens) by at least 2")
     if args.shape == "random" and any(args.shared_prefix):
         raise ValueError("--shared-prefix on needs groups: --shape textcraft or codebook")
-    if any(args.shared_prefix) and max(args.ranks) > 1:
-        raise ValueError("--shared-prefix on runs on one rank (learner.shared_prefix refuses several)")
 
 
 def main(argv: list[str]) -> int:

@@ -50,16 +50,25 @@ class PPO(GRPO):
 
     def score(self, groups) -> ScoredBatch:
         """Every group with two usable members, flat ones too (the critic is the baseline, and flat
-        groups teach it as well), at advantage 0 for now, with each token's reward."""
+        groups teach it as well), at advantage 0 for now, with each token's reward. The members
+        keep their group, whose prompt they share (learner.shared_prefix encodes it once): GAE
+        works on each sequence alone and is centred over the whole step, so how the members are
+        cut into micro-batches does not change the advantages."""
         kept, failed, too_small = usable_groups(groups)
         examples = [
-            example_from(t, 0.0, token_rewards=per_token_rewards(t.loss_mask, t.turn_rewards))
-            for members in kept for t in members
+            example_from(t, 0.0, token_rewards=per_token_rewards(t.loss_mask, t.turn_rewards), group=index)
+            for index, members in enumerate(kept) for t in members
         ]
         return ScoredBatch(examples, len(kept), 0, too_small, failed)
 
     def build_value_model(self, policy_model):
-        return build_value_model(policy_model, self.settings.critic)
+        critic = build_value_model(policy_model, self.settings.critic)
+        # The head computes in float32 (a bfloat16 backbone's hidden states are cast up to it), or
+        # in float64 beside a float64 backbone: with several ranks FSDP2 shards each unit's
+        # parameters in one dtype, and the head sits in the policy's root unit.
+        if next(critic.decoder.parameters()).dtype == torch.float64:
+            critic.head.to(torch.float64)
+        return critic
 
     def advantages_from_values(self, micro_batches, values, sum_over_ranks: SumOverRanks | None = None):
         """GAE from the critic's values at the start of the update, centred over the step's
@@ -70,15 +79,13 @@ class PPO(GRPO):
             gae(micro.token_rewards, micro_values, micro.loss_mask, settings.gamma, settings.lam)
             for micro, micro_values in zip(micro_batches, values)
         ]
-        counted = torch.cat([adv[micro.loss_mask > 0] for (adv, _), micro in zip(estimates, micro_batches)])
-        if sum_over_ranks is not None:
-            count, total, squares = sum_over_ranks(
-                [float(counted.numel()), float(counted.double().sum()), float((counted.double() ** 2).sum())])
-            mean = total / count if count else 0.0
-            std = max(squares / count - mean * mean, 0.0) ** 0.5 if count else 1.0
-        else:
-            mean = float(counted.mean()) if counted.numel() else 0.0
-            std = float(counted.std(unbiased=False)) if counted.numel() else 1.0
+        counted = torch.cat([adv[micro.loss_mask > 0] for (adv, _), micro in zip(estimates, micro_batches)]).double()
+        # From sums in float64, on one rank as on several: the statistics do not depend on how the
+        # step's sequences were dealt to ranks and cut into micro-batches.
+        sums = [float(counted.numel()), float(counted.sum()), float((counted ** 2).sum())]
+        count, total, squares = sum_over_ranks(sums) if sum_over_ranks is not None else sums
+        mean = total / count if count else 0.0
+        std = max(squares / count - mean * mean, 0.0) ** 0.5 if count else 1.0
         with_advantages = [
             dataclasses.replace(micro, advantages=whiten(
                 adv, micro.loss_mask, mean, std if settings.advantage_std_scaling else None))
