@@ -1,5 +1,5 @@
 """Plots of a training run from its metrics.jsonl: reward, success, horizon, staleness, throughput,
-and the groups that carried signal.
+policy entropy and the groups that carried signal.
 
 Run as ``longhorizon plot RUN_DIR``; the PNGs go to ``RUN_DIR/plots/``, and, when the run logs to
 Weights & Biases (its ``wandb_run.json``), into that W&B run too.
@@ -29,6 +29,10 @@ _LINE_PLOTS = (
     ("horizon_cap", "horizon.png", "horizon cap (turns)"),
     ("episodes_per_s", "throughput.png", "episodes / s"),
 )
+# The entropy line: the whole next-token distribution's when the run logged it (an entropy bonus or
+# target), else the sampled tokens' estimate (the mean of -log pi), which every update logs.
+_ENTROPY_KEYS = (("entropy", "entropy (nats per token)"),
+                 ("entropy_estimate", "entropy, mean −log π (nats per token)"))
 _STALENESS_HISTOGRAM_KEY = "staleness_hist"
 # Lines whose per-step values are a handful of groups' outcomes, so noisy: a moving average is
 # drawn over them once a run has MOVING_AVERAGE_FROM steps.
@@ -157,7 +161,9 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         figure.savefig(path, format="png")
         written.append(path)
 
-    for key, file_name, label in _LINE_PLOTS:
+    entropy_key, entropy_label = next(((key, label) for key, label in _ENTROPY_KEYS
+                                       if _series(records, key)[1]), _ENTROPY_KEYS[-1])
+    for key, file_name, label in (*_LINE_PLOTS, (entropy_key, "entropy.png", entropy_label)):
         steps, values = _series(records, key)
         if not values:
             logger.warning("no %r in %s: %s not drawn", key, run_dir / "metrics.jsonl", file_name)

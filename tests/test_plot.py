@@ -33,6 +33,7 @@ def synthetic_records(steps: int = 6) -> list[dict]:
             "groups_used": step % 3,
             "groups_skipped_zero_variance": 2 - step % 3,
             "loss": 0.5,
+            "entropy_estimate": 0.4 - 0.05 * step,
         }
         for step in range(steps)
     ]
@@ -50,10 +51,38 @@ def test_plot_run_writes_every_plot(tmp_path):
     write_metrics(tmp_path, synthetic_records())
     written = plot_run(tmp_path)
     names = sorted(path.name for path in written)
-    assert names == ["horizon.png", "reward.png", "signal.png", "staleness.png", "success.png", "throughput.png"]
+    assert names == ["entropy.png", "horizon.png", "reward.png", "signal.png", "staleness.png", "success.png",
+                     "throughput.png"]
     for path in written:
         assert path.parent == tmp_path / "plots"
         assert_valid_png(path)
+
+
+def test_the_entropy_plot_prefers_the_full_distributions_entropy(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    records = synthetic_records(4)
+    records[2]["entropy"] = 0.9  # logged on one step only (say the bonus was switched on mid-run)
+    write_metrics(tmp_path, records)
+    drawn = {}
+    original_plot = Axes.plot
+
+    def recording_plot(self, x, y, *args, **kwargs):
+        drawn.setdefault(self.get_figure(), []).append(list(y))
+        return original_plot(self, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", recording_plot)
+    estimate = pytest.approx([0.4, 0.35, 0.3, 0.25])
+    written = plot_run(tmp_path)
+    assert "entropy.png" in [path.name for path in written]
+    first_lines = [lines[0] for lines in drawn.values()]
+    assert [0.9] in first_lines and estimate not in first_lines
+    # Without it, the estimate every update logs is drawn.
+    del records[2]["entropy"]
+    write_metrics(tmp_path, records)
+    drawn.clear()
+    plot_run(tmp_path)
+    assert estimate in [lines[0] for lines in drawn.values()]
 
 
 def test_moving_average_by_hand():
@@ -78,7 +107,7 @@ def test_cut_off_last_line_is_skipped(tmp_path, caplog):
     write_metrics(tmp_path, synthetic_records(3), tail='{"step": 3, "reward_me')
     assert len(read_metrics(tmp_path)) == 3
     with caplog.at_level(logging.WARNING, logger="longhorizon.common.metrics"):
-        assert len(plot_run(tmp_path)) == 6
+        assert len(plot_run(tmp_path)) == 7
     assert "not JSON" in caplog.text
 
 
@@ -96,7 +125,7 @@ def test_main_reports_errors_and_paths(tmp_path, capsys):
     write_metrics(tmp_path, synthetic_records())
     assert main([str(tmp_path)]) == 0
     printed = capsys.readouterr().out.split()
-    assert len(printed) == 6 and all(Path(line).is_file() for line in printed)
+    assert len(printed) == 7 and all(Path(line).is_file() for line in printed)
 
 
 def test_importing_the_module_does_not_import_matplotlib():
