@@ -10,8 +10,10 @@ on the env's held-out split, and writes Hugging Face folders an RL run starts fr
   builds for RL (`tokenize_conversation`). Either way SFT trains on the format RL will sample in.
 - Batches: each epoch shuffles the conversations and cuts them into optimiser steps of at most
   `sft.batch_sequences` conversations (and `sft.batch_tokens` tokens); a step is split into
-  micro-batches of similar lengths by the learner's own `plan_micro_batches` (bucketing: each
-  micro-batch is padded only to its longest), whose gradients add up to the step's token mean.
+  micro-batches of similar lengths (bucketing: each micro-batch is padded only to its longest),
+  whose gradients add up to the step's token mean. With `learner.shared_prefix` (the default) the
+  prefix a micro-batch's conversations share (an env's system prompt, often most of each one) is
+  encoded once, as RL encodes a group's prompt (`plan_sft_micro_batches`).
 - Checkpoints hold the model only (no optimiser, no `state.pt`): an SFT checkpoint is where a new
   RL run starts, at step 0 with a fresh optimiser, and an RL run sharing the run folder cannot
   mistake it for one of its own to resume.
@@ -38,11 +40,13 @@ from longhorizon.learner.sft import (
     check_sft_config,
     load_model_for_training,
     load_sft_data,
+    plan_sft_micro_batches,
     plan_steps,
     save_model_folder,
     sft_loss,
 )
-from longhorizon.learner.logprobs import chunked_logprobs_match, pad_examples, plan_micro_batches, token_logprobs
+from longhorizon.learner.logprobs import chunked_logprobs_match, pad_examples, token_logprobs
+from longhorizon.learner.shared_prefix import computed_tokens, shared_prefix_matches
 from longhorizon.learner.trainer import learning_rate_at
 
 
@@ -119,6 +123,12 @@ def run_sft(config: Config, *, note: Callable[[str], None] = print, progress_str
     # Chunked log-probs only where they reproduce the model's own logits (as in RL).
     chunked = learner.logprob_chunk_tokens > 0 and chunked_logprobs_match(model)
     chunk_tokens = learner.logprob_chunk_tokens if chunked else 0
+    # The conversations' common prefix encoded once per micro-batch, where the model is known to
+    # give the plain pass's log-probs that way (as in RL).
+    share_prefix = learner.shared_prefix and shared_prefix_matches(model)
+    if learner.shared_prefix and not share_prefix:
+        note(f"learner.shared_prefix is not used for {type(model).__name__}, whose shared-prefix log-probs differ "
+             f"from its plain ones: each conversation is encoded whole")
     pad_token_id = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else chat_tokenizer.eos_token_id
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.learning_rate, weight_decay=sft.weight_decay)
     metrics = MetricsWriter(run_dir, config=config)
@@ -139,9 +149,10 @@ def run_sft(config: Config, *, note: Callable[[str], None] = print, progress_str
             learning_rate = learning_rate_at(step_index, sft.learning_rate, sft.warmup_steps)
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate
-            chunks = plan_micro_batches([data.examples[i] for i in indices], learner.micro_batch_size,
-                                        learner.max_tokens_per_micro_batch)
-            micro_batches = [pad_examples(chunk, pad_token_id).to(device) for chunk in chunks]
+            plan_of_step = plan_sft_micro_batches([data.examples[i] for i in indices], learner.micro_batch_size,
+                                                  learner.max_tokens_per_micro_batch, share_prefix)
+            micro_batches = [pad_examples(chunk, pad_token_id, prefix).to(device) for chunk, prefix in plan_of_step]
+            computed = sum(computed_tokens(micro.input_ids, micro.prefix_length) for micro in micro_batches)
             step_tokens = sum(float(micro.loss_mask.sum()) for micro in micro_batches)
             sequence_tokens = sum(len(data.examples[i].token_ids) for i in indices)
             optimizer.zero_grad(set_to_none=True)
@@ -162,7 +173,8 @@ def run_sft(config: Config, *, note: Callable[[str], None] = print, progress_str
             seconds = time.perf_counter() - step_started
             metrics.write({"step": step_index + 1, "epoch": epoch + 1, "sft_loss": step_loss,
                            "learning_rate": learning_rate, "grad_norm": float(norm), "train_tokens": step_tokens,
-                           "sequence_tokens": sequence_tokens, "train_sequences": len(indices),
+                           "sequence_tokens": sequence_tokens, "computed_tokens": computed,
+                           "train_sequences": len(indices),
                            "learner_step_seconds": seconds})
             bar.update(step_index + 1, f"| epoch {epoch + 1}/{sft.epochs} | loss {step_loss:.4f} | "
                                        f"{sequence_tokens / max(seconds, 1e-9):.0f} tok/s")
@@ -176,7 +188,7 @@ def run_sft(config: Config, *, note: Callable[[str], None] = print, progress_str
     summary.update({"steps": len(plan), "epochs": sft.epochs, "first_loss": losses[0], "final_loss": losses[-1],
                     "train_seconds": time.perf_counter() - started, "checkpoint": str(checkpoint)})
     note(f"checkpoint: {checkpoint} (model.path of an RL run, or eval --checkpoint)")
-    del model, optimizer  # the evaluation engine loads its own copy
+    model = optimizer = None  # freed: the evaluation engine loads its own copy
     if sft.eval_episodes > 0:
         summary["eval_after"] = evaluate_model(config, checkpoint, sft.eval_episodes)
         note(f"after: held-out success {summary['eval_after']['success_rate']:.1%} "

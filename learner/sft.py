@@ -3,6 +3,7 @@ folders it writes. The run itself (train, checkpoint, evaluate) is launch/sft.py
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ from longhorizon.common.conversations import (
     read_conversations,
     tokenize_conversation,
 )
-from longhorizon.learner.logprobs import Example
+from longhorizon.learner.logprobs import Example, plan_micro_batches
+from longhorizon.learner.shared_prefix import plan_group_micro_batches
 from longhorizon.learner.trainer import PRECISIONS
 
 # Files that make a checkpoint a self-contained model folder besides the weights and config (the
@@ -64,6 +66,21 @@ def plan_steps(
     if current:
         steps.append(current)
     return steps
+
+
+def plan_sft_micro_batches(examples: Sequence[Example], max_sequences: int, max_tokens: int,
+                           share_prefix: bool) -> list[tuple[list[Example], int]]:
+    """One step's conversations cut into micro-batches: (conversations, shared prefix length).
+
+    With `share_prefix`, the step's conversations count as one group: those whose common prefix
+    is long enough (the system prompt and the task's instructions, often most of a conversation)
+    go in micro-batches that encode it once (`plan_group_micro_batches`); the prefix is masked out
+    of the loss, but gradients still flow through it as in the plain pass. Without it, or for a
+    step whose conversations share too little, each conversation is encoded whole."""
+    if share_prefix:
+        return plan_group_micro_batches([dataclasses.replace(example, group=0) for example in examples],
+                                        max_sequences, max_tokens)
+    return [(chunk, 0) for chunk in plan_micro_batches(list(examples), max_sequences, max_tokens)]
 
 
 # ---------------------------------------------------------------- data

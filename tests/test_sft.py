@@ -10,15 +10,18 @@ import numpy as np
 import pytest
 import torch
 import trio
+from safetensors.torch import load_file
 
 from longhorizon.actor.collect import run_collect
 from longhorizon.common.chat import HFChatTokenizer
 from longhorizon.common.config import ConfigError, load_config
+from longhorizon.common.metrics import read_metrics
 from longhorizon.common.conversations import ConversationFileError, tokenize_conversation, tokenizer_fingerprint
 from longhorizon.common.models import load_tokenizer
 from longhorizon.launch.cli import main as cli_main
 from longhorizon.launch.sft import run_sft
-from longhorizon.learner.sft import load_sft_data, plan_steps, sft_loss
+from longhorizon.learner.logprobs import Example
+from longhorizon.learner.sft import load_sft_data, plan_sft_micro_batches, plan_steps, sft_loss
 from longhorizon.learner.trainer import learning_rate_at
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -66,6 +69,28 @@ def test_plan_steps_by_sequences_and_tokens():
     # 8 + 5 > 10 tokens: a new step; 5 + 3 fits; a third sequence does not (two per step).
     assert plan_steps(lengths, [2, 0, 1, 3], batch_sequences=2, batch_tokens=10) == [[2], [0, 1], [3]]
     assert plan_steps(lengths, [0, 1, 2, 3], batch_sequences=8, batch_tokens=4) == [[0], [1], [2], [3]]
+
+
+def _example(tokens):
+    ids = np.asarray(tokens, dtype=np.int64)
+    return Example(token_ids=ids, loss_mask=np.ones(ids.size, np.float32),
+                   behaviour_logprobs=np.zeros(ids.size, np.float32), advantage=0.0)
+
+
+def test_sft_micro_batches_share_the_conversations_common_prefix():
+    prompt = list(range(100, 120))  # 20 tokens every conversation starts with
+    conversations = [_example(prompt + [1] * 3), _example(prompt + [2] * 5), _example(prompt + [3] * 4)]
+    shared = plan_sft_micro_batches(conversations, max_sequences=8, max_tokens=10_000, share_prefix=True)
+    assert [([len(e.token_ids) for e in chunk], prefix) for chunk, prefix in shared] == [([23, 24, 25], 20)]
+    # Two per micro-batch: each shares its own members' prefix (both start with the prompt).
+    pairs = plan_sft_micro_batches(conversations, max_sequences=2, max_tokens=10_000, share_prefix=True)
+    assert sorted(prefix for _, prefix in pairs) == [0, 20] and sum(len(chunk) for chunk, _ in pairs) == 3
+    plain = plan_sft_micro_batches(conversations, max_sequences=8, max_tokens=10_000, share_prefix=False)
+    assert [prefix for _, prefix in plain] == [0] and len(plain[0][0]) == 3
+    # Less than 16 tokens in common is not worth a pass of its own.
+    short = [_example(prompt[:10] + [n] * 4) for n in range(3)]
+    assert [prefix for _, prefix in plan_sft_micro_batches(short, 8, 10_000, share_prefix=True)] == [0]
+    assert all(example.group is None for example in conversations)  # the caller's examples are left as they were
 
 
 def test_learning_rate_warmup():
@@ -200,6 +225,32 @@ def test_a_second_run_moves_the_first_aside(tmp_path, tiny_codebook_model):
     assert len(kept) == 1 and (kept[0] / "checkpoints" / "step_000002" / "model.safetensors").is_file()
     assert any("moved it to" in note for note in notes)
     assert json.loads((config.run_dir / "sft_summary.json").read_text())["conversations"] == 1
+
+
+def test_sharing_the_system_prompt_trains_as_the_plain_pass_does(tmp_path, tiny_codebook_model):
+    """A system prompt every conversation starts with is encoded once per micro-batch: the same
+    losses step by step and the same weights as encoding each conversation whole, for fewer
+    positions computed."""
+    system = {"role": "system", "content": " ".join(["s0 s1 a2 a3"] * 6)}
+    records = [{"messages": [system, *_reply([(f"s{n % 4}", f"a{(n + 1) % 4}"), (f"s{(n + 2) % 4}", f"a{n % 4}")])]}
+               for n in range(6)]
+    data = _write(tmp_path / "d.jsonl", *records)
+    runs = {}
+    for shared in (True, False):
+        config = load_config(SFT_CONFIG, [
+            f"run.output_dir={str(tmp_path / str(shared))!r}", f"model.path={str(tiny_codebook_model)!r}",
+            f"sft.data=[{str(data)!r}]", "sft.epochs=2", "sft.batch_sequences=6", "learner.micro_batch_size=4",
+            "sft.eval_episodes=0", "sft.eval_before=false", f"learner.shared_prefix={str(shared).lower()}",
+        ])
+        summary = run_sft(config, note=lambda line: None)
+        runs[shared] = (read_metrics(config.run_dir, required=True), load_file(Path(summary["checkpoint"]) / "model.safetensors"))
+    (shared_records, shared_weights), (plain_records, plain_weights) = runs[True], runs[False]
+    assert [r["sft_loss"] for r in shared_records] == pytest.approx([r["sft_loss"] for r in plain_records], rel=1e-4)
+    for name, weight in plain_weights.items():
+        torch.testing.assert_close(shared_weights[name], weight, rtol=1e-3, atol=1e-4)
+    for shared_record, plain_record in zip(shared_records, plain_records):
+        assert shared_record["sequence_tokens"] == plain_record["sequence_tokens"]
+        assert shared_record["computed_tokens"] < 0.7 * plain_record["computed_tokens"]
 
 
 # ---------------------------------------------------------------- the learning check
