@@ -172,6 +172,19 @@ class TiedProcess(subprocess.Popen):
             os.close(descriptor)
 
 
+def stop_process(process: subprocess.Popen, timeout_s: float) -> int:
+    """Stop a child in order and return its exit code: SIGTERM (its own orderly stop), then
+    SIGKILL if it is still running `timeout_s` seconds later. A child that has already exited is
+    only reaped."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            return process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return process.wait()
+
+
 # -- working folders deleted when their owner dies ---------------------------------------------------
 
 JANITOR_RETRY_S = 30.0

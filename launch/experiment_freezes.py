@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from longhorizon.common.args import parse_args, positive_int
+from longhorizon.common.processes import stop_process
 
 LAST_STEPS = 10
 """Steps at the end of a run over which a freeze is judged."""
@@ -215,13 +216,8 @@ def train_once(config_path: Path, overrides: Sequence[str], log_path: Path) -> f
         try:
             code = process.wait()
         finally:
-            if process.poll() is None:  # interrupted: an orderly stop, the launcher ends its processes
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            # Interrupted: an orderly stop, the launcher ends its processes.
+            stop_process(process, timeout_s=120)
     if code != 0:
         raise RuntimeError(f"a training run ended with exit code {code}; see {log_path}")
     return time.monotonic() - started

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from longhorizon.common.processes import stop_process
+
 ARMS = ("fixed-short", "fixed-long", "stepwise", "adaptive")
 ARM_COLOURS = {"fixed-short": "tab:blue", "fixed-long": "tab:red", "stepwise": "tab:green", "adaptive": "tab:purple"}
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "horizons.toml"
@@ -224,13 +226,7 @@ def train_to_budget(config_path: Path, overrides: list[str], run_dir: Path, mode
                     break
                 time.sleep(_POLL_S)
         finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)  # an orderly stop: the launcher stops its processes
-                try:
-                    process.wait(timeout=_STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            stop_process(process, _STOP_TIMEOUT_S)  # an orderly stop: the launcher stops its processes
     if not stopped_at_budget:
         raise RuntimeError(
             f"the run in {run_dir} ended (exit code {process.returncode}) before reaching the budget of "

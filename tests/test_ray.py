@@ -29,6 +29,7 @@ import pytest
 
 from longhorizon.common.config import ConfigError, load_config
 from longhorizon.common.metrics import read_metrics
+from longhorizon.common.processes import stop_process
 from longhorizon.launch.ray import FolderMirror, apply_pieces, check_ray_settings
 from longhorizon.learner.checkpoint import latest_checkpoint
 
@@ -114,13 +115,7 @@ class RayCluster:
         # The worker node first, then the head; each `ray start --block` stops the processes of
         # its node on SIGTERM. Anything left in their process groups is ended after a grace.
         for process in reversed(self.processes):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            stop_process(process, timeout_s=60)
             try:
                 os.killpg(process.pid, signal.SIGKILL)
             except ProcessLookupError:

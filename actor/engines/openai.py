@@ -49,6 +49,7 @@ from longhorizon.actor.engines.base import (
     tokens_through_stop_string,
 )
 from longhorizon.common.models import WeightsRefused
+from longhorizon.common.processes import stop_process
 
 log = logging.getLogger(__name__)
 
@@ -297,13 +298,7 @@ class _LocalServer:
 
 
 def _stop_process(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    stop_process(process, timeout_s=10)
 
 
 class OpenAIEngine:

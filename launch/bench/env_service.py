@@ -40,6 +40,7 @@ from urllib.parse import urlsplit
 import trio
 
 from longhorizon.common.args import parse_args
+from longhorizon.common.processes import stop_process
 from longhorizon.launch.bench.tables import Column, print_json, print_table
 
 STEP_ACTION = "inventory"  # a TextCraft action that never ends the episode
@@ -463,8 +464,7 @@ def main(argv: list[str]) -> int:
         return 1
     finally:
         if own is not None:
-            own.terminate()
-            own.wait(timeout=10)
+            stop_process(own, timeout_s=10)
     print_report(result)
     return 0
 

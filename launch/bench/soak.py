@@ -36,6 +36,7 @@ from typing import Any
 
 from longhorizon.common.metrics import read_metrics
 from longhorizon.common.args import parse_args
+from longhorizon.common.processes import stop_process
 from longhorizon.launch.bench.memory import MIB, memory_use
 from longhorizon.launch.bench.tables import Column, print_json, print_table
 
@@ -139,9 +140,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     startup_deadline = time.monotonic() + _STARTUP_TIMEOUT_S
     while not (run_dir / "metrics.jsonl").is_file() or (run_dir / "metrics.jsonl").stat().st_size == 0:
         if launcher.poll() is not None or time.monotonic() > startup_deadline:
-            if launcher.poll() is None:
-                launcher.send_signal(signal.SIGTERM)
-                launcher.wait(timeout=180)
+            stop_process(launcher, timeout_s=180)
             tail = (output / "launcher.log").read_text()[-2000:]
             raise RuntimeError(f"the run did not reach its first step (exit {launcher.returncode}): {tail}")
         time.sleep(0.5)
@@ -172,13 +171,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"  {(now - started) / 60:5.1f} min: {kills} actors killed", flush=True)
             time.sleep(args.sample_every_s)
     finally:
-        if launcher.poll() is None:
-            launcher.send_signal(signal.SIGTERM)
-        try:
-            launcher.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            launcher.kill()
-            launcher.wait()
+        stop_process(launcher, timeout_s=180)
     every_pid.update(_run_processes(run_dir).values())
     # The launcher has returned, so its children are stopping: give them a moment to go.
     deadline = time.monotonic() + _EXIT_GRACE_S
