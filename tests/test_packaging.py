@@ -19,13 +19,21 @@ def test_wheel_installs_under_one_import_name(tmp_path):
         REPO_ROOT, source,
         ignore=shutil.ignore_patterns(".venv", ".cache", ".git", "runs", "build", "*.egg-info", "__pycache__"),
     )
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source), "-w", str(tmp_path)],
-        check=True, capture_output=True,
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", str(source), "-w", str(tmp_path)],
+        check=True, capture_output=True, text=True,
     )
+    # Every folder that ships is listed: setuptools warns (a screenful at every install) of one it
+    # would import but was not told to package.
+    assert "absent from the `packages` configuration" not in build.stdout + build.stderr
     wheel = next(tmp_path.glob("longhorizon-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "longhorizon/common/wire.py" in names and "longhorizon/configs/quickstart.toml" in names
+    # Every data file of the web apps, in every folder.
+    data = REPO_ROOT / "envs" / "web" / "apps" / "data"
+    shipped = sorted(name for name in names if name.startswith("longhorizon/envs/web/apps/data/"))
+    assert shipped == sorted(f"longhorizon/envs/web/apps/data/{path.relative_to(data).as_posix()}"
+                             for path in data.rglob("*") if path.is_file())
     assert not any(name.startswith(("common/", "envs/", "launch/", "tests/")) for name in names)
 
     venv = tmp_path / "venv"
