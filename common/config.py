@@ -288,6 +288,11 @@ class LearnerConfig:
     kl_cov_coef: float = 1.0
     """kl_cov: weight of |log pi - log pi_prox| on the chosen tokens; needs
     `optimizer_steps_per_batch` >= 2 (the drift is 0 at the update's start)."""
+    entropy_top_k: int = 0
+    """The entropy bonus (entropy_coef, or the target mode's) on each position's k likeliest tokens
+    renormalised, not on the whole vocabulary: spreading the policy over the answers it nearly
+    gave rather than over junk tokens (docs/algorithms.md). The logged `entropy` is then that
+    clamped entropy, and the target mode steers it. 0: the whole vocabulary; else at least 2."""
     optimizer_steps_per_batch: int = 1
     """Optimiser steps on each batch (PPO epochs); the proximal policy is the one at the batch's start."""
     micro_batch_size: int = 4

@@ -16,6 +16,11 @@ keep the entropy up, chosen by `learner.entropy_control`:
   KL-Cov adds ``kl_cov_coef`` * |log pi_theta - log pi_prox| on the top ``cov_fraction`` of the
   tokens by covariance.
 
+The bonus (a fixed ``entropy_coef``, or the target mode's) is on the whole next-token
+distribution's entropy, or with ``entropy_top_k`` > 0 on the entropy of its k likeliest tokens
+renormalised (`learner.logprobs.clamped_entropy`, after AEnt's clamped entropy): the bonus then
+spreads the policy over the answers it nearly gave, not over the vocabulary's tail.
+
 The math is pure functions of token-aligned [B, T] tensors (as in learner/losses.py); the trainer
 (learner/trainer.py) runs them. Every mode keeps the flat groups in the update at advantage 0
 (`needs_flat_members`): their tokens count in the entropy, in the covariance's centring and in the
@@ -85,6 +90,7 @@ class EntropySettings:
     clip_cov_low: float = 1.0
     clip_cov_high: float = 5.0
     kl_cov_coef: float = 1.0
+    entropy_top_k: int = 0
 
     @property
     def fraction(self) -> float:
@@ -137,6 +143,14 @@ def entropy_settings(config: LearnerConfig) -> EntropySettings:
                 f"learner.entropy_coef_max must be >= learner.entropy_coef (the coefficient's start), got "
                 f"{settings.entropy_coef_max} < {settings.entropy_coef}")
         require(settings.entropy_coef_max > 0, "learner.entropy_coef_max must be positive")
+    top_k = settings.entropy_top_k
+    require(isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0,
+            f"learner.entropy_top_k must be a whole number >= 0 (0: the whole vocabulary), got {top_k!r}")
+    require(top_k != 1, "learner.entropy_top_k = 1 leaves one token, whose entropy is always 0: use 0 (the whole "
+                        "vocabulary) or at least 2")
+    require(top_k == 0 or settings.computes_entropy,
+            f"learner.entropy_top_k = {top_k} clamps the entropy bonus, which is off: set learner.entropy_coef > 0 "
+            f"or learner.entropy_control = 'target', or remove it")
     if settings.uses_covariance and settings.cov_fraction is not None:
         require(0 < settings.cov_fraction <= 1, f"learner.cov_fraction must be in (0, 1], got {settings.cov_fraction}")
     if mode == "clip_cov":

@@ -91,9 +91,12 @@ def pad_examples(examples: list[Example], pad_token_id: int, prefix_length: int 
 
 def token_logprobs(
     model, batch: PaddedBatch, temperature: float = 1.0, chunk_tokens: int = 0, with_entropy: bool = False,
+    entropy_top_k: int = 0,
 ):
     """Log-prob of each next token under `model` at the sampling temperature: [B, L-1]; with
-    `with_entropy`, (log-probs, entropy of each position's whole next-token distribution).
+    `with_entropy`, (log-probs, entropy of each position's next-token distribution: the whole
+    vocabulary's, or with `entropy_top_k` > 0 that of its k likeliest tokens renormalised,
+    `clamped_entropy`).
 
     With `chunk_tokens` > 0 the output layer runs over about that many positions of the batch at
     a time, and in training its logits are recomputed in the backward pass: only one chunk's
@@ -111,26 +114,28 @@ def token_logprobs(
             return run_shared_prefix(
                 model, model, batch.input_ids, batch.attention_mask, batch.prefix_length,
                 lambda output: output.logits,
-                lambda logits, chosen: logprobs_from_logits(logits, chosen, temperature, with_entropy), with_entropy,
+                lambda logits, chosen: logprobs_from_logits(logits, chosen, temperature, with_entropy, entropy_top_k),
+                with_entropy,
             )
         decoder, output_layer = parts
         return run_shared_prefix(
             model, decoder, batch.input_ids, batch.attention_mask, batch.prefix_length,
             lambda output: output.last_hidden_state,
             lambda hidden, chosen: chunked_output_logprobs(output_layer, hidden, chosen, temperature, chunk_tokens,
-                                                           with_entropy),
+                                                           with_entropy, entropy_top_k),
             with_entropy,
         )
     if parts is None:
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-        return logprobs_from_logits(logits, targets, temperature, with_entropy)
+        return logprobs_from_logits(logits, targets, temperature, with_entropy, entropy_top_k)
     decoder, output_layer = parts
     hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state[:, :-1]
-    return chunked_output_logprobs(output_layer, hidden, targets, temperature, chunk_tokens, with_entropy)
+    return chunked_output_logprobs(output_layer, hidden, targets, temperature, chunk_tokens, with_entropy,
+                                   entropy_top_k)
 
 
 def chunked_output_logprobs(output_layer, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                            chunk_tokens: int, with_entropy: bool = False):
+                            chunk_tokens: int, with_entropy: bool = False, entropy_top_k: int = 0):
     """Log-probs (and entropy) of `targets` [B, T] from the decoder's `hidden` [B, T, H], the
     output layer run over about `chunk_tokens` positions of the batch at a time (recomputed in the
     backward pass when training)."""
@@ -140,23 +145,27 @@ def chunked_output_logprobs(output_layer, hidden: torch.Tensor, targets: torch.T
         chunk, chunk_targets = hidden[:, start:start + positions], targets[:, start:start + positions]
         if torch.is_grad_enabled() and chunk.requires_grad:
             pieces.append(torch.utils.checkpoint.checkpoint(
-                _output_logprobs, output_layer, chunk, chunk_targets, temperature, with_entropy, use_reentrant=False,
+                _output_logprobs, output_layer, chunk, chunk_targets, temperature, with_entropy, entropy_top_k,
+                use_reentrant=False,
             ))
         else:
-            pieces.append(_output_logprobs(output_layer, chunk, chunk_targets, temperature, with_entropy))
+            pieces.append(_output_logprobs(output_layer, chunk, chunk_targets, temperature, with_entropy,
+                                           entropy_top_k))
     if with_entropy:
         return torch.cat([p[0] for p in pieces], dim=1), torch.cat([p[1] for p in pieces], dim=1)
     return torch.cat(pieces, dim=1)
 
 
 def _output_logprobs(output_layer, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                     with_entropy: bool = False):
-    return logprobs_from_logits(output_layer(hidden), targets, temperature, with_entropy)
+                     with_entropy: bool = False, entropy_top_k: int = 0):
+    return logprobs_from_logits(output_layer(hidden), targets, temperature, with_entropy, entropy_top_k)
 
 
-def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool = False):
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool = False,
+                         entropy_top_k: int = 0):
     """Log-prob of each target under `logits` divided by the temperature; with `with_entropy`, also
-    the entropy of each position's whole distribution."""
+    each position's entropy: the whole distribution's, or with `entropy_top_k` > 0 the clamped one
+    (`clamped_entropy`)."""
     logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
@@ -164,9 +173,27 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperatur
     chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normaliser
     if not with_entropy:
         return chosen
+    if 0 < entropy_top_k < logits.shape[-1]:
+        return chosen, clamped_entropy(logits, entropy_top_k)
     # H = log Z - sum_v p_v * logit_v, from the same logits (no second softmax over the vocabulary).
     entropy = normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return chosen, entropy
+
+
+def clamped_entropy(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Entropy of each position's distribution restricted to its `top_k` likeliest tokens and
+    renormalised over them: [..., V] logits in, [...] nats out, at most log(top_k).
+
+    An entropy bonus on the whole distribution raises it most cheaply by moving mass into the long
+    tail of tokens the policy never meant to say (for a tiny vocabulary, the symbols and control
+    tokens; for a real one, thousands of junk tokens), so sampled replies garble before the policy
+    tries the alternatives it nearly chose. Clamped to the k likeliest, the bonus only evens out
+    those alternatives: the tail's logits get no gradient from it. Which tokens are the top k is
+    chosen without gradient (ties broken by torch.topk); the entropy is differentiable in their
+    logits.
+    """
+    top = logits.topk(top_k, dim=-1).values
+    return torch.logsumexp(top, dim=-1) - (torch.softmax(top, dim=-1) * top).sum(-1)
 
 
 def split_output_layer(model):

@@ -80,14 +80,15 @@ class PolicyLogprobs(torch.nn.Module):
     forward method.
     """
 
-    def __init__(self, model, temperature: float, chunk_tokens: int) -> None:
+    def __init__(self, model, temperature: float, chunk_tokens: int, entropy_top_k: int = 0) -> None:
         super().__init__()
         self.model = model
         self.temperature = temperature
         self.chunk_tokens = chunk_tokens
+        self.entropy_top_k = entropy_top_k
 
     def forward(self, batch: PaddedBatch, with_entropy: bool = False):
-        return token_logprobs(self.model, batch, self.temperature, self.chunk_tokens, with_entropy)
+        return token_logprobs(self.model, batch, self.temperature, self.chunk_tokens, with_entropy, self.entropy_top_k)
 
 
 def idle_micro_batch(pad_token_id: int, device, shared: bool = False) -> PaddedBatch:
@@ -152,7 +153,7 @@ class Trainer:
             )
             self.chunk_tokens = 0
         self.shared_prefix = self._shared_prefix_usable(model)
-        self.policy = PolicyLogprobs(model, self.temperature, self.chunk_tokens)
+        self.policy = PolicyLogprobs(model, self.temperature, self.chunk_tokens, self.entropy.entropy_top_k)
         # An algorithm with a learned critic brings its value model: a submodule of the policy
         # wrapper, trained by the same optimiser and saved in the same sharded checkpoint, so the
         # critic resumes with the policy.

@@ -24,7 +24,7 @@ from longhorizon.learner.entropy import (
     token_covariance,
     without_gradient_at,
 )
-from longhorizon.learner.logprobs import pad_examples, token_logprobs
+from longhorizon.learner.logprobs import clamped_entropy, logprobs_from_logits, pad_examples, token_logprobs
 from longhorizon.learner.trainer import Trainer
 from tests.test_trainer import _on_policy_examples
 
@@ -140,6 +140,10 @@ def test_clip_cov_detaches_the_chosen_tokens_and_kl_cov_penalises_their_drift():
     ({"entropy_control": "clip_cov", "kl_cov_coef": 2.0}, "learner.kl_cov_coef is not used by .*'clip_cov'"),
     ({"entropy_control": "kl_cov", "optimizer_steps_per_batch": 2, "clip_cov_high": 9.0},
      "learner.clip_cov_high is not used"),
+    ({"entropy_top_k": 4}, "learner.entropy_top_k = 4 clamps the entropy bonus, which is off"),
+    ({"entropy_top_k": 4, "entropy_control": "clip_cov"}, "learner.entropy_top_k = 4 clamps the entropy bonus"),
+    ({"entropy_top_k": 1, "entropy_coef": 0.1}, "learner.entropy_top_k = 1 leaves one token"),
+    ({"entropy_top_k": -2, "entropy_coef": 0.1}, "learner.entropy_top_k must be a whole number >= 0"),
 ])
 def test_bad_entropy_control_settings_are_refused_naming_the_key(settings, message):
     with pytest.raises(AlgorithmError, match=message):
@@ -155,6 +159,15 @@ def test_the_launcher_refuses_bad_entropy_control_before_starting():
     validate_config(load_config(None, [*base, "learner.entropy_control='clip_cov'", "learner.cov_fraction=0.01"]))
 
 
+def test_the_launcher_refuses_a_clamp_on_a_bonus_that_is_off():
+    from longhorizon.launch.local import validate_config
+
+    base = ["env.name='codebook'", "actor.engine='scripted'"]
+    with pytest.raises(ConfigError, match="learner.entropy_top_k = 4 clamps the entropy bonus, which is off"):
+        validate_config(load_config(None, [*base, "learner.entropy_top_k=4"]))
+    validate_config(load_config(None, [*base, "learner.entropy_top_k=4", "learner.entropy_coef=0.2"]))
+
+
 def test_every_mode_and_a_kl_penalty_put_flat_groups_into_the_update():
     assert not needs_flat_members(LearnerConfig())
     for settings in ({"kl_coef": 0.1}, {"entropy_coef": 0.01}, {"entropy_control": "clip_cov"},
@@ -162,6 +175,74 @@ def test_every_mode_and_a_kl_penalty_put_flat_groups_into_the_update():
                      {"entropy_control": "kl_cov", "optimizer_steps_per_batch": 2}):
         assert needs_flat_members(LearnerConfig(**settings)), settings
         assert make_algorithm(LearnerConfig(**settings)).train_flat_groups, settings
+
+
+# -- the clamped entropy ----------------------------------------------------------------------------
+
+
+def test_the_clamped_entropy_by_hand():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -5.0], [0.0, 3.0, 0.0, 3.0]])
+    # Top 2 of the first row: 2 and 1, p = (e, 1) / (e + 1); of the second: 3 and 3, p = (1/2, 1/2).
+    p = math.e / (math.e + 1)
+    expected = [-(p * math.log(p) + (1 - p) * math.log(1 - p)), math.log(2)]
+    assert clamped_entropy(logits, 2).tolist() == pytest.approx(expected, rel=1e-6)
+    # All four tokens: the whole distribution's entropy, as logprobs_from_logits computes it.
+    whole = torch.softmax(logits, -1)
+    assert clamped_entropy(logits, 4).tolist() == pytest.approx((-(whole * whole.log()).sum(-1)).tolist(), rel=1e-6)
+    targets = torch.tensor([0, 1])
+    _, unclamped = logprobs_from_logits(logits, targets, 1.0, with_entropy=True, entropy_top_k=4)  # k = V: whole
+    assert unclamped.tolist() == pytest.approx((-(whole * whole.log()).sum(-1)).tolist(), rel=1e-6)
+    logprobs, clamped = logprobs_from_logits(logits, targets, 1.0, with_entropy=True, entropy_top_k=2)
+    assert clamped.tolist() == pytest.approx(expected, rel=1e-6)
+    # The log-probs are the whole distribution's, whatever the clamp.
+    assert logprobs.tolist() == pytest.approx(whole.log()[[0, 1], [0, 1]].tolist(), rel=1e-6)
+
+
+def test_the_clamped_entropys_gradient_reaches_only_the_top_k_and_matches_its_formula():
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 11, generator=generator, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(5, generator=generator, dtype=torch.float64)
+    (clamped_entropy(logits, 4) * weights).sum().backward()
+    # Independently: for H = -sum_i p_i log p_i over the kept set S (p = softmax over S),
+    # dH/dz_i = -p_i (log p_i + H) for i in S and 0 elsewhere.
+    expected = torch.zeros_like(logits)
+    for row in range(5):
+        kept = sorted(range(11), key=lambda i: -float(logits.detach()[row, i]))[:4]
+        z = logits.detach()[row, kept]
+        p = torch.exp(z - torch.logsumexp(z, 0))
+        entropy = -(p * p.log()).sum()
+        expected[row, kept] = -p * (p.log() + entropy) * weights[row]
+    torch.testing.assert_close(logits.grad, expected, rtol=1e-10, atol=1e-12)
+    assert int((logits.grad != 0).sum()) == 5 * 4
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 3])
+def test_the_models_clamped_entropy_is_that_of_its_logits(tiny_codebook_model, chunk_tokens):
+    model = load_causal_lm(tiny_codebook_model)
+    batch = pad_examples(_on_policy_examples(model), pad_token_id=0)
+    with torch.no_grad():
+        _, entropy = token_logprobs(model, batch, 1.0, chunk_tokens, with_entropy=True, entropy_top_k=3)
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    torch.testing.assert_close(entropy, clamped_entropy(logits.float(), 3), rtol=1e-5, atol=1e-6)
+    assert float(entropy.max()) <= math.log(3) + 1e-6
+
+
+def test_a_clamped_bonus_steers_the_clamped_entropy(tiny_codebook_model):
+    model = load_causal_lm(tiny_codebook_model)
+    examples = _on_policy_examples(model)
+    whole = Trainer(load_causal_lm(tiny_codebook_model), LearnerConfig(entropy_coef=0.1, learning_rate=1e-3)).step(
+        examples)
+    clamped = Trainer(model, LearnerConfig(entropy_coef=0.1, entropy_top_k=2, learning_rate=1e-3)).step(examples)
+    # The logged entropy is the clamped one: at most log 2, and below the whole vocabulary's.
+    assert 0 < clamped["entropy"] <= math.log(2) < whole["entropy"]
+    target = Trainer(load_causal_lm(tiny_codebook_model), LearnerConfig(
+        entropy_control="target", target_entropy=0.69, entropy_coef=0.01, entropy_coef_step=0.02, entropy_top_k=2,
+        learning_rate=1e-3))
+    metrics = target.step(examples)
+    # The controller compares the clamped entropy with the target: below it, so the coefficient
+    # rises a step, where the whole vocabulary's (above log 2) would have made it fall to 0.
+    assert metrics["entropy"] < 0.69
+    assert target.entropy_controller.coefficient == pytest.approx(0.03)
 
 
 # -- in the trainer --------------------------------------------------------------------------------

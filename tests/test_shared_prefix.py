@@ -162,10 +162,11 @@ def _group(case: str, seed: int = 0) -> tuple[list[Example], int]:
     return examples, shareable_prefix_length([e.token_ids for e in examples])
 
 
-def _loss_and_gradients(model, batch, chunk_tokens: int, with_entropy: bool):
+def _loss_and_gradients(model, batch, chunk_tokens: int, with_entropy: bool, entropy_top_k: int = 0):
     model.zero_grad(set_to_none=True)
     if with_entropy:
-        logprobs, entropy = token_logprobs(model, batch, 0.7, chunk_tokens, with_entropy=True)
+        logprobs, entropy = token_logprobs(model, batch, 0.7, chunk_tokens, with_entropy=True,
+                                           entropy_top_k=entropy_top_k)
     else:
         logprobs, entropy = token_logprobs(model, batch, 0.7, chunk_tokens), None
     loss = (logprobs * batch.loss_mask * batch.advantages[:, None]).sum()
@@ -177,9 +178,9 @@ def _loss_and_gradients(model, batch, chunk_tokens: int, with_entropy: bool):
     return logprobs.detach()[valid], None if entropy is None else entropy.detach()[valid], gradients
 
 
-def _assert_same_as_plain(model, examples, prefix, chunk_tokens=0, with_entropy=False):
-    plain = _loss_and_gradients(model, pad_examples(examples, 0), chunk_tokens, with_entropy)
-    shared = _loss_and_gradients(model, pad_examples(examples, 0, prefix), chunk_tokens, with_entropy)
+def _assert_same_as_plain(model, examples, prefix, chunk_tokens=0, with_entropy=False, entropy_top_k=0):
+    plain = _loss_and_gradients(model, pad_examples(examples, 0), chunk_tokens, with_entropy, entropy_top_k)
+    shared = _loss_and_gradients(model, pad_examples(examples, 0, prefix), chunk_tokens, with_entropy, entropy_top_k)
     torch.testing.assert_close(shared[0], plain[0], rtol=RTOL, atol=ATOL)
     if with_entropy:
         torch.testing.assert_close(shared[1], plain[1], rtol=RTOL, atol=ATOL)
@@ -200,9 +201,11 @@ def test_log_probs_and_gradients_equal_the_plain_pass(case, expected_prefix, kin
 
 
 @pytest.mark.parametrize("chunk_tokens", [0, 4])
-def test_entropy_and_its_gradient_equal_the_plain_pass(chunk_tokens):
+@pytest.mark.parametrize("entropy_top_k", [0, 3])
+def test_entropy_and_its_gradient_equal_the_plain_pass(chunk_tokens, entropy_top_k):
     examples, prefix = _group("lengths")
-    _assert_same_as_plain(_tiny_model(), examples, prefix, chunk_tokens, with_entropy=True)
+    _assert_same_as_plain(_tiny_model(), examples, prefix, chunk_tokens, with_entropy=True,
+                          entropy_top_k=entropy_top_k)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
