@@ -367,19 +367,49 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except KeyboardInterrupt:
-        return 130
-    except Exception as exc:  # user-facing errors (bad config key, missing model) as one clear line
-        from longhorizon.common.config import ConfigError
-        from longhorizon.common.models import ModelError
-
-        if isinstance(exc, (ConfigError, ModelError, ValueError, FileNotFoundError)):
-            print(f"longhorizon: error: {exc}", file=sys.stderr)
-            return 2
-        if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRORS:
-            print(f"longhorizon: error: {exc} (check the folder's permissions and free space, or choose "
-                  f"another with run.output_dir / --output)", file=sys.stderr)
+        return _interrupted()
+    except BaseExceptionGroup as group:
+        # A command that runs trio in this process (eval, the experiments' evaluations) gets its
+        # Ctrl-C, or a task's error, wrapped in a group.
+        if group.subgroup(KeyboardInterrupt) is not None:
+            return _interrupted()
+        leaves = _leaf_exceptions(group)
+        if len(leaves) == 1 and isinstance(leaves[0], Exception) and _user_error_line(leaves[0]):
+            print(_user_error_line(leaves[0]), file=sys.stderr)
             return 2
         raise
+    except Exception as exc:  # user-facing errors (bad config key, missing model) as one clear line
+        line = _user_error_line(exc)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 2
+
+
+def _interrupted() -> int:
+    print("longhorizon: interrupted", file=sys.stderr)
+    return 130
+
+
+def _leaf_exceptions(group: BaseExceptionGroup) -> list[BaseException]:
+    leaves = []
+    for exc in group.exceptions:
+        leaves.extend(_leaf_exceptions(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return leaves
+
+
+def _user_error_line(exc: Exception) -> str | None:
+    """The one line a user can act on for `exc` (a bad config key, a missing model or folder, an
+    output folder that cannot be written), or None for an error whose traceback is the report."""
+    from longhorizon.common.config import ConfigError
+    from longhorizon.common.models import ModelError
+
+    if isinstance(exc, (ConfigError, ModelError, ValueError, FileNotFoundError)):
+        return f"longhorizon: error: {exc}"
+    if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRORS:
+        return (f"longhorizon: error: {exc} (check the folder's permissions and free space, or choose "
+                f"another with run.output_dir / --output)")
+    return None
 
 
 if __name__ == "__main__":

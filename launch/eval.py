@@ -126,6 +126,11 @@ def run_eval(args: argparse.Namespace) -> dict:
     if not tasks:
         raise ValueError(f"env {config.env.name!r} has no tasks in split {config.env.eval_split!r}")
     horizon_cap = args.horizon or max(config.horizon.stages)
+    # Said before the engine starts (tens of seconds for vLLM or a large model) and before the
+    # first episode ends, so that the wait is never silent.
+    print(f"eval: {config.env.name} {config.env.eval_split}, {len(tasks)} tasks x {args.samples} samples, engine "
+          f"{config.actor.engine}{f', checkpoint {args.checkpoint}' if args.checkpoint else ''}: starting the engine",
+          file=sys.stderr, flush=True)
     engine, model_path = make_eval_engine(config, args)
     caps = sorted(set(values)) if args.sweep == "horizon" else [horizon_cap]
 
@@ -180,7 +185,7 @@ def print_summary(summary: dict, samples: int) -> None:
           f"horizon {summary['horizon_cap']}")
     low, high = summary["success_rate_ci95"]
     print(f"success {summary['success_rate']:.1%} (95% CI {low:.1%}-{high:.1%}), "
-          f"avg@{samples} {summary[f'avg@{samples}']:.3f}, failed episodes {summary['failed_episodes']}")
+          f"avg@{samples} {summary[f'avg@{samples}']:.3f}, episodes ended by an error {summary['failed_episodes']}")
     for key, value in summary.items():
         if key.startswith("pass@"):
             print(f"{key} {value:.1%}")

@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 from longhorizon.common.config import Config, ConfigError, dump_toml
 from longhorizon.common.metrics import LineFollower, MetricsFollower
@@ -49,8 +49,23 @@ class StopRequested(Exception):
     """The launcher got SIGTERM: stop the run as on Ctrl-C."""
 
 
-def _raise_stop_requested(signum, frame) -> None:
-    raise StopRequested(f"signal {signum}")
+class _StopOnSignal:
+    """The launcher's SIGINT and SIGTERM handler: the first signal raises (KeyboardInterrupt or
+    StopRequested) to begin the orderly stop; later ones are ignored, so that a second Ctrl-C, or
+    the SIGTERM an experiment sends after the terminal's SIGINT reached the whole process group,
+    cannot cut that stop short (workers orphaned, the final steps and the resume hint unsaid).
+    The stop itself ends whatever happens: workers that outlive their grace are killed."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+
+    def __call__(self, signum, frame) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise StopRequested(f"signal {signum}")
 
 
 class RoleProcess(Protocol):
@@ -214,37 +229,48 @@ def prepare_run_dir(config: Config, *, progress=print) -> Path:
     return run_dir
 
 
+class Rates(NamedTuple):
+    episodes_per_s: float
+    tokens_per_s: float | None  # None for records from before the learner counted tokens
+
+
 class ThroughputWindow:
-    """Episodes per second over the last few steps' records, from the learner's running count of
-    trajectories received and its clock: a step trained on groups that arrived during the one
-    before it shows the rate the actors keep, not 0."""
+    """Episodes and generated tokens per second over the last few steps' records, from the
+    learner's running counts of what it received and its clock: a step trained on groups that
+    arrived during the one before it shows the rate the actors keep, not 0."""
 
     def __init__(self, steps: int = 5) -> None:
-        self._points: deque[tuple[float, float]] = deque(maxlen=steps + 1)
+        self._points: deque[tuple[float, float, float | None]] = deque(maxlen=steps + 1)
 
-    def add(self, record: dict) -> float | None:
-        """The rate up to `record`, or None while there is no earlier record to measure from."""
+    def add(self, record: dict) -> Rates | None:
+        """The rates up to `record`, or None while there is no earlier record to measure from."""
         if "trajectories_received" not in record or "time" not in record:
             return None
-        self._points.append((float(record["time"]), float(record["trajectories_received"])))
-        (first_time, first_count), (last_time, last_count) = self._points[0], self._points[-1]
+        tokens = record.get("generated_tokens_received")
+        self._points.append((float(record["time"]), float(record["trajectories_received"]),
+                             None if tokens is None else float(tokens)))
+        (first_time, first_count, first_tokens), (last_time, last_count, last_tokens) = self._points[0], self._points[-1]
         if last_time <= first_time or last_count < first_count:  # one point, or a resumed run's counters
             return None
-        return (last_count - first_count) / (last_time - first_time)
+        seconds = last_time - first_time
+        tokens_per_s = (None if first_tokens is None or last_tokens is None or last_tokens < first_tokens
+                        else (last_tokens - first_tokens) / seconds)
+        return Rates((last_count - first_count) / seconds, tokens_per_s)
 
 
-def format_progress(record: dict, total_steps: int, episodes_per_s: float | None = None) -> str:
-    """One line per step. `episodes_per_s` (a `ThroughputWindow`'s) replaces the step's own
-    figure, which counts only what arrived during that step."""
-    rate = record.get("episodes_per_s", 0.0) if episodes_per_s is None else episodes_per_s
+def format_progress(record: dict, total_steps: int, rates: Rates | None = None) -> str:
+    """One line per step. `rates` (a `ThroughputWindow`'s) replace the step's own figures, which
+    count only what arrived during that step."""
+    episodes_per_s = record.get("episodes_per_s", 0.0) if rates is None else rates.episodes_per_s
+    tokens_per_s = record.get("tokens_per_s", 0.0) if rates is None or rates.tokens_per_s is None else rates.tokens_per_s
     return (
         f"step {record.get('step', 0):>4}/{total_steps}"
         f" | reward {record.get('reward_mean', 0.0):6.3f}"
         f" | success {record.get('success_rate', 0.0):5.1%}"
         f" | horizon {record.get('horizon_cap', 0)} (stage {record.get('horizon_stage', 0)})"
         f" | staleness {record.get('staleness_mean', 0.0):4.2f}"
-        f" | {rate:6.2f} ep/s"
-        f" | {record.get('tokens_per_s', 0.0):7.1f} tok/s"
+        f" | {episodes_per_s:6.2f} ep/s"
+        f" | {tokens_per_s:7.1f} tok/s"
         f" | groups {record.get('groups_used', 0)} used, {record.get('groups_skipped_zero_variance', 0)} flat"
     )
 
@@ -341,10 +367,12 @@ def supervise(
     # Signal handlers can only be set from the main thread (a launcher run from a test's thread
     # keeps the default).
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous_handler = signal.signal(signal.SIGTERM, _raise_stop_requested) if in_main_thread else None
+    stop_on_signal = _StopOnSignal()
+    previous_handler = signal.signal(signal.SIGTERM, stop_on_signal) if in_main_thread else None
     # A process started in the background of a non-interactive shell inherits SIGINT ignored,
     # and Python then leaves it ignored: a Ctrl-C or `kill -INT` would go unheard. Listen anyway.
-    previous_interrupt_handler = signal.signal(signal.SIGINT, signal.default_int_handler) if in_main_thread else None
+    previous_interrupt_handler = signal.signal(signal.SIGINT, stop_on_signal) if in_main_thread else None
+    last_step = 0  # the latest learner step the console has shown
     try:
         for child in children:
             child.start()
@@ -353,6 +381,7 @@ def supervise(
             time.sleep(_POLL_INTERVAL_S)
             collect()
             for record in metrics.new_records():
+                last_step = record.get("step", last_step)
                 progress(format_progress(record, config.run.total_steps, throughput.add(record)))
             for note in learner_warnings(learner_notes.new_lines()):
                 progress(note)
@@ -399,18 +428,23 @@ def supervise(
                 actor.start()
                 _write_process_table(run_dir, children)
     except (KeyboardInterrupt, StopRequested) as stop:
-        if in_main_thread:  # a repeated SIGTERM must not cut the orderly stop short
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop_on_signal.stopping = True  # a stop raised otherwise than by a signal: ignore the next ones too
+        saving = ("the learner checkpoints its last step first" if last_step
+                  else "no learner step has finished yet, so there is nothing to checkpoint")
         progress(f"{'interrupted' if isinstance(stop, KeyboardInterrupt) else 'stop requested'}: "
-                 "stopping all processes (the learner writes a checkpoint first)")
+                 f"stopping all processes ({saving})")
         _stop_all(children)
         collect(final=True)
+        for record in metrics.new_records():
+            progress(format_progress(record, config.run.total_steps, throughput.add(record)))
         from longhorizon.learner.checkpoint import latest_checkpoint
 
         latest = latest_checkpoint(run_dir)
         if latest is not None:
             progress(f"stopped; the latest checkpoint is {latest}: the same command with run.resume=true "
                      "continues from it")
+        else:
+            progress("stopped before the first checkpoint: nothing to resume from")
         return 130 if isinstance(stop, KeyboardInterrupt) else 128 + signal.SIGTERM
     finally:
         if in_main_thread:

@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--resume", action="store_true",
                         help="continue from the run's latest checkpoint (a restarted learner)")
-    args = parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="config overrides, as for `longhorizon train` (e.g. learner.num_ranks=4 under torchrun)")
+    args = parser.parse_intermixed_args(argv)
     # SIGTERM if the launcher dies (it starts workers from its main thread, which the kernel
     # tracks), so no worker outlives it.
     die_with_parent()
@@ -161,7 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
     )
-    config = load_config(args.config, ["run.resume=true"] if args.resume else [])
+    from longhorizon.common.config import ConfigError
+
+    try:
+        config = load_config(args.config, [*args.overrides, *(["run.resume=true"] if args.resume else [])])
+    except ConfigError as error:
+        parser.exit(2, f"longhorizon-worker: error: {error}\n")
     from longhorizon.common.auth import credentials_for_process
 
     try:
@@ -176,14 +183,15 @@ def main(argv: list[str] | None = None) -> int:
 
         keep_freed_message_memory()
     from longhorizon.actor.worker import ActorRefused
+    from longhorizon.learner.distributed import RanksError
     from longhorizon.learner.worker import NonfiniteUpdatesError
 
     try:
         return trio.run(_main, args.role, config, args.index, credentials)
-    except (NonfiniteUpdatesError, ActorRefused, BaseExceptionGroup) as error:
+    except (NonfiniteUpdatesError, ActorRefused, RanksError, BaseExceptionGroup) as error:
         # Restarting would meet the same failure: the learner's checkpoint replays the same
-        # inputs into it, an actor's credentials are refused again.
-        final = nonfinite_error_in(error) or error_of_kind(error, ActorRefused)
+        # inputs into it, an actor's credentials are refused again, the rank count still differs.
+        final = nonfinite_error_in(error) or error_of_kind(error, ActorRefused) or error_of_kind(error, RanksError)
         if final is None:
             raise
         logging.getLogger(__name__).error("%s", final)

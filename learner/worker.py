@@ -252,7 +252,9 @@ class Learner:
             self.counters["trajectories_received"] += 1
             self.last_arrival = time.monotonic()
             self.received_since_step += 1
-            self.generated_tokens_since_step += int(np.sum(trajectory.loss_mask))
+            generated = int(np.sum(trajectory.loss_mask))
+            self.generated_tokens_since_step += generated
+            self.counters["generated_tokens_received"] += generated
             self.buffer.add(trajectory, learner_version=self.version)
             self.arrived.set()
 
@@ -446,6 +448,7 @@ class Learner:
             # killed actor, or reached a learner after its last checkpoint).
             "actor_episodes_reported": self.peers.episodes_reported_total(),
             "trajectories_received": buffer_counters["received"],
+            "generated_tokens_received": int(self.counters["generated_tokens_received"]),
             "trajectories_accepted": buffer_counters["accepted"],
             "trajectories_trained": buffer_counters["returned_trajectories"],
             "trajectories_dropped_with_group": buffer_counters["dropped_group_trajectories"],

@@ -129,14 +129,79 @@ def test_a_run_refused_before_it_starts_leaves_no_folder(tmp_path, capsys):
 
 
 def test_the_progress_line_shows_the_rate_over_the_last_steps_not_the_last_step_alone():
-    from longhorizon.launch.launcher import ThroughputWindow
+    from longhorizon.launch.launcher import Rates, ThroughputWindow
 
     window = ThroughputWindow(steps=2)
-    assert window.add({"time": 10.0, "trajectories_received": 40}) is None  # nothing to measure from
-    assert window.add({"time": 20.0, "trajectories_received": 80}) == pytest.approx(4.0)
-    # A step during which nothing arrived (it trained on groups already there) keeps the rate.
-    assert window.add({"time": 30.0, "trajectories_received": 80}) == pytest.approx(2.0)
-    assert window.add({"time": 40.0, "trajectories_received": 120}) == pytest.approx(2.0)  # (120-80)/(40-20)
+    assert window.add({"time": 10.0, "trajectories_received": 40, "generated_tokens_received": 400}) is None
+    assert window.add({"time": 20.0, "trajectories_received": 80, "generated_tokens_received": 1200}) == (4.0, 80.0)
+    # A step during which nothing arrived (it trained on groups already there) keeps the rates.
+    assert window.add({"time": 30.0, "trajectories_received": 80, "generated_tokens_received": 1200}) == (2.0, 40.0)
+    # (120-80)/(40-20) episodes and (2000-1200)/(40-20) tokens a second
+    assert window.add({"time": 40.0, "trajectories_received": 120, "generated_tokens_received": 2000}) == (2.0, 40.0)
     assert window.add({"step": 1}) is None  # records from before the counter
-    line = format_progress({"step": 5, "episodes_per_s": 0.0}, 10, episodes_per_s=2.5)
-    assert "  2.50 ep/s" in line
+    # Both figures are over the same window, not tokens over the step alone beside episodes over five.
+    line = format_progress({"step": 5, "episodes_per_s": 0.0, "tokens_per_s": 3.0}, 10, Rates(2.5, 45.0))
+    assert "  2.50 ep/s |    45.0 tok/s" in line
+    # Records from before the learner counted tokens: the step's own figure.
+    assert "  2.50 ep/s |     3.0 tok/s" in format_progress({"step": 5, "tokens_per_s": 3.0}, 10, Rates(2.5, None))
+    old = ThroughputWindow()
+    old.add({"time": 1.0, "trajectories_received": 4})
+    assert old.add({"time": 2.0, "trajectories_received": 8}) == (4.0, None)
+
+
+def _raises_in_a_trio_task(exception: BaseException):
+    """A command's main that, like eval, runs trio in this process and meets `exception` in a
+    task: trio hands it on wrapped in an exception group."""
+    import trio
+
+    async def fail():
+        raise exception
+
+    async def run():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fail)
+            nursery.start_soon(trio.sleep_forever)
+
+    def command_main(argv):
+        trio.run(run)
+
+    return command_main
+
+
+def test_ctrl_c_in_a_trio_command_is_a_quiet_exit_130(monkeypatch, capsys):
+    import longhorizon.launch.eval
+
+    monkeypatch.setattr(longhorizon.launch.eval, "main", _raises_in_a_trio_task(KeyboardInterrupt()))
+    assert main(["eval", "codebook"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err == "longhorizon: interrupted\n" and "Traceback" not in captured.out
+
+
+def test_a_user_error_inside_a_trio_command_is_one_line(monkeypatch, capsys):
+    import longhorizon.launch.eval
+    from longhorizon.common.config import ConfigError
+
+    monkeypatch.setattr(longhorizon.launch.eval, "main", _raises_in_a_trio_task(ConfigError("env.name 'nope' is unknown")))
+    assert main(["eval", "codebook"]) == 2
+    assert capsys.readouterr().err == "longhorizon: error: env.name 'nope' is unknown\n"
+    # Anything else keeps its traceback: it is the report.
+    monkeypatch.setattr(longhorizon.launch.eval, "main", _raises_in_a_trio_task(RuntimeError("a bug")))
+    with pytest.raises(BaseExceptionGroup):
+        main(["eval", "codebook"])
+
+
+def test_the_worker_under_torchrun_says_a_config_error_in_one_line(capsys):
+    from longhorizon.launch.worker import main as worker_main
+
+    with pytest.raises(SystemExit) as exit_status:
+        worker_main(["learner", "--config", "runs/x/config.toml"])
+    assert exit_status.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("longhorizon-worker: error: config file not found: runs/x/config.toml")
+    assert "Traceback" not in error
+    # It takes overrides as train does, checked as train checks them.
+    config = Path(__file__).resolve().parent.parent / "configs" / "codebook.toml"
+    with pytest.raises(SystemExit) as exit_status:
+        worker_main(["learner", "--config", str(config), "learner.num_rankz=4"])
+    assert exit_status.value.code == 2
+    assert "unknown config key learner.num_rankz" in capsys.readouterr().err

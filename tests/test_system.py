@@ -149,7 +149,7 @@ def test_a_killed_learner_is_restarted_and_actors_follow_it_back_then_ctrl_c_sto
     every trajectory they send would be refused as made by the future. Then, in the same run (a
     run costs its processes' start-up), Ctrl-C: started as a script's background job is (SIGINT
     inherited as ignored, which Python keeps), the launcher must still stop on SIGINT, and stop
-    every process."""
+    every process, however many signals follow the first."""
     run_dir = tmp_path / "learner-restart"
     process = _start(_overrides(tmp_path, byte_model, "learner-restart", 1000, ["learner.checkpoint_every=1000"]),
                      preexec_fn=_ignore_interrupts)
@@ -170,11 +170,17 @@ def test_a_killed_learner_is_restarted_and_actors_follow_it_back_then_ctrl_c_sto
         scratch_folders = [_temporary_folder(pid) for pid in _all_pids(run_dir).values()]
         assert all(folder.is_dir() for folder in scratch_folders) and killed_scratch not in scratch_folders
         process.send_signal(signal.SIGINT)
+        # Impatient: a second Ctrl-C, and a SIGTERM as an experiment sends after the terminal's
+        # SIGINT; neither may cut the orderly stop short.
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=120)
     finally:
         if process.poll() is None:
             process.kill()
     assert process.returncode == 130, output
+    assert "Traceback" not in output
     assert "restarting it from its latest checkpoint" in output
     # The user is told where the checkpoint written on the way out is, and how to go on from it.
     assert f"stopped; the latest checkpoint is {run_dir / 'checkpoints'}/step_" in output

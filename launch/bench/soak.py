@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,6 +128,10 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         "learner.checkpoint_every=1000", *args.overrides, "--no-plots",
     ]
     output.mkdir(parents=True, exist_ok=True)
+    print(f"soak: {args.config} for {args.minutes:g} min from its first learner step, "
+          + (f"an actor killed every {args.kill_every_s:g} s" if args.kill_every_s > 0 else "no actor killed")
+          + f"; the run is in {run_dir} (its console in {output / 'launcher.log'})"
+          + ("" if args.output_dir else ", removed at the end"), flush=True)
     launcher_log = (output / "launcher.log").open("w")
     launcher = subprocess.Popen(command, stdout=launcher_log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     launcher_log.close()
@@ -138,13 +143,20 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     # The soak's clock starts at the learner's first step: start-up (model build, imports) is
     # not part of it and takes very different times on a loaded machine.
     startup_deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-    while not (run_dir / "metrics.jsonl").is_file() or (run_dir / "metrics.jsonl").stat().st_size == 0:
-        if launcher.poll() is not None or time.monotonic() > startup_deadline:
-            stop_process(launcher, timeout_s=180)
-            tail = (output / "launcher.log").read_text()[-2000:]
-            raise RuntimeError(f"the run did not reach its first step (exit {launcher.returncode}): {tail}")
-        time.sleep(0.5)
+    try:
+        while not (run_dir / "metrics.jsonl").is_file() or (run_dir / "metrics.jsonl").stat().st_size == 0:
+            if launcher.poll() is not None or time.monotonic() > startup_deadline:
+                stop_process(launcher, timeout_s=180)
+                tail = (output / "launcher.log").read_text()[-2000:]
+                raise RuntimeError(f"the run did not reach its first step (exit {launcher.returncode}): {tail}")
+            time.sleep(0.5)
+    except KeyboardInterrupt:  # before the clock started: nothing measured to report
+        stop_process(launcher, timeout_s=180)
+        if not args.output_dir:
+            shutil.rmtree(output, ignore_errors=True)
+        raise
     started = time.monotonic()
+    print("soak: the learner made its first step; the clock starts", flush=True)
     next_kill = started + args.kill_every_s if args.kill_every_s > 0 else float("inf")
     next_report = started + 60
     try:
@@ -170,8 +182,12 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
                 next_report = now + 60
                 print(f"  {(now - started) / 60:5.1f} min: {kills} actors killed", flush=True)
             time.sleep(args.sample_every_s)
+    except KeyboardInterrupt:  # Ctrl-C: stop, and report what the minutes so far measured
+        print(f"soak: interrupted after {(time.monotonic() - started) / 60:.1f} min; stopping the run and "
+              "reporting what was measured", flush=True)
     finally:
         stop_process(launcher, timeout_s=180)
+    minutes = (time.monotonic() - started) / 60
     every_pid.update(_run_processes(run_dir).values())
     # The launcher has returned, so its children are stopping: give them a moment to go.
     deadline = time.monotonic() + _EXIT_GRACE_S
@@ -179,11 +195,13 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(0.1)
     left_behind = sorted(pid for pid in every_pid if _rss_mb(pid) is not None)
     records = read_metrics(run_dir)
+    if not args.output_dir:  # a temporary folder: the figures below are all that is kept
+        shutil.rmtree(output, ignore_errors=True)
     return {
-        "minutes": args.minutes, "kills": kills, "steps": records[-1]["step"] if records else 0,
+        "minutes": min(args.minutes, minutes), "kills": kills, "steps": records[-1]["step"] if records else 0,
         "memory": memory_growth(samples, args.warmup_s),
         "data": data_accounting(records[-1]) if records else {},
-        "left_behind": left_behind, "run_dir": str(run_dir),
+        "left_behind": left_behind, "run_dir": str(run_dir) if args.output_dir else None,
     }
 
 
