@@ -99,6 +99,10 @@ class Sampling:
     top_p: float
 
 
+class ServerStopping(RuntimeError):
+    """A request the server could not finish because it is stopping (answered with a 503)."""
+
+
 @dataclass
 class _Job:
     prompts: list[list[int]]
@@ -236,6 +240,7 @@ class ModelServer:
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._stopping = threading.Event()
         self._worker = threading.Thread(target=self._run_batches, name="serve-model-batcher", daemon=True)
         self._worker.start()
 
@@ -292,8 +297,27 @@ class ModelServer:
             raise
 
     def stop(self) -> None:
+        """Stop generating: the batch under way ends at its next decoding step and the requests
+        still queued are answered with an error, so that the batcher thread has returned before
+        the interpreter exits (a thread left inside torch then aborts the process)."""
+        self._stopping.set()
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._fail(job, ServerStopping("the server is stopping"))
         self._jobs.put(None)
-        self._worker.join(timeout=10)
+        self._worker.join(timeout=60)
+
+    def _fail(self, job: _Job, error: BaseException) -> None:
+        job.error = error
+        with self._in_flight_lock:
+            self._in_flight -= 1
+        job.done.set()
+        if job.steps is not None:
+            job.steps.put(None)
 
     def _run_batches(self) -> None:
         from longhorizon.actor.engines.base import GenerationRequest
@@ -337,9 +361,15 @@ class ModelServer:
                     results = []
                     for start in range(0, len(requests), self.max_batch_size):
                         rows = slice(start, start + self.max_batch_size)
-                        results += self.engine._generate_batch(requests[rows], top, _step_sender(owners[rows]))
+                        results += self.engine._generate_batch(requests[rows], top, _step_sender(owners[rows]),
+                                                               cancelled=self._stopping.is_set)
+                    if self._stopping.is_set():  # cut short: not an answer to give
+                        raise ServerStopping("the server is stopping")
                     for job in group:
                         job.results, results = results[: len(job.prompts)], results[len(job.prompts):]
+                except ServerStopping as exc:
+                    for job in group:
+                        job.error = exc
                 except Exception as exc:  # the waiting requests answer with a 500
                     log.exception("generation failed")
                     for job in group:
@@ -972,6 +1002,9 @@ def make_handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
                 reply = handler(server, body)
             except RequestError as exc:
                 self._error(exc.status, str(exc), exc.code, exc.details)
+                return
+            except ServerStopping as exc:
+                self._error(503, str(exc))
                 return
             except Exception as exc:
                 log.exception("request to %s failed", path)

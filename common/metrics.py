@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -211,7 +212,24 @@ def log_plots_to_wandb(run_dir: Path, paths: list[Path]) -> bool:
                 learner_step=steps[-1] if steps else 0)
     finally:
         run.finish()
+    hint = offline_sync_hint(saved)
+    if hint:  # W&B's own closing line names only this last folder, which holds the plots alone
+        print(hint, file=sys.stderr, flush=True)
     return True
+
+
+def offline_sync_hint(saved: dict) -> str | None:
+    """For an offline W&B run written by several processes (the learner's metrics, a restarted
+    learner's, the plots), the command that uploads all of its folders in order; None when it is
+    not offline or has one folder."""
+    if saved.get("mode") != "offline" or not saved.get("id") or not saved.get("dir"):
+        return None
+    # Folder names start with the time they were made, so sorted is the order they were written.
+    folders = sorted(Path(saved["dir"]).glob(f"wandb/offline-run-*-{saved['id']}"))
+    if len(folders) < 2:
+        return None
+    return (f"W&B offline: this run is in {len(folders)} folders (metrics, then plots); upload them all, in "
+            f"order, with: wandb sync {' '.join(str(folder) for folder in folders)}")
 
 
 def _read_wandb_file(run_dir: Path) -> dict:

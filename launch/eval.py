@@ -70,8 +70,10 @@ def _engine_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
-def make_eval_engine(config, args: argparse.Namespace):
-    """Build the configured engine for evaluation; returns (engine, model path or "")."""
+def make_eval_engine(config, args: argparse.Namespace, announce=lambda model_path: None):
+    """Build the configured engine for evaluation; returns (engine, model path or "").
+    `announce(model path)` is called once the plan is checked, before the engine starts (tens of
+    seconds for vLLM or a large model), so that a user is not left waiting in silence."""
     from longhorizon.actor.engines.factory import plan_engine
 
     # Command-line options add to (and override) actor.engine_options; the engine checks them.
@@ -79,6 +81,7 @@ def make_eval_engine(config, args: argparse.Namespace):
         config, "eval", model_path=str(args.checkpoint) if args.checkpoint else None,
         engine_options=_engine_options(args.engine_option),
     )
+    announce(settings.model_path)
     return engine_class(settings), settings.model_path
 
 
@@ -126,12 +129,9 @@ def run_eval(args: argparse.Namespace) -> dict:
     if not tasks:
         raise ValueError(f"env {config.env.name!r} has no tasks in split {config.env.eval_split!r}")
     horizon_cap = args.horizon or max(config.horizon.stages)
-    # Said before the engine starts (tens of seconds for vLLM or a large model) and before the
-    # first episode ends, so that the wait is never silent.
-    print(f"eval: {config.env.name} {config.env.eval_split}, {len(tasks)} tasks x {args.samples} samples, engine "
-          f"{config.actor.engine}{f', checkpoint {args.checkpoint}' if args.checkpoint else ''}: starting the engine",
-          file=sys.stderr, flush=True)
-    engine, model_path = make_eval_engine(config, args)
+    engine, model_path = make_eval_engine(config, args, announce=lambda model: print(
+        f"eval: {config.env.name} {config.env.eval_split}, {len(tasks)} tasks x {args.samples} samples, engine "
+        f"{config.actor.engine}{f', model {model}' if model else ''}: starting the engine", file=sys.stderr, flush=True))
     caps = sorted(set(values)) if args.sweep == "horizon" else [horizon_cap]
 
     bar = ProgressBar("eval", len(caps) * len(tasks) * args.samples)

@@ -387,3 +387,54 @@ def test_streams_with_stop_strings_and_several_choices_end_as_the_whole_reply(se
         assert "".join(c["text"] for c in mine) == choice["text"] == words[0][0]
         assert [t for c in mine for t in c.get("token_ids", [])] == choice["token_ids"]
         assert mine[-1]["finish_reason"] == choice["finish_reason"] == "stop"
+
+
+# ----------------------------------------------------------------------------- stopping
+
+
+def test_stopping_cuts_the_running_batch_short_and_fails_the_queued_requests(tiny_codebook_model):
+    """Ctrl-C under load: the batcher thread must have returned before the interpreter exits (a
+    thread left inside torch aborts the process), so the running batch ends at its next step and
+    the queued requests are answered with an error rather than generated."""
+    import time
+
+    from longhorizon.actor.model_server import Sampling, ServerStopping
+
+    server = ModelServer(str(tiny_codebook_model), max_batch_size=1)
+    generate = server.engine._generate_batch
+    running = threading.Event()
+
+    def long_batch(requests, top, on_step=None, cancelled=None):
+        running.set()
+        while not cancelled():  # as a long generation would run on, step after step
+            time.sleep(0.01)
+        return generate(requests, top, on_step, cancelled)
+
+    server.engine._generate_batch = long_batch
+    sampling = Sampling(max_tokens=8, temperature=1.0, top_p=1.0)
+    prompt = server.tokenizer.prompt_tokens(MESSAGES)
+    jobs = [server.submit([prompt], sampling) for _ in range(3)]
+    assert running.wait(30)
+    started = time.monotonic()
+    server.stop()
+    assert time.monotonic() - started < 10 and not server.running
+    assert all(job.done.is_set() and isinstance(job.error, ServerStopping) for job in jobs)
+    assert server.in_flight == 0
+
+
+def test_a_cancelled_batch_ends_after_one_step(tiny_codebook_model):
+    import dataclasses
+
+    from longhorizon.actor.engines.base import GenerationRequest
+
+    server = ModelServer(str(tiny_codebook_model), max_batch_size=2)
+    try:
+        server.engine.sampling = dataclasses.replace(server.engine.sampling, max_new_tokens=20, temperature=1.0)
+        prompt = server.tokenizer.prompt_tokens(MESSAGES)
+        requests = [GenerationRequest(token_ids=prompt, episode_id=f"e{row}") for row in range(2)]
+        whole = server.engine._generate_batch(requests)
+        cut = server.engine._generate_batch(requests, cancelled=lambda: True)
+        assert max(len(result.token_ids) for result in whole) > 1
+        assert [len(result.token_ids) for result in cut] == [1, 1]
+    finally:
+        server.stop()

@@ -51,6 +51,28 @@ def test_options_name_the_valid_ones():
         VLLMOptions.from_dict({"kv_cache": 2})
 
 
+def test_vllm_logs_errors_only_in_a_console_unless_the_user_chose_a_level(monkeypatch):
+    import logging
+    import os
+
+    from longhorizon.actor.engines.vllm import VLLMEngine, apply_log_level
+
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    # A training run's actors keep vLLM's own INFO in their log files; a command's console gets errors.
+    assert "log_level" not in VLLMEngine.options_for({}, purpose="train", hosted_model=None)
+    for purpose in ("eval", "collect", "checkpoint"):
+        assert VLLMEngine.options_for({}, purpose=purpose, hosted_model=None)["log_level"] == "ERROR"
+    assert VLLMEngine.options_for({"log_level": "info"}, purpose="eval", hosted_model=None)["log_level"] == "info"
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    assert "log_level" not in VLLMEngine.options_for({}, purpose="eval", hosted_model=None)
+    # Applied to this process's vLLM logger and to the engine processes it starts (the environment).
+    monkeypatch.setattr(logging.getLogger("vllm"), "level", logging.getLogger("vllm").level)
+    apply_log_level("warning")
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING" and logging.getLogger("vllm").level == logging.WARNING
+    with pytest.raises(ValueError, match="log_level must be one of DEBUG, INFO, WARNING, ERROR"):
+        apply_log_level("loud")
+
+
 def test_updates_are_checked_against_the_tensors_of_the_model_folder(tiny_codebook_model):
     from longhorizon.actor.engines.vllm import checkpoint_tensor_specs
 

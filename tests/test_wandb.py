@@ -168,7 +168,7 @@ def test_the_next_wandb_step_is_the_larger_of_the_saved_and_the_reported(tmp_pat
     assert json.loads((tmp_path / WANDB_RUN_FILE).read_text()) == {"id": "abc", "next_step": 21}
 
 
-async def test_an_offline_run_logs_every_step_and_the_plots(tmp_path, tiny_codebook_model, offline_wandb):
+async def test_an_offline_run_logs_every_step_and_the_plots(tmp_path, tiny_codebook_model, offline_wandb, capsys):
     import wandb
 
     from longhorizon.common.metrics import read_metrics
@@ -189,6 +189,11 @@ async def test_an_offline_run_logs_every_step_and_the_plots(tmp_path, tiny_codeb
     # The learner's process and the plots' (here the same process) wrote one run each, same id.
     run_files = offline_run_files(offline_wandb, saved["id"])
     assert len(run_files) == 2
+    # W&B's own last line names the plots' folder alone: the user is told to upload both, in order.
+    hint = capsys.readouterr().err
+    folders = sorted(str(path.parent) for path in run_files)
+    assert "W&B offline: this run is in 2 folders (metrics, then plots)" in hint
+    assert f"wandb sync {folders[0]} {folders[1]}" in hint
     history, logged_config = offline_history(run_files[0])
     records = read_metrics(config.run_dir)
     assert [r["step"] for r in records] == [1, 2] and sorted(history) == [0, 1]  # W&B's steps count rows

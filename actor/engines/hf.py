@@ -130,14 +130,15 @@ class HFEngine:
         return slot.result
 
     def _generate_batch(
-        self, requests: list[GenerationRequest], top_logprobs: int = 0, on_step=None,
+        self, requests: list[GenerationRequest], top_logprobs: int = 0, on_step=None, cancelled=None,
     ) -> list[GenerationResult]:
         """Generate one reply per request in one batch. With `top_logprobs` > 0 the results are
         `ResultWithTopLogprobs` holding that many most likely tokens at each sampled position.
         `on_step(tokens, logprobs, tops)`, when given, is called after every decoding step with
         each row's new token, its log-prob and its top list (as in `ResultWithTopLogprobs`):
         a server can send tokens while the batch is still generating. Rows that have finished
-        get padding tokens, which the caller ignores."""
+        get padding tokens, which the caller ignores. `cancelled()`, when given, is asked after
+        every step: once true, every row ends there (its reply cut short)."""
         import torch
         from transformers import GenerationConfig, StoppingCriteriaList
 
@@ -172,6 +173,8 @@ class HFEngine:
             criteria.append(_StopStringsPerRow(self.tokenizer.decode, longest, [r.stop_strings for r in requests]))
         if on_step is not None:
             criteria.append(_EveryStep(on_step, top_logprobs))
+        if cancelled is not None:
+            criteria.append(_WhenCancelled(cancelled))
         stop_arguments = {"stopping_criteria": StoppingCriteriaList(criteria)} if criteria else {}
         with self._model_lock, torch.inference_mode():
             version = self.policy_version
@@ -276,6 +279,19 @@ class _EveryStep:
             tops = [_top_pairs(ids[row], values[row]) for row in range(len(logprobs))]
         self.on_step(tokens.cpu().tolist(), logprobs, tops)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class _WhenCancelled:
+    """A transformers stopping criterion that ends every row at the next decoding step once
+    `cancelled()` is true (a server that is stopping): the batch returns what it has so far."""
+
+    def __init__(self, cancelled) -> None:
+        self.cancelled = cancelled
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        return torch.full((input_ids.shape[0],), bool(self.cancelled()), dtype=torch.bool, device=input_ids.device)
 
 
 class _StopStringsPerRow:

@@ -242,6 +242,11 @@ class VLLMOptions:
     little speed on small models, and False on GPU."""
     start_timeout_s: float = 900.0
     """Give up starting the engine after this long."""
+    log_level: str | None = None
+    """vLLM's own logging (VLLM_LOGGING_LEVEL: DEBUG, INFO, WARNING, ERROR). Unset: the
+    environment's VLLM_LOGGING_LEVEL, else INFO in a training run's actors (their log files) and
+    ERROR where the engine runs in a command's console (eval, collect, the experiments'
+    evaluations), whose start-up would otherwise print some seventy lines of vLLM's progress."""
 
     @classmethod
     def from_dict(cls, values: dict) -> "VLLMOptions":
@@ -250,6 +255,24 @@ class VLLMOptions:
         if unknown:
             raise ValueError(f"unknown vllm engine option {unknown[0]!r}; valid: {', '.join(valid)}")
         return cls(**values)
+
+
+VLLM_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+CONSOLE_LOG_LEVEL = "ERROR"
+"""vLLM's log level where it runs in a command's console, unless the user chose one."""
+
+
+def apply_log_level(level: str | None) -> None:
+    """Set vLLM's log level for this process and the engine processes it starts (they read
+    VLLM_LOGGING_LEVEL when they start); None leaves vLLM's own setting."""
+    if level is None:
+        return
+    level = level.upper()
+    if level not in VLLM_LOG_LEVELS:
+        raise ValueError(f"vllm engine option log_level must be one of {', '.join(VLLM_LOG_LEVELS)}, got {level!r}")
+    os.environ["VLLM_LOGGING_LEVEL"] = level
+    # vLLM configures its logger when first imported: one already imported takes the level here.
+    logging.getLogger("vllm").setLevel(level)
 
 
 class VLLMEngine:
@@ -263,6 +286,15 @@ class VLLMEngine:
         lora_weight_transports=("inline", "path"),
     )
 
+    @classmethod
+    def options_for(cls, options: dict, *, purpose: str, hosted_model: str | None) -> dict:
+        """Outside a training run's actors the engine runs in a command's console: vLLM's
+        start-up logging is kept to errors there, unless the user chose a level."""
+        options = dict(options)
+        if purpose != "train" and "VLLM_LOGGING_LEVEL" not in os.environ:
+            options.setdefault("log_level", CONSOLE_LOG_LEVEL)
+        return options
+
     def __init__(self, settings: EngineSettings, options: VLLMOptions | dict | None = None) -> None:
         """Start the engine (tens of seconds on CPU).
 
@@ -275,6 +307,7 @@ class VLLMEngine:
         enforce_eager = options.enforce_eager
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+        apply_log_level(options.log_level)
         import_vllm()
         from longhorizon.common.models import load_tokenizer
 
