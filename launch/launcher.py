@@ -459,6 +459,10 @@ def supervise(
     collect(final=True)
     for record in metrics.new_records():
         progress(format_progress(record, config.run.total_steps, throughput.add(record)))
+    if learner_code == 0:
+        # The run is over and every process has stopped: the path transport's last version is
+        # read by no one (the checkpoints hold the model; a resumed run publishes its own).
+        shutil.rmtree(run_dir / "weights", ignore_errors=True)
     if learner_code != 0:
         cause = last_error(learner_log)
         progress(f"the learner failed with exit code {learner_code}{f': {cause}' if cause else ''}; "
