@@ -228,9 +228,10 @@ def format_report(summary: dict[str, Any]) -> str:
         f"{summary['groups_resampled']} resampled",
         f"outcomes: {_number(summary['groups_none_succeeded'], 'd')} groups without a success, "
         f"{_number(summary['groups_all_succeeded'], 'd')} all successes",
-        f"training success: mean {_number(summary['success_mean'], '.1%')}, first {SUCCESS_WINDOW} steps "
-        f"{_number(summary['success_first_window'], '.1%')}, last {SUCCESS_WINDOW} "
-        f"{_number(summary['success_last_window'], '.1%')}; by cap: "
+        f"training success: mean {_number(summary['success_mean'], '.1%')}"
+        + (f", first {SUCCESS_WINDOW} steps {_number(summary['success_first_window'], '.1%')}, last {SUCCESS_WINDOW} "
+           f"{_number(summary['success_last_window'], '.1%')}" if summary["steps"] >= 2 * SUCCESS_WINDOW else "")
+        + "; by cap: "
         + (", ".join(f"{cap}: {_number(value, '.1%')}" for cap, value in summary["success_by_cap"].items())
            or "n/a"),
         f"episodes cut by the cap: {_number(summary['cut_by_cap_rate_mean'], '.0%')} (truncated for any reason: "

@@ -142,3 +142,10 @@ def test_a_run_that_learned_is_told_from_one_out_of_reach_and_every_update_is_sa
     flat_but_updating = [updated(s) for s in range(1, 3)]
     text = "\n".join(diagnose(summarise_run(flat_but_updating)))
     assert "every step still made an update" in text and "0 of 2" not in text
+
+
+def test_a_run_shorter_than_two_windows_names_no_first_and_last_windows():
+    short = format_report(summarise_run([updated(1, success_rate=0.25), updated(2, success_rate=0.75)]))
+    assert "training success: mean 50.0%; by cap" in short and "first 8 steps" not in short
+    long = format_report(summarise_run([updated(step, success_rate=step / 16) for step in range(1, 17)]))
+    assert "first 8 steps 28.1%, last 8 78.1%" in long
