@@ -189,10 +189,13 @@ def _copy_model(checkpoint: Path, target: Path) -> None:
 
 
 def train_to_budget(config_path: Path, overrides: list[str], run_dir: Path, models_dir: Path,
-                    budget_turns: float, points: int, log_path: Path) -> dict:
+                    budget_turns: float, points: int, log_path: Path, progress=print) -> dict:
     """Run `longhorizon train` until its turns reach the budget, copying the checkpoint of the
-    first step past each evaluation target into models_dir/step_N. Returns the run's accounting."""
+    first step past each evaluation target into models_dir/step_N. Returns the run's accounting;
+    `progress` hears of each tenth of the budget reached."""
     from longhorizon.common.metrics import read_metrics
+
+    tenths_said = 0
 
     targets = budget_targets(budget_turns, points)
     copied: dict[int, Path] = {}
@@ -206,6 +209,10 @@ def train_to_budget(config_path: Path, overrides: list[str], run_dir: Path, mode
                 ended = process.poll() is not None  # before reading, so its last records are seen
                 records = read_metrics(run_dir)
                 cumulative = cumulative_turns(records)
+                if cumulative and int(10 * cumulative[-1] / budget_turns) > tenths_said:
+                    tenths_said = min(10, int(10 * cumulative[-1] / budget_turns))
+                    progress(f"  {log_path.stem}: step {records[-1]['step']}, {cumulative[-1]:.0f} of "
+                             f"{budget_turns:.0f} turns ({min(cumulative[-1] / budget_turns, 1):.0%})")
                 waiting = False
                 for step in first_steps_reaching(cumulative, targets):
                     if step is not None and step not in copied:
@@ -400,7 +407,7 @@ def run_experiment(settings: Settings, progress=print) -> dict:
             (output / "logs").mkdir(parents=True, exist_ok=True)
             accounting = train_to_budget(
                 settings.config_path.resolve(), overrides, run_dir, output / "eval_models" / name,
-                settings.budget_turns, settings.points, output / "logs" / f"{name}.log",
+                settings.budget_turns, settings.points, output / "logs" / f"{name}.log", progress=progress,
             )
             config = load_config(run_dir / "config.toml")
             if untrained is None:
