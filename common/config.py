@@ -288,6 +288,11 @@ class LearnerConfig:
     kl_cov_coef: float = 1.0
     """kl_cov: weight of |log pi - log pi_prox| on the chosen tokens; needs
     `optimizer_steps_per_batch` >= 2 (the drift is 0 at the update's start)."""
+    entropy_scope: str = "all"
+    """Where the entropy bonus acts: `all` generated tokens, or `failed_groups`, the tokens of groups
+    in which no member succeeded (the policy is sure there and wrong), leaving the states it
+    already answers right as sharp as they are. The logged `entropy`, which the target mode
+    steers, stays that of every generated token."""
     entropy_top_k: int = 0
     """The entropy bonus (entropy_coef, or the target mode's) on each position's k likeliest tokens
     renormalised, not on the whole vocabulary: spreading the policy over the answers it nearly

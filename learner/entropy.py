@@ -19,7 +19,9 @@ keep the entropy up, chosen by `learner.entropy_control`:
 The bonus (a fixed ``entropy_coef``, or the target mode's) is on the whole next-token
 distribution's entropy, or with ``entropy_top_k`` > 0 on the entropy of its k likeliest tokens
 renormalised (`learner.logprobs.clamped_entropy`, after AEnt's clamped entropy): the bonus then
-spreads the policy over the answers it nearly gave, not over the vocabulary's tail.
+spreads the policy over the answers it nearly gave, not over the vocabulary's tail. With
+``entropy_scope = "failed_groups"`` it acts only on the tokens of groups in which no member
+succeeded (`bonus_entropy`).
 
 The math is pure functions of token-aligned [B, T] tensors (as in learner/losses.py); the trainer
 (learner/trainer.py) runs them. Every mode keeps the flat groups in the update at advantage 0
@@ -43,10 +45,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENTROPY_CONTROLS",
+    "ENTROPY_SCOPES",
     "EntropyControlError",
     "EntropyController",
     "EntropySettings",
     "adapted_coefficient",
+    "bonus_entropy",
     "clip_cov_selection",
     "covariance_means",
     "entropy_settings",
@@ -59,6 +63,8 @@ __all__ = [
 ]
 
 ENTROPY_CONTROLS = ("none", "target", "clip_cov", "kl_cov")
+ENTROPY_SCOPES = ("all", "failed_groups")
+"""Where the bonus acts: every generated token, or those of groups in which no member succeeded."""
 
 # The learner keys each mode reads besides `entropy_control` (`entropy_coef` is common to all:
 # a fixed bonus, or the adaptive coefficient's start in the target mode). Setting one that the
@@ -91,6 +97,7 @@ class EntropySettings:
     clip_cov_high: float = 5.0
     kl_cov_coef: float = 1.0
     entropy_top_k: int = 0
+    entropy_scope: str = "all"
 
     @property
     def fraction(self) -> float:
@@ -143,6 +150,11 @@ def entropy_settings(config: LearnerConfig) -> EntropySettings:
                 f"learner.entropy_coef_max must be >= learner.entropy_coef (the coefficient's start), got "
                 f"{settings.entropy_coef_max} < {settings.entropy_coef}")
         require(settings.entropy_coef_max > 0, "learner.entropy_coef_max must be positive")
+    require(settings.entropy_scope in ENTROPY_SCOPES,
+            f"learner.entropy_scope must be one of {', '.join(ENTROPY_SCOPES)}, got {settings.entropy_scope!r}")
+    require(settings.entropy_scope == "all" or settings.computes_entropy,
+            f"learner.entropy_scope = {settings.entropy_scope!r} places the entropy bonus, which is off: set "
+            f"learner.entropy_coef > 0 or learner.entropy_control = 'target', or remove it")
     top_k = settings.entropy_top_k
     require(isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0,
             f"learner.entropy_top_k must be a whole number >= 0 (0: the whole vocabulary), got {top_k!r}")
@@ -313,3 +325,14 @@ def kl_cov_penalty(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, sele
     counted = (mask > 0) & selected
     drift = torch.where(counted, (logprobs - proximal_logprobs.detach()).abs(), torch.zeros_like(logprobs))
     return aggregate(drift, mask, aggregation)
+
+
+def bonus_entropy(entropy: torch.Tensor, loss_mask: torch.Tensor, group_failed: torch.Tensor | None, scope: str,
+                  level: str) -> torch.Tensor:
+    """The entropy the bonus raises: the mean over the generated tokens (aggregated at `level`),
+    or with scope "failed_groups" the same mean with every row of a group that had a success
+    counted at 0. The denominator is every generated token either way, so the bonus weighs in
+    proportion to the failed groups' share of the batch."""
+    if scope == "all" or group_failed is None:
+        return aggregate(entropy, loss_mask, level)
+    return aggregate(entropy * group_failed[:, None], loss_mask, level)

@@ -29,6 +29,9 @@ class Example:
     # learner.shared_prefix a micro-batch holds one group's members and encodes their common
     # prefix once (learner/shared_prefix.py). None: shares nothing.
     group: int | None = None
+    # No member of its group succeeded: `learner.entropy_scope = "failed_groups"` puts the entropy
+    # bonus on these examples alone.
+    group_failed: bool = False
 
 
 @dataclass
@@ -44,6 +47,7 @@ class PaddedBatch:
     # Tokens every row starts with, encoded once for the whole micro-batch (learner/shared_prefix.py);
     # 0: each row is encoded on its own.
     prefix_length: int = 0
+    group_failed: torch.Tensor | None = None  # [B], 1.0 where no member of the row's group succeeded
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -52,7 +56,8 @@ class PaddedBatch:
         return PaddedBatch(*(None if tensor is None else tensor.to(device) for tensor in (
             self.input_ids, self.attention_mask, self.loss_mask, self.behaviour_logprobs, self.advantages,
             self.token_rewards,
-        )), prefix_length=self.prefix_length)
+        )), prefix_length=self.prefix_length,
+            group_failed=None if self.group_failed is None else self.group_failed.to(device))
 
 
 def pad_examples(examples: list[Example], pad_token_id: int, prefix_length: int = 0) -> PaddedBatch:
@@ -85,8 +90,9 @@ def pad_examples(examples: list[Example], pad_token_id: int, prefix_length: int 
         if not 0 < prefix_length < shortest or bool((input_ids[:, :prefix_length] != input_ids[:1, :prefix_length]).any()):
             raise ValueError(f"a shared prefix of {prefix_length} tokens is not shared by every example "
                              f"with at least one token after it (shortest {shortest})")
+    group_failed = torch.tensor([float(e.group_failed) for e in examples], dtype=torch.float32)
     return PaddedBatch(input_ids, attention_mask, loss_mask[:, 1:], behaviour[:, 1:], advantages, token_rewards,
-                       prefix_length)
+                       prefix_length, group_failed)
 
 
 def token_logprobs(

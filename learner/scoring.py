@@ -72,10 +72,15 @@ def usable_groups(groups) -> tuple[list[list], int, int]:
     return kept, failed, too_small
 
 
+def group_failed(members) -> bool:
+    """No member of the group succeeded."""
+    return not any(bool(getattr(t, "success", False)) for t in members)
+
+
 def example_from(trajectory, advantage: float, token_rewards: np.ndarray | None = None,
-                 group: int | None = None) -> Example:
+                 group: int | None = None, failed: bool = False) -> Example:
     """`group`: the index of the member's group in the step (its members share a prompt, which
-    learner.shared_prefix encodes once)."""
+    learner.shared_prefix encodes once); `failed`: no member of that group succeeded."""
     return Example(
         token_ids=np.asarray(trajectory.token_ids, dtype=np.int64),
         loss_mask=np.asarray(trajectory.loss_mask, dtype=np.float32),
@@ -83,6 +88,7 @@ def example_from(trajectory, advantage: float, token_rewards: np.ndarray | None 
         advantage=float(advantage),
         token_rewards=token_rewards,
         group=group,
+        group_failed=failed,
     )
 
 
@@ -109,7 +115,9 @@ def score_each_group(groups, rewards_of: RewardsOf, advantages_of: AdvantagesOf,
                 continue
         else:
             used += 1
-        examples += [example_from(t, value, group=index) for t, value in zip(members, advantages_of(rewards))]
+        failed_group = group_failed(members)
+        examples += [example_from(t, value, group=index, failed=failed_group)
+                     for t, value in zip(members, advantages_of(rewards))]
     return ScoredBatch(examples, used, flat_groups, too_small, failed, FlatShare(flat_tokens, flat_sequences))
 
 
@@ -121,5 +129,7 @@ def score_whole_batch(groups, rewards_of: RewardsOf, advantages_of: AdvantagesOf
         return ScoredBatch([], 0, 0, too_small, failed)
     members = [(index, t) for index, group in enumerate(kept) for t in group]
     rewards = np.concatenate([rewards_of(group) for group in kept])
-    examples = [example_from(t, value, group=index) for (index, t), value in zip(members, advantages_of(rewards))]
+    failed = [group_failed(group) for group in kept]
+    examples = [example_from(t, value, group=index, failed=failed[index])
+                for (index, t), value in zip(members, advantages_of(rewards))]
     return ScoredBatch(examples, len(kept), 0, too_small, failed)

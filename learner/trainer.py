@@ -22,6 +22,7 @@ from longhorizon.learner.algorithms import make_algorithm
 from longhorizon.learner.distributed import Ranks
 from longhorizon.learner.entropy import (
     EntropyController,
+    bonus_entropy,
     clip_cov_selection,
     covariance_means,
     entropy_settings,
@@ -378,7 +379,8 @@ class Trainer:
                 if with_entropy:
                     mean_entropy = aggregate(entropy, micro.loss_mask, self._monitor_level)
                     if entropy_coef > 0:  # the target mode measures the entropy even at 0
-                        loss = loss - entropy_coef * mean_entropy
+                        loss = loss - entropy_coef * bonus_entropy(entropy, micro.loss_mask, micro.group_failed,
+                                                                   self.entropy.entropy_scope, self._monitor_level)
                     totals["entropy"] = totals.get("entropy", 0.0) + mean_entropy.item() * share
                 if selected[index] is not None and self.entropy.mode == "kl_cov":
                     penalty = kl_cov_penalty(logprobs, prox, selected[index], micro.loss_mask, self._monitor_level)

@@ -338,3 +338,69 @@ def test_the_adaptive_coefficient_is_kept_in_checkpoints(tmp_path, tiny_codebook
     load_checkpoint(tmp_path / "checkpoints" / "step_000002", trainer=resumed)
     assert resumed.entropy_controller.coefficient == pytest.approx(0.05)
     assert resumed.step(examples)["entropy_coef"] == pytest.approx(0.05)
+
+
+# -- where the bonus acts -----------------------------------------------------------------------
+
+
+def test_the_bonus_on_failed_groups_counts_the_other_rows_at_zero_over_every_token():
+    from longhorizon.learner.entropy import bonus_entropy
+
+    entropy = torch.tensor([[1.0, 3.0, 9.0], [2.0, 4.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    failed = torch.tensor([0.0, 1.0])
+    assert float(bonus_entropy(entropy, mask, failed, "all", "token")) == pytest.approx((1 + 3 + 2 + 4 + 9) / 5)
+    # Only the second row's tokens, over all five generated tokens.
+    assert float(bonus_entropy(entropy, mask, failed, "failed_groups", "token")) == pytest.approx((2 + 4 + 9) / 5)
+    # Sequence level: the mean of each row's mean, the first row's counted at 0.
+    assert float(bonus_entropy(entropy, mask, failed, "failed_groups", "sequence")) == pytest.approx((0 + 5) / 2)
+
+
+def test_scoring_marks_the_members_of_groups_without_a_success():
+    from types import SimpleNamespace
+
+    from longhorizon.learner.scoring import score_each_group
+
+    def member(success, reward):
+        return SimpleNamespace(token_ids=[1, 2, 3], loss_mask=[0, 1, 1], behaviour_logprobs=[0.0, -1.0, -1.0],
+                               error=None, success=success, reward=reward)
+
+    groups = [SimpleNamespace(trajectories=[member(False, 0.2), member(False, 0.2)]),   # flat, failed
+              SimpleNamespace(trajectories=[member(True, 1.0), member(True, 1.0)]),     # flat, solved
+              SimpleNamespace(trajectories=[member(True, 1.0), member(False, 0.0)])]    # signal
+    scored = score_each_group(groups, lambda members: np.array([m.reward for m in members]),
+                              lambda rewards: rewards - rewards.mean(), train_flat_groups=True)
+    assert [e.group_failed for e in scored.examples] == [True, True, False, False, False, False]
+    assert pad_examples(scored.examples, 0).group_failed.tolist() == [1, 1, 0, 0, 0, 0]
+
+
+def test_the_scope_is_checked_with_the_bonus():
+    with pytest.raises(AlgorithmError, match="learner.entropy_scope must be one of all, failed_groups"):
+        make_algorithm(LearnerConfig(entropy_scope="failed", entropy_coef=0.1))
+    with pytest.raises(AlgorithmError, match="learner.entropy_scope = 'failed_groups' places the entropy bonus"):
+        make_algorithm(LearnerConfig(entropy_scope="failed_groups"))
+    make_algorithm(LearnerConfig(entropy_scope="failed_groups", entropy_coef=0.1))
+
+
+def test_the_scoped_bonus_in_the_update_acts_on_the_failed_groups_rows_alone(tiny_codebook_model):
+    from tests.test_trainer import _gradient
+
+    model = load_causal_lm(tiny_codebook_model)
+    examples = _on_policy_examples(model)
+    failed = [dataclasses.replace(e, group_failed=True) for e in examples]
+    scoped = dict(entropy_coef=0.5, entropy_scope="failed_groups", learning_rate=1e-3)
+
+    def same(a, b):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+
+    # Every row failed: the bonus on every token, as with scope "all".
+    same(_gradient(tiny_codebook_model, LearnerConfig(**scoped), failed),
+         _gradient(tiny_codebook_model, LearnerConfig(entropy_coef=0.5, learning_rate=1e-3), failed))
+    # No row failed: no bonus at all (the flat share is no matter: no example here is flat).
+    same(_gradient(tiny_codebook_model, LearnerConfig(**scoped), examples),
+         _gradient(tiny_codebook_model, LearnerConfig(learning_rate=1e-3), examples))
+    # And the bonus does move the update where rows failed.
+    moved = _gradient(tiny_codebook_model, LearnerConfig(**scoped), failed)
+    plain = _gradient(tiny_codebook_model, LearnerConfig(learning_rate=1e-3), failed)
+    assert any(not torch.allclose(x, y, rtol=1e-4, atol=1e-6) for x, y in zip(moved, plain))

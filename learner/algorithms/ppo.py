@@ -19,7 +19,7 @@ from longhorizon.learner.algorithms.base import AlgorithmError, SumOverRanks
 from longhorizon.learner.algorithms.grpo import GRPO, GRPOSettings
 from longhorizon.learner.critic import build_value_model, gae, per_token_rewards, value_loss, whiten
 from longhorizon.learner.losses import LossOutput
-from longhorizon.learner.scoring import ScoredBatch, example_from, usable_groups
+from longhorizon.learner.scoring import ScoredBatch, example_from, group_failed, usable_groups
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,8 @@ class PPO(GRPO):
         cut into micro-batches does not change the advantages."""
         kept, failed, too_small = usable_groups(groups)
         examples = [
-            example_from(t, 0.0, token_rewards=per_token_rewards(t.loss_mask, t.turn_rewards), group=index)
+            example_from(t, 0.0, token_rewards=per_token_rewards(t.loss_mask, t.turn_rewards), group=index,
+                         failed=group_failed(members))
             for index, members in enumerate(kept) for t in members
         ]
         return ScoredBatch(examples, len(kept), 0, too_small, failed)
