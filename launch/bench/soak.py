@@ -186,8 +186,8 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         print(f"soak: interrupted after {(time.monotonic() - started) / 60:.1f} min; stopping the run and "
               "reporting what was measured", flush=True)
     finally:
+        minutes = (time.monotonic() - started) / 60  # the soak's own time, not the stop's
         stop_process(launcher, timeout_s=180)
-    minutes = (time.monotonic() - started) / 60
     every_pid.update(_run_processes(run_dir).values())
     # The launcher has returned, so its children are stopping: give them a moment to go.
     deadline = time.monotonic() + _EXIT_GRACE_S
