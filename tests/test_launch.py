@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from longhorizon.common.config import load_config
-from longhorizon.common.metrics import read_metrics
 from longhorizon.launch.cli import main
 from longhorizon.launch.local import format_progress, validate_config
 
@@ -207,15 +206,3 @@ def test_the_worker_under_torchrun_says_a_config_error_in_one_line(capsys):
     assert exit_status.value.code == 2
     assert "unknown config key learner.num_rankz" in capsys.readouterr().err
 
-
-def test_a_finished_run_leaves_no_path_transport_weights_behind(tmp_path, tiny_codebook_model):
-    """Every version the path transport wrote is read by no one once the run has ended (the
-    checkpoints hold the model): a 135M model's are 514 MB each."""
-    config = Path(__file__).resolve().parent.parent / "configs" / "codebook.toml"
-    assert main(["train", str(config), f"run.output_dir={str(tmp_path)!r}", "run.name='path'", "run.total_steps=2",
-                 f"model.path={str(tiny_codebook_model)!r}", "actor.num_actors=1", "learner.groups_per_step=4",
-                 "learner.weights_transport='path'", "--no-plots"]) == 0
-    run_dir = tmp_path / "path"
-    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
-    assert any(r["weights_bytes"] > 0 for r in read_metrics(run_dir))  # versions went out by path
-    assert not (run_dir / "weights").exists()

@@ -134,13 +134,18 @@ def test_a_step_without_signal_makes_a_version_only_in_sync_mode(tmp_path, byte_
 
 
 def test_sync_mode_trains_only_on_the_current_version(tmp_path, byte_model):
-    process = _start(_overrides(tmp_path, byte_model, "sync", 6, ["run.mode='sync'"]))
+    """Also: weights sent by the path transport (a folder per version under the run) are removed
+    once the run has ended: nothing reads them then, and a 135M model's are 514 MB each."""
+    process = _start(_overrides(tmp_path, byte_model, "sync", 6,
+                                ["run.mode='sync'", "learner.weights_transport='path'"]))
     output, _ = process.communicate(timeout=180)
     assert process.returncode == 0, output
     records = read_metrics(tmp_path / "sync")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert all(r["staleness_max"] == 0 for r in records)
     assert all(r["groups_dropped_stale"] == 0 for r in records)
+    assert any(r["weights_bytes"] > 0 for r in records)  # versions went out as folders
+    assert not (tmp_path / "sync" / "weights").exists()
 
 
 def test_a_killed_learner_is_restarted_and_actors_follow_it_back_then_ctrl_c_stops_every_process(tmp_path, byte_model):
