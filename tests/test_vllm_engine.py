@@ -55,7 +55,7 @@ def test_vllm_logs_errors_only_in_a_console_unless_the_user_chose_a_level(monkey
     import logging
     import os
 
-    from longhorizon.actor.engines.vllm import VLLMEngine, apply_log_level
+    from longhorizon.actor.engines.vllm import VLLMEngine, log_level_while_starting
 
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
     # A training run's actors keep vLLM's own INFO in their log files; a command's console gets errors.
@@ -65,12 +65,19 @@ def test_vllm_logs_errors_only_in_a_console_unless_the_user_chose_a_level(monkey
     assert VLLMEngine.options_for({"log_level": "info"}, purpose="eval", hosted_model=None)["log_level"] == "info"
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
     assert "log_level" not in VLLMEngine.options_for({}, purpose="eval", hosted_model=None)
-    # Applied to this process's vLLM logger and to the engine processes it starts (the environment).
+    # Applied to this process's vLLM logger and, while the engine starts, to the engine processes
+    # it starts (the environment); processes started later keep the environment as it was.
     monkeypatch.setattr(logging.getLogger("vllm"), "level", logging.getLogger("vllm").level)
-    apply_log_level("warning")
-    assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING" and logging.getLogger("vllm").level == logging.WARNING
+    with log_level_while_starting("warning"):
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING" and logging.getLogger("vllm").level == logging.WARNING
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL")
+    with log_level_while_starting("error"):
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR"
+    assert "VLLM_LOGGING_LEVEL" not in os.environ
     with pytest.raises(ValueError, match="log_level must be one of DEBUG, INFO, WARNING, ERROR"):
-        apply_log_level("loud")
+        with log_level_while_starting("loud"):
+            pass
 
 
 def test_updates_are_checked_against_the_tensors_of_the_model_folder(tiny_codebook_model):

@@ -262,17 +262,29 @@ CONSOLE_LOG_LEVEL = "ERROR"
 """vLLM's log level where it runs in a command's console, unless the user chose one."""
 
 
-def apply_log_level(level: str | None) -> None:
-    """Set vLLM's log level for this process and the engine processes it starts (they read
-    VLLM_LOGGING_LEVEL when they start); None leaves vLLM's own setting."""
+@contextlib.contextmanager
+def log_level_while_starting(level: str | None):
+    """vLLM's log level for this process and for the engine processes started inside the block
+    (they read VLLM_LOGGING_LEVEL when they start); the environment is restored after, so that
+    processes started later (a training run's actors, after an experiment's evaluation) keep
+    vLLM's default. None leaves vLLM's own setting."""
     if level is None:
+        yield
         return
     level = level.upper()
     if level not in VLLM_LOG_LEVELS:
         raise ValueError(f"vllm engine option log_level must be one of {', '.join(VLLM_LOG_LEVELS)}, got {level!r}")
+    before = os.environ.get("VLLM_LOGGING_LEVEL")
     os.environ["VLLM_LOGGING_LEVEL"] = level
     # vLLM configures its logger when first imported: one already imported takes the level here.
     logging.getLogger("vllm").setLevel(level)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_LOGGING_LEVEL", None)
+        else:
+            os.environ["VLLM_LOGGING_LEVEL"] = before
 
 
 class VLLMEngine:
@@ -303,11 +315,14 @@ class VLLMEngine:
         """
         if not isinstance(options, VLLMOptions):
             options = VLLMOptions.from_dict({**settings.engine_options, **(options or {})})
+        if options.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {options.load_format!r}")
+        with log_level_while_starting(options.log_level):
+            self._start(settings, options)
+
+    def _start(self, settings: EngineSettings, options: VLLMOptions) -> None:
         load_format, max_model_len, kv_cache_gib = options.load_format, options.max_model_len, options.kv_cache_gib
         enforce_eager = options.enforce_eager
-        if load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
-        apply_log_level(options.log_level)
         import_vllm()
         from longhorizon.common.models import load_tokenizer
 
