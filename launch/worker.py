@@ -201,4 +201,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A rank of a learner with several ranks: its collectives' threads must not outlive the
+        # interpreter's teardown (see exit_without_teardown).
+        from longhorizon.learner.distributed import exit_without_teardown
+
+        exit_without_teardown(0 if code is None else code)
+    sys.exit(code)

@@ -19,6 +19,7 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
+from typing import NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -233,3 +234,24 @@ def destroy_process_group() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_without_teardown(code: int = 0) -> NoReturn:
+    """End a rank's process now, its work done, without the interpreter's teardown.
+
+    A gloo collective's thread may let go of the collective's tensors after the caller has moved
+    on, and a tensor that Python owns needs the interpreter lock to be freed. Once the interpreter
+    is tearing down, taking that lock ends the thread inside C++ code that cannot unwind, and the
+    whole process aborts ("terminate called without an active exception", SIGABRT) with its work
+    done. torch joins those threads only when the last reference to the group goes, and its own
+    caches keep references (device meshes), so a rank that is done leaves this way instead: logs
+    and standard streams flushed, exit code kept."""
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a broken pipe: nothing more can be written
+            pass
+    os._exit(code)

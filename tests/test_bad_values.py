@@ -201,7 +201,9 @@ def _two_rank_main(rank, world_size, port, model_folder, out_dir):
     """One of two gloo ranks: a step whose NaN is on rank 1 only, then a clean step."""
     import os
 
-    from longhorizon.learner.distributed import Ranks, destroy_process_group, init_process_group, split_by_tokens
+    from longhorizon.learner.distributed import (
+        Ranks, destroy_process_group, exit_without_teardown, init_process_group, split_by_tokens,
+    )
     from tests.test_distributed import _examples, _trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -222,6 +224,7 @@ def _two_rank_main(rank, world_size, port, model_folder, out_dir):
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         destroy_process_group()
+    exit_without_teardown(0)
 
 
 @pytest.mark.slow

@@ -60,7 +60,7 @@ def test_only_the_newest_checkpoints_stay(tmp_path, tiny_codebook_model):
 
 def _resume_rank(rank, world_size, port, model_folder, checkpoint, out_dir):
     """One of two ranks: resume a one-rank checkpoint, take a step on its share, gather."""
-    from longhorizon.learner.distributed import destroy_process_group, init_process_group
+    from longhorizon.learner.distributed import destroy_process_group, exit_without_teardown, init_process_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ranks = Ranks(rank, world_size, rank)
@@ -78,6 +78,7 @@ def _resume_rank(rank, world_size, port, model_folder, checkpoint, out_dir):
             torch.save({"restored": restored, "stepped": stepped}, os.path.join(out_dir, "resumed.pt"))
     finally:
         destroy_process_group()
+    exit_without_teardown(0)
 
 
 def test_a_one_rank_checkpoint_resumes_at_two_ranks(tmp_path, tiny_codebook_model):

@@ -57,6 +57,27 @@ def test_ranks_come_from_the_environment_and_must_match_the_config():
         ranks_from_environment(2, {"WORLD_SIZE": "2", "RANK": "2"})
 
 
+def test_a_rank_that_is_done_exits_with_its_code_and_its_output_flushed(tmp_path):
+    """`exit_without_teardown` skips the interpreter's teardown (where a collective's thread could
+    abort the process) but loses nothing written before it: buffered stdout, a log file."""
+    import subprocess
+    import sys
+
+    script = (
+        "import logging, sys\n"
+        f"logging.basicConfig(filename={str(tmp_path / 'rank.log')!r}, level=logging.INFO)\n"
+        "logging.getLogger('rank').info('final checkpoint written')\n"
+        "print('metrics', end='')\n"
+        "from longhorizon.learner.distributed import exit_without_teardown\n"
+        "exit_without_teardown(3)\n"
+        "print('never')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "metrics"
+    assert "final checkpoint written" in (tmp_path / "rank.log").read_text()
+
+
 def test_wrong_rank_settings_fail_before_any_process_starts():
     from longhorizon.launch.local import _check_learner_ranks, validate_config
 
@@ -151,7 +172,7 @@ def _rank_main(rank, world_size, port, model_folder, out_dir, lengths, checkpoin
     and the gradients gathered too."""
     from longhorizon.learner.checkpoint import save_checkpoint
     from longhorizon.learner.curriculum import HorizonState
-    from longhorizon.learner.distributed import destroy_process_group, init_process_group
+    from longhorizon.learner.distributed import destroy_process_group, exit_without_teardown, init_process_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ranks = Ranks(rank, world_size, rank)
@@ -178,6 +199,7 @@ def _rank_main(rank, world_size, port, model_folder, out_dir, lengths, checkpoin
             assert state == {} and sent == {}  # only rank 0 receives the gathered weights
     finally:
         destroy_process_group()
+    exit_without_teardown(0)
 
 
 def _free_port() -> int:

@@ -270,6 +270,10 @@ def main(argv: list[str]) -> int:
         return args
     if args.one is not None:
         print(json.dumps(measure(args, args.one, args.one_shared)))
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from longhorizon.learner.distributed import exit_without_teardown
+
+            exit_without_teardown(0)  # a rank: see there why
         return 0
     if min(args.ranks) < 1:
         print("longhorizon bench learner: error: --ranks must be >= 1", file=sys.stderr)
