@@ -18,8 +18,8 @@ It serves any local Hugging Face model folder through the `hf` engine on 127.0.0
   model, the weights' `policy_version`, `queue_depth` (requests waiting for the worker),
   `requests_in_flight` (waiting or generating) and `weights_refused`;
 - `GET /metrics`: Prometheus text format: requests by endpoint and status, prompt and generated
-  tokens, weight loads and refusals (counters), queue depth, requests in flight and policy version
-  (gauges), and a histogram of request latency by endpoint.
+  tokens, weight loads and refusals, abandoned requests (counters), queue depth, requests in
+  flight and policy version (gauges), and a histogram of request latency by endpoint.
 
 Streaming: with `stream: true` both completion routes answer with server-sent events
 (`Content-Type: text/event-stream`, one `data: {chunk}` event each, then `data: [DONE]`) in
@@ -44,6 +44,11 @@ the `hf` engine's: tokens that top-p leaves out cannot be drawn and are not list
 may be shorter than asked. At temperature 0 (greedy) they are the model's own distribution, and
 the chosen token is the first of each top list. Bad requests get a 4xx JSON error in the OpenAI
 shape, `{"error": {"message", "type", "code"}}`.
+
+A client that closes its connection before its reply is ready (a timeout, a cancelled agent step)
+is not generated for any more: a queued request is dropped, and its rows in a running batch end
+at the next decoding step. A waiting request checks its connection every quarter second; a stream
+also notices when a write fails. They are counted in `requests_abandoned_total`.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import json
 import logging
 import os
 import queue
+import select
 import socket
 import sys
 import threading
@@ -103,6 +109,15 @@ class ServerStopping(RuntimeError):
     """A request the server could not finish because it is stopping (answered with a 503)."""
 
 
+class ClientGone(RuntimeError):
+    """The client closed its connection before its reply was ready: its generation stops and
+    nothing is sent."""
+
+
+CLIENT_CHECK_S = 0.25
+"""How often a request waiting for its reply checks that its client is still connected."""
+
+
 @dataclass
 class _Job:
     prompts: list[list[int]]
@@ -112,6 +127,9 @@ class _Job:
     """For a streamed request: (prompt index, token, log-prob, top pairs) after every decoding
     step, then None once the job is done."""
     done: threading.Event = field(default_factory=threading.Event)
+    abandoned: threading.Event = field(default_factory=threading.Event)
+    """Set when the client has left: the job's rows stop at the next decoding step, and a job
+    still queued is never generated."""
     results: list = field(default_factory=list)
     error: BaseException | None = None
 
@@ -143,6 +161,7 @@ class Metrics:
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.weight_loads = 0
+        self.abandoned = 0
         # endpoint -> (count per bucket of LATENCY_BUCKETS_S and one over the last, sum of seconds)
         self._latency: dict[str, tuple[list[int], float]] = {}
 
@@ -164,6 +183,10 @@ class Metrics:
         with self._lock:
             self.weight_loads += 1
 
+    def count_abandoned(self) -> None:
+        with self._lock:
+            self.abandoned += 1
+
     def render(self, *, weights_refused: int, queue_depth: int, in_flight: int, policy_version: int) -> str:
         lines: list[str] = []
 
@@ -177,12 +200,16 @@ class Metrics:
             requests = sorted(self.requests.items())
             latency = sorted((endpoint, list(buckets), total) for endpoint, (buckets, total) in self._latency.items())
             prompt_tokens, generated_tokens, weight_loads = self.prompt_tokens, self.generated_tokens, self.weight_loads
+            abandoned = self.abandoned
         family("requests_total", "counter", "HTTP requests answered, by method, endpoint and status.",
                [("", {"method": m, "endpoint": e, "status": str(s)}, n) for (m, e, s), n in requests])
         family("prompt_tokens_total", "counter", "Prompt tokens of the generation requests answered.",
                [("", {}, prompt_tokens)])
         family("generated_tokens_total", "counter", "Tokens generated and returned to clients.",
                [("", {}, generated_tokens)])
+        family("requests_abandoned_total", "counter",
+               "Generation requests whose client left before the reply; their generation stopped.",
+               [("", {}, abandoned)])
         family("weight_loads_total", "counter", "Weight loads that replaced the served weights.",
                [("", {}, weight_loads)])
         family("weights_refused_total", "counter", "Weight loads refused because the weights did not fit the model.",
@@ -271,14 +298,25 @@ class ModelServer:
         self._jobs.put(job)
         return job
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling, top_logprobs: int = 0) -> list:
+    def generate(self, prompts: list[list[int]], sampling: Sampling, top_logprobs: int = 0, client_gone=None) -> list:
         """Generate one reply per prompt (blocking); returns the hf engine's GenerationResults
-        (with `top_logprobs` > 0, results that also hold that many top tokens per position)."""
+        (with `top_logprobs` > 0, results that also hold that many top tokens per position).
+        `client_gone()`, when given, is asked while waiting: once true the job is abandoned and
+        `ClientGone` raised."""
         job = self.submit(prompts, sampling, top_logprobs)
-        job.done.wait()
+        while not job.done.wait(None if client_gone is None else CLIENT_CHECK_S):
+            if client_gone():
+                self.abandon(job)
+                raise ClientGone("the client closed its connection")
         if job.error is not None:
             raise job.error
         return job.results
+
+    def abandon(self, job: _Job) -> None:
+        """The job's client has left: stop generating for it (counted once)."""
+        if not job.abandoned.is_set() and not job.done.is_set():
+            job.abandoned.set()
+            self.metrics.count_abandoned()
 
     def load_weights(self, path: str, version: int) -> None:
         """Load a safetensors folder in place, all or nothing: weights that do not fit the model
@@ -311,6 +349,16 @@ class ModelServer:
         self._jobs.put(None)
         self._worker.join(timeout=60)
 
+    def _rows_to_end(self, owners: list[tuple[_Job, int]]):
+        """The hf engine's `cancelled` for a batch whose rows are (job, prompt index): every row
+        ends once the server stops, a row alone once its job's client has left."""
+
+        def rows() -> list[bool]:
+            stopping = self._stopping.is_set()
+            return [stopping or job.abandoned.is_set() for job, _ in owners]
+
+        return rows
+
     def _fail(self, job: _Job, error: BaseException) -> None:
         job.error = error
         with self._in_flight_lock:
@@ -327,6 +375,9 @@ class ModelServer:
             first = self._jobs.get()
             if first is None:
                 return
+            if first.abandoned.is_set():  # its client left while it waited
+                self._fail(first, ClientGone("the client closed its connection"))
+                continue
             jobs = [first]
             rows = len(first.prompts)
             # Requests that arrived while the last batch ran, or within the short window after
@@ -340,6 +391,9 @@ class ModelServer:
                 if job is None:
                     self._jobs.put(None)
                     break
+                if job.abandoned.is_set():
+                    self._fail(job, ClientGone("the client closed its connection"))
+                    continue
                 jobs.append(job)
                 rows += len(job.prompts)
             by_sampling: dict[Sampling, list[_Job]] = {}
@@ -362,7 +416,7 @@ class ModelServer:
                     for start in range(0, len(requests), self.max_batch_size):
                         rows = slice(start, start + self.max_batch_size)
                         results += self.engine._generate_batch(requests[rows], top, _step_sender(owners[rows]),
-                                                               cancelled=self._stopping.is_set)
+                                                               cancelled=self._rows_to_end(owners[rows]))
                     if self._stopping.is_set():  # cut short: not an answer to give
                         raise ServerStopping("the server is stopping")
                     for job in group:
@@ -707,7 +761,30 @@ class StreamedText:
 
 def _live_chunks(
     server: ModelServer, body: dict, job: _Job, chat: bool, top: int | None, include_usage: bool,
-    whole_reply,
+    whole_reply, client_gone=None,
+) -> Iterator[dict]:
+    """A streamed job's chunks (`_job_chunks`). Closed before its end, the client has left (a
+    write failed, or `client_gone()` said so while it waited): the job is abandoned."""
+    try:
+        yield from _job_chunks(server, body, job, chat, top, include_usage, whole_reply, client_gone)
+    finally:
+        server.abandon(job)  # nothing once the job is done
+
+
+def _next_step(server: ModelServer, job: _Job, client_gone) -> tuple | None:
+    """A streamed job's next step, None once it is done; `ClientGone` once `client_gone()`
+    says so while it waits."""
+    while True:
+        try:
+            return job.steps.get(timeout=None if client_gone is None else CLIENT_CHECK_S)
+        except queue.Empty:
+            if client_gone():
+                raise ClientGone("the client closed its connection") from None
+
+
+def _job_chunks(
+    server: ModelServer, body: dict, job: _Job, chat: bool, top: int | None, include_usage: bool,
+    whole_reply, client_gone,
 ) -> Iterator[dict]:
     """A streamed job's chunks: one per token as the batch samples it (its text piece, log-probs
     and id), then per choice whatever text the whole reply has beyond what was sent and the finish
@@ -743,7 +820,7 @@ def _live_chunks(
     texts = [StreamedText(server.tokenizer.decode, server.tokenizer.eos_token_id, stop) for _ in job.prompts]
     offsets = [0] * len(texts)
     started = False
-    while (step := job.steps.get()) is not None:
+    while (step := _next_step(server, job, client_gone)) is not None:
         if not started and chat:  # after the first step: a request that fails at once gets a JSON error
             for index in range(len(texts)):
                 yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -785,7 +862,7 @@ def _live_chunks(
 # ----------------------------------------------------------------------------- routes
 
 
-def handle_completions(server: ModelServer, body: dict) -> dict | EventStream:
+def handle_completions(server: ModelServer, body: dict, client_gone=None) -> dict | EventStream:
     _check_model(body, server)
     if body.get("echo"):
         raise RequestError("'echo' is not supported by this server")
@@ -800,14 +877,15 @@ def handle_completions(server: ModelServer, body: dict) -> dict | EventStream:
         job = server.submit(rows, sampling, top or 0, stream=True)
         return EventStream(_live_chunks(
             server, body, job, False, top, include_usage,
-            lambda results: completion_response(server, body, prompts, results, n, top),
+            lambda results: completion_response(server, body, prompts, results, n, top), client_gone,
         ))
-    response = completion_response(server, body, prompts, server.generate(rows, sampling, top or 0), n, top)
+    results = server.generate(rows, sampling, top or 0, client_gone=client_gone)
+    response = completion_response(server, body, prompts, results, n, top)
     server.metrics.count_tokens(response["usage"]["prompt_tokens"], response["usage"]["completion_tokens"])
     return response
 
 
-def handle_chat(server: ModelServer, body: dict) -> dict | EventStream:
+def handle_chat(server: ModelServer, body: dict, client_gone=None) -> dict | EventStream:
     _check_model(body, server)
     stream, include_usage = _stream_settings(body)
     messages = _messages(body)
@@ -823,9 +901,10 @@ def handle_chat(server: ModelServer, body: dict) -> dict | EventStream:
         job = server.submit([prompt] * n, sampling, top or 0, stream=True)
         return EventStream(_live_chunks(
             server, body, job, True, top, include_usage,
-            lambda results: chat_response(server, body, prompt, results, top),
+            lambda results: chat_response(server, body, prompt, results, top), client_gone,
         ))
-    response = chat_response(server, body, prompt, server.generate([prompt] * n, sampling, top or 0), top)
+    results = server.generate([prompt] * n, sampling, top or 0, client_gone=client_gone)
+    response = chat_response(server, body, prompt, results, top)
     server.metrics.count_tokens(response["usage"]["prompt_tokens"], response["usage"]["completion_tokens"])
     return response
 
@@ -868,6 +947,8 @@ _POST_ROUTES = {
     "/v1/load_weights": handle_load_weights,
 }
 _GET_ROUTES = ("/v1/models", "/health", "/v1/health", "/metrics")
+_GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+"""Routes whose handlers stop generating for a client that has left (`client_gone`)."""
 
 
 def make_handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
@@ -902,12 +983,25 @@ def make_handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
             kind = "invalid_request_error" if status < 500 else "server_error"
             self._reply(status, {"error": {"message": message, "type": kind, "code": code or status, **(details or {})}})
 
+        def _client_gone(self) -> bool:
+            """Whether the client has closed its connection (asked while its reply is generated).
+            A readable socket with nothing to read has reached its end; one holding the client's
+            next request (HTTP/1.1 pipelining) is still open."""
+            try:
+                readable, _, _ = select.select([self.connection], [], [], 0)
+                return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            except (OSError, ValueError):  # reset, or already closed
+                return True
+
         def _stream(self, stream: EventStream) -> None:
             """Server-sent events in chunked transfer encoding, which marks the end of the reply
             so the connection can carry the next request."""
             chunks = iter(stream.chunks)
             try:
                 first = next(chunks, None)
+            except ClientGone:  # before the first token: nobody to answer
+                self.close_connection = True
+                return
             except Exception as exc:  # nothing is sent yet: a plain JSON error
                 log.exception("streamed generation failed")
                 self._error(500, f"{type(exc).__name__}: {exc}")
@@ -923,7 +1017,7 @@ def make_handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
                         self._event(json.dumps(first))
                     for chunk in chunks:
                         self._event(json.dumps(chunk))
-                except (BrokenPipeError, ConnectionResetError):
+                except (BrokenPipeError, ConnectionResetError, ClientGone):
                     raise
                 except Exception as exc:  # the status has gone out: the error is an event, as OpenAI's are
                     log.exception("streamed generation failed")
@@ -931,8 +1025,11 @@ def make_handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
                                                       "type": "server_error", "code": 500}}))
                 self._event("[DONE]")
                 self.wfile.write(b"0\r\n\r\n")
-            except (BrokenPipeError, ConnectionResetError):  # the client left mid-stream
+            except (BrokenPipeError, ConnectionResetError, ClientGone):  # the client left mid-stream
                 self.close_connection = True
+                close = getattr(chunks, "close", None)
+                if close is not None:
+                    close()  # its generation stops (see _live_chunks)
 
         def _event(self, data: str) -> None:
             event = f"data: {data}\n\n".encode()
@@ -999,7 +1096,13 @@ def make_handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
                 self._error(400, "request body must be a JSON object")
                 return
             try:
-                reply = handler(server, body)
+                if path in _GENERATION_ROUTES:
+                    reply = handler(server, body, client_gone=self._client_gone)
+                else:
+                    reply = handler(server, body)
+            except ClientGone:  # nobody to answer
+                self.close_connection = True
+                return
             except RequestError as exc:
                 self._error(exc.status, str(exc), exc.code, exc.details)
                 return

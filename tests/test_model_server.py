@@ -389,6 +389,112 @@ def test_streams_with_stop_strings_and_several_choices_end_as_the_whole_reply(se
         assert mine[-1]["finish_reason"] == choice["finish_reason"] == "stop"
 
 
+# ----------------------------------------------------------------------------- clients that leave
+
+
+def _wait_for(condition, seconds: float = 20.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def _raw_post(base_url: str, path: str, body: dict):
+    """A request on a socket of the test's own, so the test can close it mid-reply."""
+    import socket
+    from urllib.parse import urlsplit
+
+    address = urlsplit(base_url)
+    data = json.dumps(body).encode()
+    connection = socket.create_connection((address.hostname, address.port), timeout=30)
+    connection.sendall(f"POST /v1/{path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return connection
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_is_not_generated_for(served, stream):
+    """One client's request is in the running batch (held at its second decoding step), another
+    waits in the queue behind it; both close their connections. Once the model is released the
+    batch ends at its next step rather than after its 60 tokens, the queued request is never
+    generated, and both are counted as abandoned."""
+    server, base_url = served
+    model = server.engine.model
+    release, calls = threading.Event(), []
+    original = model.forward
+
+    def held_forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            assert release.wait(30), "the test never released the model"
+        return original(*args, **kwargs)
+
+    abandoned_before = server.metrics.abandoned
+    model.forward = held_forward
+    try:
+        body = {"messages": MESSAGES, "max_tokens": 60, "temperature": 0, "stream": stream}
+        running = _raw_post(base_url, "chat/completions", body)
+        assert _wait_for(lambda: len(calls) == 2)
+        # Other sampling settings: it cannot join the running batch, so it waits in the queue.
+        queued = _raw_post(base_url, "chat/completions", {**body, "temperature": 0.5})
+        assert _wait_for(lambda: server.queue_depth == 1)
+        running.close()
+        queued.close()
+        # A waiting request notices within a quarter second; a stream may only notice on writing.
+        assert _wait_for(lambda: server.metrics.abandoned >= abandoned_before + (1 if stream else 2))
+        release.set()
+        assert _wait_for(lambda: server.in_flight == 0)
+    finally:
+        release.set()
+        del model.forward
+    assert len(calls) <= 4  # the step under way, at most one more: not the 60 the reply could have
+    assert server.metrics.abandoned == abandoned_before + 2
+    samples = _parse_prometheus(httpx.get(f"{base_url.removesuffix('/v1')}/metrics", timeout=30).text)
+    assert _metric(samples, "requests_abandoned_total") == server.metrics.abandoned
+    # The server goes on serving.
+    reply = httpx.post(f"{base_url}/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}, timeout=60)
+    assert reply.status_code == 200
+
+
+def test_a_client_that_stays_gets_its_whole_reply(served):
+    """The check that notices clients leaving does not mistake a waiting one for gone: a slowed
+    model keeps the requests waiting through several checks, and their replies are the ones the
+    same requests get unhurried."""
+    import time
+
+    server, base_url = served
+    body = {"messages": MESSAGES, "max_tokens": 12, "temperature": 0}
+    quick = httpx.post(f"{base_url}/chat/completions", json=body, timeout=60).json()
+    streamed_quick = httpx.post(f"{base_url}/chat/completions", json={**body, "stream": True}, timeout=60).text
+    model = server.engine.model
+    original = model.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(0.1)
+        return original(*args, **kwargs)
+
+    abandoned_before = server.metrics.abandoned
+    model.forward = slow_forward
+    try:
+        slow = httpx.post(f"{base_url}/chat/completions", json=body, timeout=60).json()
+        streamed_slow = httpx.post(f"{base_url}/chat/completions", json={**body, "stream": True}, timeout=60).text
+    finally:
+        del model.forward
+    assert slow["choices"][0]["token_ids"] == quick["choices"][0]["token_ids"]
+    assert len(slow["choices"][0]["token_ids"]) >= 4  # slower than several checks
+
+    def tokens(events: str) -> list[int]:
+        chunks = [json.loads(line[len("data: "):]) for line in events.split("\n\n") if line.startswith("data: {")]
+        return [t for chunk in chunks for choice in chunk["choices"] for t in choice.get("token_ids", [])]
+
+    assert tokens(streamed_slow) == tokens(streamed_quick) == quick["choices"][0]["token_ids"]
+    assert server.metrics.abandoned == abandoned_before
+
+
 # ----------------------------------------------------------------------------- stopping
 
 
@@ -406,7 +512,7 @@ def test_stopping_cuts_the_running_batch_short_and_fails_the_queued_requests(tin
 
     def long_batch(requests, top, on_step=None, cancelled=None):
         running.set()
-        while not cancelled():  # as a long generation would run on, step after step
+        while not all(cancelled()):  # as a long generation would run on, step after step
             time.sleep(0.01)
         return generate(requests, top, on_step, cancelled)
 

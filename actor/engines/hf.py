@@ -138,7 +138,8 @@ class HFEngine:
         each row's new token, its log-prob and its top list (as in `ResultWithTopLogprobs`):
         a server can send tokens while the batch is still generating. Rows that have finished
         get padding tokens, which the caller ignores. `cancelled()`, when given, is asked after
-        every step: once true, every row ends there (its reply cut short)."""
+        every step: once true, every row ends there (its reply cut short); it may also answer a
+        bool per row, ending only the rows it names (a server whose client left)."""
         import torch
         from transformers import GenerationConfig, StoppingCriteriaList
 
@@ -282,8 +283,9 @@ class _EveryStep:
 
 
 class _WhenCancelled:
-    """A transformers stopping criterion that ends every row at the next decoding step once
-    `cancelled()` is true (a server that is stopping): the batch returns what it has so far."""
+    """A transformers stopping criterion that ends rows at the next decoding step once
+    `cancelled()` says so: every row when it answers True (a server that is stopping), the rows it
+    names when it answers a bool per row (their clients left). The batch returns what it has."""
 
     def __init__(self, cancelled) -> None:
         self.cancelled = cancelled
@@ -291,7 +293,10 @@ class _WhenCancelled:
     def __call__(self, input_ids, scores, **kwargs):
         import torch
 
-        return torch.full((input_ids.shape[0],), bool(self.cancelled()), dtype=torch.bool, device=input_ids.device)
+        answer = self.cancelled()
+        if isinstance(answer, bool):
+            return torch.full((input_ids.shape[0],), answer, dtype=torch.bool, device=input_ids.device)
+        return torch.tensor([bool(row) for row in answer], dtype=torch.bool, device=input_ids.device)
 
 
 class _StopStringsPerRow:
