@@ -72,6 +72,17 @@ class PeerTable:
                 )
         return live
 
+    def describe_live(self) -> str:
+        """The live actors for a progress note, or why there are none: none has connected yet
+        (an actor connects once its engine has started, which for vLLM takes a minute or more),
+        or those that had are silent."""
+        live = self.live()
+        if live:
+            return ", ".join(sorted(live))
+        if not self.known:
+            return "none has connected yet (an actor connects once its engine has started; see logs/actor-*.log)"
+        return f"none ({len(self.known)} gone silent; see logs/actor-*.log)"
+
     def version_of(self, peer: str) -> int | None:
         """The weights version `peer` last said it holds (None before it said)."""
         return self.known[peer].get("version")

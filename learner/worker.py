@@ -353,7 +353,7 @@ class Learner:
                     "waiting %.0fs for groups: %d/%d ready, %d trajectories pending in %d groups, "
                     "actors live: %s",
                     last_report - waiting_since, len(groups), wanted, len(self.buffer), self.buffer.pending_groups,
-                    ", ".join(sorted(self.peers.live())) or "none",
+                    self.peers.describe_live(),
                 )
             give_up = self.sync and self._sync_batch_is_over(len(groups), wanted, waiting_since)
             ready = self.buffer.pop_ready(wanted - len(groups), learner_version=self.version, give_up_waiting=give_up)

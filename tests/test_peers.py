@@ -62,3 +62,14 @@ def test_episodes_reported_are_kept_per_actor_process():
     peers.heard_from("a", _heartbeat("a", version=0, episodes=2))
     peers.heard_from("a", _heartbeat("a", version=0, episodes=4))
     assert peers.episodes_reported_total() == 11
+
+
+def test_the_waiting_note_says_why_no_actor_is_live():
+    clock = FakeClock()
+    peers = PeerTable(timeout_s=30.0, counters=Counter(), clock=clock)
+    assert peers.describe_live().startswith("none has connected yet (an actor connects once its engine has started")
+    peers.heard_from("b", _hello("b", pid=2, version=0))
+    peers.heard_from("a", _hello("a", pid=1, version=0))
+    assert peers.describe_live() == "a, b"
+    clock.now += 31.0
+    assert peers.describe_live() == "none (2 gone silent; see logs/actor-*.log)"
