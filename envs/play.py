@@ -19,23 +19,28 @@ def play(
     *,
     split: str = "test",
     task_index: int = 0,
+    data_idx: int | None = None,
     seed: int = 0,
     options: dict | None = None,
     input_fn: Callable[[str], str] = input,
     print_fn: Callable[..., Any] = print,
 ) -> float:
-    """Play one episode of task `task_index` of the split; returns the total reward.
+    """Play one episode of task `task_index` of the split, or of the task that `env serve` (and
+    AgentGym's clients) call `data_idx`; returns the total reward.
 
     Each line read is one action, typed plainly (no Thought:/Action: wrapper). "quit" or the end
     of input stops early.
     """
     options = dict(options or {})
-    tasks = list_tasks(env_name, split, **options)
-    if not 0 <= task_index < len(tasks):
-        raise ValueError(
-            f"task index {task_index} is out of range: the {split} split of {env_name!r} has {len(tasks)} tasks"
-        )
-    task = tasks[task_index]
+    if data_idx is not None:
+        task = task_by_data_idx(env_name, data_idx, options)
+    else:
+        tasks = list_tasks(env_name, split, **options)
+        if not 0 <= task_index < len(tasks):
+            raise ValueError(
+                f"task index {task_index} is out of range: the {split} split of {env_name!r} has {len(tasks)} tasks"
+            )
+        task = tasks[task_index]
     env = make_env(env_name, **options)
 
     async def episode() -> float:
@@ -46,7 +51,8 @@ def play(
             if instructions:
                 print_fn(instructions)
                 print_fn()
-            print_fn(f"[task {task.task_id} ({task.category or split}), seed {seed}; type 'quit' to stop]")
+            named = f"data_idx {data_idx}, " if data_idx is not None else ""
+            print_fn(f"[task {task.task_id} ({named}{task.category or split}), seed {seed}; type 'quit' to stop]")
             print_fn(observation)
             while True:
                 # input_fn blocks the event loop, which is fine: this episode is its only task.
@@ -76,6 +82,21 @@ def play(
     return trio.run(episode)
 
 
+def task_by_data_idx(env_name: str, data_idx: int, options: dict):
+    """The task `env serve` numbers `data_idx` (the reference's own numbering where the env has
+    one: BabyAI, SciWorld, TextCraft; otherwise train then test)."""
+    from longhorizon.envs.service import build_task_table
+
+    table = build_task_table(env_name, options)
+    task = table.by_data_idx.get(data_idx)
+    if task is None:
+        spans = ", ".join(f"{split} within {min(numbers)}-{max(numbers)}"
+                          for split, numbers in table.data_idx_by_split.items() if numbers)
+        raise ValueError(f"data_idx {data_idx} names no task of {env_name!r} ({len(table.by_data_idx)} tasks: "
+                         f"{spans}; `env serve` lists them at GET /tasks)")
+    return task
+
+
 def _parse_option(text: str) -> tuple[str, Any]:
     key, separator, raw_value = text.partition("=")
     if not separator or not key.strip():
@@ -88,19 +109,22 @@ def _parse_option(text: str) -> tuple[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`longhorizon env play NAME [--split S] [--task I] [--seed N] [--option KEY=VALUE ...]`."""
+    """`longhorizon env play NAME [--split S] [--task I | --data-idx N] [--seed N] [--option KEY=VALUE ...]`."""
     parser = argparse.ArgumentParser(prog="longhorizon env play", description="Play an environment in the terminal.")
     parser.add_argument("env", help=f"environment name ({', '.join(env_names())}) or the dotted path "
                                     "package.module:attribute of an EnvSpec")
     parser.add_argument("--split", default="test", choices=SPLITS, help="task split (default: test)")
-    parser.add_argument("--task", type=int, default=0, help="index of the task in the split (default: 0)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--task", type=int, default=0, help="index of the task in the split (default: 0)")
+    which.add_argument("--data-idx", type=int, default=None,
+                       help="the task `env serve` and AgentGym's clients number N (either split)")
     parser.add_argument("--seed", type=int, default=0, help="reset seed (default: 0)")
     parser.add_argument("--option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
                         help="env option, e.g. max_depth=2 (repeatable)")
     arguments = parser.parse_args(argv)
     try:
-        total_reward = play(arguments.env, split=arguments.split, task_index=arguments.task, seed=arguments.seed,
-                            options=dict(arguments.option))
+        total_reward = play(arguments.env, split=arguments.split, task_index=arguments.task,
+                            data_idx=arguments.data_idx, seed=arguments.seed, options=dict(arguments.option))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

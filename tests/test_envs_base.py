@@ -220,6 +220,22 @@ def test_play_rejects_a_task_index_out_of_range():
         play("codebook", task_index=200, input_fn=lines_then_eof([]), print_fn=lambda *parts: None)
 
 
+def test_play_takes_the_task_env_serve_numbers_data_idx():
+    """`--data-idx` plays what an AgentGym client asking `env serve` for that data_idx gets: for
+    TextCraft the reference's own index, whichever split holds it."""
+    from longhorizon.envs.service import build_task_table
+
+    table = build_task_table("textcraft", {})
+    data_idx = table.data_idx_by_split["test"][1]
+    printed = []
+    play("textcraft", data_idx=data_idx, input_fn=lines_then_eof([]),
+         print_fn=lambda *parts: printed.append(" ".join(map(str, parts))))
+    task = table.by_data_idx[data_idx]
+    assert any(line.startswith(f"[task {task.task_id} (data_idx {data_idx}, ") for line in printed)
+    with pytest.raises(ValueError, match=r"data_idx 9999 names no task of 'textcraft' \(551 tasks: train within 0-\d+"):
+        play("textcraft", data_idx=9999, input_fn=lines_then_eof([]), print_fn=lambda *parts: None)
+
+
 def test_main_reports_bad_input_with_exit_code(capsys, monkeypatch):
     assert main(["nope"]) == 2
     assert "unknown env 'nope'" in capsys.readouterr().err
@@ -228,3 +244,6 @@ def test_main_reports_bad_input_with_exit_code(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("a0\na0\n"))
     assert main(["codebook", "--split", "train", "--task", "1", "--option", "num_turns=2"]) == 0
     assert "Total reward:" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # one way of naming the task at a time
+        main(["codebook", "--task", "1", "--data-idx", "2"])
+    assert "not allowed with argument" in capsys.readouterr().err
