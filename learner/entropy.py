@@ -152,17 +152,19 @@ def entropy_settings(config: LearnerConfig) -> EntropySettings:
         require(settings.entropy_coef_max > 0, "learner.entropy_coef_max must be positive")
     require(settings.entropy_scope in ENTROPY_SCOPES,
             f"learner.entropy_scope must be one of {', '.join(ENTROPY_SCOPES)}, got {settings.entropy_scope!r}")
-    require(settings.entropy_scope == "all" or settings.computes_entropy,
-            f"learner.entropy_scope = {settings.entropy_scope!r} places the entropy bonus, which is off: set "
-            f"learner.entropy_coef > 0 or learner.entropy_control = 'target', or remove it")
+
+    def require_bonus(setting_is_default: bool, setting: str, what_it_does: str) -> None:
+        require(setting_is_default or settings.computes_entropy,
+                f"{setting} {what_it_does} the entropy bonus, which is off: set learner.entropy_coef > 0 or "
+                "learner.entropy_control = 'target', or remove it")
+
+    require_bonus(settings.entropy_scope == "all", f"learner.entropy_scope = {settings.entropy_scope!r}", "places")
     top_k = settings.entropy_top_k
     require(isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0,
             f"learner.entropy_top_k must be a whole number >= 0 (0: the whole vocabulary), got {top_k!r}")
     require(top_k != 1, "learner.entropy_top_k = 1 leaves one token, whose entropy is always 0: use 0 (the whole "
                         "vocabulary) or at least 2")
-    require(top_k == 0 or settings.computes_entropy,
-            f"learner.entropy_top_k = {top_k} clamps the entropy bonus, which is off: set learner.entropy_coef > 0 "
-            f"or learner.entropy_control = 'target', or remove it")
+    require_bonus(top_k == 0, f"learner.entropy_top_k = {top_k}", "clamps")
     if settings.uses_covariance and settings.cov_fraction is not None:
         require(0 < settings.cov_fraction <= 1, f"learner.cov_fraction must be in (0, 1], got {settings.cov_fraction}")
     if mode == "clip_cov":

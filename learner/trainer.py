@@ -379,8 +379,10 @@ class Trainer:
                 if with_entropy:
                     mean_entropy = aggregate(entropy, micro.loss_mask, self._monitor_level)
                     if entropy_coef > 0:  # the target mode measures the entropy even at 0
-                        loss = loss - entropy_coef * bonus_entropy(entropy, micro.loss_mask, micro.group_failed,
-                                                                   self.entropy.entropy_scope, self._monitor_level)
+                        raised = mean_entropy if self.entropy.entropy_scope == "all" else bonus_entropy(
+                            entropy, micro.loss_mask, micro.group_failed, self.entropy.entropy_scope,
+                            self._monitor_level)
+                        loss = loss - entropy_coef * raised
                     totals["entropy"] = totals.get("entropy", 0.0) + mean_entropy.item() * share
                 if selected[index] is not None and self.entropy.mode == "kl_cov":
                     penalty = kl_cov_penalty(logprobs, prox, selected[index], micro.loss_mask, self._monitor_level)
