@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,13 +166,8 @@ def _gradients(trainer) -> dict[str, torch.Tensor]:
     return gradients
 
 
-def _rank_main(rank, world_size, port, model_folder, out_dir, lengths, checkpoint, settings, flat, grouped):
-    """One rank: a step on its share of the examples, then the gathered weights (and optionally a
-    sharded checkpoint), saved by rank 0 for the test to compare. `grouped`: the examples of
-    `_grouped_examples` in double precision, dealt as the learner deals them (`deal_examples`),
-    and the gradients gathered too."""
-    from longhorizon.learner.checkpoint import save_checkpoint
-    from longhorizon.learner.curriculum import HorizonState
+def _rank_main(rank, world_size, port, model_folder, jobs):
+    """One rank, running `jobs` one after the other in one process group (see `two_ranks`)."""
     from longhorizon.learner.distributed import destroy_process_group, exit_without_teardown, init_process_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -179,27 +175,40 @@ def _rank_main(rank, world_size, port, model_folder, out_dir, lengths, checkpoin
     init_process_group(ranks, torch.device("cpu"), timeout_s=120)
     try:
         torch.set_num_threads(1)
-        trainer = _trainer(model_folder, ranks, settings, float64=grouped)
-        if grouped:
-            mine = trainer.deal_examples(_grouped_examples())[rank]
-        else:
-            examples = _examples(lengths)
-            mine = [examples[i] for i in split_by_tokens([len(e.token_ids) for e in examples], world_size)[rank]]
-        metrics = trainer.step(mine, FlatShare(*flat))
-        gradients = _gradients(trainer) if grouped else {}
-        state = trainer.full_state_dict()
-        sent = trainer.actor_weights()
-        if checkpoint:
-            save_checkpoint(out_dir, trainer=trainer, step=1, version=1, horizon=HorizonState(cap=3, stage=0, step=1),
-                            counters={}, model_folder=model_folder)
-        if rank == 0:
-            torch.save({"state": state, "sent": sent, "metrics": metrics, "gradients": gradients,
-                        "shared_prefix": trainer.shared_prefix}, os.path.join(out_dir, "ranks.pt"))
-        else:
-            assert state == {} and sent == {}  # only rank 0 receives the gathered weights
+        for job in jobs:
+            _rank_job(ranks, model_folder, **job)
     finally:
         destroy_process_group()
     exit_without_teardown(0)
+
+
+def _rank_job(ranks, model_folder, out_dir, lengths=(9, 14, 6, 11, 7), checkpoint=False, settings=None,
+              flat=(0.0, 0), grouped=False):
+    """One job on one rank, with a trainer of its own: a step on the rank's share of the examples,
+    then the gathered weights (and optionally a sharded checkpoint), saved by rank 0 for the test
+    to compare. `grouped`: the examples of `_grouped_examples` in double precision, dealt as the
+    learner deals them (`deal_examples`), and the gradients gathered too."""
+    from longhorizon.learner.checkpoint import save_checkpoint
+    from longhorizon.learner.curriculum import HorizonState
+
+    trainer = _trainer(model_folder, ranks, settings, float64=grouped)
+    if grouped:
+        mine = trainer.deal_examples(_grouped_examples())[ranks.rank]
+    else:
+        examples = _examples(lengths)
+        mine = [examples[i] for i in split_by_tokens([len(e.token_ids) for e in examples], ranks.world_size)[ranks.rank]]
+    metrics = trainer.step(mine, FlatShare(*flat))
+    gradients = _gradients(trainer) if grouped else {}
+    state = trainer.full_state_dict()
+    sent = trainer.actor_weights()
+    if checkpoint:
+        save_checkpoint(out_dir, trainer=trainer, step=1, version=1, horizon=HorizonState(cap=3, stage=0, step=1),
+                        counters={}, model_folder=model_folder)
+    if ranks.is_main:
+        torch.save({"state": state, "sent": sent, "metrics": metrics, "gradients": gradients,
+                    "shared_prefix": trainer.shared_prefix}, os.path.join(out_dir, "ranks.pt"))
+    else:
+        assert state == {} and sent == {}  # only rank 0 receives the gathered weights
 
 
 def _free_port() -> int:
@@ -208,12 +217,80 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _run_ranks(world_size, model_folder, out_dir, lengths=(9, 14, 6, 11, 7), checkpoint=False, settings=None,
-               flat=(0.0, 0), grouped=False):
-    mp.spawn(_rank_main, args=(world_size, _free_port(), str(model_folder), str(out_dir), lengths, checkpoint, settings,
-                               flat, grouped),
-             nprocs=world_size, join=True)
-    return torch.load(os.path.join(out_dir, "ranks.pt"))
+def _run_ranks(world_size, model_folder, jobs: list[dict]) -> None:
+    """Two (`world_size`) rank processes that run `jobs` (`_rank_job`'s keywords, each with its
+    own `out_dir`) in order."""
+    mp.spawn(_rank_main, args=(world_size, _free_port(), str(model_folder), jobs), nprocs=world_size, join=True)
+
+
+EXACT_SETTINGS = {
+    "grpo": {}, "grpo-flat-groups": {}, "grpo-entropy-bonus": {"entropy_coef": 0.05},
+    "grpo-target-entropy": {"entropy_control": "target", "target_entropy": 9.0, "entropy_coef": 0.05},
+    "grpo-clip-cov": {"entropy_control": "clip_cov", "cov_fraction": 1.0, "clip_cov_low": 0.0, "clip_cov_high": 1e9},
+    "grpo-kl-cov": {"entropy_control": "kl_cov", "cov_fraction": 1.0},
+    "ppo": {"algorithm": "ppo", "advantage_std_scaling": True},
+    "ppo-separate-critic": {"algorithm": "ppo", "critic": None},  # the critic is the model folder
+}
+EXACT_FLAT_SHARE = {"grpo-flat-groups": (30.0, 4)}
+"""The flat groups' share of the step (`FlatShare`) where a case has one; (0.0, 0) otherwise."""
+SHARED_PREFIX_CASES = {"grpo": ("grpo", False), "grpo-lora": ("grpo", True), "gspo": ("gspo", False),
+                       "ppo": ("ppo", False), "ppo-lora": ("ppo", True)}
+
+
+def _exact_settings(case: str, model_folder) -> dict:
+    settings = dict(EXACT_SETTINGS[case])
+    if "critic" in settings:
+        settings["critic"] = str(model_folder)
+    return settings
+
+
+def _shared_prefix_settings(case: str) -> dict:
+    algorithm, lora = SHARED_PREFIX_CASES[case]
+    return {"algorithm": algorithm, "micro_batch_size": 3, **(LORA if lora else {})}
+
+
+def _two_rank_jobs(model_folder) -> dict[str, dict]:
+    """Every two-rank run this module compares with one rank, by the name of its test and case."""
+    jobs = {f"exact/{case}": {"settings": _exact_settings(case, model_folder),
+                              "flat": EXACT_FLAT_SHARE.get(case, (0.0, 0))}
+            for case in EXACT_SETTINGS}
+    jobs["lora"] = {"settings": LORA}
+    jobs |= {f"shared-prefix/{case}": {"settings": {**_shared_prefix_settings(case), "shared_prefix": True},
+                                       "grouped": True}
+             for case in SHARED_PREFIX_CASES}
+    jobs |= {f"idle-rank/{algorithm}": {"lengths": (12,), "settings": {"algorithm": algorithm}}
+             for algorithm in ("grpo", "ppo")}
+    jobs |= {f"checkpoint/{case}": {"checkpoint": True, "settings": lora}
+             for case, lora in (("full", None), ("lora", LORA))}
+    return jobs
+
+
+_JOB_OF_TEST = {
+    "test_two_ranks_train_exactly_as_one": "exact", "test_two_ranks_train_lora_adapters_exactly_as_one": "lora",
+    "test_two_ranks_with_the_shared_prefix_train_exactly_as_one_without": "shared-prefix",
+    "test_a_rank_without_examples_keeps_step_with_the_others": "idle-rank",
+    "test_a_checkpoint_written_by_two_ranks_resumes_at_one": "checkpoint",
+}
+
+
+def _job_name(item) -> str | None:
+    kind = _JOB_OF_TEST.get(getattr(item, "originalname", item.name))
+    if kind is None or Path(str(item.path)) != Path(__file__):
+        return None
+    case = getattr(getattr(item, "callspec", None), "id", None)
+    return f"{kind}/{case}" if case else kind
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tiny_codebook_model, tmp_path_factory):
+    """The two-rank side of this module's comparisons, every run of the selected tests in one
+    pair of rank processes: starting two processes that import torch and transformers costs
+    more than a run's step. Returns name -> (rank 0's results, the run's folder)."""
+    jobs = _two_rank_jobs(tiny_codebook_model)
+    selected = {_job_name(item) for item in request.session.items}
+    folders = {name: tmp_path_factory.mktemp(name.replace("/", "-")) for name in jobs if name in selected}
+    _run_ranks(2, tiny_codebook_model, [{**jobs[name], "out_dir": str(folder)} for name, folder in folders.items()])
+    return {name: (torch.load(folder / "ranks.pt"), folder) for name, folder in folders.items()}
 
 
 def _relative_error(a: dict, b: dict) -> float:
@@ -222,9 +299,8 @@ def _relative_error(a: dict, b: dict) -> float:
     return difference / sum(float(a[k].float().norm() ** 2) for k in a) ** 0.5
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "grpo-flat-groups", "grpo-entropy-bonus", "grpo-target-entropy",
-                                       "grpo-clip-cov", "grpo-kl-cov", "ppo", "ppo-separate-critic"])
-def test_two_ranks_train_exactly_as_one(tmp_path, tiny_codebook_model, algorithm):
+@pytest.mark.parametrize("algorithm", list(EXACT_SETTINGS))
+def test_two_ranks_train_exactly_as_one(tiny_codebook_model, two_ranks, algorithm):
     """fp32, decoupled PPO with a separate proximal pass (two optimiser steps on one batch); for
     ppo, the critic too (its GAE advantages centred, and for "ppo" also whitened, over both ranks'
     tokens), on the policy's backbone or as a separate model sharded like the policy; flat
@@ -233,19 +309,11 @@ def test_two_ranks_train_exactly_as_one(tmp_path, tiny_codebook_model, algorithm
     target mode's coefficient adapts to the entropy of both ranks' tokens; Clip-Cov and KL-Cov
     centre their covariance over both ranks' tokens (with every token in the band, or every
     token penalised, each rank's share of the choice is the whole batch's)."""
-    settings = {"grpo": {}, "grpo-flat-groups": {}, "grpo-entropy-bonus": {"entropy_coef": 0.05},
-                "grpo-target-entropy": {"entropy_control": "target", "target_entropy": 9.0, "entropy_coef": 0.05},
-                "grpo-clip-cov": {"entropy_control": "clip_cov", "cov_fraction": 1.0, "clip_cov_low": 0.0,
-                                  "clip_cov_high": 1e9},
-                "grpo-kl-cov": {"entropy_control": "kl_cov", "cov_fraction": 1.0},
-                "ppo": {"algorithm": "ppo", "advantage_std_scaling": True},
-                "ppo-separate-critic": {"algorithm": "ppo", "critic": str(tiny_codebook_model)}}[algorithm]
-    flat = (30.0, 4) if algorithm == "grpo-flat-groups" else (0.0, 0)
-    one = _trainer(tiny_codebook_model, Ranks.single(), settings)
+    one = _trainer(tiny_codebook_model, Ranks.single(), _exact_settings(algorithm, tiny_codebook_model))
     before = {k: v.clone() for k, v in one.full_state_dict().items()}
-    one_metrics = one.step(_examples(), FlatShare(*flat))
+    one_metrics = one.step(_examples(), FlatShare(*EXACT_FLAT_SHARE.get(algorithm, (0.0, 0))))
     after_one = one.full_state_dict()
-    two = _run_ranks(2, tiny_codebook_model, tmp_path, settings=settings, flat=flat)
+    two, _ = two_ranks[f"exact/{algorithm}"]
 
     assert _relative_error(after_one, before) > 1e-3  # the step moved the weights
     assert _relative_error(after_one, two["state"]) <= 1e-5
@@ -257,13 +325,13 @@ def test_two_ranks_train_exactly_as_one(tmp_path, tiny_codebook_model, algorithm
         assert two["metrics"][name] == pytest.approx(one_metrics[name], rel=1e-4, abs=1e-6), name
 
 
-def test_two_ranks_train_lora_adapters_exactly_as_one(tmp_path, tiny_codebook_model):
+def test_two_ranks_train_lora_adapters_exactly_as_one(tiny_codebook_model, two_ranks):
     """With learner.lora the ranks shard base and adapters alike; after two optimiser steps the
     adapters sent to actors and the merged model exported are the one-rank ones."""
     one = _trainer(tiny_codebook_model, Ranks.single(), LORA)
     before = {k: v.clone() for k, v in one.actor_weights().items()}
     one.step(_examples())
-    two = _run_ranks(2, tiny_codebook_model, tmp_path, settings=LORA)
+    two, _ = two_ranks["lora"]
 
     sent = one.actor_weights()
     assert sorted(sent) == sorted(two["sent"]) and all(".lora_" in name for name in sent)
@@ -300,23 +368,21 @@ def _assert_same_gradient(actual: torch.Tensor, expected: torch.Tensor, name: st
     assert difference <= 1e-5 * scale + 1e-12, f"{name}: differs by {difference:.3g} at a scale of {scale:.3g}"
 
 
-@pytest.mark.parametrize("algorithm,lora", [("grpo", False), ("grpo", True), ("gspo", False), ("ppo", False),
-                                            ("ppo", True)],
-                         ids=["grpo", "grpo-lora", "gspo", "ppo", "ppo-lora"])
-def test_two_ranks_with_the_shared_prefix_train_exactly_as_one_without(tmp_path, tiny_codebook_model, algorithm,
-                                                                        lora):
+@pytest.mark.parametrize("case", list(SHARED_PREFIX_CASES))
+def test_two_ranks_with_the_shared_prefix_train_exactly_as_one_without(tiny_codebook_model, two_ranks, case):
     """float64, two optimiser steps with a proximal pass: the loss, every trained parameter's
     gradient (of the second pass) and the parameters after the step are the plain one-rank step's,
     to 1e-5. Each rank encodes its groups' prefixes once, FSDP2 gathering and reducing each layer
     once per call (prefix, then members), and the ranks' different numbers of shared and plain
     micro-batches are evened out with idle ones; ppo's critic (on the policy's backbone) runs the
     plain pass beside it."""
-    settings = {"algorithm": algorithm, "micro_batch_size": 3, **(LORA if lora else {})}
-    one = _trainer(tiny_codebook_model, Ranks.single(), {**settings, "shared_prefix": False}, float64=True)
+    algorithm, lora = SHARED_PREFIX_CASES[case]
+    one = _trainer(tiny_codebook_model, Ranks.single(), {**_shared_prefix_settings(case), "shared_prefix": False},
+                   float64=True)
     before = {k: v.clone() for k, v in one.full_state_dict().items()}
     one_metrics = one.step(_grouped_examples())
     one_gradients = _gradients(one)
-    two = _run_ranks(2, tiny_codebook_model, tmp_path, settings={**settings, "shared_prefix": True}, grouped=True)
+    two, _ = two_ranks[f"shared-prefix/{case}"]
 
     assert two["shared_prefix"]
     names = ["loss", "train_tokens", "train_sequences", "grad_norm", "ratio_max"]
@@ -338,25 +404,25 @@ def test_two_ranks_with_the_shared_prefix_train_exactly_as_one_without(tmp_path,
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_a_rank_without_examples_keeps_step_with_the_others(tmp_path, tiny_codebook_model, algorithm):
+def test_a_rank_without_examples_keeps_step_with_the_others(tiny_codebook_model, two_ranks, algorithm):
     """One example for two ranks: rank 1 runs idle passes (for ppo through the critic too) so rank
     0's gathers complete, and the result is the one-rank step's."""
     settings = {"algorithm": algorithm}
     one = _trainer(tiny_codebook_model, Ranks.single(), settings)
     one.step(_examples(lengths=(12,)))
-    two = _run_ranks(2, tiny_codebook_model, tmp_path, lengths=(12,), settings=settings)
+    two, _ = two_ranks[f"idle-rank/{algorithm}"]
     assert _relative_error(one.full_state_dict(), two["state"]) <= 1e-5
     assert two["metrics"]["train_sequences"] == 1
 
 
 @pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
-def test_a_checkpoint_written_by_two_ranks_resumes_at_one(tmp_path, tiny_codebook_model, lora):
+def test_a_checkpoint_written_by_two_ranks_resumes_at_one(tiny_codebook_model, two_ranks, lora):
     from safetensors.torch import load_file
 
     from longhorizon.learner.checkpoint import latest_checkpoint, load_checkpoint
 
-    two = _run_ranks(2, tiny_codebook_model, tmp_path, checkpoint=True, settings=lora)
-    checkpoint = latest_checkpoint(tmp_path)
+    two, folder = two_ranks["checkpoint/lora" if lora else "checkpoint/full"]
+    checkpoint = latest_checkpoint(folder)
     assert checkpoint is not None and (checkpoint / "sharded").is_dir()
     # The exported folder is the whole model, loadable by actors and eval as it is.
     exported = load_file(checkpoint / "model.safetensors")
