@@ -196,7 +196,8 @@ def _rank_job(ranks, model_folder, out_dir, lengths=(9, 14, 6, 11, 7), checkpoin
         mine = trainer.deal_examples(_grouped_examples())[ranks.rank]
     else:
         examples = _examples(lengths)
-        mine = [examples[i] for i in split_by_tokens([len(e.token_ids) for e in examples], ranks.world_size)[ranks.rank]]
+        shares = split_by_tokens([len(e.token_ids) for e in examples], ranks.world_size)
+        mine = [examples[i] for i in shares[ranks.rank]]
     metrics = trainer.step(mine, FlatShare(*flat))
     gradients = _gradients(trainer) if grouped else {}
     state = trainer.full_state_dict()

@@ -124,7 +124,8 @@ def test_the_command_trains_two_seeds_and_writes_their_verdicts(tmp_path, capsys
 
     output = tmp_path / "freezes"
     code = main(["experiment", "freezes", CODEBOOK, "--runs", "2", "--output", str(output),
-                 "--last-steps", "2", "run.total_steps=3", f"model.path={str(tiny_codebook_model)!r}"])
+                 "--last-steps", "2", "run.total_steps=3", "actor.num_actors=1",
+                 f"model.path={str(tiny_codebook_model)!r}"])
     assert code == 0
     last_line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last_line["experiment"] == "freezes" and last_line["runs"] == 2
@@ -141,6 +142,7 @@ def test_the_command_trains_two_seeds_and_writes_their_verdicts(tmp_path, capsys
         assert (output / f"run-{run['seed']}" / "metrics.jsonl").is_file()
     # A rerun with the same settings reuses the finished runs instead of training again.
     code = main(["experiment", "freezes", CODEBOOK, "--runs", "2", "--output", str(output),
-                 "--last-steps", "2", "run.total_steps=3", f"model.path={str(tiny_codebook_model)!r}"])
+                 "--last-steps", "2", "run.total_steps=3", "actor.num_actors=1",
+                 f"model.path={str(tiny_codebook_model)!r}"])
     assert code == 0
     assert capsys.readouterr().out.count("finished earlier, reusing") == 2

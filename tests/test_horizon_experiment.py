@@ -108,7 +108,9 @@ def test_the_command_runs_two_arms_on_a_tiny_budget(tmp_path, capsys):
 
     output = tmp_path / "horizons"
     code = main(["experiment", "horizons", "--seeds", "1", "--budget", "1500", "--points", "2",
-                 "--arms", "fixed-short,fixed-long", "--output", str(output)])
+                 "--arms", "fixed-short,fixed-long", "--output", str(output),
+                 # One actor process instead of two: the experiment's bookkeeping is under test.
+                 "--set", "actor.num_actors=1"])
     assert code == 0
     last_line = capsys.readouterr().out.strip().splitlines()[-1]
     result = json.loads(last_line)
