@@ -221,7 +221,9 @@ def format_report(summary: dict[str, Any]) -> str:
     """The summary and its findings as text for a terminal."""
     lines = [
         f"steps {summary['steps']} (last {summary['last_step']}), {summary['wall_s'] / 60:.1f} min; "
-        f"an update in {summary['steps_with_update']} of them; policy version {summary['versions']}",
+        f"an update in {summary['steps_with_update']} of them; policy version {summary['versions']}"
+        # Sync mode names a version per step, with or without an update.
+        + (" (a version per step: sync mode)" if summary["versions"] > summary["steps_with_update"] else ""),
         f"groups: {summary['groups_scored']} scored: {summary['groups_used']} used, {summary['groups_flat']} "
         f"flat ({_number(summary['flat_share'], '.0%')}), {summary['groups_too_small']} too small; "
         f"{summary['groups_dropped_stale']} dropped stale ({_number(summary['stale_share'], '.0%')}); "

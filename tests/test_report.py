@@ -149,3 +149,11 @@ def test_a_run_shorter_than_two_windows_names_no_first_and_last_windows():
     assert "training success: mean 50.0%; by cap" in short and "first 8 steps" not in short
     long = format_report(summarise_run([updated(step, success_rate=step / 16) for step in range(1, 17)]))
     assert "first 8 steps 28.1%, last 8 78.1%" in long
+
+
+def test_versions_beyond_the_updates_are_said_to_be_sync_modes():
+    """Sync mode makes a version per step, with or without an update; async mode one per update."""
+    sync = format_report(summarise_run([record(1), record(2), updated(3)]))
+    assert "an update in 1 of them; policy version 3 (a version per step: sync mode)" in sync
+    asynchronous = format_report(summarise_run([record(1, version=0), updated(2, version=1)]))
+    assert "an update in 1 of them; policy version 1\n" in asynchronous
