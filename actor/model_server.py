@@ -988,8 +988,14 @@ def make_handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
             A readable socket with nothing to read has reached its end; one holding the client's
             next request (HTTP/1.1 pipelining) is still open."""
             try:
-                readable, _, _ = select.select([self.connection], [], [], 0)
-                return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+                poller = select.poll()  # not select(): a busy server's sockets pass fd 1023
+                poller.register(self.connection, select.POLLIN)
+                events = poller.poll(0)
+                if not events:
+                    return False
+                if events[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                    return True
+                return self.connection.recv(1, socket.MSG_PEEK) == b""
             except (OSError, ValueError):  # reset, or already closed
                 return True
 
