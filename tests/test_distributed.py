@@ -64,16 +64,21 @@ def test_a_rank_that_is_done_exits_with_its_code_and_its_output_flushed(tmp_path
     import subprocess
     import sys
 
+    # Both held in buffers when the exit comes: stdout to a pipe, and the log record in a
+    # MemoryHandler that writes to its file only when flushed.
     script = (
-        "import logging, sys\n"
-        f"logging.basicConfig(filename={str(tmp_path / 'rank.log')!r}, level=logging.INFO)\n"
+        "import logging, logging.handlers\n"
+        f"file = logging.FileHandler({str(tmp_path / 'rank.log')!r})\n"
+        "buffered = logging.handlers.MemoryHandler(100, logging.CRITICAL, file)\n"
+        "logging.basicConfig(level=logging.INFO, handlers=[buffered])\n"
         "logging.getLogger('rank').info('final checkpoint written')\n"
         "print('metrics', end='')\n"
         "from longhorizon.learner.distributed import exit_without_teardown\n"
         "exit_without_teardown(3)\n"
         "print('never')\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=environment)
     assert done.returncode == 3, done.stderr
     assert done.stdout == "metrics"
     assert "final checkpoint written" in (tmp_path / "rank.log").read_text()

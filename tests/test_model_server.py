@@ -1,6 +1,7 @@
 """`serve-model` as agent clients use it: streamed replies (through the official `openai` client),
 top log-probs from the sampling distribution, /health and /metrics, and the errors for bad values."""
 
+import contextlib
 import http.client
 import json
 import math
@@ -312,22 +313,33 @@ def test_requests_batched_together_get_their_own_number_of_top_tokens(served):
         assert all(len(entry["top_logprobs"]) == top for entry in reply["choices"][0]["logprobs"]["content"])
 
 
-def test_tokens_are_streamed_while_the_batch_is_still_generating(served):
-    """The model is held at its third forward pass, so the reply cannot be complete until the test
-    releases it: the first token must arrive before that."""
-    server, base_url = served
+@contextlib.contextmanager
+def _model_held_at(server, call: int, seconds: float):
+    """The served model stops at its `call`-th forward pass until the test sets the yielded event
+    (at most `seconds`); also yields the list that counts the passes. Restored on leaving."""
     model = server.engine.model
     release, calls = threading.Event(), []
     original = model.forward
 
     def held_forward(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 3:
-            assert release.wait(20), "the test never released the model"
+        if len(calls) == call:
+            assert release.wait(seconds), "the test never released the model"
         return original(*args, **kwargs)
 
     model.forward = held_forward
     try:
+        yield release, calls
+    finally:
+        release.set()
+        del model.forward
+
+
+def test_tokens_are_streamed_while_the_batch_is_still_generating(served):
+    """The model is held at its third forward pass, so the reply cannot be complete until the test
+    releases it: the first token must arrive before that."""
+    server, base_url = served
+    with _model_held_at(server, 3, 20) as (release, calls):
         body = {"prompt": "s0 s1", "max_tokens": 6, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{base_url}/completions", json=body, timeout=30) as response:
             lines = response.iter_lines()
@@ -337,9 +349,6 @@ def test_tokens_are_streamed_while_the_batch_is_still_generating(served):
             release.set()
             rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"
-    finally:
-        release.set()
-        del model.forward
 
 
 @pytest.mark.parametrize("failing_call, streamed_tokens", [(1, 0), (3, 2)])
@@ -417,25 +426,21 @@ def _raw_post(base_url: str, path: str, body: dict):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_client_that_leaves_is_not_generated_for(served, stream):
+def test_a_client_that_leaves_is_not_generated_for(served, stream, monkeypatch):
     """One client's request is in the running batch (held at its second decoding step), another
     waits in the queue behind it; both close their connections. Once the model is released the
     batch ends at its next step rather than after its 60 tokens, the queued request is never
     generated, and both are counted as abandoned."""
     server, base_url = served
-    model = server.engine.model
-    release, calls = threading.Event(), []
-    original = model.forward
-
-    def held_forward(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            assert release.wait(30), "the test never released the model"
-        return original(*args, **kwargs)
-
     abandoned_before = server.metrics.abandoned
-    model.forward = held_forward
-    try:
+    batches = []  # the batches the engine was given: the queued request must never be one
+    generate = server.engine._generate_batch
+    def counted(requests, *args, **kwargs):
+        batches.append(len(requests))
+        return generate(requests, *args, **kwargs)
+
+    monkeypatch.setattr(server.engine, "_generate_batch", counted)
+    with _model_held_at(server, 2, 30) as (release, calls):
         body = {"messages": MESSAGES, "max_tokens": 60, "temperature": 0, "stream": stream}
         running = _raw_post(base_url, "chat/completions", body)
         assert _wait_for(lambda: len(calls) == 2)
@@ -444,13 +449,11 @@ def test_a_client_that_leaves_is_not_generated_for(served, stream):
         assert _wait_for(lambda: server.queue_depth == 1)
         running.close()
         queued.close()
-        # A waiting request notices within a quarter second; a stream may only notice on writing.
-        assert _wait_for(lambda: server.metrics.abandoned >= abandoned_before + (1 if stream else 2))
+        # A request waiting for its reply, or a stream for its next token, notices within a quarter second.
+        assert _wait_for(lambda: server.metrics.abandoned == abandoned_before + 2)
         release.set()
         assert _wait_for(lambda: server.in_flight == 0)
-    finally:
-        release.set()
-        del model.forward
+    assert batches == [1]
     assert len(calls) <= 4  # the step under way, at most one more: not the 60 the reply could have
     assert server.metrics.abandoned == abandoned_before + 2
     samples = _parse_prometheus(httpx.get(f"{base_url.removesuffix('/v1')}/metrics", timeout=30).text)
