@@ -268,6 +268,51 @@ class EnvPool:
         self._all.clear()
 
 
+async def run_group_member(
+    engine: Engine,
+    env_pool: EnvPool,
+    task,
+    member: int,
+    *,
+    group_size: int,
+    group_id: str,
+    actor_id: str,
+    horizon_cap: int,
+    max_context_tokens: int,
+    max_new_tokens: int,
+    seed: int,
+    on_trajectory: Callable[[Trajectory], Awaitable[None]],
+    invalid_reply_reward: float = 0.0,
+    env_call_timeout_s: float = DEFAULT_ENV_CALL_TIMEOUT_S,
+    agent: AgentLoop | str = "",
+    with_messages: bool = False,
+) -> Trajectory:
+    """Run member `member` of a group (its episode id is `<group_id>-<member>`) and hand its
+    trajectory over. Every member gets the same task instance (the reset `seed`) and cap; only
+    the sampling differs. The arguments are run_group's."""
+    env = env_pool.acquire()
+    result = await run_episode(
+        env,
+        engine,
+        task,
+        horizon_cap=horizon_cap,
+        max_context_tokens=max_context_tokens,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        episode_id=f"{group_id}-{member}",
+        invalid_reply_reward=invalid_reply_reward,
+        env_call_timeout_s=env_call_timeout_s,
+        agent=agent,
+    )
+    env_pool.release(env, broken=bool(result.error))
+    trajectory = to_trajectory(
+        result, actor_id=actor_id, task=task, group_id=group_id, group_size=group_size,
+        horizon_cap=horizon_cap, with_messages=with_messages,
+    )
+    await on_trajectory(trajectory)
+    return trajectory
+
+
 async def run_group(
     engine: Engine,
     env_pool: EnvPool,
@@ -289,30 +334,15 @@ async def run_group(
     """Run G episodes of one task concurrently; each trajectory is handed over as soon as it ends.
     `agent` as in run_episode, `with_messages` as in to_trajectory."""
     trajectories: list[Trajectory] = []
+    settings = dict(
+        group_size=group_size, group_id=group_id, actor_id=actor_id, horizon_cap=horizon_cap,
+        max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens, seed=seed,
+        on_trajectory=on_trajectory, invalid_reply_reward=invalid_reply_reward,
+        env_call_timeout_s=env_call_timeout_s, agent=agent, with_messages=with_messages,
+    )
 
     async def one(member: int) -> None:
-        env = env_pool.acquire()
-        result = await run_episode(
-            env,
-            engine,
-            task,
-            horizon_cap=horizon_cap,
-            max_context_tokens=max_context_tokens,
-            max_new_tokens=max_new_tokens,
-            # Every member sees the same task instance (same reset seed); the sampling differs.
-            seed=seed,
-            episode_id=f"{group_id}-{member}",
-            invalid_reply_reward=invalid_reply_reward,
-            env_call_timeout_s=env_call_timeout_s,
-            agent=agent,
-        )
-        env_pool.release(env, broken=bool(result.error))
-        trajectory = to_trajectory(
-            result, actor_id=actor_id, task=task, group_id=group_id, group_size=group_size,
-            horizon_cap=horizon_cap, with_messages=with_messages,
-        )
-        trajectories.append(trajectory)
-        await on_trajectory(trajectory)
+        trajectories.append(await run_group_member(engine, env_pool, task, member, **settings))
 
     async with trio.open_nursery() as nursery:
         for member in range(group_size):

@@ -22,7 +22,7 @@ import trio
 from longhorizon.actor.engines.base import Engine
 # engine_settings is re-exported: recipes and tests import it from here.
 from longhorizon.actor.engines.factory import build_engine, engine_settings  # noqa: F401
-from longhorizon.actor.rollout import EnvPool, run_group
+from longhorizon.actor.rollout import EnvPool, run_group, run_group_member
 from longhorizon.common.config import Config
 from longhorizon.common.collective import CollectiveError
 from longhorizon.common.models import WeightsRefused
@@ -33,6 +33,8 @@ from longhorizon.common.wire import (
 log = logging.getLogger(__name__)
 
 _ADMISSION_CHECK_S = 0.5
+ROLLOUT_SLOTS = ("group", "episode")
+"""What one of an async actor's slots holds (actor.rollout_slots)."""
 
 
 class ActorRefused(RuntimeError):
@@ -108,6 +110,8 @@ class Actor:
                 nursery.start_soon(self._heartbeats)
                 if self.config.run.mode == "sync":
                     nursery.start_soon(self._sync_loop)
+                elif self.config.actor.rollout_slots == "episode":
+                    nursery.start_soon(self._async_episode_slots)
                 else:
                     for _ in range(self.config.actor.concurrent_groups):
                         nursery.start_soon(self._async_group_loop)
@@ -224,19 +228,16 @@ class Actor:
                 self.actor_id, waited,
             )
 
-    async def _play_group(self) -> None:
-        horizon = self.horizon
+    def _next_group(self) -> tuple[object, dict]:
+        """A new group: its task (drawn from this actor's shard) and what all its members share,
+        the horizon cap in force now among them."""
         task = self.rng.choice(self.tasks)
         self.groups_started += 1
-        group_id = f"{self.actor_id}-{os.getpid()}-{self.groups_started}"
-        await run_group(
-            self.engine,
-            self.env_pool,
-            task,
+        settings = dict(
             group_size=self.config.actor.group_size,
-            group_id=group_id,
+            group_id=f"{self.actor_id}-{os.getpid()}-{self.groups_started}",
             actor_id=self.actor_id,
-            horizon_cap=horizon.horizon_cap,
+            horizon_cap=self.horizon.horizon_cap,
             max_context_tokens=self.config.actor.max_context_tokens,
             max_new_tokens=self.config.actor.sampling.max_new_tokens,
             seed=self.rng.randrange(2**31),
@@ -247,6 +248,11 @@ class Actor:
             # Only a run that saves its episodes sends their messages (the learner writes them).
             with_messages=self.config.run.save_episodes,
         )
+        return task, settings
+
+    async def _play_group(self) -> None:
+        task, settings = self._next_group()
+        await run_group(self.engine, self.env_pool, task, **settings)
 
     async def _watch_admission(self) -> None:
         """End the actor with a clear error once the learner has refused its connection: ZeroMQ
@@ -272,9 +278,36 @@ class Actor:
                 )
 
     async def _async_group_loop(self) -> None:
+        """rollout_slots = "group": a slot plays one group, then the next; it waits for the
+        group's longest member."""
         await self._wait_for(lambda: self.horizon is not None, "the learner's first horizon broadcast")
         while True:
             await self._play_group()
+
+    async def _async_episode_slots(self) -> None:
+        """rollout_slots = "episode": concurrent_groups x group_size episode slots, each starting
+        the next episode as soon as its own ends. A group's members start as slots free up (the
+        next group begins once the last one's members have all started), so a slot never idles
+        behind a long member of its group. Every member keeps the task, seed and horizon cap its
+        group drew when its first member started."""
+        await self._wait_for(lambda: self.horizon is not None, "the learner's first horizon broadcast")
+        group_size = self.config.actor.group_size
+        slots = trio.Semaphore(max(1, self.config.actor.concurrent_groups) * group_size)
+
+        async def play_member(task, member: int, settings: dict) -> None:
+            try:
+                await run_group_member(self.engine, self.env_pool, task, member, **settings)
+            finally:
+                slots.release()
+
+        async with trio.open_nursery() as nursery:
+            while True:
+                await slots.acquire()
+                task, settings = self._next_group()
+                for member in range(group_size):
+                    if member:
+                        await slots.acquire()
+                    nursery.start_soon(play_member, task, member, settings)
 
     async def _sync_loop(self) -> None:
         share = sync_share(self.config.learner.groups_per_step, max(1, self.config.actor.num_actors), self.actor_index)

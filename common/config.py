@@ -109,7 +109,12 @@ class ActorConfig:
     group_size: int = 4
     """Episodes per GRPO group (same task instance, started on one actor)."""
     concurrent_groups: int = 2
-    """Groups each actor keeps in flight at once."""
+    """Groups each actor keeps in flight at once (concurrent_groups x group_size episodes)."""
+    rollout_slots: str = "group"
+    """Async mode: what one of those slots holds. `group`: a group at a time, so a slot waits
+    for its group's longest member before the next group starts; `episode`: an episode at a
+    time, each slot starting the next group's next member as soon as its episode ends (more
+    episodes per second where lengths have a long tail; sync mode ignores it)."""
     max_batch_size: int = 16
     """Most generation requests the engine runs in one forward batch."""
     max_context_tokens: int = 4096

@@ -30,6 +30,7 @@ def validate_config(config: Config) -> None:
     instead of crashing every actor in a restart loop."""
     from longhorizon.actor.engines.base import EngineError, capabilities_of, check_engine_settings, engine_class
     from longhorizon.actor.engines.factory import engine_settings
+    from longhorizon.actor.worker import ROLLOUT_SLOTS
     from longhorizon.envs.base import get_env_spec, list_tasks
     from longhorizon.common.plugins import PluginError
     from longhorizon.learner.weights import publisher_class
@@ -50,6 +51,9 @@ def validate_config(config: Config) -> None:
     require(config.run.target_window >= 1, "run.target_window must be >= 1")
     require(config.actor.num_actors > 0, "actor.num_actors must be positive")
     require(config.actor.group_size >= 2, "actor.group_size must be at least 2 (GRPO compares episodes)")
+    require(config.actor.concurrent_groups >= 1, "actor.concurrent_groups must be at least 1")
+    require(config.actor.rollout_slots in ROLLOUT_SLOTS,
+            f"actor.rollout_slots must be one of {', '.join(ROLLOUT_SLOTS)}, got {config.actor.rollout_slots!r}")
     require(config.learner.loss in POLICY_LOSS_NAMES,
             f"learner.loss {config.learner.loss!r} is not one of {', '.join(POLICY_LOSS_NAMES)}")
     from longhorizon.learner.algorithms import AlgorithmError, make_algorithm

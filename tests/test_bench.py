@@ -51,7 +51,7 @@ def test_steady_state_needs_two_increasing_steps():
 
 
 def test_the_two_modes_differ_only_in_mode(tmp_path):
-    settings = AsyncVsSyncSettings(actors=2, concurrent_groups=3, token_latency_s=0.004)
+    settings = AsyncVsSyncSettings(actors=2, concurrent_groups=3, token_latency_s=0.004, rollout_slots="episode")
     configs = {mode: config_to_dict(bench_config(settings, mode, tmp_path, tmp_path / "model")) for mode in ("async", "sync")}
     assert configs["async"]["run"]["mode"] == "async" and configs["sync"]["run"]["mode"] == "sync"
     for config in configs.values():
@@ -61,6 +61,7 @@ def test_the_two_modes_differ_only_in_mode(tmp_path):
     assert config["env"]["name"] == "longtail"
     assert config["actor"]["engine"] == "scripted" and config["actor"]["num_actors"] == 2
     assert config["actor"]["simulated_token_latency_s"] == 0.004
+    assert config["actor"]["rollout_slots"] == "episode"  # sync mode ignores it
     # A sync batch is exactly what the actors run at once: 2 actors x 3 groups.
     assert config["learner"]["groups_per_step"] == 6
     assert config["horizon"]["schedule"] == "fixed" and config["horizon"]["stages"] == [30]
@@ -73,6 +74,7 @@ def test_the_two_modes_differ_only_in_mode(tmp_path):
         (["async-vs-sync", "--group-size", "1"], "group-size"),
         (["async-vs-sync", "--long-fraction", "2"], "long-fraction"),
         (["async-vs-sync", "--token-latency-ms", "-1"], "latency"),
+        (["async-vs-sync", "--rollout-slots", "token"], "invalid choice"),
         (["nonsense"], "invalid choice"),
         (["async-vs-sync", "--steps", "many"], "invalid int value"),
         (["transport", "--transport-rounds", "0"], "at least 1"),
@@ -139,7 +141,7 @@ def test_async_vs_sync_runs_both_modes_over_real_processes(tmp_path, capsys):
     output_dir = tmp_path / "bench"
     code = main([
         "async-vs-sync", "--steps", "3", "--actors", "2", "--concurrent-groups", "1", "--group-size", "2",
-        "--token-latency-ms", "0.5", "--output-dir", str(output_dir),
+        "--token-latency-ms", "0.5", "--rollout-slots", "episode", "--output-dir", str(output_dir),
     ])
     assert code == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -156,6 +158,7 @@ def test_async_vs_sync_runs_both_modes_over_real_processes(tmp_path, capsys):
     assert result["async_staleness_mean"] >= 0.0
     assert result["speedup"] == pytest.approx(result["async_episodes_per_s"] / result["sync_episodes_per_s"])
     assert {"target_speedup", "meets_target", "concurrent_episodes", "token_latency_s"} <= set(result)
+    assert result["rollout_slots"] == "episode"
 
 
 def test_soak_memory_growth_is_measured_from_the_end_of_each_warm_up():

@@ -64,6 +64,8 @@ class AsyncVsSyncSettings:
     """Turn range of long episodes; the horizon cap is set to its upper end, so nothing is cut."""
     max_staleness: int = 4
     """Async only (sync uses 0 by construction): groups staler than this are dropped."""
+    rollout_slots: str = "group"
+    """Async only: what an actor's slot holds (actor.rollout_slots), `group` or `episode`."""
     seed: int = 0
     """Run seed (task sampling, episode lengths, model initialisation)."""
 
@@ -93,6 +95,8 @@ class AsyncVsSyncSettings:
             raise ValueError(f"long-fraction must be between 0 and 1, got {self.long_fraction}")
         if self.max_staleness < 0:
             raise ValueError(f"max-staleness must be >= 0, got {self.max_staleness}")
+        if self.rollout_slots not in ("group", "episode"):
+            raise ValueError(f"rollout-slots must be group or episode, got {self.rollout_slots!r}")
         from longhorizon.envs.toy.longtail import LengthDistribution
 
         LengthDistribution(short_turns=self.short_turns, long_turns=self.long_turns, long_fraction=self.long_fraction)
@@ -126,6 +130,7 @@ def bench_config(settings: AsyncVsSyncSettings, mode: str, output_dir: Path, mod
                 "scripted_policy": "oracle",
                 "group_size": settings.group_size,
                 "concurrent_groups": settings.concurrent_groups,
+                "rollout_slots": settings.rollout_slots,
                 "simulated_token_latency_s": settings.token_latency_s,
             },
             "learner": {
@@ -250,6 +255,7 @@ def bench_async_vs_sync(
         "short_turns": list(settings.short_turns),
         "long_turns": list(settings.long_turns),
         "max_staleness": settings.max_staleness,
+        "rollout_slots": settings.rollout_slots,
         "seed": settings.seed,
         "output_dir": None if temporary else str(root),
     }
@@ -267,7 +273,7 @@ def print_report(result: dict[str, Any]) -> None:
         f"async vs sync: {result['actors']} actors x {result['concurrent_groups']} groups x "
         f"{result['group_size']} episodes in flight, {result['groups_per_step']} groups per step, "
         f"{result['steps']} steps, {result['token_latency_s'] * 1000:g} ms/token, "
-        f"{result['long_fraction']:.0%} long episodes"
+        f"{result['long_fraction']:.0%} long episodes, async slots of one {result['rollout_slots']}"
     )
     figures = [
         (Column("episodes/s", 11, ".2f"), "episodes_per_s"),

@@ -64,6 +64,7 @@ def _settings_from(args: argparse.Namespace) -> async_vs_sync.AsyncVsSyncSetting
         token_latency_s=args.token_latency_ms / 1000,
         long_fraction=args.long_fraction,
         max_staleness=args.max_staleness,
+        rollout_slots=args.rollout_slots,
         seed=args.seed,
     )
 
@@ -99,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     workload.add_argument(
         "--max-staleness", type=int, default=defaults.max_staleness,
         help="async: largest policy lag accepted (default %(default)s)",
+    )
+    workload.add_argument(
+        "--rollout-slots", choices=("group", "episode"), default=defaults.rollout_slots,
+        help="async: what an actor's slot holds, a whole group or one episode (default %(default)s)",
     )
     workload.add_argument("--seed", type=int, default=defaults.seed, help="run seed (default %(default)s)")
     workload.add_argument(
