@@ -294,10 +294,15 @@ class LearnerConfig:
     """kl_cov: weight of |log pi - log pi_prox| on the chosen tokens; needs
     `optimizer_steps_per_batch` >= 2 (the drift is 0 at the update's start)."""
     entropy_scope: str = "all"
-    """Where the entropy bonus acts: `all` generated tokens, or `failed_groups`, the tokens of groups
-    in which no member succeeded (the policy is sure there and wrong), leaving the states it
-    already answers right as sharp as they are. The logged `entropy`, which the target mode
-    steers, stays that of every generated token."""
+    """Where the entropy bonus acts: `all` generated tokens; `failed_groups`, the tokens of groups
+    in which no member succeeded, leaving the states the policy already answers right as sharp as
+    they are; or `frozen_groups`, the rows of those groups whose mean entropy is below
+    `frozen_entropy` (the policy is sure there and wrong), so a policy still searching at the
+    start of a run is left alone. The logged `entropy`, which the target mode steers, stays that
+    of every generated token."""
+    frozen_entropy: float = 0.2
+    """entropy_scope = `frozen_groups`: a row of a group without a success gets the bonus when its
+    mean entropy per generated token (nats, the full distribution's) is below this."""
     entropy_top_k: int = 0
     """The entropy bonus (entropy_coef, or the target mode's) on each position's k likeliest tokens
     renormalised, not on the whole vocabulary: spreading the policy over the answers it nearly

@@ -21,7 +21,9 @@ distribution's entropy, or with ``entropy_top_k`` > 0 on the entropy of its k li
 renormalised (`learner.logprobs.clamped_entropy`, after AEnt's clamped entropy): the bonus then
 spreads the policy over the answers it nearly gave, not over the vocabulary's tail. With
 ``entropy_scope = "failed_groups"`` it acts only on the tokens of groups in which no member
-succeeded (`bonus_entropy`).
+succeeded, and with ``"frozen_groups"`` only on those of their rows whose mean entropy per
+generated token is below ``frozen_entropy``: the policy is sure there and wrong, which a policy
+still searching (its entropy high, at the start of a run) is not (`bonus_entropy`).
 
 The math is pure functions of token-aligned [B, T] tensors (as in learner/losses.py); the trainer
 (learner/trainer.py) runs them. Every mode keeps the flat groups in the update at advantage 0
@@ -51,6 +53,7 @@ __all__ = [
     "EntropySettings",
     "adapted_coefficient",
     "bonus_entropy",
+    "bonus_row_weights",
     "clip_cov_selection",
     "covariance_means",
     "entropy_settings",
@@ -63,8 +66,9 @@ __all__ = [
 ]
 
 ENTROPY_CONTROLS = ("none", "target", "clip_cov", "kl_cov")
-ENTROPY_SCOPES = ("all", "failed_groups")
-"""Where the bonus acts: every generated token, or those of groups in which no member succeeded."""
+ENTROPY_SCOPES = ("all", "failed_groups", "frozen_groups")
+"""Where the bonus acts: every generated token, those of groups in which no member succeeded, or
+those of the rows of such groups whose mean entropy is below `frozen_entropy`."""
 
 # The learner keys each mode reads besides `entropy_control` (`entropy_coef` is common to all:
 # a fixed bonus, or the adaptive coefficient's start in the target mode). Setting one that the
@@ -98,6 +102,7 @@ class EntropySettings:
     kl_cov_coef: float = 1.0
     entropy_top_k: int = 0
     entropy_scope: str = "all"
+    frozen_entropy: float = 0.2
 
     @property
     def fraction(self) -> float:
@@ -159,6 +164,11 @@ def entropy_settings(config: LearnerConfig) -> EntropySettings:
                 "learner.entropy_control = 'target', or remove it")
 
     require_bonus(settings.entropy_scope == "all", f"learner.entropy_scope = {settings.entropy_scope!r}", "places")
+    require(settings.entropy_scope == "frozen_groups" or settings.frozen_entropy == defaults.frozen_entropy,
+            f"learner.frozen_entropy is read only with learner.entropy_scope = 'frozen_groups' (it is "
+            f"{settings.entropy_scope!r}); remove it or choose that scope")
+    require(math.isfinite(settings.frozen_entropy) and settings.frozen_entropy > 0,
+            f"learner.frozen_entropy must be positive (nats per generated token), got {settings.frozen_entropy}")
     top_k = settings.entropy_top_k
     require(isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0,
             f"learner.entropy_top_k must be a whole number >= 0 (0: the whole vocabulary), got {top_k!r}")
@@ -329,12 +339,28 @@ def kl_cov_penalty(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, sele
     return aggregate(drift, mask, aggregation)
 
 
-def bonus_entropy(entropy: torch.Tensor, loss_mask: torch.Tensor, group_failed: torch.Tensor | None, scope: str,
-                  level: str) -> torch.Tensor:
-    """The entropy the bonus raises: the mean over the generated tokens (aggregated at `level`),
-    or with scope "failed_groups" the same mean with every row of a group that had a success
-    counted at 0. The denominator is every generated token either way, so the bonus weighs in
-    proportion to the failed groups' share of the batch."""
+def bonus_row_weights(entropy: torch.Tensor, loss_mask: torch.Tensor, group_failed: torch.Tensor | None, scope: str,
+                      frozen_entropy: float = 0.0) -> torch.Tensor | None:
+    """Which rows the bonus acts on, 1.0 or 0.0 per row ([B]), or None for every row (scope "all",
+    or no group outcome known). "failed_groups": the rows of groups in which no member succeeded;
+    "frozen_groups": those of them whose mean entropy per generated token (without gradient: the
+    choice of rows is not trained) is below `frozen_entropy`."""
     if scope == "all" or group_failed is None:
+        return None
+    if scope == "failed_groups":
+        return group_failed
+    counted = loss_mask.sum(dim=1)
+    row_entropy = (entropy.detach() * loss_mask).sum(dim=1) / counted.clamp(min=1)
+    return group_failed * ((row_entropy < frozen_entropy) & (counted > 0)).to(group_failed.dtype)
+
+
+def bonus_entropy(entropy: torch.Tensor, loss_mask: torch.Tensor, group_failed: torch.Tensor | None, scope: str,
+                  level: str, frozen_entropy: float = 0.0) -> torch.Tensor:
+    """The entropy the bonus raises: the mean over the generated tokens (aggregated at `level`),
+    or with a narrower scope the same mean with every row outside it (`bonus_row_weights`)
+    counted at 0. The denominator is every generated token either way, so the bonus weighs in
+    proportion to its rows' share of the batch."""
+    weights = bonus_row_weights(entropy, loss_mask, group_failed, scope, frozen_entropy)
+    if weights is None:
         return aggregate(entropy, loss_mask, level)
-    return aggregate(entropy * group_failed[:, None], loss_mask, level)
+    return aggregate(entropy * weights[:, None], loss_mask, level)

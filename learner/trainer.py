@@ -23,6 +23,7 @@ from longhorizon.learner.distributed import Ranks
 from longhorizon.learner.entropy import (
     EntropyController,
     bonus_entropy,
+    bonus_row_weights,
     clip_cov_selection,
     covariance_means,
     entropy_settings,
@@ -381,8 +382,14 @@ class Trainer:
                     if entropy_coef > 0:  # the target mode measures the entropy even at 0
                         raised = mean_entropy if self.entropy.entropy_scope == "all" else bonus_entropy(
                             entropy, micro.loss_mask, micro.group_failed, self.entropy.entropy_scope,
-                            self._monitor_level)
+                            self._monitor_level, self.entropy.frozen_entropy)
                         loss = loss - entropy_coef * raised
+                        if self.entropy.entropy_scope != "all":
+                            rows = bonus_row_weights(entropy, micro.loss_mask, micro.group_failed,
+                                                     self.entropy.entropy_scope, self.entropy.frozen_entropy)
+                            covered = 1.0 if rows is None else float(
+                                (rows[:, None] * micro.loss_mask).sum() / micro.loss_mask.sum().clamp(min=1))
+                            totals["entropy_bonus_share"] = totals.get("entropy_bonus_share", 0.0) + covered * share
                     totals["entropy"] = totals.get("entropy", 0.0) + mean_entropy.item() * share
                 if selected[index] is not None and self.entropy.mode == "kl_cov":
                     penalty = kl_cov_penalty(logprobs, prox, selected[index], micro.loss_mask, self._monitor_level)

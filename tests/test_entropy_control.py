@@ -356,6 +356,25 @@ def test_the_bonus_on_failed_groups_counts_the_other_rows_at_zero_over_every_tok
     assert float(bonus_entropy(entropy, mask, failed, "failed_groups", "sequence")) == pytest.approx((0 + 5) / 2)
 
 
+def test_the_bonus_on_frozen_groups_takes_only_the_failed_rows_below_the_entropy_level():
+    from longhorizon.learner.entropy import bonus_entropy, bonus_row_weights
+
+    entropy = torch.tensor([[0.1, 0.2, 9.0], [0.1, 0.1, 0.4], [2.0, 1.0, 0.0], [0.05, 0.05, 0.05]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    failed = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    # Row means over generated tokens: 0.15 (the 9.0 is not generated), 0.2, 1.0, 0.05. Row 0 is
+    # below 0.18, row 1 is not (0.2 is not below it), row 2 is searching, row 3's group succeeded.
+    assert bonus_row_weights(entropy, mask, failed, "frozen_groups", 0.18).tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert bonus_row_weights(entropy, mask, failed, "frozen_groups", 0.25).tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert bonus_row_weights(entropy, mask, failed, "failed_groups", 0.18).tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert bonus_row_weights(entropy, mask, failed, "all", 0.18) is None
+    # Token level: row 0's two tokens over all 11 generated ones.
+    assert float(bonus_entropy(entropy, mask, failed, "frozen_groups", "token", 0.18)) == pytest.approx(0.3 / 11)
+    # A row without generated tokens is never taken (its mean is not below anything).
+    empty = torch.zeros(1, 3)
+    assert bonus_row_weights(empty, empty, torch.ones(1), "frozen_groups", 0.18).tolist() == [0.0]
+
+
 def test_scoring_marks_the_members_of_groups_without_a_success():
     from types import SimpleNamespace
 
@@ -375,11 +394,18 @@ def test_scoring_marks_the_members_of_groups_without_a_success():
 
 
 def test_the_scope_is_checked_with_the_bonus():
-    with pytest.raises(AlgorithmError, match="learner.entropy_scope must be one of all, failed_groups"):
+    with pytest.raises(AlgorithmError, match="learner.entropy_scope must be one of all, failed_groups, frozen_groups"):
         make_algorithm(LearnerConfig(entropy_scope="failed", entropy_coef=0.1))
     with pytest.raises(AlgorithmError, match="learner.entropy_scope = 'failed_groups' places the entropy bonus"):
         make_algorithm(LearnerConfig(entropy_scope="failed_groups"))
     make_algorithm(LearnerConfig(entropy_scope="failed_groups", entropy_coef=0.1))
+    make_algorithm(LearnerConfig(entropy_scope="frozen_groups", entropy_coef=0.1, frozen_entropy=0.3))
+    with pytest.raises(AlgorithmError, match="learner.frozen_entropy is read only with learner.entropy_scope = "
+                                             "'frozen_groups' \\(it is 'failed_groups'\\)"):
+        make_algorithm(LearnerConfig(entropy_scope="failed_groups", entropy_coef=0.1, frozen_entropy=0.3))
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(AlgorithmError, match="learner.frozen_entropy must be positive"):
+            make_algorithm(LearnerConfig(entropy_scope="frozen_groups", entropy_coef=0.1, frozen_entropy=bad))
 
 
 def test_the_scoped_bonus_in_the_update_acts_on_the_failed_groups_rows_alone(tiny_codebook_model):
@@ -404,3 +430,30 @@ def test_the_scoped_bonus_in_the_update_acts_on_the_failed_groups_rows_alone(tin
     moved = _gradient(tiny_codebook_model, LearnerConfig(**scoped), failed)
     plain = _gradient(tiny_codebook_model, LearnerConfig(learning_rate=1e-3), failed)
     assert any(not torch.allclose(x, y, rtol=1e-4, atol=1e-6) for x, y in zip(moved, plain))
+
+
+def test_the_frozen_groups_bonus_in_the_update_follows_the_entropy_level(tiny_codebook_model):
+    from tests.test_trainer import _gradient
+
+    model = load_causal_lm(tiny_codebook_model)
+    failed = [dataclasses.replace(e, group_failed=True) for e in _on_policy_examples(model)]
+
+    def same(a, b):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+
+    def frozen(level):
+        return LearnerConfig(entropy_coef=0.5, entropy_scope="frozen_groups", frozen_entropy=level, learning_rate=1e-3)
+
+    # A random tiny model is far from sure (about 2.7 nats a token): above any small level, no
+    # row is frozen and the update is the one without a bonus; below a level above every row's
+    # entropy, every failed row is, as with scope failed_groups.
+    same(_gradient(tiny_codebook_model, frozen(0.2), failed),
+         _gradient(tiny_codebook_model, LearnerConfig(learning_rate=1e-3), failed))
+    same(_gradient(tiny_codebook_model, frozen(100.0), failed),
+         _gradient(tiny_codebook_model, LearnerConfig(entropy_coef=0.5, entropy_scope="failed_groups",
+                                                      learning_rate=1e-3), failed))
+    # The step says what share of the generated tokens the bonus acted on.
+    assert Trainer(load_causal_lm(tiny_codebook_model), frozen(0.2)).step(failed)["entropy_bonus_share"] == 0.0
+    assert Trainer(load_causal_lm(tiny_codebook_model), frozen(100.0)).step(failed)["entropy_bonus_share"] == \
+        pytest.approx(1.0)
