@@ -283,7 +283,7 @@ def test_without_shared_storage_the_run_directory_holds_what_a_local_run_writes(
     # Midway the learner's first rank is killed: both ranks start again from the node's latest
     # checkpoint (the node copy is still there: nothing is sent again).
     resumed = _ray_config(tmp_path / "ray", tiny_codebook_model, ray_cluster, [
-        *short, *two_ranks, "run.total_steps=16", "run.resume=true", "ray.run_storage='node'",
+        *short, *two_ranks, "run.total_steps=8", "run.resume=true", "ray.run_storage='node'",
         f"ray.node_dir={str(node_dir)!r}",
     ])
     run_dir = resumed.run_dir
@@ -293,7 +293,7 @@ def test_without_shared_storage_the_run_directory_holds_what_a_local_run_writes(
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             records = read_metrics(run_dir)
-            if records and records[-1]["step"] >= 7:
+            if records and records[-1]["step"] >= 5:
                 killed["pid"] = json.loads((run_dir / "processes.json").read_text())["learner"]["pid"]
                 os.kill(killed["pid"], signal.SIGKILL)
                 return
@@ -309,8 +309,8 @@ def test_without_shared_storage_the_run_directory_holds_what_a_local_run_writes(
     assert killed and "the learner exited with code -9; restarting it from its latest checkpoint (1/3)" in output
     assert json.loads((run_dir / "processes.json").read_text())["learner"]["restarts"] == 1
     records = read_metrics(run_dir)
-    assert [r["step"] for r in records] == list(range(1, 17))
-    assert latest_checkpoint(run_dir).name == "step_000016"
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert latest_checkpoint(run_dir).name == "step_000008"
     assert (run_dir / "logs" / "learner.log").read_text().count("resumed from") == 2
 
 
