@@ -300,7 +300,7 @@ class LearnerConfig:
     `frozen_entropy` (the policy is sure there and wrong), so a policy still searching at the
     start of a run is left alone. The logged `entropy`, which the target mode steers, stays that
     of every generated token."""
-    frozen_entropy: float = 0.2
+    frozen_entropy: float = 1.0
     """entropy_scope = `frozen_groups`: a row of a group without a success gets the bonus when its
     mean entropy per generated token (nats, the full distribution's) is below this."""
     entropy_top_k: int = 0

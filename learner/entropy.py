@@ -102,7 +102,7 @@ class EntropySettings:
     kl_cov_coef: float = 1.0
     entropy_top_k: int = 0
     entropy_scope: str = "all"
-    frozen_entropy: float = 0.2
+    frozen_entropy: float = 1.0
 
     @property
     def fraction(self) -> float:
