@@ -179,9 +179,9 @@ def test_codebook_learns_on_a_two_node_ray_cluster_and_survives_a_killed_actor(t
     from longhorizon.launch.ray import launch_ray
     from tests.test_learning import _evaluate
 
-    from tests.test_learning import TARGET
+    from tests.test_learning import FREEZE_GUARD, TARGET
 
-    config = _ray_config(tmp_path, tiny_codebook_model, ray_cluster, [TARGET])
+    config = _ray_config(tmp_path, tiny_codebook_model, ray_cluster, [TARGET, *FREEZE_GUARD])
     run_dir = config.run_dir
     killed: dict = {}
 
