@@ -105,8 +105,10 @@ def test_tiny_model_learns_codebook_through_real_processes(tmp_path, tiny_codebo
     """One rank: the test split holds only symbol sequences the train split never shows (9 of the
     64), so held-out success measures the codebook learned, not sequences remembered. Two ranks:
     the learner is two processes under torch.distributed (gloo), the model sharded with FSDP2, on
-    the shipped config: the same run must reach the same held-out success."""
-    overrides = [f"learner.num_ranks={num_ranks}"] + ([HELD_OUT_SEQUENCES] if num_ranks == 1 else [])
+    the shipped config with one actor process instead of two (two learner ranks and two actors
+    are four processes starting on 2 cores; the one-rank run keeps two actors): the same run must
+    reach the same held-out success."""
+    overrides = [f"learner.num_ranks={num_ranks}"] + ([HELD_OUT_SEQUENCES] if num_ranks == 1 else ["actor.num_actors=1"])
     config, records, trained = _train_and_evaluate(tmp_path, tiny_codebook_model, overrides)
     assert trained.success_rate > 0.8
     if num_ranks == 1:

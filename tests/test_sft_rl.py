@@ -23,7 +23,9 @@ def _config(tmp_path, model, *overrides):
         f"run.output_dir={str(tmp_path)!r}", "run.name='sft-rl'", f"model.path={str(model)!r}", HELD_OUT,
         "sft_rl.oracle_episodes=256", "sft_rl.eval_episodes=100", "sft.epochs=3", "sft.learning_rate=3e-3",
         "sft.batch_sequences=16", "run.total_steps=4", "learner.checkpoint_every=2",
-        "learner.learning_rate=3e-4", "learner.warmup_steps=4", *overrides,
+        "learner.learning_rate=3e-4", "learner.warmup_steps=4",
+        # One actor process: the recipe's phases are under test, not the actors' number.
+        "actor.num_actors=1", *overrides,
     ])
 
 
