@@ -313,33 +313,12 @@ async def run_group_member(
     return trajectory
 
 
-async def run_group(
-    engine: Engine,
-    env_pool: EnvPool,
-    task,
-    *,
-    group_size: int,
-    group_id: str,
-    actor_id: str,
-    horizon_cap: int,
-    max_context_tokens: int,
-    max_new_tokens: int,
-    seed: int,
-    on_trajectory: Callable[[Trajectory], Awaitable[None]],
-    invalid_reply_reward: float = 0.0,
-    env_call_timeout_s: float = DEFAULT_ENV_CALL_TIMEOUT_S,
-    agent: AgentLoop | str = "",
-    with_messages: bool = False,
-) -> list[Trajectory]:
+async def run_group(engine: Engine, env_pool: EnvPool, task, *, group_size: int, **member_settings) -> list[Trajectory]:
     """Run G episodes of one task concurrently; each trajectory is handed over as soon as it ends.
-    `agent` as in run_episode, `with_messages` as in to_trajectory."""
+    `member_settings` are run_group_member's keyword arguments (group_id, actor_id, horizon_cap,
+    max_context_tokens, max_new_tokens, seed, on_trajectory, ...)."""
     trajectories: list[Trajectory] = []
-    settings = dict(
-        group_size=group_size, group_id=group_id, actor_id=actor_id, horizon_cap=horizon_cap,
-        max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens, seed=seed,
-        on_trajectory=on_trajectory, invalid_reply_reward=invalid_reply_reward,
-        env_call_timeout_s=env_call_timeout_s, agent=agent, with_messages=with_messages,
-    )
+    settings = dict(member_settings, group_size=group_size)
 
     async def one(member: int) -> None:
         trajectories.append(await run_group_member(engine, env_pool, task, member, **settings))
