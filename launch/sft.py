@@ -46,7 +46,7 @@ from longhorizon.learner.sft import (
     sft_loss,
 )
 from longhorizon.learner.logprobs import chunked_logprobs_match, pad_examples, token_logprobs
-from longhorizon.learner.shared_prefix import computed_tokens, shared_prefix_matches
+from longhorizon.learner.shared_prefix import computed_tokens, probe_shared_prefix
 from longhorizon.learner.trainer import learning_rate_at
 
 
@@ -125,10 +125,12 @@ def run_sft(config: Config, *, note: Callable[[str], None] = print, progress_str
     chunk_tokens = learner.logprob_chunk_tokens if chunked else 0
     # The conversations' common prefix encoded once per micro-batch, where the model is known to
     # give the plain pass's log-probs that way (as in RL).
-    share_prefix = learner.shared_prefix and shared_prefix_matches(model)
-    if learner.shared_prefix and not share_prefix:
-        note(f"learner.shared_prefix is not used for {type(model).__name__}, whose shared-prefix log-probs differ "
-             f"from its plain ones: each conversation is encoded whole")
+    share_prefix = False
+    if learner.shared_prefix:
+        probe = probe_shared_prefix(model)
+        share_prefix = probe.usable
+        if not share_prefix:
+            note(f"learner.shared_prefix is not used: {probe.reason}; each conversation is encoded whole")
     pad_token_id = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else chat_tokenizer.eos_token_id
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.learning_rate, weight_decay=sft.weight_decay)
     metrics = MetricsWriter(run_dir, config=config)

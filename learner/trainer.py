@@ -45,7 +45,7 @@ from longhorizon.learner.losses import aggregate, kl_penalty, sampled_entropy
 from longhorizon.learner.scoring import FlatShare, ScoredBatch
 from longhorizon.learner.shared_prefix import (
     plan_group_micro_batches,
-    shared_prefix_matches,
+    probe_shared_prefix,
     sharing_units,
 )
 
@@ -182,18 +182,21 @@ class Trainer:
         )
 
     def _shared_prefix_usable(self, model) -> bool:
-        """learner.shared_prefix where it is known to give the plain pass's results: a model whose
-        shared-prefix log-probs match its plain ones (`shared_prefix_matches`), on every rank.
-        Elsewhere the plain pass runs, the same update at more compute, and the log says so."""
+        """learner.shared_prefix where it gives the plain pass's results up to rounding
+        (`probe_shared_prefix`), on every rank. Elsewhere the plain pass runs, the same update at
+        more compute, and the log says why with the measured difference."""
         if not self.config.shared_prefix:
             return False
-        usable = shared_prefix_matches(model)
+        probe = probe_shared_prefix(model)
+        usable = probe.usable
         if self.ranks.distributed:  # the ranks must agree: their passes meet in FSDP2's collectives
             usable = distributed.all_reduce_max(0 if usable else 1) == 0
-        if not usable:
-            logging.getLogger(__name__).warning(
-                "learner.shared_prefix is not used for %s, whose shared-prefix log-probs differ from its plain "
-                "ones: each member's prompt is encoded on its own", type(model).__name__)
+        log = logging.getLogger(__name__)
+        if usable:
+            log.info("learner.shared_prefix on: %s", probe.reason)
+        else:
+            log.warning("learner.shared_prefix is not used: %s; each member's prompt is encoded on its own",
+                        probe.reason if not probe.usable else "another rank's model refused it")
         return usable
 
     def deal_examples(self, examples: list[Example]) -> list[list[Example]]:
