@@ -172,9 +172,12 @@ class LearnerConfig:
     """LoRA instead of full fine-tuning, e.g. {rank = 16, alpha = 32, target_modules = ["q_proj",
     "v_proj"], dropout = 0.0}: only the adapters train and only they are sent to the actors (hf
     engine). Empty: every parameter trains."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | str = "auto"
     """Recompute each layer's activations in the backward pass instead of keeping them: less
-    memory for long sequences, about a third more compute."""
+    memory for long sequences, about a third more compute. "auto" turns it on where a full
+    micro-batch's activations would outweigh the model's own training state (SmolLM2 at the
+    default budget: on; the tests' tiny models: off; learner/logprobs.py
+    `gradient_checkpointing_pays`); true or false decide."""
     logprob_chunk_tokens: int = 1024
     """Log-probs are computed over about this many positions at a time, the output layer's logits
     recomputed in the backward pass, so the whole micro-batch's logits never exist at once; 0

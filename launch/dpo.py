@@ -24,7 +24,9 @@ from longhorizon.learner.dpo import (
     sequence_logprobs,
 )
 from longhorizon.learner.sft import load_model_for_training, plan_steps, save_model_folder
-from longhorizon.learner.logprobs import chunked_logprobs_match, pad_examples, token_logprobs
+from longhorizon.learner.logprobs import (
+    chunked_logprobs_match, pad_examples, token_logprobs, use_gradient_checkpointing,
+)
 from longhorizon.learner.trainer import learning_rate_at
 
 
@@ -92,7 +94,7 @@ def run_dpo(config: Config, *, note: Callable[[str], None] = print, progress_str
     rng = np.random.default_rng(config.run.seed)
     plan = [(epoch, step) for epoch in range(dpo.epochs)
             for step in plan_steps([1] * len(pairs), rng.permutation(len(pairs)), dpo.batch_pairs)]
-    if learner.gradient_checkpointing:
+    if use_gradient_checkpointing(learner.gradient_checkpointing, model, learner.max_tokens_per_micro_batch):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=dpo.learning_rate, weight_decay=dpo.weight_decay)
     metrics = MetricsWriter(run_dir, config=config)

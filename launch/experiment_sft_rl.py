@@ -18,6 +18,9 @@ successes with a 95% Wilson interval, every phase its wall time, and each RL res
 two-proportion test against the SFT checkpoint's. Outputs: `summary.json`, `held_out.png`
 (held-out success per phase), `oracle.jsonl`, `sft/` and `rl/` (or `rl-seed<N>/`: the runs, with
 their training curves). It prints a table, then one line of JSON.
+
+SFT and every evaluation run in a process of their own (launch/child.py), so this one holds no
+model while the RL phase's learner and actors run beside it.
 """
 
 from __future__ import annotations
@@ -149,6 +152,7 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
     from longhorizon.actor.collect import run_collect
     from longhorizon.common.models import resolve_model_path
     from longhorizon.learner.checkpoint import latest_checkpoint
+    from longhorizon.launch.child import run_in_child
     from longhorizon.launch.launcher import fresh_run_dir
     from longhorizon.launch.sft import evaluate_model, run_sft
     from longhorizon.learner.sft import check_sft_config
@@ -180,9 +184,9 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
     def evaluate(phase: str, model: str, extra: dict) -> None:
         began = time.perf_counter()
         note(f"{phase}: evaluating {model} on {settings.eval_episodes} {config.env.eval_split} tasks ({how})")
-        entry = wilson_entry(evaluate_model(eval_config, model, settings.eval_episodes,
-                                            samples_per_task=settings.eval_samples,
-                                            temperature=settings.eval_temperature))
+        entry = wilson_entry(run_in_child(evaluate_model, eval_config, model, settings.eval_episodes,
+                                          samples_per_task=settings.eval_samples,
+                                          temperature=settings.eval_temperature))
         entry.update({"eval_seconds": time.perf_counter() - began, **extra, "model": model})
         summary["phases"][phase] = entry
         note(f"{phase}: held-out success {entry['success_rate']:.1%} "
@@ -209,7 +213,7 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
         sft_config = _phase_config(
             config, run_dir, "sft", learner=dataclasses.replace(config.learner, torch_threads=threads),
             sft=dataclasses.replace(config.sft, data=[str(oracle_file)], eval_episodes=0, eval_before=False))
-        sft_summary = run_sft(sft_config, note=note, progress_stream=progress_stream)
+        sft_summary = run_in_child(run_sft, sft_config, note=note, progress_stream=progress_stream)
         policy = sft_summary["checkpoint"]
         sft_entry = {"model": policy, "train_seconds": time.perf_counter() - began,
                      "oracle_conversations": collected.written, "sft_steps": sft_summary["steps"]}

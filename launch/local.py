@@ -73,6 +73,9 @@ def validate_config(config: Config) -> None:
             f"learner.partial_groups must be one of {', '.join(PARTIAL_GROUP_POLICIES)}")
     require(config.learner.max_tokens_per_micro_batch > 0, "learner.max_tokens_per_micro_batch must be positive")
     require(config.learner.precision in PRECISIONS, f"learner.precision must be one of {', '.join(PRECISIONS)}")
+    require(isinstance(config.learner.gradient_checkpointing, bool) or config.learner.gradient_checkpointing == "auto",
+            f"learner.gradient_checkpointing must be true, false or \"auto\", "
+            f"got {config.learner.gradient_checkpointing!r}")
     require(config.learner.logprob_chunk_tokens >= 0, "learner.logprob_chunk_tokens must be >= 0 (0: whole logits)")
     require(config.learner.warmup_steps >= 0, "learner.warmup_steps must be >= 0 (0: no warm-up)")
     require(config.learner.entropy_coef >= 0, "learner.entropy_coef must be >= 0 (0: no entropy bonus)")

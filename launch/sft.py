@@ -45,7 +45,9 @@ from longhorizon.learner.sft import (
     save_model_folder,
     sft_loss,
 )
-from longhorizon.learner.logprobs import chunked_logprobs_match, pad_examples, token_logprobs
+from longhorizon.learner.logprobs import (
+    chunked_logprobs_match, pad_examples, token_logprobs, use_gradient_checkpointing,
+)
 from longhorizon.learner.shared_prefix import computed_tokens, probe_shared_prefix
 from longhorizon.learner.trainer import learning_rate_at
 
@@ -118,7 +120,7 @@ def run_sft(config: Config, *, note: Callable[[str], None] = print, progress_str
     lengths = [len(example.token_ids) for example in data.examples]
     plan = [(epoch, step) for epoch in range(sft.epochs)
             for step in plan_steps(lengths, rng.permutation(len(lengths)), sft.batch_sequences, sft.batch_tokens)]
-    if learner.gradient_checkpointing:
+    if use_gradient_checkpointing(learner.gradient_checkpointing, model, learner.max_tokens_per_micro_batch):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # Chunked log-probs only where they reproduce the model's own logits (as in RL).
     chunked = learner.logprob_chunk_tokens > 0 and chunked_logprobs_match(model)

@@ -257,3 +257,41 @@ def plan_micro_batches(examples: list[Example], max_sequences: int, max_tokens: 
     if current:
         chunks.append(current)
     return chunks
+
+
+ACTIVATION_BYTES_PER_UNIT = 100
+"""Bytes a training forward pass keeps for the backward pass, per token, decoder layer and unit of
+the hidden size: SmolLM2-135M in fp32 keeps 1.3-2.3 MB a token (30 layers of 576), 75-133 bytes a
+unit (`longhorizon bench learner`, docs/benchmarks.md)."""
+
+CHECKPOINTING_FLOOR_BYTES = 1 << 30
+"""Activations below this never turn gradient checkpointing on: small models and micro-batches
+train faster without the recomputation, and their memory is not what limits a run."""
+
+
+def gradient_checkpointing_pays(model, max_tokens_per_micro_batch: int) -> bool:
+    """Whether recomputing each layer's activations in the backward pass pays for `model`: when a
+    full micro-batch's activations (`ACTIVATION_BYTES_PER_UNIT` per token, layer and hidden unit)
+    would be more than the model's own training state (weights, and for what trains its gradient
+    and AdamW's two moments) and more than `CHECKPOINTING_FLOOR_BYTES`. Then they are most of the
+    step's peak, and checkpointing keeps only each layer's input (one unit in ~100) for about a
+    third more compute."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layers, hidden = getattr(text, "num_hidden_layers", None), getattr(text, "hidden_size", None)
+    if not layers or not hidden:
+        return False
+    activations = max_tokens_per_micro_batch * layers * hidden * ACTIVATION_BYTES_PER_UNIT
+    state = sum(p.numel() * p.element_size() + (3 * p.numel() * 4 if p.requires_grad else 0)
+                for p in model.parameters())
+    return activations > max(state, CHECKPOINTING_FLOOR_BYTES)
+
+
+def use_gradient_checkpointing(setting: bool | str, model, max_tokens_per_micro_batch: int) -> bool:
+    """learner.gradient_checkpointing resolved for `model`: true, false, or "auto"
+    (`gradient_checkpointing_pays`)."""
+    if isinstance(setting, bool):
+        return setting
+    if setting != "auto":
+        raise ValueError(f"learner.gradient_checkpointing must be true, false or \"auto\", got {setting!r}")
+    return gradient_checkpointing_pays(model, max_tokens_per_micro_batch)

@@ -40,6 +40,7 @@ from longhorizon.learner.logprobs import (
     pad_examples,
     plan_micro_batches,
     token_logprobs,
+    use_gradient_checkpointing,
 )
 from longhorizon.learner.losses import aggregate, kl_penalty, sampled_entropy
 from longhorizon.learner.scoring import FlatShare, ScoredBatch
@@ -143,7 +144,9 @@ class Trainer:
         self._monitor_level = "token" if self.aggregation == "token" else "sequence"
         if config.precision not in PRECISIONS:
             raise ValueError(f"learner.precision must be one of {', '.join(PRECISIONS)}, got {config.precision!r}")
-        if config.gradient_checkpointing:
+        self.gradient_checkpointing = use_gradient_checkpointing(
+            config.gradient_checkpointing, model, config.max_tokens_per_micro_batch)
+        if self.gradient_checkpointing:
             # transformers' own switch: each decoder layer's activations are recomputed in backward.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # Chunked log-probs only where they reproduce the model's own logits.

@@ -156,7 +156,7 @@ class Learner:
         log.info(
             "learner rank %d of %d on %s, %s, gradient checkpointing %s, log-prob chunks of %s tokens",
             self.ranks.rank, self.ranks.world_size, self.device, config.learner.precision,
-            "on" if config.learner.gradient_checkpointing else "off", self.trainer.chunk_tokens or "all",
+            "on" if self.trainer.gradient_checkpointing else "off", self.trainer.chunk_tokens or "all",
         )
         self.sync = config.run.mode == "sync"
         self.buffer = build_buffer(config, vocab_size=self.model.get_input_embeddings().num_embeddings)

@@ -251,3 +251,19 @@ def test_learner_bench_runs_ranks_in_processes(tiny_codebook_model, capsys):
     off, on = (next(run for run in runs if run["kind"] == "longhorizon" and run["shared_prefix"] is shared)
                for shared in (False, True))
     assert off["tokens_trained"] == on["tokens_trained"] and on["tokens_computed"] == off["tokens_computed"] - 2 * 3 * 32
+
+
+def test_peak_memory_counts_the_commands_children_and_passes_its_exit_code(capsys):
+    """A command whose child holds 200 MB for a while and exits 3: the tree's peak holds the
+    child's 200 MB, the child is listed, and the exit code is the command's."""
+    import json
+    import sys
+
+    from longhorizon.launch.bench.peak_memory import main
+
+    child = "import time; block = bytearray(200 * 2**20); time.sleep(2)"
+    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}]); sys.exit(3)"
+    assert main(["--interval-s", "0.1", "--", sys.executable, "-c", parent]) == 3
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["exit_code"] == 3 and result["peak_pss_mb"] >= 200
+    assert any("bytearray(200" in label and mb >= 200 for label, mb in result["own_peak_mb"].items())

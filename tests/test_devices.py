@@ -73,6 +73,37 @@ def test_gradient_checkpointing_gives_the_same_gradient(tiny_codebook_model):
         torch.testing.assert_close(grad, reference, atol=1e-6, rtol=1e-4)
 
 
+def test_auto_checkpointing_turns_on_where_activations_outweigh_the_training_state(tiny_codebook_model):
+    """By hand: SmolLM2's shape (30 layers of 576, 135M parameters) at 4,096 tokens keeps
+    4096 x 30 x 576 x 100 B = 7.1 GB of activations against 135M x 16 B = 2.2 GB of state: on. The
+    tests' tiny model keeps far less than the 1 GiB floor: off. Frozen weights count 4 bytes only."""
+    from types import SimpleNamespace
+
+    from longhorizon.learner.logprobs import gradient_checkpointing_pays, use_gradient_checkpointing
+
+    class Shaped(torch.nn.Module):
+        def __init__(self, layers, hidden, parameters, trainable=True):
+            super().__init__()
+            self.config = SimpleNamespace(num_hidden_layers=layers, hidden_size=hidden)
+            self.weight = torch.nn.Parameter(torch.empty(parameters, device="meta"), requires_grad=trainable)
+
+    smollm2 = Shaped(30, 576, 135_000_000)
+    assert gradient_checkpointing_pays(smollm2, 4096)
+    # 2.2 GB of state: 4096 x 30 x 576 x 100 = 7.1e9 passes, 1024 tokens (1.8e9) does not.
+    assert not gradient_checkpointing_pays(smollm2, 1024)
+    # The same model frozen (LoRA trains a few adapters) holds 0.54 GB: 1,024 tokens pay then.
+    assert gradient_checkpointing_pays(Shaped(30, 576, 135_000_000, trainable=False), 1024)
+    # Under the 1 GiB floor whatever the state: 512 x 30 x 576 x 100 = 0.88 GB.
+    assert not gradient_checkpointing_pays(Shaped(30, 576, 1000), 512)
+    assert gradient_checkpointing_pays(Shaped(30, 576, 1000), 1024)
+    tiny = load_causal_lm(tiny_codebook_model)
+    assert not use_gradient_checkpointing("auto", tiny, 4096)
+    assert use_gradient_checkpointing(True, tiny, 4096) and not use_gradient_checkpointing(False, smollm2, 4096)
+    with pytest.raises(ValueError, match="true, false or \"auto\""):
+        use_gradient_checkpointing("sometimes", tiny, 4096)
+    assert not Trainer(tiny, LearnerConfig()).gradient_checkpointing and not tiny.is_gradient_checkpointing
+
+
 def test_the_hf_engine_takes_a_device_and_refuses_unknown_options(tiny_codebook_model):
     settings = EngineSettings(model_path=str(tiny_codebook_model), engine_options={"device": "cpu"})
     assert make_engine("hf", settings).device == torch.device("cpu")

@@ -27,6 +27,7 @@ from longhorizon.launch.local import format_progress, validate_config
         ("learner.max_nonfinite_steps=0", "learner.max_nonfinite_steps must be >= 1"),
         ("run.target_success=1.5", r"run.target_success must be in \[0, 1\]"),
         ("run.target_window=0", "run.target_window must be >= 1"),
+        ("learner.gradient_checkpointing=sometimes", 'learner.gradient_checkpointing must be true, false or "auto"'),
     ],
 )
 def test_validate_config_names_the_problem(override, message):
