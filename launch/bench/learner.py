@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shared-prefix", type=_switches, default=[False],
                         help="off, on or off,on: our step with learner.shared_prefix (default off)")
     parser.add_argument("--no-bare", action="store_true", help="skip the bare torch loop")
-    parser.add_argument("--gradient-checkpointing", action="store_true",
-                        help="our step recomputes layer activations in the backward pass")
+    parser.add_argument("--gradient-checkpointing", choices=("on", "off", "auto"), default="auto",
+                        help="learner.gradient_checkpointing for our step: on, off or auto, which turns it on "
+                             "where a micro-batch's activations outweigh the training state (default %(default)s)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default %(default)s)")
     parser.add_argument("--precision", default="fp32", help="fp32 or bf16-mixed (default %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads in all (default %(default)s)")
@@ -204,15 +205,18 @@ def measure(args: argparse.Namespace, kind: str, shared_prefix: bool = False) ->
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
         model.train()
 
+        checkpointing = None
+
         def step() -> None:
             _bare_step(model, optimizer, micro_batches, args.precision)
     else:
         trainer = Trainer(model, LearnerConfig(
             micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
             logprob_chunk_tokens=int(kind), precision=args.precision,
-            gradient_checkpointing=args.gradient_checkpointing, num_ranks=ranks.world_size,
+            gradient_checkpointing=_checkpointing_setting(args.gradient_checkpointing), num_ranks=ranks.world_size,
             shared_prefix=shared_prefix,
         ), ranks=ranks)
+        checkpointing = trainer.gradient_checkpointing
 
         def step() -> None:
             trainer.step(examples)
@@ -241,6 +245,7 @@ def measure(args: argparse.Namespace, kind: str, shared_prefix: bool = False) ->
         "ranks": ranks.world_size,
         "logprob_chunk_tokens": None if kind == "bare" else int(kind),
         "shared_prefix": shared_prefix,
+        "gradient_checkpointing": checkpointing,
         "micro_batches": len(plan),
         "tokens_trained": trained,
         "tokens_computed": computed,
@@ -249,6 +254,11 @@ def measure(args: argparse.Namespace, kind: str, shared_prefix: bool = False) ->
         "peak_rss_mb": memory.peak_bytes / MIB,
         "peak_cuda_mb": torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else None,
     }
+
+
+def _checkpointing_setting(switch: str) -> bool | str:
+    """--gradient-checkpointing as learner.gradient_checkpointing takes it."""
+    return {"on": True, "off": False}.get(switch, switch)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -287,7 +297,7 @@ def main(argv: list[str]) -> int:
         "--precision", args.precision, "--threads", str(args.threads),
         "--shape", args.shape, "--group-size", str(args.group_size),
         *(["--prompt-tokens", str(args.prompt_tokens)] if args.prompt_tokens is not None else []),
-        *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
+        "--gradient-checkpointing", args.gradient_checkpointing,
     ]
     runs = []
     for rank_count in args.ranks:
@@ -309,7 +319,7 @@ def print_report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
     shape = " x" if args.shape == "random" else (
         f" in groups of {args.group_size} sharing a {_prompt_tokens(args)}-token prompt ({args.shape}), up to")
     print(f"model {args.model}: {args.sequences} sequences{shape} {args.tokens} tokens, {args.precision}, "
-          f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, "
+          f"gradient checkpointing {args.gradient_checkpointing}, "
           f"micro-batches of <= {args.micro_batch_size} sequences and {args.max_tokens_per_micro_batch} tokens, "
           f"median of {args.steps} steps")
     rows = []
@@ -317,11 +327,13 @@ def print_report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
         chunk = "-" if run["logprob_chunk_tokens"] is None else (run["logprob_chunk_tokens"] or "whole")
         gpu = "-" if run["peak_cuda_mb"] is None else f"{run['peak_cuda_mb']:.0f}"
         overhead = "-" if run["overhead_vs_bare"] is None else f"{run['overhead_vs_bare']:+.1%}"
-        rows.append([run["kind"], run["ranks"], chunk, "on" if run.get("shared_prefix") else "off",
+        checkpointing = {None: "-", True: "on", False: "off"}[run.get("gradient_checkpointing")]
+        rows.append([run["kind"], run["ranks"], chunk, "on" if run.get("shared_prefix") else "off", checkpointing,
                      run["tokens_trained"], run["tokens_computed"], run["step_s"], run["tokens_per_s"],
                      run["peak_rss_mb"], gpu, overhead])
     print_table(
         [Column("run", 12), Column("ranks", 5), Column("log-prob chunk", 15), Column("shared prefix", 13),
+         Column("checkpointing", 13),
          Column("tokens trained", 14), Column("tokens computed", 15), Column("step s", 8, ".2f"),
          Column("tokens/s", 9, ".1f"), Column("peak RSS MB", 12, ".0f"), Column("peak GPU MB", 12),
          Column("vs bare", 8)],
