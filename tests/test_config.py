@@ -77,3 +77,25 @@ def test_a_bundled_config_is_found_by_its_name_from_any_folder(tmp_path, monkeyp
         load_config("nope")
     with pytest.raises(ConfigError, match="config file not found: sub/textcraft"):
         load_config("sub/textcraft")  # a path is taken as a path
+
+
+def test_every_bundled_config_resolves_as_recorded():
+    """The defaults and each bundled config resolve to the values tests/data/resolved_configs.json
+    records (a change of meaning is a change to that file, made by its script, seen in review)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    data = Path(__file__).parent / "data"
+    sys.path.insert(0, str(data))
+    try:
+        from make_resolved_configs import DEFAULTS, resolved_configs
+    finally:
+        sys.path.remove(str(data))
+    recorded = json.loads((data / "resolved_configs.json").read_text())
+    today = resolved_configs()
+    assert sorted(today) == sorted(recorded)
+    assert today[DEFAULTS] == recorded[DEFAULTS]
+    for name in today:
+        # Each config as a whole: the recorded defaults with its recorded differences.
+        assert {**recorded[DEFAULTS], **recorded[name]} == {**today[DEFAULTS], **today[name]}, name
