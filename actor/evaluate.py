@@ -83,7 +83,7 @@ async def evaluate(
 
 def greedy(settings):
     """The same engine settings with greedy decoding (temperature 0)."""
-    return dataclasses.replace(settings, sampling=dataclasses.replace(settings.sampling, temperature=0.0))
+    return dataclasses.replace(settings, sampling=settings.sampling.replace(temperature=0.0))
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import logging
 import sys
 
@@ -194,6 +195,16 @@ def _rft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace) -> int:
+    from longhorizon.common.config import config_schema, dump_toml, load_config
+
+    if args.config_command == "show":
+        print(dump_toml(load_config(args.config, args.overrides)), end="")
+    else:
+        print(json.dumps(config_schema(), indent=1))
+    return 0
+
+
 def _experiment(args: argparse.Namespace) -> int:
     if args.experiment_command == "sft-rl":
         from longhorizon.launch.experiment_sft_rl import main
@@ -334,6 +345,14 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False)
     freezes.add_argument("rest", nargs=argparse.REMAINDER)
     experiment.set_defaults(handler=_experiment)
+
+    config = commands.add_parser("config", help="the resolved config of a file, or the schema of every key")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    show = config_commands.add_parser("show", help="the config as a run gets it: the file, the overrides, every default")
+    show.add_argument("config", help="TOML config file, or a bundled config's name (see configs/)")
+    show.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. run.total_steps=20")
+    config_commands.add_parser("schema", help="the JSON schema of a config: every key's type, default and meaning")
+    config.set_defaults(handler=_config)
 
     bench = commands.add_parser(
         "bench", help="benchmarks, each a table then one line of JSON (`longhorizon bench --help`)", add_help=False)

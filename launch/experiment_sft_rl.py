@@ -26,7 +26,6 @@ model while the RL phase's learner and actors run beside it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -52,12 +51,8 @@ def held_out_overlap(config: Config) -> list[str]:
 def check_sft_rl_config(config: Config) -> None:
     """What cannot work, as errors naming the key and the fix, before anything runs."""
     settings = config.sft_rl
-    if settings.oracle_episodes < 0 or settings.eval_episodes < 1:
-        raise ConfigError("sft_rl.oracle_episodes must be >= 0 (0: no SFT) and sft_rl.eval_episodes >= 1")
     if not settings.oracle_episodes and not settings.sft_checkpoint and not settings.rl:
         raise ConfigError("sft_rl.oracle_episodes = 0 and sft_rl.rl = false leave nothing to train")
-    if settings.eval_samples < 1 or settings.eval_temperature < 0:
-        raise ConfigError("sft_rl.eval_samples must be >= 1 and sft_rl.eval_temperature >= 0 (0: greedy)")
     if settings.eval_samples > 1 and settings.eval_temperature == 0:
         raise ConfigError(f"sft_rl.eval_samples = {settings.eval_samples} plays each task alike when greedy: set "
                           f"sft_rl.eval_temperature > 0 (e.g. actor.sampling.temperature) or eval_samples = 1")
@@ -143,8 +138,8 @@ def against_sft(summary: dict) -> dict:
 
 
 def _phase_config(config: Config, run_dir: Path, name: str, **sections) -> Config:
-    run = dataclasses.replace(config.run, output_dir=str(run_dir), name=name)
-    return dataclasses.replace(config, run=run, **sections)
+    run = config.run.replace(output_dir=str(run_dir), name=name)
+    return config.replace(run=run, **sections)
 
 
 def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_stream=None) -> dict:
@@ -160,7 +155,7 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
     check_sft_rl_config(config)
     settings = config.sft_rl
     if settings.oracle_episodes:
-        check_sft_config(dataclasses.replace(config, sft=dataclasses.replace(config.sft, data=["oracle.jsonl"])))
+        check_sft_config(config.replace(sft=config.sft.replace(data=["oracle.jsonl"])))
     base_model = str(resolve_model_path(config.model.path, config.model.cache_dir))
     run_dir = fresh_run_dir(config.run_dir, note, markers=("config.toml", "summary.json"))
     (run_dir / "config.toml").write_text(dump_toml(config))
@@ -177,7 +172,7 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
 
     # Evaluations and SFT run alone on the machine: they take every core unless told otherwise.
     threads = settings.torch_threads or os.cpu_count() or 1
-    eval_config = dataclasses.replace(config, actor=dataclasses.replace(config.actor, torch_threads=threads))
+    eval_config = config.replace(actor=config.actor.replace(torch_threads=threads))
     how = ("greedy" if settings.eval_temperature == 0 else
            f"{settings.eval_samples} sampled at temperature {settings.eval_temperature:g} per task")
 
@@ -204,15 +199,15 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
     elif settings.oracle_episodes:
         began = time.perf_counter()
         oracle_file = run_dir / "oracle.jsonl"
-        collect_config = dataclasses.replace(config, actor=dataclasses.replace(
-            config.actor, engine="scripted", scripted_policy=settings.oracle_policy, engine_options={}))
+        collect_config = config.replace(actor=config.actor.replace(
+            engine="scripted", scripted_policy=settings.oracle_policy, engine_options={}))
         collected = run_collect(collect_config, output=oracle_file, episodes=settings.oracle_episodes,
                                 model=base_model, overwrite=True, on_note=note)
         note(f"sft: {collected.written} oracle conversations of {config.env.train_split} "
              f"({collected.successful} successful) in {oracle_file}")
         sft_config = _phase_config(
-            config, run_dir, "sft", learner=dataclasses.replace(config.learner, torch_threads=threads),
-            sft=dataclasses.replace(config.sft, data=[str(oracle_file)], eval_episodes=0, eval_before=False))
+            config, run_dir, "sft", learner=config.learner.replace(torch_threads=threads),
+            sft=config.sft.replace(data=[str(oracle_file)], eval_episodes=0, eval_before=False))
         sft_summary = run_in_child(run_sft, sft_config, note=note, progress_stream=progress_stream)
         policy = sft_summary["checkpoint"]
         sft_entry = {"model": policy, "train_seconds": time.perf_counter() - began,
@@ -230,8 +225,8 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
         names = [f"rl-seed{seed}" for seed in seeds] if settings.rl_seeds else ["rl"]
         for seed, name in zip(seeds, names):
             began = time.perf_counter()
-            rl_config = _phase_config(config, run_dir, name, model=dataclasses.replace(config.model, path=policy))
-            rl_config = dataclasses.replace(rl_config, run=dataclasses.replace(rl_config.run, seed=seed))
+            rl_config = _phase_config(config, run_dir, name, model=config.model.replace(path=policy))
+            rl_config = rl_config.replace(run=rl_config.run.replace(seed=seed))
             note(f"{name}: training from {policy} (run.seed = {seed})")
             code = launch(rl_config, progress=note)
             if code != 0:

@@ -12,8 +12,6 @@ started and where its files land; a launcher that must fetch files from other ma
 """
 
 from __future__ import annotations
-
-import dataclasses
 import json
 import os
 import re
@@ -188,7 +186,7 @@ def with_ports(config: Config) -> Config:
         name: getattr(transport, name) or free_port(transport.host)
         for name in ("trajectory_port", "broadcast_port", "control_port")
     }
-    return dataclasses.replace(config, transport=dataclasses.replace(transport, **ports))
+    return config.replace(transport=transport.replace(**ports))
 
 
 def fresh_run_dir(run_dir: Path, note: Callable[[str], None] = print,

@@ -28,8 +28,6 @@ inside its host, counting restarts as the local launcher does.
 """
 
 from __future__ import annotations
-
-import dataclasses
 import logging
 import os
 import secrets
@@ -110,7 +108,7 @@ def _driver_view(config: Config) -> Config:
     its node's resources (check_ray_settings), not against this machine's GPUs."""
     learner = config.learner
     backend = "gloo" if learner.weights_backend == "nccl" else learner.weights_backend
-    return dataclasses.replace(config, learner=dataclasses.replace(learner, device="cpu", weights_backend=backend))
+    return config.replace(learner=learner.replace(device="cpu", weights_backend=backend))
 
 
 def _bundle(settings, role: str) -> dict[str, float]:
@@ -588,8 +586,8 @@ class Placement:
         """The config with the learner's address: its node's IP and ports free there."""
         ports = self.ray.get(self.learner_hosts[0].free_ports.remote(3), timeout=_CALL_TIMEOUT_S)
         transport = self.config.transport
-        return dataclasses.replace(self.config, transport=dataclasses.replace(
-            transport, host=self.learner_node["ip"], trajectory_port=transport.trajectory_port or ports[0],
+        return self.config.replace(transport=transport.replace(
+            host=self.learner_node["ip"], trajectory_port=transport.trajectory_port or ports[0],
             broadcast_port=transport.broadcast_port or ports[1], control_port=transport.control_port or ports[2],
         ))
 
@@ -732,7 +730,7 @@ def launch_ray(config: Config, *, progress=print) -> int:
     ray = import_ray()
     validate_config(_driver_view(config))
     # The run directory is this machine's; the nodes get absolute paths where they need any.
-    config = dataclasses.replace(config, run=dataclasses.replace(config.run, output_dir=str(Path(config.run.output_dir).resolve())))
+    config = config.replace(run=config.run.replace(output_dir=str(Path(config.run.output_dir).resolve())))
     connected = connect(ray, config.ray.address)
     run_id = f"{config.run.name}-{secrets.token_hex(4)}"
     placement = Placement(ray, config, run_id)
@@ -749,7 +747,7 @@ def launch_ray(config: Config, *, progress=print) -> int:
         learner_node = placement.learner_node
         output_dir = learner_node["output_dir"] if storage == "node" else config.run.output_dir
         # What each worker reads: the same config, with the learner's files where it writes them.
-        config_text = dump_toml(dataclasses.replace(config, run=dataclasses.replace(config.run, output_dir=output_dir)))
+        config_text = dump_toml(config.replace(run=config.run.replace(output_dir=output_dir)))
         # CurveZMQ keys, or the run's secret on loopback (common/auth.py).
         keys_by_role = auth_environments(config.transport)
         first_host = placement.learner_hosts[0]

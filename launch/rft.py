@@ -20,8 +20,6 @@ and the SFT run (metrics, summary, `checkpoints/step_N/`); `rft_summary.json` ho
 """
 
 from __future__ import annotations
-
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -61,9 +59,6 @@ def round_min_reward(min_reward: float | list | None, round_index: int) -> float
 def check_rft_config(config: Config) -> None:
     """Values of [rft] that cannot work, as errors naming the key and the fix."""
     rft: RFTConfig = config.rft
-    for key in ("rounds", "episodes_per_round"):
-        if getattr(rft, key) < 1:
-            raise ConfigError(f"rft.{key} must be at least 1, got {getattr(rft, key)}")
     from longhorizon.actor.engines.base import EngineError, engine_class
     from longhorizon.actor.engines.factory import plays_local_weights
 
@@ -92,12 +87,10 @@ def _round_config(config: Config, *, policy: str, run_dir: Path, round_index: in
                   eval_before: bool) -> Config:
     """The config of one round: its own folder, policy, seeds and training data."""
     offset = (round_index - 1) * config.rft.episodes_per_round
-    return dataclasses.replace(
-        config,
-        run=dataclasses.replace(config.run, output_dir=str(run_dir), name=f"round_{round_index:02d}",
-                                seed=config.run.seed + offset),
-        model=dataclasses.replace(config.model, path=policy),
-        sft=dataclasses.replace(config.sft, data=data, eval_before=eval_before),
+    return config.replace(
+        run=config.run.replace(output_dir=str(run_dir), name=f"round_{round_index:02d}", seed=config.run.seed + offset),
+        model=config.model.replace(path=policy),
+        sft=config.sft.replace(data=data, eval_before=eval_before),
     )
 
 
@@ -114,7 +107,7 @@ def run_rft(config: Config, *, note: Callable[[str], None] = print, progress_str
     check_rft_config(config)
     rft = config.rft
     # sft.data may be empty here (the rounds fill it): check the rest of [sft] with a placeholder.
-    check_sft_config(dataclasses.replace(config, sft=dataclasses.replace(config.sft, data=["kept.jsonl"])))
+    check_sft_config(config.replace(sft=config.sft.replace(data=["kept.jsonl"])))
     policy = str(resolve_model_path(config.model.path, config.model.cache_dir))
     run_dir = fresh_run_dir(config.run_dir, note, markers=("config.toml", "round_01"))
     (run_dir / "config.toml").write_text(dump_toml(config))
@@ -163,7 +156,7 @@ def run_rft(config: Config, *, note: Callable[[str], None] = print, progress_str
                 f"to fine-tune on (mean reward {record['sample_mean_reward']:.3f}). Set rft.min_reward to keep "
                 f"partial successes, raise rft.episodes_per_round, start from a stronger model.path, or add "
                 f"expert conversations in sft.data")
-        sft_summary = run_sft(dataclasses.replace(round_config, sft=dataclasses.replace(round_config.sft, data=data)),
+        sft_summary = run_sft(round_config.replace(sft=round_config.sft.replace(data=data)),
                               note=note, progress_stream=progress_stream)
         policy = sft_summary["checkpoint"]
         record.update({"trained_conversations": sft_summary["conversations"], "steps": sft_summary["steps"],

@@ -23,8 +23,6 @@ on the env's held-out split, and writes Hugging Face folders an RL run starts fr
 
 from __future__ import annotations
 
-import dataclasses
-
 import json
 import time
 from pathlib import Path
@@ -65,8 +63,8 @@ def evaluate_model(config: Config, model_folder: str | Path, episodes: int, *, s
     # The engine that plays is a model engine whatever actor.engine says (a scripted oracle or an
     # endpoint played the data): the factory's `checkpoint` purpose picks it.
     if temperature > 0:
-        sampling = dataclasses.replace(config.actor.sampling, temperature=temperature)
-        config = dataclasses.replace(config, actor=dataclasses.replace(config.actor, sampling=sampling))
+        sampling = config.actor.sampling.replace(temperature=temperature)
+        config = config.replace(actor=config.actor.replace(sampling=sampling))
     engine = build_engine(config, "checkpoint", model_path=str(model_folder), greedy=temperature <= 0)
 
     async def play():

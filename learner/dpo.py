@@ -259,16 +259,6 @@ def check_dpo_config(config: Config) -> None:
         paths = getattr(dpo, key)
         if not all(isinstance(path, str) and path for path in paths):
             raise ConfigError(f"dpo.{key} must be a list of file paths, got {paths!r}")
-    if not dpo.beta > 0:
-        raise ConfigError(f"dpo.beta must be positive, got {dpo.beta}")
-    for key in ("epochs", "batch_pairs"):
-        if getattr(dpo, key) < 1:
-            raise ConfigError(f"dpo.{key} must be at least 1, got {getattr(dpo, key)}")
-    for key in ("warmup_steps", "checkpoint_every", "eval_episodes"):
-        if getattr(dpo, key) < 0:
-            raise ConfigError(f"dpo.{key} must be 0 or more, got {getattr(dpo, key)}")
-    if not dpo.learning_rate > 0 or not dpo.grad_clip > 0:
-        raise ConfigError("dpo.learning_rate and dpo.grad_clip must be positive")
     if config.learner.precision not in PRECISIONS:
         raise ConfigError(f"learner.precision must be one of {', '.join(PRECISIONS)}, got {config.learner.precision!r}")
     if config.learner.num_ranks != 1:

@@ -104,14 +104,6 @@ def check_sft_config(config: Config) -> None:
                           'sft.data=["runs/oracle.jsonl"] (write one with `longhorizon collect`)')
     if not all(isinstance(path, str) and path for path in sft.data):
         raise ConfigError(f"sft.data must be a list of file paths, got {sft.data!r}")
-    for key in ("epochs", "batch_sequences"):
-        if getattr(sft, key) < 1:
-            raise ConfigError(f"sft.{key} must be at least 1, got {getattr(sft, key)}")
-    for key in ("batch_tokens", "warmup_steps", "checkpoint_every", "eval_episodes"):
-        if getattr(sft, key) < 0:
-            raise ConfigError(f"sft.{key} must be 0 or more, got {getattr(sft, key)}")
-    if not sft.learning_rate > 0 or not sft.grad_clip > 0:
-        raise ConfigError("sft.learning_rate and sft.grad_clip must be positive")
     if config.learner.precision not in PRECISIONS:
         raise ConfigError(f"learner.precision must be one of {', '.join(PRECISIONS)}, got {config.learner.precision!r}")
     if config.learner.num_ranks != 1:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from longhorizon.common.config import ConfigError, Config, config_from_dict, dump_toml, load_config
+from longhorizon.common.config import ConfigError, Config, SamplingConfig, config_from_dict, dump_toml, load_config
 
 
 def test_defaults_and_sections(tmp_path):
@@ -99,3 +99,115 @@ def test_every_bundled_config_resolves_as_recorded():
     for name in today:
         # Each config as a whole: the recorded defaults with its recorded differences.
         assert {**recorded[DEFAULTS], **recorded[name]} == {**today[DEFAULTS], **today[name]}, name
+
+
+def test_config_show_prints_what_a_run_gets_and_reads_back_the_same(tmp_path, capsys):
+    from longhorizon.common.config import bundled_config_names
+    from longhorizon.launch.cli import main
+
+    for name in bundled_config_names():
+        assert main(["config", "show", name, "learner.learning_rate=3e-5"]) == 0
+        shown = tmp_path / f"{name}.toml"
+        shown.write_text(capsys.readouterr().out)
+        assert load_config(shown) == load_config(name, ["learner.learning_rate=3e-5"]), name
+    assert main(["config", "show", "quickstart", "learner.learning_rat=1"]) == 2
+    assert capsys.readouterr().err.strip().startswith(
+        "longhorizon: error: unknown config key learner.learning_rat in [learner]; valid keys:")
+
+
+def test_config_schema_describes_every_key(capsys):
+    import json
+
+    from longhorizon.common.config import Section
+    from longhorizon.launch.cli import main
+
+    assert main(["config", "schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    tables = schema["$defs"]
+    assert set(schema["properties"]) == set(Config.model_fields)
+    assert {"LearnerConfig", "SamplingConfig", "WandbConfig"} <= set(tables)
+    for table, definition in tables.items():
+        for key, described in definition["properties"].items():
+            assert described.get("description"), f"{table}.{key} has no description"
+    assert set(tables["LearnerConfig"]["properties"]) == set(type(Config().learner).model_fields)
+    assert tables["LearnerConfig"]["properties"]["learning_rate"]["default"] == Config().learner.learning_rate
+    assert issubclass(type(Config().learner), Section)
+
+
+def test_a_section_replaced_is_checked_like_a_loaded_one():
+    learner = Config().learner
+    assert learner.replace(learning_rate=3).learning_rate == 3.0 and learner.learning_rate == 1e-6
+    with pytest.raises(ConfigError, match="learning_rate: expected float, got 'x'"):
+        learner.replace(learning_rate="x")
+    with pytest.raises(ConfigError, match="unknown config key bogus"):
+        learner.replace(bogus=1)
+    with pytest.raises(ValueError, match="max_new_tokens"):  # pydantic's ValidationError
+        SamplingConfig(max_new_tokens=1.5)
+
+
+def _bounded_keys():
+    """(dotted key, its field) for every key of every table that declares bounds."""
+    from longhorizon.common.config import Section
+
+    def walk(section: type[Section], prefix: str):
+        for name, field in section.model_fields.items():
+            if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
+                yield from walk(field.annotation, f"{prefix}{name}.")
+            elif field.metadata:
+                yield f"{prefix}{name}", field
+
+    return list(walk(Config, ""))
+
+
+def test_every_bound_refuses_just_outside_and_takes_just_inside():
+    """Each declared bound, from the file as a user writes it: the value on a closed bound and just
+    inside an open one loads; just outside, NaN and inf are refused in one line naming the key."""
+    keys = _bounded_keys()
+    assert len(keys) > 80 and "learner.learning_rate" in dict(keys)
+    for key, field in keys:
+        integer = field.annotation is int
+        inside, outside = [], [float("nan"), float("inf"), float("-inf")] if not integer else []
+        for constraint in field.metadata:
+            for name in ("ge", "gt", "le", "lt"):
+                bound = getattr(constraint, name, None)
+                if bound is None:
+                    continue
+                step = 1 if integer else 1e-9 * max(1.0, abs(bound))  # the next value a float can tell apart
+                direction = 1 if name in ("ge", "gt") else -1
+                inside.append(bound + direction * step * (name in ("gt", "lt")))
+                outside.append(bound - direction * step * (name in ("ge", "le")))
+        for value in inside:
+            value = int(value) if integer else float(value)
+            assert getattr_path(load_config(None, [f"{key}={value!r}"]), key) == value, key
+        for value in outside:
+            value = int(value) if integer else float(value)
+            with pytest.raises(ConfigError) as refused:
+                load_config(None, [f"{key}={value!r}"])
+            assert str(refused.value).startswith(f"{key} must be ") and "\n" not in str(refused.value), key
+
+
+def getattr_path(config, dotted: str):
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+@pytest.mark.parametrize("override, message", [
+    ("learner.learning_rate=-1e-3", "learner.learning_rate must be > 0, got -0.001"),
+    ("learner.learning_rate=nan", "learner.learning_rate must be > 0, got nan"),
+    ("learner.checkpoint_every=0", "learner.checkpoint_every must be >= 1, got 0"),
+    ("learner.max_staleness=-1", "learner.max_staleness must be >= 0, got -1"),
+    ("learner.groups_per_step=0", "learner.groups_per_step must be >= 1, got 0"),
+    ("actor.sampling.temperature=-1", "actor.sampling.temperature must be >= 0, got -1"),
+    ("learner.behaviour_weight_cap=0.5", "learner.behaviour_weight_cap must be >= 1, got 0.5"),
+    ("learner.loss_normaliser_tokens=0", "learner.loss_normaliser_tokens must be > 0, got 0"),
+    ("learner.kl_coef=-0.1", "learner.kl_coef must be >= 0, got -0.1"),
+    ("learner.value_clip=-0.2", "learner.value_clip must be >= 0, got -0.2"),
+    ("learner.max_abs_reward=0", "learner.max_abs_reward must be in (0, 1e12], got 0"),
+    ("actor.invalid_reply_reward=inf", "actor.invalid_reply_reward must be a finite number, got inf"),
+])
+def test_values_that_used_to_start_a_failing_run_are_one_line_on_the_command_line(override, message, capsys):
+    from longhorizon.launch.cli import main
+
+    assert main(["config", "show", "codebook", override]) == 2
+    assert capsys.readouterr().err == f"longhorizon: error: {message}\n"

@@ -211,8 +211,8 @@ def test_unknown_or_bad_dpo_keys_are_config_errors(tmp_path, tiny_codebook_model
     base = [f"run.output_dir={str(tmp_path)!r}", f"model.path={str(tiny_codebook_model)!r}"]
     for override, message in [
         ("dpo.data=[]", "dpo.data and dpo.pairs are both empty"),
-        ("dpo.beta=0", "dpo.beta must be positive"),
-        ("dpo.batch_pairs=0", "dpo.batch_pairs must be at least 1"),
+        ("dpo.beta=0", "dpo.beta must be > 0, got 0"),
+        ("dpo.batch_pairs=0", "dpo.batch_pairs must be >= 1, got 0"),
         ("learner.num_ranks=2", "learner.num_ranks=1"),
     ]:
         with pytest.raises(ConfigError, match=message):

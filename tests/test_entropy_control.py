@@ -143,11 +143,15 @@ def test_clip_cov_detaches_the_chosen_tokens_and_kl_cov_penalises_their_drift():
     ({"entropy_top_k": 4}, "learner.entropy_top_k = 4 clamps the entropy bonus, which is off"),
     ({"entropy_top_k": 4, "entropy_control": "clip_cov"}, "learner.entropy_top_k = 4 clamps the entropy bonus"),
     ({"entropy_top_k": 1, "entropy_coef": 0.1}, "learner.entropy_top_k = 1 leaves one token"),
-    ({"entropy_top_k": -2, "entropy_coef": 0.1}, "learner.entropy_top_k must be a whole number >= 0"),
 ])
 def test_bad_entropy_control_settings_are_refused_naming_the_key(settings, message):
     with pytest.raises(AlgorithmError, match=message):
         make_algorithm(LearnerConfig(**settings))
+
+
+def test_a_value_outside_a_keys_own_range_is_refused_by_the_config_itself():
+    with pytest.raises(ConfigError, match="learner.entropy_top_k must be >= 0, got -2"):
+        load_config(None, ["learner.entropy_top_k=-2", "learner.entropy_coef=0.1"])
 
 
 def test_the_launcher_refuses_bad_entropy_control_before_starting():
@@ -316,7 +320,7 @@ def test_clip_cov_removes_exactly_the_chosen_tokens_policy_gradient(tiny_codeboo
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * largest)
     assert any(not torch.allclose(a, b, atol=1e-6 * largest) for a, b in zip(stepped, plain))
     # Every token chosen: nothing is left of the policy gradient.
-    everything = dataclasses.replace(config, clip_cov_low=-1e9)
+    everything = config.replace(clip_cov_low=-1e9)
     assert all(float(grad.abs().max()) == 0 for grad in _step_gradient(tiny_codebook_model, everything, examples))
 
 
@@ -403,7 +407,9 @@ def test_the_scope_is_checked_with_the_bonus():
     with pytest.raises(AlgorithmError, match="learner.frozen_entropy is read only with learner.entropy_scope = "
                                              "'frozen_groups' \\(it is 'failed_groups'\\)"):
         make_algorithm(LearnerConfig(entropy_scope="failed_groups", entropy_coef=0.1, frozen_entropy=0.3))
-    for bad in (0.0, -1.0, float("nan")):
+    with pytest.raises(ValueError, match="frozen_entropy"):  # not a finite number: the config refuses it
+        LearnerConfig(entropy_scope="frozen_groups", entropy_coef=0.1, frozen_entropy=float("nan"))
+    for bad in (0.0, -1.0):
         with pytest.raises(AlgorithmError, match="learner.frozen_entropy must be positive"):
             make_algorithm(LearnerConfig(entropy_scope="frozen_groups", entropy_coef=0.1, frozen_entropy=bad))
 

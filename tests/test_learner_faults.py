@@ -1,7 +1,5 @@
 """The learner under faults: gone peers at shutdown, silent actors, a joining flood, torn weights,
 a synchronous batch that lost a group, and sampling settings it cannot correct for."""
-
-import dataclasses
 import time
 
 import numpy as np
@@ -178,7 +176,7 @@ def test_training_refuses_top_p_below_one(tmp_path, byte_model):
         validate_config(_config(tmp_path, byte_model, "actor.sampling.top_p=0.8"))
     with pytest.raises(ValueError, match="top_p"):
         Learner(_config(tmp_path, byte_model, "actor.sampling.top_p=0.8"), None, tmp_path, str(byte_model))
-    validate_config(dataclasses.replace(_config(tmp_path, byte_model)))
+    validate_config(_config(tmp_path, byte_model).replace())
 
 
 async def test_a_sync_batch_counts_only_its_own_versions_lost_groups(tmp_path, byte_model):

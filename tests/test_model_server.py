@@ -532,13 +532,12 @@ def test_stopping_cuts_the_running_batch_short_and_fails_the_queued_requests(tin
 
 
 def test_a_cancelled_batch_ends_after_one_step(tiny_codebook_model):
-    import dataclasses
 
     from longhorizon.actor.engines.base import GenerationRequest
 
     server = ModelServer(str(tiny_codebook_model), max_batch_size=2)
     try:
-        server.engine.sampling = dataclasses.replace(server.engine.sampling, max_new_tokens=20, temperature=1.0)
+        server.engine.sampling = server.engine.sampling.replace(max_new_tokens=20, temperature=1.0)
         prompt = server.tokenizer.prompt_tokens(MESSAGES)
         requests = [GenerationRequest(token_ids=prompt, episode_id=f"e{row}") for row in range(2)]
         whole = server.engine._generate_batch(requests)

@@ -49,10 +49,10 @@ def test_unknown_or_unusable_rft_settings_are_config_errors(tmp_path, tiny_codeb
         ("actor.engine='scripted'", r"rft samples with the model it trains: set actor.engine to an engine that samples"),
         ("actor.sampling.temperature=0", r"set actor.sampling.temperature above 0"),
         ("sft.only_successful=true", r"rft.min_reward keeps episodes that did not succeed"),
-        ("rft.rounds=0", r"rft.rounds must be at least 1"),
+        ("rft.rounds=0", r"rft.rounds must be >= 1, got 0"),
         ("rft.min_reward=[]", r"rft.min_reward must be a number or a list of numbers"),
         ("rft.min_reward=['high']", r"rft.min_reward must be a number or a list of numbers"),
-        ("sft.epochs=0", r"sft.epochs must be at least 1"),
+        ("sft.epochs=0", r"sft.epochs must be >= 1, got 0"),
         ("learner.num_ranks=2", r"learner.num_ranks=1"),
     ]:
         with pytest.raises(ConfigError, match=message):

@@ -132,7 +132,7 @@ def test_the_sft_checkpoint_may_go_unevaluated(tmp_path, tiny_codebook_model):
 def test_sampled_evaluations_and_several_seeds_are_checked(tmp_path, tiny_codebook_model):
     with pytest.raises(ConfigError, match="plays each task alike when greedy"):
         check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.eval_samples=4"))
-    with pytest.raises(ConfigError, match="eval_temperature >= 0"):
+    with pytest.raises(ConfigError, match="sft_rl.eval_temperature must be >= 0, got -1.0"):
         check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.eval_temperature=-1.0"))
     with pytest.raises(ConfigError, match="distinct integers"):
         check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.rl_seeds=[1, 1]"))

@@ -90,8 +90,8 @@ def test_async_with_zero_staleness_equals_sync(tiny_codebook_model, optimizer_st
     ]
 
     base = LearnerConfig(learning_rate=1e-2, micro_batch_size=micro_batch_size, optimizer_steps_per_batch=optimizer_steps)
-    asynchronous = _updated_parameters(tiny_codebook_model, dataclasses.replace(base, loss="decoupled_ppo"), async_groups)
-    synchronous = _updated_parameters(tiny_codebook_model, dataclasses.replace(base, loss="none"), sync_groups)
+    asynchronous = _updated_parameters(tiny_codebook_model, base.replace(loss="decoupled_ppo"), async_groups)
+    synchronous = _updated_parameters(tiny_codebook_model, base.replace(loss="none"), sync_groups)
     initial = [p.detach() for p in load_causal_lm(tiny_codebook_model).parameters()]
     assert any(not torch.equal(a, b) for a, b in zip(asynchronous, initial)), "the update changed nothing"
     for a, s in zip(asynchronous, synchronous):

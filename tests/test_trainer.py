@@ -263,8 +263,8 @@ def test_sync_mode_and_async_at_zero_staleness_build_the_same_update(tiny_codebo
     results = {}
     for name, config in {
         "sync": Config(run=RunConfig(mode="sync"), learner=learner),
-        "async": Config(run=RunConfig(mode="async"), learner=dataclasses.replace(learner, max_staleness=0)),
-        "on-policy ppo": Config(run=RunConfig(mode="sync"), learner=dataclasses.replace(learner, loss="none")),
+        "async": Config(run=RunConfig(mode="async"), learner=learner.replace(max_staleness=0)),
+        "on-policy ppo": Config(run=RunConfig(mode="sync"), learner=learner.replace(loss="none")),
     }.items():
         buffer = build_buffer(config, vocab_size=None)
         for trajectory in trajectories:

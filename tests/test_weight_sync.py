@@ -502,7 +502,7 @@ def test_wrong_collective_settings_are_refused_before_any_process_starts(tmp_pat
         validate_config(config("actor.engine='scripted'", "actor.scripted_policy='random'"))
     with pytest.raises(ConfigError, match="weights_backend must be auto, gloo or nccl"):
         validate_config(config("learner.weights_backend='mpi'"))
-    with pytest.raises(ConfigError, match="weights_bucket_mb must be positive"):
+    with pytest.raises(ConfigError, match="learner.weights_bucket_mb must be >= 1, got 0"):
         validate_config(config("learner.weights_bucket_mb=0"))
     with pytest.raises(ConfigError, match="plain TCP, without the authentication"):
         validate_config(config("transport.host='10.1.2.3'"))

@@ -89,7 +89,7 @@ def plan_engine(
         options = adjust(options, purpose=purpose, hosted_model=hosted_model)
     settings = dataclasses.replace(engine_settings(config, str(model_path), actor_index), engine_options=options)
     if greedy:
-        settings = dataclasses.replace(settings, sampling=dataclasses.replace(settings.sampling, temperature=0.0))
+        settings = dataclasses.replace(settings, sampling=settings.sampling.replace(temperature=0.0))
     return engine_cls, settings
 
 

@@ -11,8 +11,6 @@ An algorithm from outside this repository is a subclass of `Algorithm` offered u
 
 from __future__ import annotations
 
-import dataclasses
-
 from longhorizon.common.plugins import PluginError, Registry
 from longhorizon.learner.algorithms.base import (
     ALGORITHM_KEYS,
@@ -84,7 +82,7 @@ def make_algorithm(config) -> Algorithm:
     after refusing any algorithm-specific key it does not read that differs from its default."""
     chosen = algorithm_class(config.algorithm)
     reads = chosen.reads()
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    defaults = {name: field.default for name, field in type(config).model_fields.items()}
     for key in ALGORITHM_KEYS:
         if key not in reads and getattr(config, key) != defaults[key]:
             readers = [name for name in BUILTINS if key in algorithm_class(name).reads()]
