@@ -186,6 +186,12 @@ class LearnerConfig(Section):
     """Groups consumed by one learner step."""
     max_staleness: int = bounded(4, ge=0)
     """Largest allowed lag (learner version minus oldest behaviour version); older groups are dropped."""
+    staleness_unit: str = "episode"
+    """What `max_staleness` bounds: `episode` (an episode whose oldest generated token is older is
+    refused whole, as is a group holding one) or `token` (generated tokens older than it are left
+    out of the loss and the rest of the episode trains: a long episode whose weights changed
+    between turns keeps its recent turns; only an episode with no token within the bound is
+    refused). Sync mode trains on its own version only, either way."""
     group_timeout_s: float = bounded(600.0, gt=0)
     """A group still incomplete this many seconds after its first member arrived is given up on:
     dropped, or used with the members it has (see `partial_groups`)."""

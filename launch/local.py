@@ -35,7 +35,7 @@ def validate_config(config: Config) -> None:
     from longhorizon.envs.base import get_env_spec, list_tasks
     from longhorizon.common.plugins import PluginError
     from longhorizon.learner.weights import publisher_class
-    from longhorizon.learner.buffer import PARTIAL_GROUP_POLICIES
+    from longhorizon.learner.buffer import PARTIAL_GROUP_POLICIES, STALENESS_UNITS
     from longhorizon.learner.curriculum import make_schedule
     from longhorizon.common.models import ModelError, resolve_device
     from longhorizon.learner.losses import POLICY_LOSS_NAMES
@@ -57,6 +57,10 @@ def validate_config(config: Config) -> None:
         algorithm = make_algorithm(config.learner)
     except AlgorithmError as error:
         raise ConfigError(str(error)) from None
+    require(not (config.learner.staleness_unit == "token" and algorithm.scores_every_generated_token()),
+            f"learner.staleness_unit = \"token\" takes an episode's stale turns out of its loss mask, and "
+            f"learner.algorithm = {algorithm.name!r} scores episodes by all their generated tokens as set here: "
+            "use staleness_unit = \"episode\"")
     require(not (algorithm.resamples_flat_groups and config.run.mode == "sync"),
             f"learner.algorithm = {algorithm.name!r} replaces groups without signal by new ones, which "
             "sync mode (one batch per version) cannot: use run.mode = \"async\"")
@@ -64,6 +68,8 @@ def validate_config(config: Config) -> None:
         publisher = publisher_class(config.learner.weights_transport)
     except (PluginError, TypeError) as error:
         raise ConfigError(f"learner.weights_transport: {error}") from None
+    require(config.learner.staleness_unit in STALENESS_UNITS,
+            f"learner.staleness_unit must be one of {', '.join(STALENESS_UNITS)}, got {config.learner.staleness_unit!r}")
     require(config.learner.partial_groups in PARTIAL_GROUP_POLICIES,
             f"learner.partial_groups must be one of {', '.join(PARTIAL_GROUP_POLICIES)}")
     require(config.learner.precision in PRECISIONS, f"learner.precision must be one of {', '.join(PRECISIONS)}")

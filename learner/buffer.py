@@ -3,13 +3,16 @@
 Trajectories arrive one at a time, from many actors, as soon as each episode ends. The buffer
 gathers them by group id and hands out groups once they are complete (or have waited long enough
 with enough members), never handing out a group whose oldest token is more than ``max_staleness``
-policy versions behind the learner. Everything it refuses is counted, so a run's metrics show
+policy versions behind the learner; or, with ``staleness_unit = "token"``, handing a group out
+with its members' too-old tokens taken out of their loss masks, so that a long episode whose
+weights changed between turns trains on its recent turns instead of being dropped. Everything it refuses is counted, so a run's metrics show
 where data went.
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import math
 import time
@@ -22,7 +25,8 @@ import numpy as np
 from longhorizon.common.codec import MAX_LOGPROB
 from longhorizon.common.transport import RateLimitedLog
 
-__all__ = ["DEFAULT_MAX_ABS_REWARD", "Group", "GroupBuffer", "PARTIAL_GROUP_POLICIES", "staleness"]
+__all__ = ["DEFAULT_MAX_ABS_REWARD", "Group", "GroupBuffer", "PARTIAL_GROUP_POLICIES", "STALENESS_UNITS", "staleness",
+           "tokens_within_staleness"]
 
 PARTIAL_GROUP_POLICIES = ("drop", "keep")
 _VERSIONS_REMEMBERED = 1024
@@ -59,6 +63,28 @@ def staleness(learner_version: int, policy_versions: np.ndarray, loss_mask: np.n
     if oldest_version < 0:
         raise ValueError("a generated token (loss_mask == 1) has no policy version (-1)")
     return int(learner_version) - oldest_version
+
+
+STALENESS_UNITS = ("episode", "token")
+"""What learner.max_staleness bounds: a whole episode by its oldest generated token, or each
+generated token on its own (`tokens_within_staleness`)."""
+
+
+def tokens_within_staleness(learner_version: int, policy_versions: np.ndarray, loss_mask: np.ndarray,
+                            max_staleness: int) -> np.ndarray:
+    """`loss_mask` without the generated tokens whose policy lag (learner_version minus the version
+    that sampled them) is above `max_staleness`: what the learner trains on when staleness is
+    judged per token. An episode whose weights changed between turns keeps its recent turns; its
+    older ones stay in the sequence as context, out of the loss."""
+    loss_mask = np.asarray(loss_mask)
+    recent = np.asarray(policy_versions) >= int(learner_version) - int(max_staleness)
+    return (loss_mask.astype(bool) & recent).astype(loss_mask.dtype)
+
+
+def _newest_staleness(learner_version: int, trajectory: Any) -> int:
+    """Policy lag of a trajectory's newest generated token (0 with none)."""
+    versions = np.asarray(trajectory.policy_versions)[np.asarray(trajectory.loss_mask).astype(bool)]
+    return int(learner_version) - int(versions.max()) if versions.size else 0
 
 
 @dataclass
@@ -99,6 +125,11 @@ class Group:
         """The group's eta: that of its stalest member (0 for an empty group)."""
         return max(self.member_staleness(learner_version), default=0)
 
+    def newest_member_staleness(self, learner_version: int) -> list[int]:
+        """Each member's lag by its newest generated token: above the bound, nothing of it can be
+        trained even with staleness judged per token."""
+        return [_newest_staleness(learner_version, trajectory) for trajectory in self.trajectories]
+
 
 class _RecentKeys:
     """Remembers the most recent keys up to a fixed number, so memory stays bounded."""
@@ -136,6 +167,7 @@ _COUNTER_NAMES = (
     "returned_partial_groups",
     "returned_trajectories",
     "lost_on_restart",
+    "stale_tokens_masked",
 )
 
 
@@ -171,7 +203,9 @@ class GroupBuffer:
     returned_partial_groups, returned_trajectories, lost_on_restart (held by a learner that was
     restarted: see `restore_counters`). Every trajectory received is counted once: received =
     accepted + each refusal counter, and accepted = returned_trajectories +
-    dropped_group_trajectories + lost_on_restart + the trajectories still held.
+    dropped_group_trajectories + lost_on_restart + the trajectories still held. Beside them, in
+    tokens: stale_tokens_masked (generated tokens of returned members left out of the loss as too
+    stale, staleness_unit "token").
     """
 
     def __init__(
@@ -187,9 +221,12 @@ class GroupBuffer:
         vocab_size: int | None = None,
         max_tokens: int | None = None,
         max_abs_reward: float = DEFAULT_MAX_ABS_REWARD,
+        staleness_unit: str = "episode",
     ) -> None:
         if not isinstance(max_staleness, int) or max_staleness < 0:
             raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
+        if staleness_unit not in STALENESS_UNITS:
+            raise ValueError(f"staleness_unit must be one of {', '.join(STALENESS_UNITS)}, got {staleness_unit!r}")
         if not group_timeout_s > 0:
             raise ValueError(f"group_timeout_s must be > 0, got {group_timeout_s!r}")
         if min_group_size_on_timeout < 1:
@@ -220,6 +257,7 @@ class GroupBuffer:
         self.vocab_size = vocab_size
         self.max_tokens = max_tokens
         self.max_staleness = max_staleness
+        self.staleness_unit = staleness_unit
         self.group_timeout_s = float(group_timeout_s)
         self.min_group_size_on_timeout = min_group_size_on_timeout
         self.partial_groups = partial_groups
@@ -332,6 +370,8 @@ class GroupBuffer:
                 f"{self.max_tokens} (actor.max_context_tokens)"
             )
             return
+        if self.staleness_unit == "token":
+            trajectory_staleness = _newest_staleness(learner_version, trajectory)
         if trajectory_staleness > self.max_staleness:
             self.counters["dropped_stale_trajectories"] += 1
             group.refused_members += 1
@@ -400,7 +440,8 @@ class GroupBuffer:
         now = self._clock()
         ready: list[Group] = []
         for group_id, group in list(self._pending.items()):
-            member_staleness = group.member_staleness(learner_version)
+            member_staleness = (group.newest_member_staleness(learner_version) if self.staleness_unit == "token"
+                                else group.member_staleness(learner_version))
             if max(member_staleness, default=0) > self.max_staleness:
                 self._drop(group_id, "dropped_stale_groups")
                 continue
@@ -422,9 +463,24 @@ class GroupBuffer:
             # Ready groups beyond max_groups stay, in order, for the next call.
             if len(ready) < max_groups:
                 self._close(group_id)
+                if self.staleness_unit == "token":
+                    self._mask_stale_tokens(group, learner_version)
                 ready.append(group)
-                self._count_returned(group, member_staleness)
+                self._count_returned(group, group.member_staleness(learner_version))
         return ready
+
+    def _mask_stale_tokens(self, group: Group, learner_version: int) -> None:
+        """Each member's generated tokens beyond the bound taken out of its loss mask (a copy:
+        the trajectory as received is left alone)."""
+        for index, trajectory in enumerate(group.trajectories):
+            mask = tokens_within_staleness(learner_version, trajectory.policy_versions, trajectory.loss_mask,
+                                           self.max_staleness)
+            masked = int(np.asarray(trajectory.loss_mask).astype(bool).sum() - mask.astype(bool).sum())
+            if masked:
+                trimmed = copy.copy(trajectory)
+                trimmed.loss_mask = mask
+                group.trajectories[index] = trimmed
+                self.counters["stale_tokens_masked"] += masked
 
     def _count_returned(self, group: Group, member_staleness: Iterable[int]) -> None:
         self.counters["returned_groups"] += 1

@@ -107,6 +107,7 @@ def build_buffer(config: Config, *, vocab_size: int | None) -> GroupBuffer:
         vocab_size=vocab_size,
         max_tokens=config.actor.max_context_tokens,
         max_abs_reward=learner.max_abs_reward,
+        staleness_unit=learner.staleness_unit,
     )
 
 
@@ -459,6 +460,8 @@ class Learner:
             "groups_dropped_overflow": buffer_counters["dropped_overflow_groups"],
             "groups_used_partial": buffer_counters["returned_partial_groups"],
             "trajectories_dropped_stale": buffer_counters["dropped_stale_trajectories"],
+            # learner.staleness_unit = "token": generated tokens left out of the loss as too stale.
+            "tokens_masked_stale": buffer_counters["stale_tokens_masked"],
             "trajectories_duplicate": buffer_counters["duplicates"],
             "trajectories_malformed": buffer_counters["dropped_malformed"],
             # The same refusals by the field at fault, e.g. {"reward": 2}.

@@ -481,3 +481,83 @@ def test_dropped_groups_are_counted_by_the_version_that_made_them():
     clock.now += 5.0
     assert buffer.pop_ready(8, learner_version=3) == []
     assert dict(buffer.dropped_groups_by_version) == {1: 1, 2: 1, 3: 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# staleness judged per token
+
+
+def test_tokens_within_staleness_keeps_the_generated_tokens_inside_the_bound():
+    from longhorizon.learner.buffer import tokens_within_staleness
+
+    # Prompt, turn 1 by v2, an observation, turn 2 by v4, turn 3 by v6; the learner at v7, bound 3:
+    # lags 5, 3, 1, so turn 1 leaves the loss and turns 2 and 3 stay.
+    versions = np.array([-1, -1, 2, 2, -1, 4, 4, 6], np.int32)
+    mask = (versions >= 0).astype(np.uint8)
+    kept = tokens_within_staleness(7, versions, mask, 3)
+    assert kept.tolist() == [0, 0, 0, 0, 0, 1, 1, 1] and kept.dtype == np.uint8
+    assert tokens_within_staleness(7, versions, mask, 5).tolist() == mask.tolist()
+    assert tokens_within_staleness(7, versions, mask, 0).tolist() == [0] * 8
+    assert mask.tolist() == [0, 0, 1, 1, 0, 1, 1, 1]  # the input is left alone
+
+
+def _two_turn_group(group_id: str = "g"):
+    """Two members whose first turn was played by v0 and second by v3."""
+    return [trajectory(f"{group_id}{i}", group_id, versions=[-1, 0, 0, -1, 3, 3]) for i in range(2)]
+
+
+def test_per_token_staleness_trains_the_recent_turns_of_an_episode_per_episode_staleness_drops():
+    # At v4 with a bound of 2: the first turn's lag is 4, the second's 1.
+    for unit, expected_groups in (("episode", 0), ("token", 1)):
+        buffer, _ = make_buffer(max_staleness=2, staleness_unit=unit)
+        for member in _two_turn_group():
+            buffer.add(member, learner_version=4)
+        ready = buffer.pop_ready(4, learner_version=4)
+        assert len(ready) == expected_groups, unit
+        if unit == "episode":
+            assert buffer.counters["dropped_stale_trajectories"] == 2
+            continue
+        for member in ready[0].trajectories:
+            assert member.loss_mask.tolist() == [0, 0, 0, 0, 1, 1]
+        assert buffer.counters["stale_tokens_masked"] == 4 and buffer.counters["returned_trajectories"] == 2
+        assert buffer.staleness_histogram == {1: 2}  # the lag of what is trained
+    # The trajectories as received keep their masks (a copy is trimmed).
+    members = _two_turn_group("h")
+    buffer, _ = make_buffer(max_staleness=2, staleness_unit="token")
+    for member in members:
+        buffer.add(member, learner_version=4)
+    buffer.pop_ready(4, learner_version=4)
+    assert all(member.loss_mask.tolist() == [0, 1, 1, 0, 1, 1] for member in members)
+
+
+def test_per_token_staleness_still_refuses_an_episode_with_no_token_inside_the_bound():
+    buffer, _ = make_buffer(max_staleness=2, staleness_unit="token")
+    buffer.add(trajectory("a", "g", versions=[-1, 0, 3]), learner_version=4)
+    buffer.add(trajectory("b", "g", versions=[-1, 0, 1]), learner_version=4)  # newest lag 3 > 2
+    assert buffer.counters["dropped_stale_trajectories"] == 1 and buffer.counters["accepted"] == 1
+    # A held member whose every token goes stale while it waits takes its group with it.
+    buffer, _ = make_buffer(max_staleness=2, staleness_unit="token")
+    for member in _two_turn_group():
+        buffer.add(member, learner_version=4)
+    assert buffer.pop_ready(4, learner_version=6) == []  # newest lag 3
+    assert buffer.counters["dropped_stale_groups"] == 1 and buffer.counters["stale_tokens_masked"] == 0
+
+
+def test_an_unknown_staleness_unit_is_refused():
+    with pytest.raises(ValueError, match="staleness_unit must be one of episode, token"):
+        make_buffer(staleness_unit="turn")
+
+
+def test_the_launcher_refuses_per_token_staleness_with_a_score_that_reads_every_token():
+    from longhorizon.common.config import ConfigError, load_config
+    from longhorizon.launch.local import validate_config
+
+    base = ["env.name='codebook'", "actor.engine='scripted'", "learner.staleness_unit='token'"]
+    validate_config(load_config(None, base))  # grpo scores by the final reward alone
+    validate_config(load_config(None, [*base, "learner.algorithm='dapo'"]))
+    for refused in (["learner.algorithm='ppo'"],
+                    ["learner.algorithm='dapo'", "learner.overlong_max_tokens=64", "learner.overlong_buffer_tokens=16"]):
+        with pytest.raises(ConfigError, match='staleness_unit = "token" takes an episode'):
+            validate_config(load_config(None, [*base, *refused]))
+    with pytest.raises(ConfigError, match="learner.staleness_unit must be one of episode, token, got 'turn'"):
+        validate_config(load_config(None, ["env.name='codebook'", "learner.staleness_unit='turn'"]))

@@ -87,6 +87,12 @@ class Algorithm:
     def check_settings(self) -> None:
         """Raise AlgorithmError when the settings do not fit together."""
 
+    def scores_every_generated_token(self) -> bool:
+        """Whether its scores read all of an episode's generated tokens (a length penalty, turn
+        rewards placed at turn ends): then staleness judged per token, which takes an episode's
+        old turns out of its loss mask, would change them, and the launcher refuses the two."""
+        return False
+
     # -- scoring ------------------------------------------------------------------------------
 
     def shaped_reward(self, trajectory) -> float:

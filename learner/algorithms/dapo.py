@@ -39,6 +39,9 @@ class DAPO(GRPO):
             raise AlgorithmError("learner.overlong_buffer_tokens must be between 0 and learner.overlong_max_tokens")
         super().check_settings()
 
+    def scores_every_generated_token(self) -> bool:
+        return self.settings.overlong_max_tokens > 0  # the penalty counts every generated token
+
     def shaped_reward(self, trajectory) -> float:
         """The reward plus the overlong penalty, when `overlong_max_tokens` is set."""
         reward = float(trajectory.reward)

@@ -40,6 +40,9 @@ class PPO(GRPO):
     # launcher has not been opened to it: a run with several ranks is refused for now.
     runs_on_several_ranks = False
 
+    def scores_every_generated_token(self) -> bool:
+        return True  # turn rewards sit at the ends of the generated runs
+
     def check_settings(self) -> None:
         settings = self.settings
         if not (0 <= settings.gamma <= 1 and 0 <= settings.lam <= 1):
