@@ -248,6 +248,10 @@ class LearnerConfig(Section):
     refused on arrival (counted as malformed, by field): a finite but huge reward (1e308) would
     overflow the group's advantages and poison the update. At most 1e12, which keeps advantages,
     losses and a critic's squared errors well inside float32."""
+    algorithm_options: dict = Field(default_factory=dict)
+    """Keys the chosen algorithm declares itself (its `Options` model: a plug-in's own
+    hyper-parameters, e.g. {baseline = 0.25}), checked by it, before any process starts, as the
+    config's own keys are: unknown ones and values out of range refused, naming the key."""
     algorithm: str = "grpo"
     """The RL algorithm: grpo, rloo, reinforce_pp, dr_grpo, dapo, gspo, ppo or cispo (docs/algorithms.md),
     one an installed package offers under the `longhorizon.algorithms` entry point, or
@@ -654,12 +658,23 @@ class Config(Section):
 
 
 # Tables whose keys are free-form (passed through to a component that validates them itself).
-_FREE_FORM = {("env", "options"), ("actor", "engine_options")}
+_FREE_FORM = {("env", "options"), ("actor", "engine_options"), ("learner", "algorithm_options")}
 
 
-def _one_line(error: ValidationError, model: type[Section], data: dict) -> str:
+def check_section(model: type[Section], values: dict, key: str) -> Section:
+    """A table a part declares for itself (an algorithm's `learner.algorithm_options`), checked as
+    the config's own tables are: `values` as `model`, or a ConfigError naming the bad key under `key`."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{key}: expected a table, got {type(values).__name__}")
+    try:
+        return model.model_validate(values)
+    except ValidationError as error:
+        raise ConfigError(_one_line(error, model, values, key)) from None
+
+
+def _one_line(error: ValidationError, model: type[Section], data: dict, prefix: str = "") -> str:
     """The first of pydantic's errors as the one line a user can act on: the key (dotted from the
-    config's top), the value given, what is allowed."""
+    config's top, after `prefix`), the value given, what is allowed."""
     first = error.errors()[0]
     location = [str(part) for part in first["loc"]]
     # Walk down the sections to the key the error is about, and to the value given for it.
@@ -672,7 +687,7 @@ def _one_line(error: ValidationError, model: type[Section], data: dict) -> str:
         annotation = field.annotation
         section = annotation
         value = value.get(part) if isinstance(value, dict) else value
-    dotted = ".".join(keys)
+    dotted = ".".join([prefix, *keys] if prefix else keys)
     if first["type"] == "extra_forbidden":
         where = f"[{dotted}]" if dotted else "top level"
         return (f"unknown config key {dotted + '.' if dotted else ''}{location[len(keys)]} in {where}; "

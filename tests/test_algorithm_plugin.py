@@ -13,11 +13,13 @@ from longhorizon.learner.algorithms import ALGORITHMS, AlgorithmError, make_algo
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# REINFORCE against a constant baseline, importance-weighted against the behaviour policy. It
-# counts its calls, so the tests can tell that its code, not a built-in's, ran.
+# REINFORCE against a constant baseline, importance-weighted against the behaviour policy; the
+# baseline is a key of its own (learner.algorithm_options.baseline). It counts its calls, so the
+# tests can tell that its code, not a built-in's, ran.
 CONSTANT_BASELINE = """
 from dataclasses import dataclass
 
+from longhorizon.common.config import Section, bounded
 from longhorizon.learner.algorithms import Algorithm
 from longhorizon.learner.losses import truncated_is_loss
 from longhorizon.learner.scoring import score_whole_batch
@@ -30,15 +32,20 @@ class Settings:
     behaviour_weight_cap: float
 
 
+class Options(Section):
+    baseline: float = bounded(0.5, ge=0, le=1)
+    \"\"\"The constant every reward is measured against.\"\"\"
+
+
 class ConstantBaseline(Algorithm):
-    summary = "REINFORCE with a constant baseline of 0.5"
+    summary = "REINFORCE with a constant baseline"
     Settings = Settings
+    Options = Options
     aggregation = "token"
-    baseline = 0.5
 
     def score(self, groups):
         calls["score"] += 1
-        return score_whole_batch(groups, self.shaped_rewards, lambda rewards: rewards - self.baseline)
+        return score_whole_batch(groups, self.shaped_rewards, lambda rewards: rewards - self.options.baseline)
 
     def loss(self, logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask):
         calls["loss"] += 1
@@ -89,11 +96,34 @@ def test_an_installed_algorithm_is_found_by_its_name_and_checked_like_a_builtin(
     scored = algorithm.score([_group(1.0, 0.0), _group(1.0, 1.0)])
     assert [e.advantage for e in scored.examples] == [0.5, -0.5, 0.5, 0.5]
     assert (scored.groups_used, scored.groups_skipped_zero_variance) == (2, 0) and module.calls["score"] == 1
+    # Its own key, checked by its own model: a value, a value out of range, a key it lacks.
+    quarter = make_algorithm(LearnerConfig(algorithm="constant_baseline", algorithm_options={"baseline": 0.25}))
+    assert [e.advantage for e in quarter.score([_group(1.0, 0.0)]).examples] == [0.75, -0.25]
+    with pytest.raises(AlgorithmError, match=r"^learner.algorithm_options.baseline must be in \[0, 1\], got 2$"):
+        make_algorithm(LearnerConfig(algorithm="constant_baseline", algorithm_options={"baseline": 2}))
+    with pytest.raises(AlgorithmError, match=r"^unknown config key learner.algorithm_options.basline in "
+                                             r"\[learner.algorithm_options\]; valid keys: baseline$"):
+        make_algorithm(LearnerConfig(algorithm="constant_baseline", algorithm_options={"basline": 0.1}))
+    # A built-in declares none, so the table is refused with it.
+    with pytest.raises(AlgorithmError, match="learner.algorithm = 'grpo' declares no options of its own"):
+        make_algorithm(LearnerConfig(algorithm_options={"baseline": 0.1}))
     # The keys it does not read are refused as for a built-in, and the names on offer include it.
     with pytest.raises(AlgorithmError, match=r"learner.clip_eps is not used by learner.algorithm = 'constant_baseline'"):
         make_algorithm(LearnerConfig(algorithm="constant_baseline", clip_eps=0.3))
     with pytest.raises(AlgorithmError, match=r"valid: grpo, .*, cispo, constant_baseline"):
         make_algorithm(LearnerConfig(algorithm="constant_baselin"))
+
+
+def test_a_bad_value_of_a_plugins_own_key_is_one_line_from_the_command_line(plugin, tmp_path, capsys):
+    from longhorizon.launch.cli import main
+
+    plugin("cli_algorithms", "constant_baseline_cli")
+    runs = tmp_path / "runs"
+    base = ["train", "codebook", f"run.output_dir={str(runs)!r}", "learner.algorithm='constant_baseline_cli'"]
+    assert main([*base, "learner.algorithm_options.baseline=2"]) == 2
+    assert capsys.readouterr().err == (
+        "longhorizon: error: learner.algorithm_options.baseline must be in [0, 1], got 2\n")
+    assert not runs.exists()  # refused before the run folder was made
 
 
 def test_what_is_not_an_algorithm_is_refused_before_the_run(install_plugin):
@@ -123,9 +153,10 @@ async def test_a_run_trains_with_an_algorithm_from_outside(tmp_path, tiny_codebo
     config = load_config(REPO_ROOT / "configs" / "codebook.toml", [
         f"run.output_dir={str(tmp_path)!r}", "run.total_steps=3", f"model.path={str(tiny_codebook_model)!r}",
         "actor.num_actors=1", "actor.group_size=4", "learner.groups_per_step=2", "learner.learning_rate=1e-2",
-        f"learner.algorithm={name!r}",
+        f"learner.algorithm={name!r}", "learner.algorithm_options.baseline=0.25",
     ])
     learner = await train_in_process(config)
+    assert learner.trainer.algorithm.options.baseline == 0.25
 
     records = read_metrics(config.run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]

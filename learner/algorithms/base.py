@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
 
 import numpy as np
 
+from longhorizon.common.config import ConfigError, Section, check_section
 from longhorizon.learner.advantages import group_has_signal
 from longhorizon.learner.entropy import EntropyControlError, entropy_settings, needs_flat_members
 from longhorizon.learner.losses import WEIGHT_LEVELS, LossOutput
@@ -51,13 +52,16 @@ class Algorithm:
 
     A subclass sets `Settings` to a frozen dataclass whose fields are named like the `learner.*`
     keys it reads (its typed view of them: `self.settings`), and implements `aggregation`, `score`
-    and `loss`. An algorithm with a learned critic also implements `build_value_model`,
+    and `loss`. Keys of its own go in `Options`, a `common.config.Section` (pydantic) model whose
+    fields are the keys of `learner.algorithm_options` (validated values: `self.options`). An algorithm with a learned critic also implements `build_value_model`,
     `advantages_from_values` and `value_loss`.
     """
 
     summary: ClassVar[str] = ""
     """One line: what it is, with its source."""
     Settings: ClassVar[type] = NoSettings
+    Options: ClassVar[type[Section] | None] = None
+    """Its own keys, under `learner.algorithm_options`; None: it has none, and the table must be empty."""
     resamples_flat_groups: ClassVar[bool] = False
     """Groups whose rewards are all equal are set aside by the learner, and further groups awaited
     in their place until the batch is full (async mode only)."""
@@ -70,6 +74,7 @@ class Algorithm:
     def __init__(self, config: LearnerConfig, name: str | None = None) -> None:
         self.name = name or config.algorithm
         self.settings = settings_from(self.Settings, config)
+        self.options = options_from(self.Options, config, self.name)
         try:  # the common entropy-control keys, checked wherever an algorithm is made
             entropy_settings(config)
         except EntropyControlError as error:
@@ -150,6 +155,24 @@ def settings_from(settings_class: type, config: LearnerConfig):
             )
         values[setting.name] = getattr(config, setting.name)
     return settings_class(**values)
+
+
+def options_from(options_class: type[Section] | None, config: LearnerConfig, name: str) -> Section | None:
+    """`learner.algorithm_options` checked by the algorithm's `Options` model (None when it
+    declares none, which leaves the table nothing to hold)."""
+    if options_class is None:
+        if config.algorithm_options:
+            raise AlgorithmError(
+                f"learner.algorithm_options {dict(config.algorithm_options)!r} is set, but learner.algorithm = "
+                f"{name!r} declares no options of its own: remove the table"
+            )
+        return None
+    if not (isinstance(options_class, type) and issubclass(options_class, Section)):
+        raise AlgorithmError(f"an algorithm's Options must be a longhorizon.common.config.Section, got {options_class!r}")
+    try:
+        return check_section(options_class, dict(config.algorithm_options), "learner.algorithm_options")
+    except ConfigError as error:
+        raise AlgorithmError(str(error)) from None
 
 
 # Values of the shared choice keys an algorithm may read; "sum" aggregation is dr_grpo's own.
