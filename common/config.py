@@ -257,6 +257,17 @@ class LearnerConfig(Section):
     one an installed package offers under the `longhorizon.algorithms` entry point, or
     `package.module:Class` for one on the Python path. Keys below that only some algorithms read
     are refused with the others."""
+    step_credit: str = "none"
+    """Credit per turn beside the episode's (learner/step_credit.py): `none`, or `anchor_states`
+    (GiGPO's step groups: the turns of a group's episodes that start from the same observation are
+    compared by their discounted returns, and each generated token trains with its episode's
+    advantage plus `step_credit_weight` times its turn's). For the algorithms that score groups by
+    their rewards (grpo, rloo, reinforce_pp, dr_grpo, dapo, cispo); groups whose episode rewards
+    are all equal are still skipped."""
+    step_credit_weight: float = bounded(1.0, ge=0)
+    """step_credit: the weight of a turn's step advantage beside its episode's."""
+    step_discount: float = bounded(0.95, ge=0, le=1)
+    """step_credit: a turn's return is its reward plus this times the next turn's return."""
     loss: str = "decoupled_ppo"
     """Off-policy correction: decoupled_ppo, truncated_is, or none (plain PPO against the behaviour policy)."""
     clip_eps: float = 0.2

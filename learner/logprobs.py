@@ -32,6 +32,9 @@ class Example:
     # No member of its group succeeded: `learner.entropy_scope = "failed_groups"` puts the entropy
     # bonus on these examples alone.
     group_failed: bool = False
+    # learner.step_credit: each token's advantage (its episode's plus its turn's), one per token
+    # id; None: `advantage` for every token.
+    token_advantages: np.ndarray | None = None
 
 
 @dataclass
@@ -42,7 +45,7 @@ class PaddedBatch:
     attention_mask: torch.Tensor  # [B, L]
     loss_mask: torch.Tensor  # [B, L-1], aligned with the predicted tokens input_ids[:, 1:]
     behaviour_logprobs: torch.Tensor  # [B, L-1]
-    advantages: torch.Tensor  # [B], or [B, L-1] per token (ppo)
+    advantages: torch.Tensor  # [B], or [B, L-1] per token (ppo, learner.step_credit)
     token_rewards: torch.Tensor | None = None  # [B, L-1] (ppo)
     # Tokens every row starts with, encoded once for the whole micro-batch (learner/shared_prefix.py);
     # 0: each row is encoded on its own.
@@ -76,6 +79,12 @@ def pad_examples(examples: list[Example], pad_token_id: int, prefix_length: int 
         loss_mask[row, :length] = torch.as_tensor(np.array(example.loss_mask))
         behaviour[row, :length] = torch.as_tensor(np.array(example.behaviour_logprobs))
     advantages = torch.tensor([e.advantage for e in examples], dtype=torch.float32)
+    if any(getattr(e, "token_advantages", None) is not None for e in examples):
+        per_token = advantages[:, None].repeat(1, longest)
+        for row, example in enumerate(examples):
+            if example.token_advantages is not None:
+                per_token[row, :len(example.token_ids)] = torch.as_tensor(np.array(example.token_advantages))
+        advantages = per_token[:, 1:]
     token_rewards = None
     if any(e.token_rewards is not None for e in examples):
         token_rewards = torch.zeros((count, longest), dtype=torch.float32)
@@ -83,8 +92,8 @@ def pad_examples(examples: list[Example], pad_token_id: int, prefix_length: int 
             if example.token_rewards is not None:
                 token_rewards[row, :len(example.token_ids)] = torch.as_tensor(np.array(example.token_rewards))
         token_rewards = token_rewards[:, 1:]
-    # Token t is predicted from the tokens before it, so targets, masks, behaviour log-probs and
-    # rewards drop their first position.
+    # Token t is predicted from the tokens before it, so targets, masks, behaviour log-probs,
+    # rewards and per-token advantages drop their first position.
     if prefix_length:
         shortest = min(len(e.token_ids) for e in examples)
         if not 0 < prefix_length < shortest or bool((input_ids[:, :prefix_length] != input_ids[:1, :prefix_length]).any()):

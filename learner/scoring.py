@@ -16,6 +16,7 @@ import numpy as np
 
 from longhorizon.learner.advantages import group_has_signal
 from longhorizon.learner.logprobs import Example
+from longhorizon.learner.step_credit import StepCredit, group_token_advantages
 
 RewardsOf = Callable[[Sequence], np.ndarray]
 """The (shaped) rewards of a group's members, in order."""
@@ -78,9 +79,11 @@ def group_failed(members) -> bool:
 
 
 def example_from(trajectory, advantage: float, token_rewards: np.ndarray | None = None,
-                 group: int | None = None, failed: bool = False) -> Example:
+                 group: int | None = None, failed: bool = False,
+                 token_advantages: np.ndarray | None = None) -> Example:
     """`group`: the index of the member's group in the step (its members share a prompt, which
-    learner.shared_prefix encodes once); `failed`: no member of that group succeeded."""
+    learner.shared_prefix encodes once); `failed`: no member of that group succeeded;
+    `token_advantages`: per token, with learner.step_credit."""
     return Example(
         token_ids=np.asarray(trajectory.token_ids, dtype=np.int64),
         loss_mask=np.asarray(trajectory.loss_mask, dtype=np.float32),
@@ -89,11 +92,22 @@ def example_from(trajectory, advantage: float, token_rewards: np.ndarray | None 
         token_rewards=token_rewards,
         group=group,
         group_failed=failed,
+        token_advantages=token_advantages,
     )
 
 
+def _group_examples(members, advantages, index: int, failed: bool, step_credit: StepCredit | None) -> list[Example]:
+    """One group's examples; with `step_credit`, each turn credited against the group's other
+    turns from the same state."""
+    if step_credit is None:
+        return [example_from(t, value, group=index, failed=failed) for t, value in zip(members, advantages)]
+    per_token = group_token_advantages(members, list(advantages), step_credit)
+    return [example_from(t, value, group=index, failed=failed, token_advantages=tokens)
+            for t, value, tokens in zip(members, advantages, per_token)]
+
+
 def score_each_group(groups, rewards_of: RewardsOf, advantages_of: AdvantagesOf, *,
-                     train_flat_groups: bool = False) -> ScoredBatch:
+                     train_flat_groups: bool = False, step_credit: StepCredit | None = None) -> ScoredBatch:
     """Advantages within each group. A group whose rewards are all equal is skipped and counted
     (every advantage would be 0); its tokens and members still count in the loss's denominator
     (`FlatShare`). With `train_flat_groups` (a KL penalty, an entropy bonus or entropy control is
@@ -115,21 +129,23 @@ def score_each_group(groups, rewards_of: RewardsOf, advantages_of: AdvantagesOf,
                 continue
         else:
             used += 1
-        failed_group = group_failed(members)
-        examples += [example_from(t, value, group=index, failed=failed_group)
-                     for t, value in zip(members, advantages_of(rewards))]
+        examples += _group_examples(members, advantages_of(rewards), index, group_failed(members), step_credit)
     return ScoredBatch(examples, used, flat_groups, too_small, failed, FlatShare(flat_tokens, flat_sequences))
 
 
-def score_whole_batch(groups, rewards_of: RewardsOf, advantages_of: AdvantagesOf) -> ScoredBatch:
+def score_whole_batch(groups, rewards_of: RewardsOf, advantages_of: AdvantagesOf, *,
+                      step_credit: StepCredit | None = None) -> ScoredBatch:
     """Advantages over every usable member of the batch at once: a flat group still counts, since
-    its members sit above or below the rest of the batch."""
+    its members sit above or below the rest of the batch. Step credit, when on, is within each
+    group."""
     kept, failed, too_small = usable_groups(groups)
     if not kept:
         return ScoredBatch([], 0, 0, too_small, failed)
-    members = [(index, t) for index, group in enumerate(kept) for t in group]
     rewards = np.concatenate([rewards_of(group) for group in kept])
-    failed = [group_failed(group) for group in kept]
-    examples = [example_from(t, value, group=index, failed=failed[index])
-                for (index, t), value in zip(members, advantages_of(rewards))]
+    advantages = advantages_of(rewards)
+    examples, start = [], 0
+    for index, group in enumerate(kept):
+        examples += _group_examples(group, advantages[start:start + len(group)], index, group_failed(group),
+                                    step_credit)
+        start += len(group)
     return ScoredBatch(examples, len(kept), 0, too_small, failed)

@@ -274,12 +274,14 @@ def _scored_groups():
     {},
     {"optimizer_steps_per_batch": 2, "entropy_coef": 0.01},  # a separate proximal pass, the entropy term
     {"gradient_checkpointing": True, "algorithm": "rloo", "kl_coef": 0.05},  # a reference model's pass
+    {"step_credit": "anchor_states", "step_discount": 0.5},  # an advantage per token
 ])
 def test_a_whole_step_on_scored_groups_updates_the_same(settings):
     base = dict(learning_rate=1e-3, micro_batch_size=8, max_tokens_per_micro_batch=256, logprob_chunk_tokens=8,
                 **settings)
     scored = score_groups(_scored_groups(), LearnerConfig(**base))
     assert {e.group for e in scored.examples} == {0, 1, 2}
+    assert all((e.token_advantages is not None) == ("step_credit" in settings) for e in scored.examples)
     model = _tiny_model()
     results = []
     for shared in (False, True):
@@ -333,6 +335,7 @@ def test_every_algorithm_updates_the_same_with_the_shared_prefix(algorithm, lora
                 logprob_chunk_tokens=8, optimizer_steps_per_batch=2, **({"lora": LORA} if lora else {}))
     scored = score_groups(_scored_groups(), LearnerConfig(**base))
     assert {e.group for e in scored.examples} == {0, 1, 2}
+    assert all((e.token_advantages is not None) == ("step_credit" in settings) for e in scored.examples)
     model = _tiny_model()
     trainers, metrics = [], []
     for shared in (False, True):

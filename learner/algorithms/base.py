@@ -18,6 +18,7 @@ from longhorizon.learner.advantages import group_has_signal
 from longhorizon.learner.entropy import EntropyControlError, entropy_settings, needs_flat_members
 from longhorizon.learner.losses import WEIGHT_LEVELS, LossOutput
 from longhorizon.learner.scoring import ScoredBatch, usable_members
+from longhorizon.learner.step_credit import step_credit_from
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +66,9 @@ class Algorithm:
     resamples_flat_groups: ClassVar[bool] = False
     """Groups whose rewards are all equal are set aside by the learner, and further groups awaited
     in their place until the batch is full (async mode only)."""
+    takes_step_credit: ClassVar[bool] = False
+    """Whether its scoring applies `learner.step_credit` (passes `self.step_credit` to
+    score_each_group or score_whole_batch); others refuse the setting."""
     runs_on_several_ranks: ClassVar[bool] = True
     """Whether the launcher may start the learner on more than one rank with it."""
     aggregation: str = "token"
@@ -75,6 +79,13 @@ class Algorithm:
         self.name = name or config.algorithm
         self.settings = settings_from(self.Settings, config)
         self.options = options_from(self.Options, config, self.name)
+        try:
+            self.step_credit = step_credit_from(config)
+        except ValueError as error:
+            raise AlgorithmError(str(error)) from None
+        if self.step_credit is not None and not self.takes_step_credit:
+            raise AlgorithmError(f"learner.step_credit = {config.step_credit!r} gives each turn an advantage of its own, "
+                                 f"which learner.algorithm = {self.name!r} does not take")
         try:  # the common entropy-control keys, checked wherever an algorithm is made
             entropy_settings(config)
         except EntropyControlError as error:

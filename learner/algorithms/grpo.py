@@ -29,6 +29,7 @@ class GRPOSettings:
 class GRPO(Algorithm):
     summary = "group-normalised advantages, clipped surrogate (Shao et al. 2024)"
     Settings = GRPOSettings
+    takes_step_credit = True
 
     default_clip: tuple[float, float] | None = None
     """None: one symmetric `clip_eps`. Else the algorithm reads `clip_eps_low` and `clip_eps_high`
@@ -65,7 +66,7 @@ class GRPO(Algorithm):
 
     def score(self, groups) -> ScoredBatch:
         return score_each_group(groups, self.shaped_rewards, self.group_advantages,
-                                train_flat_groups=self.train_flat_groups)
+                                train_flat_groups=self.train_flat_groups, step_credit=self.step_credit)
 
     def loss(self, logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask) -> LossOutput:
         """The clipped surrogate, corrected for the behaviour policy as `learner.loss` says."""

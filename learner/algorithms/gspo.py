@@ -21,6 +21,7 @@ class GSPO(GRPO):
     summary = "one length-normalised importance ratio per sequence (Zheng et al. 2025)"
     Settings = GSPOSettings
     aggregation = "sequence"
+    takes_step_credit = False  # one ratio, and so one advantage, per sequence
     default_clip = (3e-4, 4e-4)
     """The clip range of a per-token geometric mean, hence so small."""
 

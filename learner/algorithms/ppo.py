@@ -39,6 +39,7 @@ class PPO(GRPO):
     # The trainer runs its critic on any number of ranks (tests/test_distributed.py), but the
     # launcher has not been opened to it: a run with several ranks is refused for now.
     runs_on_several_ranks = False
+    takes_step_credit = False  # its critic's GAE gives every token its own advantage already
 
     def scores_every_generated_token(self) -> bool:
         return True  # turn rewards sit at the ends of the generated runs

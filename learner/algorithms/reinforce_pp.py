@@ -12,4 +12,4 @@ class ReinforcePP(GRPO):
     summary = "rewards normalised over the whole batch (Hu 2025)"
 
     def score(self, groups) -> ScoredBatch:
-        return score_whole_batch(groups, self.shaped_rewards, reinforce_pp_advantages)
+        return score_whole_batch(groups, self.shaped_rewards, reinforce_pp_advantages, step_credit=self.step_credit)
