@@ -35,6 +35,7 @@ async def evaluate(
     concurrency: int = 32,
     seed: int = 0,
     agent: str = "",
+    history_turns: int = 0,
     samples_per_task: int = 1,
 ) -> EvalResult:
     """Play the first `episodes` tasks of `split` (cycling if there are fewer) with `engine`,
@@ -56,7 +57,7 @@ async def evaluate(
             result = await run_episode(
                 env, engine, task, horizon_cap=horizon_cap,
                 max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens,
-                seed=seed + number, episode_id=f"eval-{number}", agent=agent,
+                seed=seed + number, episode_id=f"eval-{number}", agent=agent, history_turns=history_turns,
             )
             pool.release(env, broken=bool(result.error))
             results.append(result)
@@ -109,6 +110,7 @@ async def play_tasks(
     max_context_tokens: int = 4096,
     concurrency: int = 32,
     agent: str = "",
+    history_turns: int = 0,
     on_episode: Callable[[EpisodeRecord], None] = lambda record: None,
 ) -> list[EpisodeRecord]:
     """`samples` episodes of every task (for Pass@k), run concurrently; one record per episode,
@@ -126,7 +128,7 @@ async def play_tasks(
             result = await run_episode(
                 env, engine, task, horizon_cap=horizon_cap, max_context_tokens=max_context_tokens,
                 max_new_tokens=max_new_tokens, seed=0, episode_id=f"eval-{task.task_id}-{sample}",
-                agent=agent,
+                agent=agent, history_turns=history_turns,
             )
             pool.release(env, broken=bool(result.error))
             record = EpisodeRecord(

@@ -45,6 +45,28 @@ class EpisodeResult:
     generation_seconds: float = 0.0
     env_seconds: float = 0.0
     error: str = ""
+    windows: list[tuple[int, int, int]] = field(default_factory=list)
+    """Per turn, the context it was sampled in: (window_start, reply_start, reply_end) in the
+    conversation's tokens (Trajectory.sample_windows)."""
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some turn was shown less than the whole history, so that its reply must train
+        in a sample of its own."""
+        prompt_length = self.conversation.prompt_length if self.conversation is not None else 0
+        return any(start > prompt_length for start, _, _ in self.windows)
+
+
+def _view(loop: AgentLoop, conversation: TokenConversation, history_turns: int):
+    """What the model sees next: the first prompt and the last `history_turns` turns, or (0) what
+    the agent loop shows."""
+    return conversation.last_turns_view(history_turns) if history_turns else loop.model_view(conversation)
+
+
+def _context_length(conversation: TokenConversation, view) -> int:
+    """The context the learner will score the next reply in: the view when it leaves turns out
+    (its turn then trains as a sample of its own), else the whole conversation."""
+    return len(view.token_ids) if view.window_start > conversation.prompt_length else len(conversation)
 
 
 async def run_episode(
@@ -60,11 +82,13 @@ async def run_episode(
     invalid_reply_reward: float = 0.0,
     env_call_timeout_s: float = DEFAULT_ENV_CALL_TIMEOUT_S,
     agent: AgentLoop | str = "",
+    history_turns: int = 0,
 ) -> EpisodeResult:
     """Play one episode. Env and engine failures are reported in `error`, never raised; an env
     reset or step that takes longer than `env_call_timeout_s` fails the episode (a hung browser
     or simulator must not hold an episode slot for ever). `agent` is the agent loop or its name
-    ("": the one the env's prompt_format names)."""
+    ("": the one the env's prompt_format names); `history_turns` > 0 shows the model the first
+    prompt and only the last that many turns (actor.history_turns), whatever the loop shows."""
     episode_id = episode_id or uuid.uuid4().hex
     result = EpisodeResult(conversation=None)
 
@@ -86,9 +110,11 @@ async def run_episode(
                 f"the first prompt has {len(conversation)} tokens: with {max_new_tokens} new tokens "
                 f"per turn it does not fit actor.max_context_tokens = {max_context_tokens}"
             )
+        view = _view(loop, conversation, history_turns)
         while True:
-            # The loop picks what the model sees; the conversation (the trajectory) keeps everything.
-            view = loop.model_view(conversation)
+            # The loop (or history_turns) picks what the model sees; the conversation (the
+            # trajectory) keeps everything, and each turn's window says what it saw.
+            reply_start = len(conversation)
             started = time.perf_counter()
             generation = await engine.generate(
                 GenerationRequest(
@@ -103,6 +129,7 @@ async def run_episode(
             conversation.add_generation(
                 generation.token_ids, generation.logprobs, generation.policy_version, generation.text
             )
+            result.windows.append((view.window_start, reply_start, len(conversation)))
             result.num_turns += 1
             try:
                 action = loop.parse_action(generation.text)
@@ -124,7 +151,8 @@ async def run_episode(
                 result.truncated, result.cut_by = True, "horizon"
                 break
             conversation.add_observation(observation, stopped_on_eos=generation.stopped_on_eos)
-            if len(conversation) + max_new_tokens > max_context_tokens:
+            view = _view(loop, conversation, history_turns)
+            if _context_length(conversation, view) + max_new_tokens > max_context_tokens:
                 result.truncated, result.cut_by = True, "context"  # the next turn would not fit
                 break
         result.reward = float(sum(result.turn_rewards))
@@ -197,6 +225,8 @@ def to_trajectory(
         text=text,
         error=result.error,
         messages=messages,
+        sample_windows=[index for window in result.windows for index in window] if result.windowed else [],
+        cut_by=result.cut_by,
     )
 
 
@@ -285,6 +315,7 @@ async def run_group_member(
     invalid_reply_reward: float = 0.0,
     env_call_timeout_s: float = DEFAULT_ENV_CALL_TIMEOUT_S,
     agent: AgentLoop | str = "",
+    history_turns: int = 0,
     with_messages: bool = False,
 ) -> Trajectory:
     """Run member `member` of a group (its episode id is `<group_id>-<member>`) and hand its
@@ -303,6 +334,7 @@ async def run_group_member(
         invalid_reply_reward=invalid_reply_reward,
         env_call_timeout_s=env_call_timeout_s,
         agent=agent,
+        history_turns=history_turns,
     )
     env_pool.release(env, broken=bool(result.error))
     trajectory = to_trajectory(

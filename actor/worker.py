@@ -242,6 +242,7 @@ class Actor:
             max_new_tokens=self.config.actor.sampling.max_new_tokens,
             seed=self.rng.randrange(2**31),
             agent=self.config.actor.agent,
+            history_turns=self.config.actor.history_turns,
             on_trajectory=self._send,
             invalid_reply_reward=self.config.actor.invalid_reply_reward,
             env_call_timeout_s=self.config.actor.env_call_timeout_s,

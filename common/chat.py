@@ -134,6 +134,10 @@ class ConversationView:
 
     token_ids: list[int]
     messages: list[dict]
+    window_start: int = 0
+    """Where, in the conversation's tokens, the turns shown begin after the first prompt: at or
+    before the prompt's end the view is the whole history; past it, the turns before were left
+    out (the view is the first prompt joined to token_ids[window_start:])."""
 
 
 @dataclass
@@ -202,7 +206,7 @@ class TokenConversation:
 
     def full_view(self) -> ConversationView:
         """Everything so far: what the model sees by default."""
-        return ConversationView(self.token_ids, self.messages)
+        return ConversationView(self.token_ids, self.messages, self.prompt_length)
 
     def last_turns_view(self, turns: int) -> ConversationView:
         """The first prompt and only the last `turns` turns (older replies and observations left
@@ -216,7 +220,7 @@ class TokenConversation:
         token_ids = self.token_ids[: self.prompt_length] + self.token_ids[self.turn_starts[first_kept]:]
         # Every turn before the kept ones is complete: its reply and its observation.
         messages = self.messages[: self.prompt_messages] + self.messages[self.prompt_messages + 2 * first_kept:]
-        return ConversationView(token_ids, messages)
+        return ConversationView(token_ids, messages, self.turn_starts[first_kept])
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {

@@ -146,6 +146,12 @@ class ActorConfig(Section):
     agent: str = ""
     """Agent loop (prompt format, action parsing, history shown): "" for the env's own prompt
     format, `react`, `bare`, a `longhorizon.agents` entry point or `package.module:attribute`."""
+    history_turns: int = bounded(0, ge=0)
+    """What the model sees of a long episode: 0, the whole history (or what the agent loop
+    shows); K > 0, the first prompt (the task) and only the last K turns. Each turn then trains as
+    a sample of its own, in the context it was sampled in (the episode's advantage shared by its
+    samples), so an episode may outgrow max_context_tokens while each turn's context stays inside
+    it."""
     engine_options: dict = Field(default_factory=dict)
     """Settings of the chosen engine, which checks them (vllm: load_format, gpu_memory_utilization,
     ...; openai: base_url, api_key_env, model, mode, ...; see docs/actor-types.md)."""

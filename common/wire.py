@@ -38,8 +38,8 @@ class Trajectory:
     """One finished episode: everything the learner needs to use it in an update."""
 
     TYPE_TAG: ClassVar[str] = "trajectory"
-    # 2: invalid_actions added. 3: messages added.
-    SCHEMA_VERSION: ClassVar[int] = 3
+    # 2: invalid_actions added. 3: messages added. 4: sample_windows, cut_by added.
+    SCHEMA_VERSION: ClassVar[int] = 4
 
     # Unique per episode, so the learner can drop a trajectory that arrives twice.
     trajectory_id: str
@@ -93,6 +93,15 @@ class Trajectory:
     # a run that saves the episodes it trains on (`run.save_episodes`); None otherwise, so the
     # text of every turn does not travel twice for nothing.
     messages: list[dict[str, str]] | None = None
+    # Where the model was shown less than the whole history (actor.history_turns), each turn's
+    # context as it was sampled, three indices into token_ids per turn: window_start, reply_start,
+    # reply_end. The turn's training sample is token_ids[:prompt_length] +
+    # token_ids[window_start:reply_end], its reply [reply_start, reply_end) the only tokens with
+    # loss. Empty: the whole trajectory is one sample, every reply in the context it was sampled in.
+    sample_windows: list[int] = field(default_factory=list)
+    # Why a truncated episode stopped: "env" (its own limit), "horizon" (the turn cap) or "context"
+    # (the next turn would not have fit actor.max_context_tokens); "" when it was not cut.
+    cut_by: str = ""
 
 
 @dataclass(kw_only=True, eq=False)

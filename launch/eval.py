@@ -91,7 +91,7 @@ async def _play(engine, config, tasks, *, samples: int, horizon_cap: int, on_epi
     return await play_tasks(
         engine, config.env.name, dict(config.env.options), tasks, samples=samples, horizon_cap=horizon_cap,
         max_new_tokens=config.actor.sampling.max_new_tokens, max_context_tokens=config.actor.max_context_tokens,
-        agent=config.actor.agent, on_episode=on_episode,
+        agent=config.actor.agent, history_turns=config.actor.history_turns, on_episode=on_episode,
     )
 
 

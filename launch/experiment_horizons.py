@@ -269,7 +269,7 @@ def evaluate_model(config, model_folder: Path, cap: int) -> dict:
     records = trio.run(lambda: play_tasks(
         engine, config.env.name, dict(config.env.options), tasks, samples=1, horizon_cap=cap,
         max_new_tokens=config.actor.sampling.max_new_tokens, max_context_tokens=config.actor.max_context_tokens,
-        agent=config.actor.agent,
+        agent=config.actor.agent, history_turns=config.actor.history_turns,
     ))
     failed = [record for record in records if record.error]
     if failed:

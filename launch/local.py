@@ -61,6 +61,9 @@ def validate_config(config: Config) -> None:
             f"learner.staleness_unit = \"token\" takes an episode's stale turns out of its loss mask, and "
             f"learner.algorithm = {algorithm.name!r} scores episodes by all their generated tokens as set here: "
             "use staleness_unit = \"episode\"")
+    require(not (config.actor.history_turns and not algorithm.takes_turn_samples),
+            f"actor.history_turns = {config.actor.history_turns} trains each turn as a sample of its own, which "
+            f"learner.algorithm = {algorithm.name!r} does not take: use actor.history_turns = 0")
     require(not (algorithm.resamples_flat_groups and config.run.mode == "sync"),
             f"learner.algorithm = {algorithm.name!r} replaces groups without signal by new ones, which "
             "sync mode (one batch per version) cannot: use run.mode = \"async\"")

@@ -131,6 +131,7 @@ def summarise_run(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "truncated_rate_mean": _mean(_values(records, "truncated_rate")),
         # Runs recorded before cut_by_cap_rate existed: every truncation counted as the cap's.
         "cut_by_cap_rate_mean": _mean(_values(records, "cut_by_cap_rate") or _values(records, "truncated_rate")),
+        "cut_by_context_rate_mean": _mean(_values(records, "cut_by_context_rate")),
     }
     # Figures that older runs did not record: None when absent, so a report still reads.
     outcome_keys = ("groups_none_succeeded", "groups_all_succeeded")
@@ -236,7 +237,8 @@ def format_report(summary: dict[str, Any]) -> str:
         + "; by cap: "
         + (", ".join(f"{cap}: {_number(value, '.1%')}" for cap, value in summary["success_by_cap"].items())
            or "n/a"),
-        f"episodes cut by the cap: {_number(summary['cut_by_cap_rate_mean'], '.0%')} (truncated for any reason: "
+        f"episodes cut by the cap: {_number(summary['cut_by_cap_rate_mean'], '.0%')}, by the context budget: "
+        f"{_number(summary['cut_by_context_rate_mean'], '.0%')} (truncated for any reason: "
         f"{_number(summary['truncated_rate_mean'], '.0%')}); invalid replies per "
         f"turn: {_number(summary['invalid_action_rate_mean'], '.1%')}",
         f"exploration: entropy {_number(summary['entropy_mean'], '.3f')} nats (min "

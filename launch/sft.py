@@ -73,6 +73,7 @@ def evaluate_model(config: Config, model_folder: str | Path, episodes: int, *, s
                 engine, config.env.name, dict(config.env.options), split=config.env.eval_split, episodes=episodes,
                 horizon_cap=max(config.horizon.stages), max_new_tokens=config.actor.sampling.max_new_tokens,
                 max_context_tokens=config.actor.max_context_tokens, seed=config.run.seed, agent=config.actor.agent,
+                history_turns=config.actor.history_turns,
                 samples_per_task=samples_per_task,
             )
         finally:

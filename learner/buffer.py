@@ -24,6 +24,7 @@ import numpy as np
 
 from longhorizon.common.codec import MAX_LOGPROB
 from longhorizon.common.transport import RateLimitedLog
+from longhorizon.learner.samples import sample_lengths, window_problem, windows_of
 
 __all__ = ["DEFAULT_MAX_ABS_REWARD", "Group", "GroupBuffer", "PARTIAL_GROUP_POLICIES", "STALENESS_UNITS", "staleness",
            "tokens_within_staleness"]
@@ -361,13 +362,14 @@ class GroupBuffer:
             return
         if group is None:
             group = self._open_group(group_id, trajectory.group_size, learner_version - trajectory_staleness)
-        length = len(trajectory.loss_mask)
+        # What the learner will encode at once: the whole trajectory, or its longest turn sample.
+        length = max(sample_lengths(trajectory))
         if self.max_tokens is not None and length > self.max_tokens:
             self.counters["dropped_too_long"] += 1
             group.refused_members += 1
             self._refusals.record(
-                f"trajectory {trajectory_id} has {length} tokens, more than the run's budget of "
-                f"{self.max_tokens} (actor.max_context_tokens)"
+                f"trajectory {trajectory_id} has {length} tokens{' in a turn sample' if windows_of(trajectory) else ''}, "
+                f"more than the run's budget of {self.max_tokens} (actor.max_context_tokens)"
             )
             return
         if self.staleness_unit == "token":
@@ -608,6 +610,12 @@ def _describe_malformation(trajectory: Any, max_abs_reward: float = DEFAULT_MAX_
     prompt_length = values["prompt_length"]
     if not _is_integer(prompt_length) or not 0 <= prompt_length <= length:
         return "prompt_length", f"must be an integer in 0..{length} (the trajectory's tokens), got {prompt_length!r}"
+    windows = getattr(trajectory, "sample_windows", None) or []
+    if not isinstance(windows, (list, tuple)):
+        return "sample_windows", f"must be a list of integers, got {type(windows).__name__}"
+    problem = window_problem(list(windows), loss_mask, prompt_length)
+    if problem is not None:
+        return "sample_windows", problem
     for name in ("num_turns", "invalid_actions"):
         if not _is_integer(values[name]) or values[name] < 0:
             return name, f"must be an integer >= 0, got {values[name]!r}"

@@ -16,6 +16,7 @@ import numpy as np
 
 from longhorizon.learner.advantages import group_has_signal
 from longhorizon.learner.logprobs import Example
+from longhorizon.learner.samples import cut, reply_mask, windows_of
 from longhorizon.learner.step_credit import StepCredit, group_token_advantages
 
 RewardsOf = Callable[[Sequence], np.ndarray]
@@ -96,14 +97,37 @@ def example_from(trajectory, advantage: float, token_rewards: np.ndarray | None 
     )
 
 
+def examples_from(trajectory, advantage: float, group: int | None = None, failed: bool = False,
+                  token_advantages: np.ndarray | None = None) -> list[Example]:
+    """A trajectory's examples: itself, or with turn samples (learner/samples.py) one per turn, in
+    the context that turn was sampled in, each with the episode's advantage (and its tokens' own
+    with `token_advantages`)."""
+    windows = windows_of(trajectory)
+    if not windows:
+        return [example_from(trajectory, advantage, group=group, failed=failed, token_advantages=token_advantages)]
+    prompt_length = int(trajectory.prompt_length)
+    examples = []
+    for window in windows:
+        start, _, end = window
+        examples.append(Example(
+            token_ids=cut(trajectory.token_ids, prompt_length, start, end).astype(np.int64),
+            loss_mask=reply_mask(trajectory.loss_mask, prompt_length, window),
+            behaviour_logprobs=cut(trajectory.behaviour_logprobs, prompt_length, start, end).astype(np.float32),
+            advantage=float(advantage),
+            group=group,
+            group_failed=failed,
+            token_advantages=None if token_advantages is None else cut(token_advantages, prompt_length, start, end),
+        ))
+    return examples
+
+
 def _group_examples(members, advantages, index: int, failed: bool, step_credit: StepCredit | None) -> list[Example]:
     """One group's examples; with `step_credit`, each turn credited against the group's other
     turns from the same state."""
-    if step_credit is None:
-        return [example_from(t, value, group=index, failed=failed) for t, value in zip(members, advantages)]
-    per_token = group_token_advantages(members, list(advantages), step_credit)
-    return [example_from(t, value, group=index, failed=failed, token_advantages=tokens)
-            for t, value, tokens in zip(members, advantages, per_token)]
+    per_token = (group_token_advantages(members, list(advantages), step_credit) if step_credit is not None
+                 else [None] * len(members))
+    return [example for t, value, tokens in zip(members, advantages, per_token)
+            for example in examples_from(t, value, group=index, failed=failed, token_advantages=tokens)]
 
 
 def score_each_group(groups, rewards_of: RewardsOf, advantages_of: AdvantagesOf, *,

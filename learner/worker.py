@@ -28,6 +28,7 @@ from longhorizon.learner.curriculum import AdaptiveState, make_schedule
 from longhorizon.learner.distributed import Ranks
 from longhorizon.learner.episode_log import open_episode_log
 from longhorizon.learner.peers import PeerTable
+from longhorizon.learner.samples import sample_lengths
 from longhorizon.learner.scoring import ScoredBatch
 from longhorizon.learner.trainer import Trainer
 from longhorizon.learner.weights import PublisherContext, build_publisher
@@ -440,6 +441,9 @@ class Learner:
             "episode_turns_mean": float(np.mean([t.num_turns for t in trajectories])) if trajectories else 0.0,
             "truncated_rate": float(np.mean([t.truncated for t in trajectories])) if trajectories else 0.0,
             "cut_by_cap_rate": float(np.mean([cut_by_cap(t) for t in trajectories])) if trajectories else 0.0,
+            "cut_by_context_rate": float(np.mean([cut_by_context(t) for t in trajectories])) if trajectories else 0.0,
+            # Training sequences the step's episodes became (turn samples: one per turn).
+            "train_samples": sum(len(sample_lengths(t)) for t in trajectories),
             **outcome_figures(groups),
             # Where data went, counted over the whole run (a resumed run continues the counts of
             # its checkpoint): received = accepted + the refusals below; accepted = trained +
@@ -715,9 +719,18 @@ def target_success_reached(recent: list[float], target: float, window: int) -> b
 
 
 def cut_by_cap(trajectory) -> bool:
-    """Whether the horizon cap ended the episode: truncated on the cap's turn. Truncated earlier,
-    the env's own limit or the context budget ended it (truncated_rate counts those too)."""
+    """Whether the horizon cap ended the episode (the actor says so in `cut_by`; one that does not:
+    truncated on the cap's turn). The env's own limit or the context budget may end it sooner
+    (truncated_rate counts those too)."""
+    if getattr(trajectory, "cut_by", ""):
+        return trajectory.cut_by == "horizon"
     return bool(trajectory.truncated and not trajectory.terminated and trajectory.num_turns >= trajectory.horizon_cap)
+
+
+def cut_by_context(trajectory) -> bool:
+    """Whether the context budget ended the episode: its next turn would not have fit
+    actor.max_context_tokens."""
+    return getattr(trajectory, "cut_by", "") == "context"
 
 
 def outcome_figures(groups) -> dict[str, float]:

@@ -81,5 +81,8 @@ def test_a_last_turns_view_is_the_first_prompt_and_the_exact_tokens_of_the_last_
 
     everything = conversation.last_turns_view(5)
     assert everything.token_ids == conversation.token_ids and everything.messages == conversation.messages
+    # Where each view's turns begin: the whole history starts at the prompt's end.
+    assert (last_two.window_start, last_one.window_start) == (start, conversation.turn_starts[2])
+    assert everything.window_start == conversation.full_view().window_start == conversation.prompt_length
     with pytest.raises(ValueError, match="at least the last turn"):
         conversation.last_turns_view(0)

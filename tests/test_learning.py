@@ -33,6 +33,7 @@ def _evaluate(config, model_folder, episodes=200):
         lambda: evaluate(
             engine, config.env.name, dict(config.env.options), split="test", episodes=episodes,
             horizon_cap=config.horizon.stages[0], max_new_tokens=config.actor.sampling.max_new_tokens,
+            history_turns=config.actor.history_turns,
         )
     )
 
@@ -131,6 +132,19 @@ def test_tiny_model_learns_codebook_through_real_processes(tmp_path, tiny_codebo
         assert (config.run_dir / "logs" / "learner-rank1.log").is_file()
         # Summed over the ranks; a step whose groups were all flat (near the end) trains nothing.
         assert max(r.get("train_sequences", 0) for r in records) > 0
+
+
+@pytest.mark.slow
+def test_tiny_model_learns_codebook_shown_only_its_last_turn_each_turn_trained_as_a_sample(tmp_path, tiny_codebook_model):
+    """actor.history_turns = 1: from its second turn on, the model sees the first prompt and its
+    last turn only, and the learner trains each turn as a sample of its own, in that context (three
+    samples an episode); it learns the codebook as with the whole history, and plays it so."""
+    config, records, trained = _train_and_evaluate(tmp_path, tiny_codebook_model, ["actor.history_turns=1"])
+    assert trained.success_rate > 0.8
+    trained_steps = [r for r in records if r.get("train_sequences", 0) > 0]
+    # Every episode has 3 turns; the trainer counts sequences once per optimiser pass.
+    assert trained_steps and all(r["train_sequences"] % 3 == 0 for r in trained_steps)
+    assert any(r["train_sequences"] > 3 * 8 for r in trained_steps)
 
 
 @pytest.mark.slow

@@ -164,3 +164,44 @@ async def test_requests_carry_the_envs_stop_strings():
     await run_episode(make_env("textcraft"), engine, list_tasks("textcraft", "test")[0], horizon_cap=1,
                       max_context_tokens=100_000, max_new_tokens=64)
     assert engine.stop_strings[-1] == ()  # envs without stop strings
+
+
+class _RecordingEngine(_FixedReplyEngine):
+    """A fixed-reply engine that keeps every context it was given."""
+
+    def __init__(self, reply):
+        super().__init__(reply)
+        self.contexts = []
+
+    async def generate(self, request):
+        self.contexts.append(list(request.token_ids))
+        return await super().generate(request)
+
+
+async def test_a_windowed_history_outlives_the_context_budget_and_each_turn_trains_in_what_it_saw():
+    """Garbled replies on TextCraft: every turn is an error observation (about 180 byte tokens), so
+    the episode runs to the cap. With the whole history a budget of 2,100 tokens (the first prompt
+    takes about 1,880) is spent within 2 turns; with the last turn only, all 6 fit, and each turn's
+    training sample is exactly the context the engine was given plus its reply."""
+    from longhorizon.learner.samples import cut, reply_mask, windows_of
+
+    task = list_tasks("textcraft", "test")[0]
+    settings = dict(horizon_cap=6, max_context_tokens=2100, max_new_tokens=8, seed=0)
+    whole = await run_episode(make_env("textcraft"), _RecordingEngine("no idea"), task, **settings)
+    assert whole.cut_by == "context" and whole.num_turns < 3 and not whole.windowed
+    engine = _RecordingEngine("no idea")
+    result = await run_episode(make_env("textcraft"), engine, task, history_turns=1, **settings)
+    assert result.num_turns == 6 and result.cut_by == "horizon" and result.windowed
+    trajectory = decode([bytes(frame) for frame in encode(
+        to_trajectory(result, actor_id="a", task=task, group_id="g", group_size=1, horizon_cap=6))])
+    assert len(trajectory.token_ids) > 2100 and trajectory.cut_by == "horizon"
+    windows = windows_of(trajectory)
+    assert len(windows) == 6 and windows[0][0] == trajectory.prompt_length  # the first turn saw it all
+    for (start, reply_start, end), context in zip(windows, engine.contexts):
+        sample = cut(trajectory.token_ids, trajectory.prompt_length, start, end).tolist()
+        reply = trajectory.token_ids[reply_start:end].tolist()
+        assert sample == context + reply and len(sample) <= 2100
+        mask = reply_mask(trajectory.loss_mask, trajectory.prompt_length, (start, reply_start, end))
+        assert mask.tolist() == [0.0] * len(context) + [1.0] * len(reply)
+    # Without windowing the trajectory is one sample.
+    assert to_trajectory(whole, actor_id="a", task=task, group_id="g", group_size=1, horizon_cap=6).sample_windows == []

@@ -69,6 +69,10 @@ class Algorithm:
     takes_step_credit: ClassVar[bool] = False
     """Whether its scoring applies `learner.step_credit` (passes `self.step_credit` to
     score_each_group or score_whole_batch); others refuse the setting."""
+    takes_turn_samples: ClassVar[bool] = False
+    """Whether its scoring trains a trajectory with turn samples (actor.history_turns) as one
+    example per turn (score_each_group and score_whole_batch do, through
+    scoring.examples_from); others refuse actor.history_turns."""
     runs_on_several_ranks: ClassVar[bool] = True
     """Whether the launcher may start the learner on more than one rank with it."""
     aggregation: str = "token"

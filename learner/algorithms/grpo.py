@@ -30,6 +30,7 @@ class GRPO(Algorithm):
     summary = "group-normalised advantages, clipped surrogate (Shao et al. 2024)"
     Settings = GRPOSettings
     takes_step_credit = True
+    takes_turn_samples = True
 
     default_clip: tuple[float, float] | None = None
     """None: one symmetric `clip_eps`. Else the algorithm reads `clip_eps_low` and `clip_eps_high`

@@ -40,6 +40,7 @@ class PPO(GRPO):
     # launcher has not been opened to it: a run with several ranks is refused for now.
     runs_on_several_ranks = False
     takes_step_credit = False  # its critic's GAE gives every token its own advantage already
+    takes_turn_samples = False  # its critic reads the whole episode as one sequence
 
     def scores_every_generated_token(self) -> bool:
         return True  # turn rewards sit at the ends of the generated runs
