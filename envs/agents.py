@@ -72,9 +72,10 @@ class AgentLoop:
     def model_view(self, conversation: TokenConversation) -> ConversationView:
         """What the model sees for its next turn. Build it only from the conversation's own views
         (`full_view`, `last_turns_view`): the model's tokens must never be decoded and
-        tokenised again. The trajectory the learner trains on is always the whole conversation,
-        so a loop that shows less makes the learner score replies in a longer context than the
-        one they were sampled in (an off-policy gap its importance ratios will see)."""
+        tokenised again. A `last_turns_view` says where its turns begin, so the learner trains
+        each reply in the context it was sampled in (a sample per turn); a view made any other way
+        is taken for the whole history, and its replies are scored in the whole conversation (an
+        off-policy gap the importance ratios will see)."""
         return conversation.full_view()
 
 
