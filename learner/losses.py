@@ -442,12 +442,17 @@ def kl_penalty(
     *,
     aggregation: str = "token",
 ) -> LossOutput:
-    """KL(pi_theta || pi_ref) by the k3 estimator exp(ref - lp) - (ref - lp) - 1, aggregated.
+    """The k3 estimator exp(ref - lp) - (ref - lp) - 1 on the sampled tokens, aggregated.
 
-    k3 is never negative, which keeps the penalty from rewarding the policy for drifting. It is
-    unbiased only for tokens sampled from pi_theta itself; the learner's tokens come from the
-    behaviour policy mu (possibly several versions old) and are not reweighted here, so off-policy
-    this estimates a KL-like penalty around mu's samples, biased by how far mu is from pi_theta.
+    Its value, on tokens sampled from pi_theta, is an unbiased estimate of KL(pi_theta || pi_ref),
+    and it is never negative, which keeps the penalty from rewarding the policy for drifting. Its
+    gradient, taken through the sampled tokens' log-probs as here (the samples fixed), is
+    (1 - pi_ref / pi_theta) * grad log pi_theta, whose mean over pi_theta's samples is the gradient
+    of the other direction, KL(pi_ref || pi_theta): the update pulls the policy to cover what the
+    reference gives mass to (tests/test_losses.py checks both on a small distribution). The
+    learner's tokens come from the behaviour policy mu (possibly several versions old) and are not
+    reweighted here, so off-policy both hold around mu's samples, biased by how far mu is from
+    pi_theta.
     """
     _check_token_tensors(mask, logprobs=logprobs, reference_logprobs=reference_logprobs)
     counted = mask > 0

@@ -393,8 +393,9 @@ class Trainer:
                         if self.entropy.entropy_scope != "all":
                             rows = bonus_row_weights(entropy, micro.loss_mask, micro.group_failed,
                                                      self.entropy.entropy_scope, self.entropy.frozen_entropy)
-                            covered = 1.0 if rows is None else float(
-                                (rows[:, None] * micro.loss_mask).sum() / micro.loss_mask.sum().clamp(min=1))
+                            # Weighted as the loss weighs its tokens: each token, or each sequence alike.
+                            covered = 1.0 if rows is None else float(aggregate(
+                                rows[:, None].expand_as(micro.loss_mask), micro.loss_mask, self._monitor_level))
                             totals["entropy_bonus_share"] = totals.get("entropy_bonus_share", 0.0) + covered * share
                     totals["entropy"] = totals.get("entropy", 0.0) + mean_entropy.item() * share
                 if selected[index] is not None and self.entropy.mode == "kl_cov":

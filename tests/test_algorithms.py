@@ -65,6 +65,19 @@ def test_reinforce_pp_normalises_over_the_batch_and_keeps_flat_groups():
     assert (scored.flat.tokens, scored.flat.sequences) == (0.0, 0)
 
 
+def test_every_algorithm_counts_the_failed_episodes_it_left_out():
+    """A group with one member whose episode failed (an env error): it is left out and counted, as
+    a number (reinforce_pp's batch-wide scoring once logged a list of flags here)."""
+    groups = [SimpleNamespace(trajectories=[_trajectory(1.0), _trajectory(0.0), _trajectory(0.0, error="env died")]),
+              _group(0.0, 1.0)]
+    for group in groups:
+        for member in group.trajectories:
+            member.turn_rewards = [member.reward]  # ppo's critic reads them
+    for name in BUILTINS:
+        scored = score_groups(groups, LearnerConfig(algorithm=name))
+        assert type(scored.failed_trajectories) is int and scored.failed_trajectories == 1, name
+
+
 def test_overlong_penalty_by_hand():
     assert overlong_penalty(80, max_tokens=100, buffer_tokens=20) == 0.0
     assert overlong_penalty(90, max_tokens=100, buffer_tokens=20) == -0.5
@@ -154,6 +167,20 @@ def test_cispo_keeps_the_gradient_of_tokens_outside_the_clip():
     assert output.metrics["is_weight_clipped_fraction"] == 1.0
 
 
+def test_cispo_stops_the_gradient_of_its_weight_inside_the_clip():
+    """pi / mu = 0.3 / 0.2 = 1.5, inside [0, 2], advantage 2: the loss is -1.5 * 2 * log 0.3 and
+    its gradient -1.5 * 2 = -3 (the weight a constant). A weight that let its gradient through
+    would add -2 * 1.5 * log 0.3 (d w / d log pi = w), giving +0.61 instead."""
+    mask = torch.ones(1, 1)
+    behaviour = torch.log(torch.tensor([[0.2]], dtype=torch.float64))
+    logprobs = torch.log(torch.tensor([[0.3]], dtype=torch.float64)).requires_grad_()
+    output = cispo_loss(logprobs, behaviour, torch.full((1,), 2.0, dtype=torch.float64), mask)
+    assert float(output.loss.detach()) == pytest.approx(-3.0 * math.log(0.3), rel=1e-9)
+    output.loss.backward()
+    assert float(logprobs.grad) == pytest.approx(-3.0, rel=1e-9)
+    assert output.metrics["is_weight_clipped_fraction"] == 0.0
+
+
 # -- settings ------------------------------------------------------------------------------------
 
 def test_every_algorithm_builds_with_its_defaults():
@@ -200,6 +227,10 @@ def test_unknown_algorithms_and_foreign_keys_are_refused():
         make_algorithm(LearnerConfig(aggregation="sum"))
     with pytest.raises(AlgorithmError, match="learner.weight_level must be one of"):
         make_algorithm(LearnerConfig(algorithm="dapo", weight_level="tokens"))
+    for name in ("grpo", "rloo", "dr_grpo", "dapo", "ppo"):  # those that read learner.loss
+        with pytest.raises(AlgorithmError, match="learner.loss must be one of decoupled_ppo, truncated_is, none, "
+                                                 "got 'bogus'"):
+            make_algorithm(LearnerConfig(algorithm=name, loss="bogus"))
 
 
 @pytest.mark.parametrize("algorithm, key", [

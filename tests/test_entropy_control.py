@@ -438,6 +438,23 @@ def test_the_scoped_bonus_in_the_update_acts_on_the_failed_groups_rows_alone(tin
     assert any(not torch.allclose(x, y, rtol=1e-4, atol=1e-6) for x, y in zip(moved, plain))
 
 
+def test_the_bonus_share_is_weighted_as_the_loss_weighs_its_tokens(tiny_codebook_model):
+    """Three of six rows failed, their replies 2-4 tokens long: under token aggregation the share
+    is their share of the generated tokens, under sequence aggregation their share of the rows."""
+    model = load_causal_lm(tiny_codebook_model)
+    examples = _on_policy_examples(model)
+    for example in examples[:3]:
+        example.group_failed = True
+    tokens = [float(e.loss_mask[1:].sum()) for e in examples]
+    by_tokens = sum(tokens[:3]) / sum(tokens)
+    assert by_tokens != pytest.approx(0.5)  # the two weightings differ on these rows
+    for aggregation, expected in (("token", by_tokens), ("sequence", 0.5)):
+        config = LearnerConfig(entropy_coef=0.1, entropy_scope="failed_groups", aggregation=aggregation,
+                               learning_rate=1e-3)
+        share = Trainer(load_causal_lm(tiny_codebook_model), config).step(examples)["entropy_bonus_share"]
+        assert share == pytest.approx(expected), aggregation
+
+
 def test_the_frozen_groups_bonus_in_the_update_follows_the_entropy_level(tiny_codebook_model):
     from tests.test_trainer import _gradient
 

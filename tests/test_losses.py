@@ -288,6 +288,31 @@ def test_kl_penalty_k3_estimator():
     assert logprobs.grad.tolist()[0] == pytest.approx([-0.5, 0.25])
 
 
+def test_k3_estimates_kl_to_the_reference_and_its_gradient_is_the_reverse_kls():
+    """On a three-token distribution pi = softmax(theta) against a fixed reference: the mean of k3
+    over pi's samples (computed exactly, each token weighted by its probability, the weights
+    fixed as sampling fixes them) is KL(pi || ref); the mean of its gradient is that of
+    KL(ref || pi), not of KL(pi || ref)."""
+    theta = torch.tensor([0.3, -0.2, 0.9], dtype=torch.float64, requires_grad=True)
+    reference = torch.log(torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64))
+
+    logprobs = torch.log_softmax(theta, -1)
+    k3 = torch.exp(reference - logprobs) - (reference - logprobs) - 1
+    mean_k3 = (logprobs.exp().detach() * k3).sum()
+    forward_kl = (logprobs.exp() * (logprobs - reference)).sum()
+    reverse_kl = (reference.exp() * (reference - logprobs)).sum()
+    assert float(mean_k3) == pytest.approx(float(forward_kl), rel=1e-12)
+    gradient, = torch.autograd.grad(mean_k3, theta, retain_graph=True)
+    toward_reference, = torch.autograd.grad(reverse_kl, theta, retain_graph=True)
+    away, = torch.autograd.grad(forward_kl, theta)
+    torch.testing.assert_close(gradient, toward_reference)
+    assert not torch.allclose(gradient, away)
+    # kl_penalty computes the same per-token k3.
+    per_token = torch.stack([kl_penalty(logprobs[None, [i]], reference[None, [i]],
+                                        torch.ones(1, 1, dtype=torch.float64)).loss for i in range(3)])
+    torch.testing.assert_close(per_token, k3)
+
+
 def test_kl_penalty_is_zero_for_identical_policies():
     logprobs = const([[LOG(0.3), LOG(0.9)]])
     assert kl_penalty(logprobs, logprobs.clone(), const([[1, 1]])).loss.item() == 0.0

@@ -16,7 +16,7 @@ import numpy as np
 from longhorizon.common.config import ConfigError, Section, check_section
 from longhorizon.learner.advantages import group_has_signal
 from longhorizon.learner.entropy import EntropyControlError, entropy_settings, needs_flat_members
-from longhorizon.learner.losses import WEIGHT_LEVELS, LossOutput
+from longhorizon.learner.losses import POLICY_LOSS_NAMES, WEIGHT_LEVELS, LossOutput
 from longhorizon.learner.scoring import ScoredBatch, usable_members
 from longhorizon.learner.step_credit import step_credit_from
 
@@ -191,12 +191,13 @@ def options_from(options_class: type[Section] | None, config: LearnerConfig, nam
 
 
 # Values of the shared choice keys an algorithm may read; "sum" aggregation is dr_grpo's own.
-CHOICES = {"aggregation": ("token", "sequence"), "weight_level": WEIGHT_LEVELS}
+CHOICES = {"aggregation": ("token", "sequence"), "weight_level": WEIGHT_LEVELS, "loss": POLICY_LOSS_NAMES}
 
 
 def check_choices(settings) -> None:
-    """Refuse a value of `aggregation` or `weight_level` (when the settings read them) that no
-    loss knows, before any process starts rather than at the first update."""
+    """Refuse a value of `aggregation`, `weight_level` or `loss` (when the settings read them) that
+    no loss knows, wherever the algorithm is made (the launcher, the learner, a script), before its
+    first update."""
     for key, choices in CHOICES.items():
         value = getattr(settings, key, None)
         if value is not None and value not in choices:
