@@ -53,6 +53,7 @@ from longhorizon.common.collective import (
     reusable_buckets,
     unpack_buckets,
 )
+from longhorizon.common.models import WeightsRefused
 from longhorizon.common.wire import CollectiveWeights, WeightsUpdate
 
 log = logging.getLogger(__name__)
@@ -83,15 +84,24 @@ class WeightsReceiver:
             self._collective.close()
 
 
+def _safetensors_files(folder: str | Path) -> list[Path]:
+    """The weights files of a path-transport version: a folder gone (removed while the run goes
+    on) or empty is a refused update, which the actor counts and serves on through, not an error
+    that ends it."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        reason = "does not exist" if not Path(folder).is_dir() else "holds no safetensors files"
+        raise WeightsRefused([f"the weights folder {folder} {reason}"])
+    return files
+
+
 def read_weights_folder(folder: str | Path) -> dict:
     """Every tensor of the safetensors files in `folder`."""
     from safetensors.torch import load_file
 
     state: dict = {}
-    for file in sorted(Path(folder).glob("*.safetensors")):
+    for file in _safetensors_files(folder):
         state.update(load_file(file))
-    if not state:
-        raise FileNotFoundError(f"no safetensors files in {folder}")
     return state
 
 
@@ -105,9 +115,7 @@ def folder_problems(folder: str | Path, expected: dict, *, optional=()) -> list[
 
     from longhorizon.common.models import weights_problems
 
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors files in {folder}")
+    files = _safetensors_files(folder)
     with ExitStack() as stack:
         handles = {}
         for file in files:

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -149,6 +150,25 @@ async def test_a_full_update_that_does_not_fit_leaves_every_parameter_as_it_was(
     loaded = engine.model.state_dict()
     assert all(torch.equal(loaded[name], tensor) for name, tensor in good.items())
     assert (await _greedy(engine))[1] == 3
+
+
+async def test_a_path_version_whose_folder_is_gone_is_refused_not_fatal(tiny_codebook_model, tmp_path):
+    """The run's finished version folders removed while it goes on (or an empty one): the hf
+    engine refuses the update and keeps its version, and so does vLLM's folder check."""
+    import shutil
+
+    engine = _engine(tiny_codebook_model)
+    good = _perturbed(unique_state_dict(load_causal_lm(tiny_codebook_model)), seed=2)
+    update = make_weights_update(good, 4, "path", weights_dir=tmp_path / "weights")
+    shutil.rmtree(update.path)
+    with pytest.raises(WeightsRefused, match=r"the weights folder .* does not exist"):
+        await trio.to_thread.run_sync(engine.update_weights, update)
+    Path(update.path).mkdir(parents=True)
+    with pytest.raises(WeightsRefused, match=r"the weights folder .* holds no safetensors files"):
+        await trio.to_thread.run_sync(engine.update_weights, update)
+    with pytest.raises(WeightsRefused, match="holds no safetensors files"):
+        folder_problems(update.path, tensor_specs(good))
+    assert engine.policy_version == 0
 
 
 async def test_a_lora_update_that_does_not_fit_leaves_every_adapter_as_it_was(tiny_codebook_model):
