@@ -584,6 +584,11 @@ class SFTRLConfig(Section):
     """Sampling temperature of the evaluations (actor.sampling's other settings); 0: greedy."""
     eval_base: bool = True
     """Evaluate the base model (model.path)."""
+    sft_temperatures: list = Field(default_factory=list)
+    """The SFT checkpoint also evaluated at each of these sampling temperatures (0: greedy), each
+    as a phase `sft-t<T>` on the same tasks (eval_samples episodes per task when sampled), and
+    every RL result tested against the best of the SFT evaluations: a claim that RL beats
+    imitation holds against imitation at its best decoding, not only at the one RL is scored at."""
     rl_seeds: list = Field(default_factory=list)
     """One RL run from the SFT checkpoint per seed (run.seed = the seed), each evaluated, and their
     held-out episodes pooled against the SFT checkpoint's; empty: one run at run.seed."""

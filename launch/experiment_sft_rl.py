@@ -56,6 +56,12 @@ def check_sft_rl_config(config: Config) -> None:
     if settings.eval_samples > 1 and settings.eval_temperature == 0:
         raise ConfigError(f"sft_rl.eval_samples = {settings.eval_samples} plays each task alike when greedy: set "
                           f"sft_rl.eval_temperature > 0 (e.g. actor.sampling.temperature) or eval_samples = 1")
+    temperatures = settings.sft_temperatures
+    if any(isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf") for t in temperatures):
+        raise ConfigError(f"sft_rl.sft_temperatures must be numbers >= 0 (0: greedy), got {temperatures!r}")
+    if len(set(map(float, temperatures))) != len(temperatures) or settings.eval_temperature in map(float, temperatures):
+        raise ConfigError(f"sft_rl.sft_temperatures {temperatures!r} repeats a temperature (sft_rl.eval_temperature "
+                          f"{settings.eval_temperature:g} is evaluated anyway)")
     seeds = settings.rl_seeds
     if any(not isinstance(seed, int) or isinstance(seed, bool) for seed in seeds) or len(set(seeds)) != len(seeds):
         raise ConfigError(f"sft_rl.rl_seeds must be distinct integers, got {seeds!r}")
@@ -125,15 +131,30 @@ def pooled_entry(entries: list[dict]) -> dict:
             "by_task": dict(sorted(by_task.items()))}
 
 
+def sft_phase_name(temperature: float) -> str:
+    """The phase of the SFT checkpoint evaluated at another temperature: `sft-t0.7`, `sft-t0`."""
+    return f"sft-t{temperature:g}"
+
+
+def best_sft(summary: dict) -> str | None:
+    """The SFT evaluation with the highest held-out success (`sft` or an `sft-t<T>`; the first of
+    equals), None without one."""
+    phases = [phase for phase in summary["phases"] if phase == "sft" or phase.startswith("sft-t")]
+    return max(phases, key=lambda phase: summary["phases"][phase]["success_rate"], default=None)
+
+
 def against_sft(summary: dict) -> dict:
-    """Each RL result (every run, and the pooled one) against the SFT checkpoint's held-out
-    episodes: the pooled two-proportion test (`two_proportion_test`), keyed by phase."""
+    """Each RL result (every run, and the pooled one) against the SFT checkpoint at its best
+    decoding (`best_sft`): the pooled two-proportion test (`two_proportion_test`) and the SFT phase
+    it was tested against, keyed by phase."""
     from longhorizon.actor.metrics import two_proportion_test
 
-    sft = summary["phases"].get("sft")
-    if sft is None:
+    baseline = best_sft(summary)
+    if baseline is None:
         return {}
-    return {phase: two_proportion_test(sft["successes"], sft["played"], entry["successes"], entry["played"])
+    sft = summary["phases"][baseline]
+    return {phase: {**two_proportion_test(sft["successes"], sft["played"], entry["successes"], entry["played"]),
+                    "sft_phase": baseline}
             for phase, entry in summary["phases"].items() if phase.startswith("rl")}
 
 
@@ -173,15 +194,15 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
     # Evaluations and SFT run alone on the machine: they take every core unless told otherwise.
     threads = settings.torch_threads or os.cpu_count() or 1
     eval_config = config.replace(actor=config.actor.replace(torch_threads=threads))
-    how = ("greedy" if settings.eval_temperature == 0 else
-           f"{settings.eval_samples} sampled at temperature {settings.eval_temperature:g} per task")
 
-    def evaluate(phase: str, model: str, extra: dict) -> None:
+    def evaluate(phase: str, model: str, extra: dict, temperature: float | None = None) -> None:
+        temperature = settings.eval_temperature if temperature is None else float(temperature)
+        samples = settings.eval_samples if temperature > 0 else 1
         began = time.perf_counter()
-        note(f"{phase}: evaluating {model} on {settings.eval_episodes} {config.env.eval_split} tasks ({how})")
+        decoding = "greedy" if temperature == 0 else f"{samples} sampled at temperature {temperature:g} per task"
+        note(f"{phase}: evaluating {model} on {settings.eval_episodes} {config.env.eval_split} tasks ({decoding})")
         entry = wilson_entry(run_in_child(evaluate_model, eval_config, model, settings.eval_episodes,
-                                          samples_per_task=settings.eval_samples,
-                                          temperature=settings.eval_temperature))
+                                          samples_per_task=samples, temperature=temperature))
         entry.update({"eval_seconds": time.perf_counter() - began, **extra, "model": model})
         summary["phases"][phase] = entry
         note(f"{phase}: held-out success {entry['success_rate']:.1%} "
@@ -196,6 +217,8 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
         summary["sft"] = {"model": policy, "train_seconds": 0.0, "made_before": True}
         if settings.eval_sft or not settings.rl:
             evaluate("sft", policy, summary["sft"])
+            for temperature in settings.sft_temperatures:
+                evaluate(sft_phase_name(temperature), policy, summary["sft"], temperature)
     elif settings.oracle_episodes:
         began = time.perf_counter()
         oracle_file = run_dir / "oracle.jsonl"
@@ -214,6 +237,8 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
                      "oracle_conversations": collected.written, "sft_steps": sft_summary["steps"]}
         if settings.eval_sft or not settings.rl:
             evaluate("sft", policy, sft_entry)
+            for temperature in settings.sft_temperatures:
+                evaluate(sft_phase_name(temperature), policy, sft_entry, temperature)
         else:
             summary["sft"] = sft_entry  # trained, not evaluated: the RL phase starts from it
     if settings.rl:
@@ -249,6 +274,9 @@ def phase_label(phase: str, summary: dict) -> str:
     """A phase's name in tables and plots: `rl-seed3` reads `rl, seed 3`; the pooled row names its runs."""
     if phase.startswith("rl-seed"):
         return f"rl, seed {phase[len('rl-seed'):]}"
+    if phase.startswith("sft-t"):
+        temperature = float(phase[len("sft-t"):])
+        return "sft, greedy" if temperature == 0 else f"sft, temperature {temperature:g}"
     if phase == "rl" and summary["phases"]["rl"].get("runs", 1) > 1:
         return f"rl, {summary['phases']['rl']['runs']} runs pooled"
     return phase
@@ -267,7 +295,9 @@ def format_table(summary: dict) -> str:
                     f"{entry['eval_seconds'] / 60:.1f} min |")
     tests = summary.get("against_sft") or {}
     for phase, test in tests.items():
-        rows.append(f"\n{phase_label(phase, summary)} against sft: {100 * test['difference']:+.1f} points, "
+        against = test.get("sft_phase", "sft")
+        best = " (the best SFT decoding)" if any(p.startswith("sft-t") for p in summary["phases"]) else ""
+        rows.append(f"\n{phase_label(phase, summary)} against {against}{best}: {100 * test['difference']:+.1f} points, "
                     f"z = {test['z']:.2f}, one-sided p = {test['p_one_sided']:.3g}")
     return "\n".join(rows)
 
@@ -290,7 +320,10 @@ def plot_held_out(summary: dict, path: Path) -> Path:
     if summary["phases"].get("rl", {}).get("runs", 1) > 1:
         labels["rl"] += ", pooled"
     labels.update({phase: f"RL seed {phase[len('rl-seed'):]}" for phase in phases if phase.startswith("rl-seed")})
-    colours = {"base": "tab:gray", "sft": "tab:blue", "rl": "tab:green"}
+    labels.update({phase: f"after SFT, {phase_label(phase, summary)[len('sft, '):]}" for phase in phases
+                   if phase.startswith("sft-t")})
+    colours = {"base": "tab:gray", "sft": "tab:blue", "rl": "tab:green",
+               **{phase: "tab:cyan" for phase in phases if phase.startswith("sft-t")}}
     figure, axes = plt.subplots(figsize=(max(5.0, 1.4 * len(phases)), 3.5))
     axes.bar([labels[phase] for phase in phases], rates, yerr=errors, capsize=6,
              color=[colours.get(phase, "tab:olive") for phase in phases])

@@ -138,6 +138,10 @@ def test_sampled_evaluations_and_several_seeds_are_checked(tmp_path, tiny_codebo
         check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.rl_seeds=[1, 1]"))
     with pytest.raises(ConfigError, match="sft_rl.sft_checkpoint: .*nowhere"):
         check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.sft_checkpoint='nowhere'"))
+    with pytest.raises(ConfigError, match=r"sft_rl.sft_temperatures must be numbers >= 0 \(0: greedy\), got \[-0.5\]"):
+        check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.sft_temperatures=[-0.5]"))
+    with pytest.raises(ConfigError, match="repeats a temperature"):
+        check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.sft_temperatures=[0]"))  # greedy anyway
     check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.eval_samples=4", "sft_rl.eval_temperature=1.0",
                                 "sft_rl.rl_seeds=[1, 2]", f"sft_rl.sft_checkpoint={str(tiny_codebook_model)!r}"))
 
@@ -159,6 +163,22 @@ def test_runs_pool_into_one_entry_tested_against_sft():
     # 20/40 against 50/80: pooled 70/120, se = sqrt(7/12 * 5/12 * (1/40 + 1/80)) = 0.095470.
     assert tests["rl"]["z"] == pytest.approx(0.125 / 0.095470, abs=1e-4)
     assert against_sft({"phases": {"rl": pooled}}) == {}
+    assert {test["sft_phase"] for test in tests.values()} == {"sft"}
+
+
+def test_rl_is_tested_against_the_sft_checkpoint_at_its_best_decoding():
+    """SFT scores 20/40 at the evaluation's temperature, 28/40 greedy and 24/40 at 0.5: RL's 30/40
+    is tested against the greedy 28/40, the best of the three."""
+    def entry(successes):
+        return wilson_entry({"episodes": 40, "failed_episodes": 0, "success_rate": successes / 40, "mean_reward": 0.0,
+                             "train_seconds": 60.0, "eval_seconds": 6.0})
+
+    summary = {"phases": {"sft": entry(20), "sft-t0": entry(28), "sft-t0.5": entry(24), "rl": entry(30)}}
+    test = against_sft(summary)["rl"]
+    assert test["sft_phase"] == "sft-t0" and test["difference"] == pytest.approx(2 / 40)
+    table = format_table({**summary, "against_sft": against_sft(summary)})
+    assert "| sft, greedy |" in table and "| sft, temperature 0.5 |" in table
+    assert "rl against sft-t0 (the best SFT decoding): +5.0 points" in table
 
 
 @pytest.mark.slow
@@ -166,11 +186,12 @@ def test_rl_runs_per_seed_from_a_checkpoint_made_before_with_sampled_evaluations
     config = _config(tmp_path, tiny_codebook_model, "sft_rl.eval_base=false",
                      f"sft_rl.sft_checkpoint={str(tiny_codebook_model)!r}", "sft_rl.rl_seeds=[5, 6]",
                      "run.total_steps=1", "sft_rl.eval_episodes=10", "sft_rl.eval_samples=3",
-                     "sft_rl.eval_temperature=1.0")
+                     "sft_rl.eval_temperature=1.0", "sft_rl.sft_temperatures=[0.0]")
     lines = []
     summary = run_sft_rl(config, note=lines.append)
     phases = summary["phases"]
-    assert list(phases) == ["sft", "rl-seed5", "rl-seed6", "rl"]
+    assert list(phases) == ["sft", "sft-t0", "rl-seed5", "rl-seed6", "rl"]
+    assert phases["sft-t0"]["played"] == 10 and phases["sft-t0"]["temperature"] == 0.0  # greedy: one per task
     assert not (config.run_dir / "oracle.jsonl").exists() and phases["sft"]["model"] == str(tiny_codebook_model)
     for phase in ("sft", "rl-seed5", "rl-seed6"):
         entry = phases[phase]
@@ -184,8 +205,11 @@ def test_rl_runs_per_seed_from_a_checkpoint_made_before_with_sampled_evaluations
     assert phases["rl"]["played"] == 60
     assert phases["rl"]["successes"] == phases["rl-seed5"]["successes"] + phases["rl-seed6"]["successes"]
     assert list(summary["against_sft"]) == ["rl-seed5", "rl-seed6", "rl"]
+    best = max(("sft", "sft-t0"), key=lambda phase: phases[phase]["success_rate"])
+    assert all(test["sft_phase"] == best for test in summary["against_sft"].values())
     table = format_table(summary)
-    assert "| rl, seed 5 |" in table and "| rl, 2 runs pooled |" in table and "rl, 2 runs pooled against sft" in table
+    assert "| rl, seed 5 |" in table and "| rl, 2 runs pooled |" in table
+    assert f"rl, 2 runs pooled against {best} (the best SFT decoding)" in table
     assert json.loads((config.run_dir / "summary.json").read_text())["against_sft"] == summary["against_sft"]
     assert any("3 sampled at temperature 1 per task" in line for line in lines)
 
