@@ -1,6 +1,8 @@
 """Weight transports behind one interface: the publishers (learner/weights/), the one receiver
 (actor/weights.py), bfloat16 at 2 bytes a value, and the registry's checks."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -137,3 +139,31 @@ def test_path_removes_the_oldest_folder_before_writing_the_new_one(tmp_path, mon
     publisher.build(state, 4)
     assert seen == [["v000002", "v000003"]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v000002", "v000003", "v000004"]
+
+
+def test_a_version_folder_removed_while_it_is_written_is_written_again(tmp_path, monkeypatch):
+    """Someone removes `v000001.partial` mid-write: the learner writes it again and goes on; removed
+    every time, the error names the folder instead of a bare FileNotFoundError."""
+    import shutil
+
+    import safetensors.torch
+
+    from longhorizon.learner.weights import path as path_module
+
+    original = safetensors.torch.save_file
+    removals = {"left": 1}
+
+    def save_then_lose_the_folder(tensors, filename):
+        original(tensors, filename)
+        if removals["left"]:
+            removals["left"] -= 1
+            shutil.rmtree(Path(filename).parent)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_then_lose_the_folder)
+    state = {"w": torch.randn(3, 2)}
+    folder = path_module.write_version(tmp_path, state, 1)
+    assert folder.name == "v000001" and (folder / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v000001"]
+    removals["left"] = path_module.WRITE_ATTEMPTS
+    with pytest.raises(RuntimeError, match=r"weights v2: .*v000002.partial was removed while it was written, 2 times"):
+        path_module.write_version(tmp_path, state, 2)

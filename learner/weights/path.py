@@ -27,19 +27,31 @@ KEEP_VERSIONS = 3
 """Folders kept: an actor may still be reading the one before the newest."""
 
 
+WRITE_ATTEMPTS = 2
+"""A version folder removed from under the learner while it is written (a cleanup script, a
+person) is written again once; a second loss is an error naming the folder."""
+
+
 def write_version(weights_dir: Path, state: Mapping[str, Any], version: int) -> Path:
     """Write `state` as `weights_dir/vNNNNNN/model.safetensors`, atomically (rename when done)."""
     from safetensors.torch import save_file
 
     folder = weights_dir / f"v{version:06d}"
     partial = folder.with_name(folder.name + ".partial")
-    partial.mkdir(parents=True, exist_ok=True)
-    save_file({name: tensor.detach().to("cpu").contiguous() for name, tensor in state.items()},
-              partial / "model.safetensors")
-    if folder.exists():
-        shutil.rmtree(folder)
-    partial.rename(folder)
-    return folder
+    tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in state.items()}
+    lost: FileNotFoundError | None = None
+    for _ in range(WRITE_ATTEMPTS):
+        try:
+            partial.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, partial / "model.safetensors")
+            if folder.exists():
+                shutil.rmtree(folder)
+            partial.rename(folder)
+            return folder
+        except FileNotFoundError as error:
+            lost = error
+    raise RuntimeError(f"weights v{version}: {partial} was removed while it was written, "
+                       f"{WRITE_ATTEMPTS} times: {lost}") from lost
 
 
 def prune_versions(weights_dir: Path, keep: int = KEEP_VERSIONS) -> None:
