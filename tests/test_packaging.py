@@ -44,6 +44,12 @@ def test_wheel_installs_under_one_import_name(tmp_path):
     ).stdout.strip()
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(site)  # what an installer does for a pure-Python wheel
+    # Its dependencies from this environment (config's pydantic), after the wheel on the path; a
+    # folder a .pth file adds is not scanned for .pth files itself, so this environment's editable
+    # install of longhorizon stays out of sight.
+    import pydantic
+
+    (Path(site) / "dependencies.pth").write_text(str(Path(pydantic.__file__).resolve().parent.parent) + "\n")
     probe = (
         "import longhorizon, longhorizon.common.config, longhorizon.envs.base, importlib.util;"
         "assert 'site-packages' in longhorizon.__file__, longhorizon.__file__;"
