@@ -5,7 +5,8 @@ gathers them by group id and hands out groups once they are complete (or have wa
 with enough members), never handing out a group whose oldest token is more than ``max_staleness``
 policy versions behind the learner; or, with ``staleness_unit = "token"``, handing a group out
 with its members' too-old tokens taken out of their loss masks, so that a long episode whose
-weights changed between turns trains on its recent turns instead of being dropped. Everything it refuses is counted, so a run's metrics show
+weights changed between turns trains on its recent turns instead of being dropped. Everything
+it refuses is counted, so a run's metrics show
 where data went.
 """
 

@@ -79,7 +79,7 @@ def pad_examples(examples: list[Example], pad_token_id: int, prefix_length: int 
         loss_mask[row, :length] = torch.as_tensor(np.array(example.loss_mask))
         behaviour[row, :length] = torch.as_tensor(np.array(example.behaviour_logprobs))
     advantages = torch.tensor([e.advantage for e in examples], dtype=torch.float32)
-    if any(getattr(e, "token_advantages", None) is not None for e in examples):
+    if any(e.token_advantages is not None for e in examples):
         per_token = advantages[:, None].repeat(1, longest)
         for row, example in enumerate(examples):
             if example.token_advantages is not None:

@@ -488,4 +488,5 @@ class _ProbeExample:
         self.behaviour_logprobs = np.zeros(len(tokens), np.float32)
         self.advantage = 0.0
         self.token_rewards = None
+        self.token_advantages = None
         self.group_failed = False

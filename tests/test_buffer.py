@@ -556,7 +556,8 @@ def test_the_launcher_refuses_per_token_staleness_with_a_score_that_reads_every_
     validate_config(load_config(None, base))  # grpo scores by the final reward alone
     validate_config(load_config(None, [*base, "learner.algorithm='dapo'"]))
     for refused in (["learner.algorithm='ppo'"],
-                    ["learner.algorithm='dapo'", "learner.overlong_max_tokens=64", "learner.overlong_buffer_tokens=16"]):
+                    ["learner.algorithm='dapo'", "learner.overlong_max_tokens=64", "learner.overlong_buffer_tokens=16"],
+                    ["learner.step_credit='anchor_states'"]):  # its turns are the runs of generated tokens
         with pytest.raises(ConfigError, match='staleness_unit = "token" takes an episode'):
             validate_config(load_config(None, [*base, *refused]))
     with pytest.raises(ConfigError, match="learner.staleness_unit must be one of episode, token, got 'turn'"):

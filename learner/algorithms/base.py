@@ -109,9 +109,10 @@ class Algorithm:
 
     def scores_every_generated_token(self) -> bool:
         """Whether its scores read all of an episode's generated tokens (a length penalty, turn
-        rewards placed at turn ends): then staleness judged per token, which takes an episode's
-        old turns out of its loss mask, would change them, and the launcher refuses the two."""
-        return False
+        rewards placed at turn ends, credit per turn): then staleness judged per token, which takes
+        an episode's old turns out of its loss mask, would change them, and the launcher refuses
+        the two."""
+        return self.step_credit is not None  # its turns are the runs of generated tokens
 
     # -- scoring ------------------------------------------------------------------------------
 

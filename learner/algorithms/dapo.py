@@ -40,7 +40,8 @@ class DAPO(GRPO):
         super().check_settings()
 
     def scores_every_generated_token(self) -> bool:
-        return self.settings.overlong_max_tokens > 0  # the penalty counts every generated token
+        # The penalty counts every generated token.
+        return self.settings.overlong_max_tokens > 0 or super().scores_every_generated_token()
 
     def shaped_reward(self, trajectory) -> float:
         """The reward plus the overlong penalty, when `overlong_max_tokens` is set."""
