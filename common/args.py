@@ -4,7 +4,8 @@
 tests call their `main` directly. argparse ends the process (SystemExit) after `--help` or a usage
 error; `parse_args` turns that into the status for `main` to return, and reports a value the
 command refuses (a `check` that raises ValueError) the way argparse reports its own errors.
-`positive_int` is the argument type of the counts they take.
+`positive_int` is the argument type of the counts they take; `key_value_options` reads repeated
+KEY=VALUE flags such as `--engine-option`.
 """
 
 from __future__ import annotations
@@ -72,3 +73,19 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def key_value_options(pairs: Sequence[str], flag: str = "--engine-option") -> dict[str, Any]:
+    """KEY=VALUE strings, with VALUE read as TOML where it parses (numbers, booleans, tables)."""
+    import tomllib
+
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{flag} {pair!r} is not of the form KEY=VALUE")
+        try:
+            options[key.strip()] = tomllib.loads(f"v = {value.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            options[key.strip()] = value.strip()  # a bare string such as a URL
+    return options

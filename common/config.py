@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -187,7 +187,50 @@ class ActorConfig(Section):
     """Sampling settings for generation."""
 
 
+# The built-in algorithms' keys, which sat directly under [learner] before each algorithm owned
+# its keys: still read there, and moved into learner.algorithm_options on loading.
+ALGORITHM_KEY_ALIASES = (
+    "clip_eps", "clip_eps_low", "clip_eps_high", "loss", "weight_level", "aggregation",
+    "behaviour_weight_cap", "overlong_max_tokens", "overlong_buffer_tokens", "loss_normaliser_tokens",
+    "critic", "gamma", "lam", "value_coef", "value_clip", "advantage_std_scaling",
+)
+
+
+def move_algorithm_keys(values: Any) -> Any:
+    """A [learner] table with the built-in algorithms' keys written directly under it, as one with
+    them in `algorithm_options` (an unset None is dropped); a key given both ways is refused."""
+    if not isinstance(values, dict) or not any(key in values for key in ALGORITHM_KEY_ALIASES):
+        return values
+    values = dict(values)
+    options = values.get("algorithm_options", {})
+    if not isinstance(options, dict):
+        return values  # the table's own check names the bad type
+    options = dict(options)
+    for key in ALGORITHM_KEY_ALIASES:
+        if key not in values:
+            continue
+        value = values.pop(key)
+        if value is None:
+            continue
+        if key in options:
+            raise ValueError(f"learner.{key} and learner.algorithm_options.{key} are both set: keep one")
+        options[key] = value
+    values["algorithm_options"] = options
+    return values
+
+
 class LearnerConfig(Section):
+    _move_algorithm_keys = model_validator(mode="before")(move_algorithm_keys)
+
+    def replace(self, **changes: Any):
+        """As Section.replace; a built-in algorithm's key given directly (`clip_eps=0.1`) replaces
+        its value in `algorithm_options`."""
+        moved = {key: changes.pop(key) for key in ALGORITHM_KEY_ALIASES if key in changes}
+        if moved:
+            options = {**changes.get("algorithm_options", self.algorithm_options), **moved}
+            changes["algorithm_options"] = {key: value for key, value in options.items() if value is not None}
+        return super().replace(**changes)
+
     groups_per_step: int = bounded(2, ge=1)
     """Groups consumed by one learner step."""
     max_staleness: int = bounded(4, ge=0)
@@ -255,14 +298,16 @@ class LearnerConfig(Section):
     overflow the group's advantages and poison the update. At most 1e12, which keeps advantages,
     losses and a critic's squared errors well inside float32."""
     algorithm_options: dict = Field(default_factory=dict)
-    """Keys the chosen algorithm declares itself (its `Options` model: a plug-in's own
-    hyper-parameters, e.g. {baseline = 0.25}), checked by it, before any process starts, as the
-    config's own keys are: unknown ones and values out of range refused, naming the key."""
+    """The chosen algorithm's own keys, declared by it (its `Options` model) and checked by it
+    before any process starts, as the config's own keys are: unknown ones and values out of range
+    refused, naming the key. The built-ins' keys (clip_eps, loss, behaviour_weight_cap, gamma, ...)
+    are listed per algorithm in docs/algorithms.md and by `longhorizon config schema`; unset keys
+    take the algorithm's defaults, which `longhorizon config show` prints. The same keys written
+    directly under [learner] (`learner.clip_eps`, the older spelling) are read as these."""
     algorithm: str = "grpo"
     """The RL algorithm: grpo, rloo, reinforce_pp, dr_grpo, dapo, gspo, ppo or cispo (docs/algorithms.md),
     one an installed package offers under the `longhorizon.algorithms` entry point, or
-    `package.module:Class` for one on the Python path. Keys below that only some algorithms read
-    are refused with the others."""
+    `package.module:Class` for one on the Python path."""
     step_credit: str = "none"
     """Credit per turn beside the episode's (learner/step_credit.py): `none`, or `anchor_states`
     (GiGPO's step groups: the turns of a group's episodes that start from the same observation are
@@ -274,50 +319,6 @@ class LearnerConfig(Section):
     """step_credit: the weight of a turn's step advantage beside its episode's."""
     step_discount: float = bounded(0.95, ge=0, le=1)
     """step_credit: a turn's return is its reward plus this times the next turn's return."""
-    loss: str = "decoupled_ppo"
-    """Off-policy correction: decoupled_ppo, truncated_is, or none (plain PPO against the behaviour policy)."""
-    clip_eps: float = 0.2
-    """PPO ratio clip, symmetric (grpo, rloo, reinforce_pp, dr_grpo)."""
-    clip_eps_low: float | None = None
-    """dapo, gspo, cispo: the ratio (or weight) is clipped below at 1 - clip_eps_low; unset takes
-    the algorithm's default (dapo 0.2, gspo 3e-4, cispo 1.0, i.e. no lower bound)."""
-    clip_eps_high: float | None = None
-    """dapo, gspo, cispo: the upper clip 1 + clip_eps_high; unset takes the algorithm's default
-    (dapo 0.28, gspo 4e-4, cispo 1.0)."""
-    overlong_max_tokens: int = bounded(0, ge=0)
-    """dapo: generated tokens (over all turns) at which the overlong penalty reaches -1; 0 turns
-    the shaping off."""
-    overlong_buffer_tokens: int = bounded(0, ge=0)
-    """dapo: the penalty falls linearly from 0 to -1 over this many tokens before
-    `overlong_max_tokens`."""
-    critic: str = "shared"
-    """ppo: the value model, `shared` (a linear head on the policy's own backbone, which the value
-    loss then also trains) or a model folder (a separate, usually smaller, critic)."""
-    gamma: float = bounded(1.0, ge=0, le=1)
-    """ppo: discount per generated token."""
-    lam: float = bounded(0.95, ge=0, le=1)
-    """ppo: GAE's lambda (bias against variance of the advantage estimate)."""
-    value_coef: float = 0.5
-    """ppo: weight of the value loss beside the policy loss."""
-    value_clip: float = bounded(0.2, ge=0)
-    """ppo: the new value may move at most this far from the old one in the clipped value loss
-    (0 turns the clip off)."""
-    advantage_std_scaling: bool = False
-    """ppo: also divide the centred GAE advantages by their std over the step (whitening). Off by
-    default: whitening keeps the update's size whatever the rewards' spread, so near convergence,
-    when a step's rewards are (nearly) all equal, it scales the critic's errors up to the size of
-    real advantages, and on the codebook env such updates undid a converged policy in its last
-    steps (docs/algorithms.md)."""
-    loss_normaliser_tokens: float = bounded(1024.0, gt=0)
-    """dr_grpo: each sequence's summed token loss is divided by this constant (the generation
-    budget) instead of its own length."""
-    behaviour_weight_cap: float = bounded(2.0, ge=1)
-    """Truncation of the behaviour weight pi_prox / mu (decoupled_ppo) or pi / mu (truncated_is)."""
-    weight_level: str = "token"
-    """Level of the behaviour weight: token, sequence or geometric."""
-    aggregation: str = "token"
-    """Loss aggregation of grpo, rloo and reinforce_pp: token (mean over all tokens) or sequence
-    (mean of per-sequence means); the other algorithms fix their own."""
     learning_rate: float = bounded(1e-6, gt=0)
     """Adam learning rate, after the warm-up."""
     warmup_steps: int = bounded(0, ge=0)
@@ -710,6 +711,8 @@ def _one_line(error: ValidationError, model: type[Section], data: dict, prefix: 
         section = annotation
         value = value.get(part) if isinstance(value, dict) else value
     dotted = ".".join([prefix, *keys] if prefix else keys)
+    if first["type"] == "value_error":  # a section's own check across its keys: its message
+        return str(first["ctx"]["error"])
     if first["type"] == "extra_forbidden":
         where = f"[{dotted}]" if dotted else "top level"
         return (f"unknown config key {dotted + '.' if dotted else ''}{location[len(keys)]} in {where}; "

@@ -10,7 +10,7 @@ results as objects rather than exit codes and printed tables.
 
 Each function does what the command of the same name does (`longhorizon train`, `eval`,
 `report`, `bench`), with the same configs: a bundled config's name, a TOML file, or a `Config`
-built in Python (`lh.load_config(...)`, then `dataclasses.replace`). A run that fails raises
+built in Python (`lh.load_config(...)`, then `config.replace(...)`). A run that fails raises
 `RunFailed`, a wrong config `ConfigError`, as the commands print them.
 """
 
@@ -20,13 +20,12 @@ import contextlib
 import io
 import json
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from longhorizon.common.config import Config, ConfigError, dump_toml, load_config
+from longhorizon.common.config import Config, ConfigError, load_config
 
 ConfigLike = Config | str | Path
 
@@ -59,7 +58,7 @@ class TrainResult:
 def _config(config: ConfigLike, overrides: Sequence[str]) -> Config:
     if isinstance(config, Config):
         if overrides:
-            raise ConfigError("overrides go with a config's name or file; change a Config with dataclasses.replace")
+            raise ConfigError("overrides go with a config's name or file; change a Config with config.replace(...)")
         return config
     return load_config(config, list(overrides))
 
@@ -90,23 +89,11 @@ def evaluate(config: ConfigLike, overrides: Sequence[str] = (), *, checkpoint: s
              engine_options: dict[str, Any] | None = None) -> dict:
     """Evaluate as `longhorizon eval` does and return its JSON document (success rate with its
     interval, Pass@k, per category; a sweep's points under "points")."""
-    from longhorizon.launch.eval import build_parser, run_eval, write_outputs
+    from longhorizon.launch.eval import EvalRequest, evaluate_config, write_outputs
 
-    resolved = _config(config, overrides)
-    with tempfile.TemporaryDirectory(prefix="longhorizon-eval-") as folder:
-        config_file = Path(folder) / "config.toml"
-        config_file.write_text(dump_toml(resolved))
-        argv = [str(config_file), "--tasks", str(tasks), "--samples", str(samples),
-                "--k", ",".join(str(v) for v in k), "--horizon", str(horizon)]
-        if checkpoint is not None:
-            argv += ["--checkpoint", str(checkpoint)]
-        if sweep is not None:
-            argv += ["--sweep", sweep]
-        if values:
-            argv += ["--values", ",".join(str(v) for v in values)]
-        for key, value in (engine_options or {}).items():
-            argv += ["--engine-option", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
-        document = run_eval(build_parser().parse_args(argv))
+    request = EvalRequest(checkpoint=checkpoint, tasks=tasks, samples=samples, ks=tuple(k), horizon=horizon,
+                          sweep=sweep, values=tuple(values), engine_options=dict(engine_options or {}))
+    document = evaluate_config(_config(config, overrides), request)
     if output_dir is not None:
         write_outputs(document, Path(output_dir))
     document.pop("_records", None)

@@ -7,22 +7,32 @@ keeps freed memory for reuse, and torch's thread pools and caches stay. The RL p
 its learner and actors beside an orchestrator of 7-8 GB. `run_in_child` runs one phase in a
 spawned interpreter (not a fork: nothing of the parent's threads, locks or memory comes along)
 and hands its return value back; its notes reach the parent's `note` as they are written, and an
-exception in the child is raised again in the parent.
+exception in the child is raised again in the parent. The child ends (SIGTERM) when the parent
+does, however the parent ends: an experiment stopped with SIGTERM or SIGKILL leaves no phase
+training on by itself.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
+import signal
 import sys
 from typing import Any, Callable
+
+from longhorizon.common.processes import die_with_parent
 
 
 class ChildPhaseError(RuntimeError):
     """A phase's process ended without a result (killed, out of memory)."""
 
 
-def _child_main(messages, function: Callable, args: tuple, kwargs: dict, notes: bool, progress: bool) -> None:
+def _child_main(messages, function: Callable, args: tuple, kwargs: dict, notes: bool, progress: bool,
+                parent_pid: int) -> None:
+    # The parent's thread that started this process waits in run_in_child until it ends, so the
+    # kernel's parent-death signal fires only when the parent itself is gone.
+    die_with_parent(signal.SIGTERM, parent_pid=parent_pid)
     if notes:
         kwargs["note"] = lambda text: messages.put(("note", text))
     if progress:
@@ -49,7 +59,7 @@ def run_in_child(function: Callable[..., Any], *args: Any, note: Callable[[str],
     messages = context.Queue()
     process = context.Process(
         target=_child_main, name=getattr(function, "__name__", "phase"),
-        args=(messages, function, args, kwargs, note is not None, progress_stream is not None),
+        args=(messages, function, args, kwargs, note is not None, progress_stream is not None, os.getpid()),
     )
     process.start()
     try:

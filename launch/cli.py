@@ -136,7 +136,7 @@ def _collect(args: argparse.Namespace) -> int:
     from longhorizon.actor.collect import run_collect
     from longhorizon.common.config import load_config
     from longhorizon.common.progress import ProgressBar
-    from longhorizon.launch.eval import _engine_options
+    from longhorizon.common.args import key_value_options
 
     config = load_config(args.config, args.overrides)
     bars: list[ProgressBar] = []
@@ -150,7 +150,7 @@ def _collect(args: argparse.Namespace) -> int:
         summary = run_collect(
             config, output=args.output, episodes=args.episodes, split=args.split, only_successful=args.only_successful,
             model=args.model, horizon=args.horizon, concurrency=args.concurrency,
-            engine_options=_engine_options(args.engine_option), overwrite=args.overwrite, max_tasks=args.tasks,
+            engine_options=key_value_options(args.engine_option), overwrite=args.overwrite, max_tasks=args.tasks,
             on_progress=on_progress,
         )
     finally:
@@ -197,11 +197,12 @@ def _rft(args: argparse.Namespace) -> int:
 
 def _config(args: argparse.Namespace) -> int:
     from longhorizon.common.config import config_schema, dump_toml, load_config
+    from longhorizon.learner.algorithms import options_schemas, with_resolved_options
 
     if args.config_command == "show":
-        print(dump_toml(load_config(args.config, args.overrides)), end="")
+        print(dump_toml(with_resolved_options(load_config(args.config, args.overrides))), end="")
     else:
-        print(json.dumps(config_schema(), indent=1))
+        print(json.dumps({**config_schema(), "algorithm_options": options_schemas()}, indent=1))
     return 0
 
 
@@ -351,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_commands.add_parser("show", help="the config as a run gets it: the file, the overrides, every default")
     show.add_argument("config", help="TOML config file, or a bundled config's name (see configs/)")
     show.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. run.total_steps=20")
-    config_commands.add_parser("schema", help="the JSON schema of a config: every key's type, default and meaning")
+    config_commands.add_parser("schema", help="the JSON schema of a config: every key's type, default and meaning, "
+                               "and each built-in algorithm's options under algorithm_options")
     config.set_defaults(handler=_config)
 
     bench = commands.add_parser(

@@ -54,32 +54,16 @@ def _int_list(text: str, what: str) -> list[int]:
     return values
 
 
-def _engine_options(pairs: list[str]) -> dict[str, Any]:
-    """KEY=VALUE strings, with VALUE read as TOML where it parses (numbers, booleans, tables)."""
-    import tomllib
-
-    options = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--engine-option {pair!r} is not of the form KEY=VALUE")
-        try:
-            options[key.strip()] = tomllib.loads(f"v = {value.strip()}")["v"]
-        except tomllib.TOMLDecodeError:
-            options[key.strip()] = value.strip()  # a bare string such as a URL
-    return options
-
-
-def make_eval_engine(config, args: argparse.Namespace, announce=lambda model_path: None):
+def make_eval_engine(config, checkpoint: str | Path | None = None, engine_options: dict[str, Any] | None = None,
+                     announce=lambda model_path: None):
     """Build the configured engine for evaluation; returns (engine, model path or "").
+    `engine_options` add to (and override) actor.engine_options; the engine checks them.
     `announce(model path)` is called once the plan is checked, before the engine starts (tens of
     seconds for vLLM or a large model), so that a user is not left waiting in silence."""
     from longhorizon.actor.engines.factory import plan_engine
 
-    # Command-line options add to (and override) actor.engine_options; the engine checks them.
     engine_class, settings = plan_engine(
-        config, "eval", model_path=str(args.checkpoint) if args.checkpoint else None,
-        engine_options=_engine_options(args.engine_option),
+        config, "eval", model_path=str(checkpoint) if checkpoint else None, engine_options=dict(engine_options or {}),
     )
     announce(settings.model_path)
     return engine_class(settings), settings.model_path
@@ -103,38 +87,100 @@ def _default_output_dir(config, checkpoint: str | None) -> Path:
     return Path(config.run.output_dir) / name
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalRequest:
+    """What to evaluate besides the config: `longhorizon eval`'s options as values."""
+
+    checkpoint: str | Path | None = None
+    """A model folder or run checkpoint; None: model.path."""
+    tasks: int = 100
+    """The first N tasks of env.eval_split."""
+    samples: int = 1
+    """Episodes per task."""
+    ks: tuple[int, ...] = (1,)
+    """k values of Pass@k."""
+    horizon: int = 0
+    """Turn limit; 0: the last horizon stage."""
+    sweep: str | None = None
+    """None, "horizon" or "pass-at-k"."""
+    values: tuple[int, ...] = ()
+    """The sweep's horizon caps or k values (pass-at-k: default 1, 2, 4, ... up to `samples`)."""
+    bootstrap: int = 1000
+    """Bootstrap resamples for the Pass@k intervals."""
+    engine_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Engine options beside actor.engine_options (they win)."""
+
+    def checked(self) -> EvalRequest:
+        """This request with the pass-at-k sweep's default values filled in; ValueError naming
+        the option that does not fit."""
+        from longhorizon.actor.evaluate import default_ks
+
+        for name in ("tasks", "samples", "bootstrap"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.horizon < 0:
+            raise ValueError(f"horizon must be >= 0 (0: the last horizon stage), got {self.horizon}")
+        if any(v < 1 for v in (*self.ks, *self.values)):
+            raise ValueError(f"k and sweep values must be positive, got {list(self.ks)} and {list(self.values)}")
+        if self.sweep not in (None, *SWEEPS):
+            raise ValueError(f"sweep must be one of {', '.join(SWEEPS)}, got {self.sweep!r}")
+        if max(self.ks, default=1) > self.samples:
+            raise ValueError(f"--k {max(self.ks)} needs at least that many samples per task (--samples {self.samples})")
+        values = self.values
+        if self.sweep == "horizon" and not values:
+            raise ValueError("--sweep horizon needs --values, e.g. --values 2,4,6,8,10")
+        if self.sweep == "pass-at-k":
+            if self.samples < 2:
+                raise ValueError("--sweep pass-at-k needs several samples per task, e.g. --samples 64")
+            values = tuple(sorted(set(values or default_ks(self.samples))))
+            if max(values) > self.samples:
+                raise ValueError(f"k={max(values)} needs at least that many samples per task (--samples {self.samples})")
+        return dataclasses.replace(self, values=values)
+
+
+def request_from_args(args: argparse.Namespace) -> EvalRequest:
+    """The command line's options as an EvalRequest."""
+    from longhorizon.common.args import key_value_options
+
+    return EvalRequest(
+        checkpoint=args.checkpoint, tasks=args.tasks, samples=args.samples, ks=tuple(_int_list(args.k, "--k")),
+        horizon=args.horizon, sweep=args.sweep,
+        values=tuple(_int_list(args.values, "--values")) if args.values else (), bootstrap=args.bootstrap,
+        engine_options=key_value_options(args.engine_option),
+    )
+
+
 def run_eval(args: argparse.Namespace) -> dict:
-    """Evaluate (or sweep) and return the JSON document; episode records are under "_records"."""
+    """`longhorizon eval`'s evaluation: evaluate_config on the command line's config and options."""
+    from longhorizon.common.config import load_config
+
+    return evaluate_config(load_config(args.config, args.overrides), request_from_args(args))
+
+
+def evaluate_config(config, request: EvalRequest, *, status=None) -> dict:
+    """Evaluate (or sweep) and return the JSON document; episode records are under "_records".
+    `status(line)` receives the line that says the engine is starting (default: stderr)."""
     import trio
 
-    from longhorizon.actor.evaluate import default_ks, pass_at_k_curve, summarise
-    from longhorizon.common.config import load_config
+    from longhorizon.actor.evaluate import pass_at_k_curve, summarise
     from longhorizon.common.progress import ProgressBar
     from longhorizon.envs.base import list_tasks
 
-    config = load_config(args.config, args.overrides)
-    ks = _int_list(args.k, "--k")
-    if max(ks, default=1) > args.samples:
-        raise ValueError(f"--k {max(ks)} needs at least that many samples per task (--samples {args.samples})")
-    values = _int_list(args.values, "--values") if args.values else []
-    if args.sweep == "horizon" and not values:
-        raise ValueError("--sweep horizon needs --values, e.g. --values 2,4,6,8,10")
-    if args.sweep == "pass-at-k":
-        if args.samples < 2:
-            raise ValueError("--sweep pass-at-k needs several samples per task, e.g. --samples 64")
-        values = sorted(set(values or default_ks(args.samples)))
-        if max(values) > args.samples:
-            raise ValueError(f"k={max(values)} needs at least that many samples per task (--samples {args.samples})")
-    tasks = list_tasks(config.env.name, config.env.eval_split, **dict(config.env.options))[: args.tasks]
+    request = request.checked()
+    if status is None:
+        def status(line: str) -> None:
+            print(line, file=sys.stderr, flush=True)
+    samples, ks = request.samples, list(request.ks)
+    tasks = list_tasks(config.env.name, config.env.eval_split, **dict(config.env.options))[: request.tasks]
     if not tasks:
         raise ValueError(f"env {config.env.name!r} has no tasks in split {config.env.eval_split!r}")
-    horizon_cap = args.horizon or max(config.horizon.stages)
-    engine, model_path = make_eval_engine(config, args, announce=lambda model: print(
-        f"eval: {config.env.name} {config.env.eval_split}, {len(tasks)} tasks x {args.samples} samples, engine "
-        f"{config.actor.engine}{f', model {model}' if model else ''}: starting the engine", file=sys.stderr, flush=True))
-    caps = sorted(set(values)) if args.sweep == "horizon" else [horizon_cap]
+    horizon_cap = request.horizon or max(config.horizon.stages)
+    engine, model_path = make_eval_engine(config, request.checkpoint, request.engine_options, announce=lambda model: status(
+        f"eval: {config.env.name} {config.env.eval_split}, {len(tasks)} tasks x {samples} samples, engine "
+        f"{config.actor.engine}{f', model {model}' if model else ''}: starting the engine"))
+    caps = sorted(set(request.values)) if request.sweep == "horizon" else [horizon_cap]
 
-    bar = ProgressBar("eval", len(caps) * len(tasks) * args.samples)
+    bar = ProgressBar("eval", len(caps) * len(tasks) * samples)
     ended = {"episodes": 0, "successes": 0}
 
     def on_episode(record) -> None:
@@ -144,7 +190,7 @@ def run_eval(args: argparse.Namespace) -> dict:
 
     async def play_all() -> dict[int, list]:
         try:
-            return {cap: await _play(engine, config, tasks, samples=args.samples, horizon_cap=cap,
+            return {cap: await _play(engine, config, tasks, samples=samples, horizon_cap=cap,
                                      on_episode=on_episode) for cap in caps}
         finally:
             await engine.close()
@@ -154,15 +200,15 @@ def run_eval(args: argparse.Namespace) -> dict:
     finally:
         bar.close()
     header = {"env": config.env.name, "split": config.env.eval_split, "engine": config.actor.engine,
-              "model": model_path or None, "samples_per_task": args.samples,
+              "model": model_path or None, "samples_per_task": samples,
               "max_context_tokens": config.actor.max_context_tokens}
     episodes = [{"horizon_cap": cap, **dataclasses.asdict(r)} for cap, rs in records.items() for r in rs]
-    if args.sweep == "horizon":
-        points = [{"horizon_cap": cap, **summarise(records[cap], args.samples, ks)} for cap in caps]
+    if request.sweep == "horizon":
+        points = [{"horizon_cap": cap, **summarise(records[cap], samples, ks)} for cap in caps]
         return {"sweep": "horizon", **header, "tasks": points[0]["tasks"], "points": points, "_records": episodes}
-    summary = summarise(records[horizon_cap], args.samples, ks)
-    if args.sweep == "pass-at-k":
-        points = pass_at_k_curve(records[horizon_cap], args.samples, values, resamples=args.bootstrap,
+    summary = summarise(records[horizon_cap], samples, ks)
+    if request.sweep == "pass-at-k":
+        points = pass_at_k_curve(records[horizon_cap], samples, list(request.values), resamples=request.bootstrap,
                                  seed=config.run.seed)
         return {"sweep": "pass-at-k", **header, "horizon_cap": horizon_cap, "tasks": summary["tasks"],
                 "points": points, "summary": summary, "_records": episodes}

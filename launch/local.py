@@ -38,7 +38,6 @@ def validate_config(config: Config) -> None:
     from longhorizon.learner.buffer import PARTIAL_GROUP_POLICIES, STALENESS_UNITS
     from longhorizon.learner.curriculum import make_schedule
     from longhorizon.common.models import ModelError, resolve_device
-    from longhorizon.learner.losses import POLICY_LOSS_NAMES
     from longhorizon.learner.trainer import PRECISIONS
     from longhorizon.learner.worker import check_sampling_for_training
 
@@ -49,8 +48,6 @@ def validate_config(config: Config) -> None:
     require(config.run.mode in ("async", "sync"), f"run.mode must be async or sync, got {config.run.mode!r}")
     require(config.actor.rollout_slots in ROLLOUT_SLOTS,
             f"actor.rollout_slots must be one of {', '.join(ROLLOUT_SLOTS)}, got {config.actor.rollout_slots!r}")
-    require(config.learner.loss in POLICY_LOSS_NAMES,
-            f"learner.loss {config.learner.loss!r} is not one of {', '.join(POLICY_LOSS_NAMES)}")
     from longhorizon.learner.algorithms import AlgorithmError, make_algorithm
 
     try:

@@ -14,11 +14,9 @@ from longhorizon.learner.algorithms import ALGORITHMS, AlgorithmError, make_algo
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # REINFORCE against a constant baseline, importance-weighted against the behaviour policy; the
-# baseline is a key of its own (learner.algorithm_options.baseline). It counts its calls, so the
-# tests can tell that its code, not a built-in's, ran.
+# baseline and the weight's cap are its keys (learner.algorithm_options.baseline). It counts its
+# calls, so the tests can tell that its code, not a built-in's, ran.
 CONSTANT_BASELINE = """
-from dataclasses import dataclass
-
 from longhorizon.common.config import Section, bounded
 from longhorizon.learner.algorithms import Algorithm
 from longhorizon.learner.losses import truncated_is_loss
@@ -27,19 +25,15 @@ from longhorizon.learner.scoring import score_whole_batch
 calls = {"score": 0, "loss": 0}
 
 
-@dataclass(frozen=True)
-class Settings:
-    behaviour_weight_cap: float
-
-
 class Options(Section):
     baseline: float = bounded(0.5, ge=0, le=1)
     \"\"\"The constant every reward is measured against.\"\"\"
+    behaviour_weight_cap: float = bounded(2.0, ge=1)
+    \"\"\"The importance weight pi / mu is truncated at this.\"\"\"
 
 
 class ConstantBaseline(Algorithm):
     summary = "REINFORCE with a constant baseline"
-    Settings = Settings
     Options = Options
     aggregation = "token"
 
@@ -50,7 +44,7 @@ class ConstantBaseline(Algorithm):
     def loss(self, logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask):
         calls["loss"] += 1
         return truncated_is_loss(logprobs, behaviour_logprobs, advantages, mask,
-                                 is_cap=self.settings.behaviour_weight_cap)
+                                 is_cap=self.options.behaviour_weight_cap)
 """
 
 
@@ -91,7 +85,7 @@ def test_an_installed_algorithm_is_found_by_its_name_and_checked_like_a_builtin(
     module = plugin("outside_algorithms", "constant_baseline")
     algorithm = make_algorithm(LearnerConfig(algorithm="constant_baseline"))
     assert isinstance(algorithm, module.ConstantBaseline) and algorithm.name == "constant_baseline"
-    assert algorithm.settings == module.Settings(behaviour_weight_cap=2.0)
+    assert algorithm.options == module.Options(baseline=0.5, behaviour_weight_cap=2.0)
     # Its own scoring: r - 0.5 for every member, the flat group kept.
     scored = algorithm.score([_group(1.0, 0.0), _group(1.0, 1.0)])
     assert [e.advantage for e in scored.examples] == [0.5, -0.5, 0.5, 0.5]
@@ -102,13 +96,15 @@ def test_an_installed_algorithm_is_found_by_its_name_and_checked_like_a_builtin(
     with pytest.raises(AlgorithmError, match=r"^learner.algorithm_options.baseline must be in \[0, 1\], got 2$"):
         make_algorithm(LearnerConfig(algorithm="constant_baseline", algorithm_options={"baseline": 2}))
     with pytest.raises(AlgorithmError, match=r"^unknown config key learner.algorithm_options.basline in "
-                                             r"\[learner.algorithm_options\]; valid keys: baseline$"):
+                                             r"\[learner.algorithm_options\]; valid keys: baseline, behaviour_weight_cap$"):
         make_algorithm(LearnerConfig(algorithm="constant_baseline", algorithm_options={"basline": 0.1}))
-    # A built-in declares none, so the table is refused with it.
-    with pytest.raises(AlgorithmError, match="learner.algorithm = 'grpo' declares no options of its own"):
+    # Its key is not a built-in's.
+    with pytest.raises(AlgorithmError, match=r"unknown config key learner.algorithm_options.baseline in "
+                                             r"\[learner.algorithm_options\]; valid keys: aggregation, "):
         make_algorithm(LearnerConfig(algorithm_options={"baseline": 0.1}))
-    # The keys it does not read are refused as for a built-in, and the names on offer include it.
-    with pytest.raises(AlgorithmError, match=r"learner.clip_eps is not used by learner.algorithm = 'constant_baseline'"):
+    # A built-in's key it does not take is refused as for a built-in, and the names on offer include it.
+    with pytest.raises(AlgorithmError, match=r"learner.algorithm_options.clip_eps is not used by "
+                                             r"learner.algorithm = 'constant_baseline' \(it is read by grpo, "):
         make_algorithm(LearnerConfig(algorithm="constant_baseline", clip_eps=0.3))
     with pytest.raises(AlgorithmError, match=r"valid: grpo, .*, cispo, constant_baseline"):
         make_algorithm(LearnerConfig(algorithm="constant_baselin"))

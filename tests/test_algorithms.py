@@ -10,7 +10,7 @@ import torch
 
 from longhorizon.common.config import ConfigError, LearnerConfig, load_config
 from longhorizon.learner.advantages import overlong_penalty
-from longhorizon.learner.algorithms import BUILTINS, Algorithm, AlgorithmError, make_algorithm
+from longhorizon.learner.algorithms import BUILTINS, Algorithm, AlgorithmError, algorithm_class, make_algorithm
 from longhorizon.learner.losses import cispo_loss, gspo_loss
 from longhorizon.learner.trainer import score_groups
 
@@ -187,7 +187,7 @@ def test_every_algorithm_builds_with_its_defaults():
     for name in BUILTINS:
         algorithm = make_algorithm(LearnerConfig(algorithm=name))
         assert algorithm.name == name and algorithm.summary
-        assert algorithm.reads() == frozenset(vars(algorithm.settings))  # its typed view holds what it reads
+        assert algorithm.reads() == frozenset(algorithm.options.model_dump())  # its options hold what it takes
 
 
 def test_how_each_algorithm_scores_and_aggregates():
@@ -210,25 +210,25 @@ def test_unknown_algorithms_and_foreign_keys_are_refused():
         make_algorithm(LearnerConfig(algorithm="ppo2"))
     with pytest.raises(AlgorithmError, match="clip_eps_high is not used by .*'grpo'.*read by dapo, gspo, cispo"):
         make_algorithm(LearnerConfig(clip_eps_high=0.28))
-    with pytest.raises(AlgorithmError, match="learner.clip_eps is not used by .*'gspo'"):
+    with pytest.raises(AlgorithmError, match="learner.algorithm_options.clip_eps is not used by .*'gspo'"):
         make_algorithm(LearnerConfig(algorithm="gspo", clip_eps=0.3))
     with pytest.raises(AlgorithmError, match="aggregation is not used by .*'dr_grpo'"):
         make_algorithm(LearnerConfig(algorithm="dr_grpo", aggregation="sequence"))
     with pytest.raises(AlgorithmError, match="overlong_buffer_tokens must be between"):
         make_algorithm(LearnerConfig(algorithm="dapo", overlong_max_tokens=10, overlong_buffer_tokens=10))
-    with pytest.raises(AlgorithmError, match="overlong_buffer_tokens needs learner.overlong_max_tokens"):
+    with pytest.raises(AlgorithmError, match="overlong_buffer_tokens needs learner.algorithm_options.overlong_max_tokens"):
         make_algorithm(LearnerConfig(algorithm="dapo", overlong_buffer_tokens=10))
-    with pytest.raises(AlgorithmError, match="value_coef must be positive"):
+    with pytest.raises(AlgorithmError, match=r"learner.algorithm_options.value_coef must be > 0, got 0.0"):
         make_algorithm(LearnerConfig(algorithm="ppo", value_coef=0.0))
-    with pytest.raises(AlgorithmError, match=r"learner.clip_eps_low must be in \(0, 1\], got 1.5"):
+    with pytest.raises(AlgorithmError, match=r"learner.algorithm_options.clip_eps_low must be in \(0, 1\], got 1.5"):
         make_algorithm(LearnerConfig(algorithm="cispo", clip_eps_low=1.5))
     # Values no loss knows fail here, not at the first update ("sum" is dr_grpo's own).
-    with pytest.raises(AlgorithmError, match="learner.aggregation must be one of token, sequence, got 'sum'"):
+    with pytest.raises(AlgorithmError, match="learner.algorithm_options.aggregation must be one of token, sequence, got 'sum'"):
         make_algorithm(LearnerConfig(aggregation="sum"))
-    with pytest.raises(AlgorithmError, match="learner.weight_level must be one of"):
+    with pytest.raises(AlgorithmError, match="learner.algorithm_options.weight_level must be one of"):
         make_algorithm(LearnerConfig(algorithm="dapo", weight_level="tokens"))
     for name in ("grpo", "rloo", "dr_grpo", "dapo", "ppo"):  # those that read learner.loss
-        with pytest.raises(AlgorithmError, match="learner.loss must be one of decoupled_ppo, truncated_is, none, "
+        with pytest.raises(AlgorithmError, match="learner.algorithm_options.loss must be one of decoupled_ppo, truncated_is, none, "
                                                  "got 'bogus'"):
             make_algorithm(LearnerConfig(algorithm=name, loss="bogus"))
 
@@ -248,7 +248,7 @@ def test_the_config_check_refuses_exactly_the_lower_clips_the_loss_refuses(monke
     try:
         chosen = make_algorithm(config)
     except AlgorithmError as error:
-        assert f"learner.{key} must be in" in str(error)
+        assert f"learner.algorithm_options.{key} must be in" in str(error)
         refused = True
     else:
         refused = False
@@ -404,3 +404,29 @@ def test_ppo_advantages_are_centred_and_scaled_only_when_asked(tiny_codebook_mod
     summed, _ = trainer.algorithm.advantages_from_values(micro_batches, values, sum_over_ranks=lambda sums: sums)
     torch.testing.assert_close(torch.cat([micro.advantages[micro.loss_mask > 0] for micro in summed]), expected,
                                atol=1e-4, rtol=1e-4)
+
+
+def test_the_docs_list_each_builtins_keys_with_their_defaults():
+    """docs/algorithms.md's table of keys per algorithm is what their Options models declare."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "algorithms.md").read_text()
+    table = text[text.index("| algorithm | keys under `learner.algorithm_options`"):].split("\n\n")[0]
+    listed = {}
+    for row in table.splitlines()[2:]:
+        names, keys = [cell.strip() for cell in row.strip("|").split("|")]
+        pairs = dict(re.findall(r"`(\w+) = ([^`]+)`", keys))
+        if keys.startswith("grpo's"):
+            pairs = {**listed["grpo"], **pairs}
+        for name in names.split(", "):
+            listed[name] = pairs
+    assert set(listed) == set(BUILTINS)
+    for name, pairs in listed.items():
+        fields = algorithm_class(name).Options.model_fields
+        assert set(pairs) == set(fields), name
+        for key, shown in pairs.items():
+            default = fields[key].default
+            expected = ("true" if default else "false") if isinstance(default, bool) else (
+                f'"{default}"' if isinstance(default, str) else repr(default))
+            assert shown == expected, (name, key)

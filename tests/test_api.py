@@ -47,6 +47,22 @@ def test_a_scripted_evaluation_and_a_benchmark_return_their_results(capsys):
     assert isinstance(result, dict) and result
 
 
+def test_an_evaluation_takes_a_config_object_and_checks_its_options(tmp_path):
+    """A Config built in Python is evaluated as it is (no file written for it), a sweep returns its
+    points, and an option that does not fit is a ValueError naming it."""
+    config = lh.load_config("codebook", ["actor.engine='scripted'"])
+    config = config.replace(run=config.run.replace(output_dir=str(tmp_path)))
+    swept = lh.evaluate(config, tasks=4, sweep="horizon", values=[1, 3])
+    assert [point["horizon_cap"] for point in swept["points"]] == [1, 3]
+    # The oracle needs as many turns as the task's symbols: cap 1 fails what cap 3 solves.
+    assert swept["points"][0]["success_rate"] < swept["points"][1]["success_rate"] == 1.0
+    assert list(tmp_path.iterdir()) == []  # nothing written without output_dir
+    with pytest.raises(ValueError, match="tasks must be >= 1, got 0"):
+        lh.evaluate(config, tasks=0)
+    with pytest.raises(ValueError, match="--k 4 needs at least that many samples per task"):
+        lh.evaluate(config, tasks=2, k=[4])
+
+
 def test_import_longhorizon_imports_nothing_heavy():
     code = "import sys, longhorizon; longhorizon.load_config; print(sorted({'torch', 'transformers', 'zmq'} & set(sys.modules)))"
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

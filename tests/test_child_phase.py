@@ -52,3 +52,59 @@ def test_the_progress_bar_writes_to_the_childs_stderr():
     import sys
 
     assert run_in_child(_progress_phase, progress_stream=sys.stderr) is True
+
+
+def _phase_processes_of(parent_pid: int) -> list[int]:
+    """The pids of the phase processes `parent_pid` started (not multiprocessing's resource tracker)."""
+    from pathlib import Path
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent_pid and b"spawn_main" in command:
+            found.append(int(entry.name))
+    return found
+
+
+def _ended(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # exited, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the phase's process in /proc (Linux)")
+def test_the_phase_ends_when_the_process_that_runs_it_is_killed():
+    """A SIGKILLed (or SIGTERMed) experiment runs no cleanup; its phase must not train on alone."""
+    import subprocess
+    import sys
+    import time
+
+    code = "import time; from longhorizon.launch.child import run_in_child; run_in_child(time.sleep, 600)"
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    phases = []
+    try:
+        deadline = time.monotonic() + 60
+        while not phases and time.monotonic() < deadline:
+            time.sleep(0.2)
+            phases = _phase_processes_of(parent.pid)
+        assert len(phases) == 1, "the phase's process did not start"
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 20
+        while not _ended(phases[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _ended(phases[0]), "the phase outlived the process that started it"
+    finally:
+        parent.kill()
+        parent.wait()
+        for pid in phases:
+            if not _ended(pid):
+                os.kill(pid, signal.SIGKILL)

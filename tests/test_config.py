@@ -104,12 +104,19 @@ def test_every_bundled_config_resolves_as_recorded():
 def test_config_show_prints_what_a_run_gets_and_reads_back_the_same(tmp_path, capsys):
     from longhorizon.common.config import bundled_config_names
     from longhorizon.launch.cli import main
+    from longhorizon.learner.algorithms import with_resolved_options
 
     for name in bundled_config_names():
         assert main(["config", "show", name, "learner.learning_rate=3e-5"]) == 0
         shown = tmp_path / f"{name}.toml"
         shown.write_text(capsys.readouterr().out)
-        assert load_config(shown) == load_config(name, ["learner.learning_rate=3e-5"]), name
+        # What it shows is the config with the algorithm's options filled in, and reads back as it.
+        assert load_config(shown) == with_resolved_options(load_config(name, ["learner.learning_rate=3e-5"])), name
+    # The built-in algorithm's keys, spelled either way, are shown with its defaults.
+    assert main(["config", "show", "quickstart", "learner.algorithm='ppo'", "learner.gamma=0.9"]) == 0
+    shown = capsys.readouterr().out
+    options = shown[shown.index("[learner.algorithm_options]"):]
+    assert "gamma = 0.9\n" in options and 'critic = "shared"\n' in options and "clip_eps = 0.2\n" in options
     assert main(["config", "show", "quickstart", "learner.learning_rat=1"]) == 2
     assert capsys.readouterr().err.strip().startswith(
         "longhorizon: error: unknown config key learner.learning_rat in [learner]; valid keys:")
@@ -132,6 +139,14 @@ def test_config_schema_describes_every_key(capsys):
     assert set(tables["LearnerConfig"]["properties"]) == set(type(Config().learner).model_fields)
     assert tables["LearnerConfig"]["properties"]["learning_rate"]["default"] == Config().learner.learning_rate
     assert issubclass(type(Config().learner), Section)
+    # Each built-in algorithm's own keys, described, with their defaults.
+    from longhorizon.learner.algorithms import BUILTINS, algorithm_class
+
+    assert set(schema["algorithm_options"]) == set(BUILTINS)
+    for name, options in schema["algorithm_options"].items():
+        assert set(options["properties"]) == algorithm_class(name).reads(), name
+        assert all(described.get("description") for described in options["properties"].values()), name
+    assert schema["algorithm_options"]["dapo"]["properties"]["clip_eps_high"]["default"] == 0.28
 
 
 def test_a_section_replaced_is_checked_like_a_loaded_one():
@@ -199,15 +214,17 @@ def getattr_path(config, dotted: str):
     ("learner.max_staleness=-1", "learner.max_staleness must be >= 0, got -1"),
     ("learner.groups_per_step=0", "learner.groups_per_step must be >= 1, got 0"),
     ("actor.sampling.temperature=-1", "actor.sampling.temperature must be >= 0, got -1"),
-    ("learner.behaviour_weight_cap=0.5", "learner.behaviour_weight_cap must be >= 1, got 0.5"),
-    ("learner.loss_normaliser_tokens=0", "learner.loss_normaliser_tokens must be > 0, got 0"),
+    ("learner.behaviour_weight_cap=0.5", "learner.algorithm_options.behaviour_weight_cap must be >= 1, got 0.5"),
+    ("learner.algorithm='dr_grpo' learner.loss_normaliser_tokens=0",
+     "learner.algorithm_options.loss_normaliser_tokens must be > 0, got 0"),
     ("learner.kl_coef=-0.1", "learner.kl_coef must be >= 0, got -0.1"),
-    ("learner.value_clip=-0.2", "learner.value_clip must be >= 0, got -0.2"),
+    ("learner.algorithm='ppo' learner.algorithm_options.value_clip=-0.2",
+     "learner.algorithm_options.value_clip must be >= 0, got -0.2"),
     ("learner.max_abs_reward=0", "learner.max_abs_reward must be in (0, 1e12], got 0"),
     ("actor.invalid_reply_reward=inf", "actor.invalid_reply_reward must be a finite number, got inf"),
 ])
 def test_values_that_used_to_start_a_failing_run_are_one_line_on_the_command_line(override, message, capsys):
     from longhorizon.launch.cli import main
 
-    assert main(["config", "show", "codebook", override]) == 2
+    assert main(["config", "show", "codebook", *override.split()]) == 2
     assert capsys.readouterr().err == f"longhorizon: error: {message}\n"

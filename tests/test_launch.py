@@ -16,7 +16,7 @@ from longhorizon.launch.local import format_progress, validate_config
     [
         ("env.name=nope", "unknown env 'nope'"),
         ("env.options.foo=1", "unknown option 'foo'"),
-        ("learner.loss=ppo", "learner.loss 'ppo'"),
+        ("learner.loss=ppo", "learner.algorithm_options.loss must be one of decoupled_ppo, truncated_is, none, got 'ppo'"),
         ("horizon.stages=[3, 2]", "strictly increasing"),
         ("actor.engine=nonexistent", "unknown engine 'nonexistent'"),
         ("actor.group_size=1", "group_size"),

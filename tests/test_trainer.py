@@ -275,7 +275,7 @@ def test_sync_mode_and_async_at_zero_staleness_build_the_same_update(tiny_codebo
         model = load_causal_lm(tiny_codebook_model)
         build_trainer(config, model, pad_token_id=0).step(score_groups(groups).examples)
         results[name] = [p.detach().clone() for p in model.parameters()]
-    assert config.learner.loss == "none" and Config().learner.loss == "decoupled_ppo"
+    assert config.learner.algorithm_options["loss"] == "none" and not Config().learner.algorithm_options
     for a, b, c in zip(results["sync"], results["async"], results["on-policy ppo"]):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, c, rtol=0, atol=1e-6)

@@ -13,26 +13,27 @@ from __future__ import annotations
 
 from longhorizon.common.plugins import PluginError, Registry
 from longhorizon.learner.algorithms.base import (
-    ALGORITHM_KEYS,
+    OPTIONS_KEY,
     Algorithm,
     AlgorithmError,
-    NoSettings,
+    CorrectionOptions,
     SumOverRanks,
+    SymmetricClipOptions,
     check_clip_range,
-    settings_from,
 )
 
 __all__ = [
     "ALGORITHMS",
-    "ALGORITHM_KEYS",
     "Algorithm",
     "AlgorithmError",
-    "NoSettings",
+    "CorrectionOptions",
     "SumOverRanks",
+    "SymmetricClipOptions",
     "algorithm_class",
     "check_clip_range",
     "make_algorithm",
-    "settings_from",
+    "options_schemas",
+    "with_resolved_options",
 ]
 
 # In the order the docs and messages list them.
@@ -78,16 +79,38 @@ def algorithm_class(name: str) -> type[Algorithm]:
 
 
 def make_algorithm(config) -> Algorithm:
-    """The algorithm `config.algorithm` names (`config` is a LearnerConfig), bound to its settings,
-    after refusing any algorithm-specific key it does not read that differs from its default."""
+    """The algorithm `config.algorithm` names (`config` is a LearnerConfig), bound to its options
+    (`learner.algorithm_options`), after refusing a key of another built-in that it does not take."""
     chosen = algorithm_class(config.algorithm)
-    reads = chosen.reads()
-    defaults = {name: field.default for name, field in type(config).model_fields.items()}
-    for key in ALGORITHM_KEYS:
-        if key not in reads and getattr(config, key) != defaults[key]:
-            readers = [name for name in BUILTINS if key in algorithm_class(name).reads()]
+    takes = chosen.reads()
+    for key in config.algorithm_options:
+        readers = [name for name in BUILTINS if key in algorithm_class(name).reads()]
+        if key not in takes and readers:
             raise AlgorithmError(
-                f"learner.{key} is not used by learner.algorithm = {config.algorithm!r} (it is read by "
-                f"{', '.join(readers) or 'no algorithm'}); remove it or choose one of those"
+                f"{OPTIONS_KEY}.{key} is not used by learner.algorithm = {config.algorithm!r} (it is read by "
+                f"{', '.join(readers)}); remove it or choose one of those"
             )
     return chosen(config)
+
+
+def with_resolved_options(config):
+    """`config` (a whole Config) with `learner.algorithm_options` holding every key of the chosen
+    algorithm's options, defaults filled in: what `longhorizon config show` prints. A bad
+    algorithm setting is a ConfigError naming the key."""
+    from longhorizon.common.config import ConfigError
+
+    try:
+        options = make_algorithm(config.learner).options
+    except AlgorithmError as error:
+        raise ConfigError(str(error)) from None
+    resolved = options.model_dump() if options is not None else {}
+    return config.replace(learner=config.learner.replace(algorithm_options=resolved))
+
+
+def options_schemas() -> dict:
+    """The JSON schema of each built-in algorithm's options, by name (`longhorizon config schema`)."""
+    schemas = {}
+    for name in BUILTINS:
+        options = algorithm_class(name).Options
+        schemas[name] = options.model_json_schema() if options is not None else {"type": "object", "properties": {}}
+    return schemas

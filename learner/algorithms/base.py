@@ -8,12 +8,11 @@ groups, do you bring a critic); none of them compares an algorithm's name.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
 
 import numpy as np
 
-from longhorizon.common.config import ConfigError, Section, check_section
+from longhorizon.common.config import ConfigError, Section, bounded, check_section
 from longhorizon.learner.advantages import group_has_signal
 from longhorizon.learner.entropy import EntropyControlError, entropy_settings, needs_flat_members
 from longhorizon.learner.losses import POLICY_LOSS_NAMES, WEIGHT_LEVELS, LossOutput
@@ -27,13 +26,8 @@ if TYPE_CHECKING:
     from longhorizon.learner.critic import ValueModel
     from longhorizon.learner.logprobs import PaddedBatch
 
-# Keys of LearnerConfig that only some algorithms read. Setting one that the chosen algorithm does
-# not read is refused, so a config never silently carries a setting that does nothing.
-ALGORITHM_KEYS = (
-    "clip_eps", "clip_eps_low", "clip_eps_high", "loss", "weight_level", "aggregation",
-    "behaviour_weight_cap", "overlong_max_tokens", "overlong_buffer_tokens", "loss_normaliser_tokens",
-    "critic", "gamma", "lam", "value_coef", "value_clip", "advantage_std_scaling",
-)
+OPTIONS_KEY = "learner.algorithm_options"
+"""Where an algorithm's keys sit in the config."""
 
 SumOverRanks = Callable[[list], list]
 """Element-wise sum of a list of floats over the learner's ranks (torch.distributed)."""
@@ -43,26 +37,38 @@ class AlgorithmError(ValueError):
     """The learner's algorithm settings do not fit together."""
 
 
-@dataclasses.dataclass(frozen=True)
-class NoSettings:
-    """An algorithm that reads none of the algorithm-specific keys."""
+class CorrectionOptions(Section):
+    """The off-policy correction's keys, read by the algorithms whose loss is a surrogate against
+    the behaviour policy mu."""
+
+    loss: str = "decoupled_ppo"
+    """Off-policy correction: decoupled_ppo, truncated_is, or none (plain PPO against the behaviour policy)."""
+    behaviour_weight_cap: float = bounded(2.0, ge=1)
+    """Truncation of the behaviour weight pi_prox / mu (decoupled_ppo) or pi / mu (truncated_is)."""
+    weight_level: str = "token"
+    """Level of the behaviour weight: token, sequence or geometric."""
+
+
+class SymmetricClipOptions(CorrectionOptions):
+    """A correction and one symmetric ratio clip."""
+
+    clip_eps: float = 0.2
+    """PPO ratio clip: the ratio is kept in [1 - clip_eps, 1 + clip_eps], 0 < clip_eps < 1."""
 
 
 class Algorithm:
     """One RL algorithm, bound to its settings.
 
-    A subclass sets `Settings` to a frozen dataclass whose fields are named like the `learner.*`
-    keys it reads (its typed view of them: `self.settings`), and implements `aggregation`, `score`
-    and `loss`. Keys of its own go in `Options`, a `common.config.Section` (pydantic) model whose
-    fields are the keys of `learner.algorithm_options` (validated values: `self.options`). An algorithm with a learned critic also implements `build_value_model`,
-    `advantages_from_values` and `value_loss`.
+    A subclass declares its keys in `Options`, a `common.config.Section` (pydantic) model whose
+    fields are the keys of `learner.algorithm_options` (their checked values: `self.options`), and
+    implements `aggregation`, `score` and `loss`. An algorithm with a learned critic also
+    implements `build_value_model`, `advantages_from_values` and `value_loss`.
     """
 
     summary: ClassVar[str] = ""
     """One line: what it is, with its source."""
-    Settings: ClassVar[type] = NoSettings
     Options: ClassVar[type[Section] | None] = None
-    """Its own keys, under `learner.algorithm_options`; None: it has none, and the table must be empty."""
+    """Its keys, under `learner.algorithm_options`; None: it has none, and the table must be empty."""
     resamples_flat_groups: ClassVar[bool] = False
     """Groups whose rewards are all equal are set aside by the learner, and further groups awaited
     in their place until the batch is full (async mode only)."""
@@ -81,7 +87,6 @@ class Algorithm:
 
     def __init__(self, config: LearnerConfig, name: str | None = None) -> None:
         self.name = name or config.algorithm
-        self.settings = settings_from(self.Settings, config)
         self.options = options_from(self.Options, config, self.name)
         try:
             self.step_credit = step_credit_from(config)
@@ -101,8 +106,8 @@ class Algorithm:
 
     @classmethod
     def reads(cls) -> frozenset[str]:
-        """The learner keys this algorithm reads."""
-        return frozenset(f.name for f in dataclasses.fields(cls.Settings))
+        """The keys of `learner.algorithm_options` this algorithm takes."""
+        return frozenset(cls.Options.model_fields) if cls.Options is not None else frozenset()
 
     def check_settings(self) -> None:
         """Raise AlgorithmError when the settings do not fit together."""
@@ -159,20 +164,6 @@ class Algorithm:
         raise NotImplementedError(f"{type(self).__name__} has no critic")
 
 
-def settings_from(settings_class: type, config: LearnerConfig):
-    """The typed view `settings_class` (a dataclass) of the learner keys it names."""
-    if not dataclasses.is_dataclass(settings_class):
-        raise AlgorithmError(f"an algorithm's Settings must be a dataclass, got {settings_class!r}")
-    values = {}
-    for setting in dataclasses.fields(settings_class):
-        if not hasattr(config, setting.name):
-            raise AlgorithmError(
-                f"{settings_class.__qualname__} reads learner.{setting.name}, which is not a learner key"
-            )
-        values[setting.name] = getattr(config, setting.name)
-    return settings_class(**values)
-
-
 def options_from(options_class: type[Section] | None, config: LearnerConfig, name: str) -> Section | None:
     """`learner.algorithm_options` checked by the algorithm's `Options` model (None when it
     declares none, which leaves the table nothing to hold)."""
@@ -195,14 +186,14 @@ def options_from(options_class: type[Section] | None, config: LearnerConfig, nam
 CHOICES = {"aggregation": ("token", "sequence"), "weight_level": WEIGHT_LEVELS, "loss": POLICY_LOSS_NAMES}
 
 
-def check_choices(settings) -> None:
-    """Refuse a value of `aggregation`, `weight_level` or `loss` (when the settings read them) that
+def check_choices(options) -> None:
+    """Refuse a value of `aggregation`, `weight_level` or `loss` (when the options hold them) that
     no loss knows, wherever the algorithm is made (the launcher, the learner, a script), before its
     first update."""
     for key, choices in CHOICES.items():
-        value = getattr(settings, key, None)
+        value = getattr(options, key, None)
         if value is not None and value not in choices:
-            raise AlgorithmError(f"learner.{key} must be one of {', '.join(choices)}, got {value!r}")
+            raise AlgorithmError(f"{OPTIONS_KEY}.{key} must be one of {', '.join(choices)}, got {value!r}")
 
 
 def check_clip_range(low: float, high: float, *, low_key: str = "clip_eps_low", high_key: str = "clip_eps_high",
@@ -213,6 +204,6 @@ def check_clip_range(low: float, high: float, *, low_key: str = "clip_eps_low", 
     low_ok = 0 < low <= 1 if low_may_be_one else 0 < low < 1
     if not low_ok:
         bound = "(0, 1]" if low_may_be_one else "(0, 1)"
-        raise AlgorithmError(f"clip range: learner.{low_key} must be in {bound}, got {low}")
+        raise AlgorithmError(f"clip range: {OPTIONS_KEY}.{low_key} must be in {bound}, got {low}")
     if not high > 0:
-        raise AlgorithmError(f"clip range: learner.{high_key} must be positive, got {high}")
+        raise AlgorithmError(f"clip range: {OPTIONS_KEY}.{high_key} must be positive, got {high}")

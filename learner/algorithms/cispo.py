@@ -5,24 +5,25 @@ it is also the off-policy correction."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from longhorizon.common.config import Section
 from longhorizon.learner.algorithms.grpo import GRPO
 from longhorizon.learner.losses import LossOutput, cispo_loss
 
 
-@dataclass(frozen=True)
-class CISPOSettings:
-    clip_eps_low: float | None
-    clip_eps_high: float | None
+class CISPOOptions(Section):
+    """cispo's keys: the importance weight pi / mu is clipped to [1 - clip_eps_low, 1 + clip_eps_high]."""
+
+    clip_eps_low: float = 1.0
+    """1: no lower bound."""
+    clip_eps_high: float = 1.0
+    """1: the weight capped at 2."""
 
 
 class CISPO(GRPO):
     summary = "clipped importance weight with stop-gradient, every token kept (MiniMax 2025)"
-    Settings = CISPOSettings
+    Options = CISPOOptions
     aggregation = "token"
-    default_clip = (1.0, 1.0)
-    """No lower bound; the weight capped at 2, like behaviour_weight_cap."""
+    asymmetric_clip = True
     clip_low_may_be_one = True
 
     def loss(self, logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask) -> LossOutput:

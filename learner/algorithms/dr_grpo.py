@@ -5,31 +5,30 @@ same and wrong answers do not drift longer."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from longhorizon.learner.advantages import grpo_advantages
+from longhorizon.common.config import bounded
+from longhorizon.learner.algorithms.base import SymmetricClipOptions
 from longhorizon.learner.algorithms.grpo import GRPO
 
 
-@dataclass(frozen=True)
-class DrGRPOSettings:
-    clip_eps: float
-    loss: str
-    weight_level: str
-    behaviour_weight_cap: float
-    loss_normaliser_tokens: float
+class DrGRPOOptions(SymmetricClipOptions):
+    """dr_grpo's keys."""
+
+    loss_normaliser_tokens: float = bounded(1024.0, gt=0)
+    """Each sequence's summed token loss is divided by this constant (the generation budget)
+    instead of its own length."""
 
 
 class DrGRPO(GRPO):
     summary = "GRPO without std scaling or length normalisation (Liu et al. 2025)"
-    Settings = DrGRPOSettings
+    Options = DrGRPOOptions
     aggregation = "sum"
 
     @property
     def normaliser_tokens(self) -> float:
-        return self.settings.loss_normaliser_tokens
+        return self.options.loss_normaliser_tokens
 
     def group_advantages(self, rewards: np.ndarray) -> np.ndarray:
         return grpo_advantages(rewards, scale_by_std=False)

@@ -4,28 +4,31 @@ the same whatever its length."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from longhorizon.common.config import Section, bounded
 from longhorizon.learner.algorithms.grpo import GRPO
 from longhorizon.learner.losses import LossOutput, gspo_loss
 
 
-@dataclass(frozen=True)
-class GSPOSettings:
-    clip_eps_low: float | None
-    clip_eps_high: float | None
-    behaviour_weight_cap: float
+class GSPOOptions(Section):
+    """gspo's keys."""
+
+    clip_eps_low: float = 3e-4
+    """The sequence ratio (a per-token geometric mean, hence the small range) is clipped below at
+    1 - clip_eps_low."""
+    clip_eps_high: float = 4e-4
+    """...and above at 1 + clip_eps_high."""
+    behaviour_weight_cap: float = bounded(2.0, ge=1)
+    """Truncation of the behaviour weight pi_prox / mu of each sequence."""
 
 
 class GSPO(GRPO):
     summary = "one length-normalised importance ratio per sequence (Zheng et al. 2025)"
-    Settings = GSPOSettings
+    Options = GSPOOptions
     aggregation = "sequence"
     takes_step_credit = False  # one ratio, and so one advantage, per sequence
-    default_clip = (3e-4, 4e-4)
-    """The clip range of a per-token geometric mean, hence so small."""
+    asymmetric_clip = True
 
     def loss(self, logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask) -> LossOutput:
         low, high = self.clip_range
         return gspo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask,
-                         clip_eps_low=low, clip_eps_high=high, behaviour_weight_cap=self.settings.behaviour_weight_cap)
+                         clip_eps_low=low, clip_eps_high=high, behaviour_weight_cap=self.options.behaviour_weight_cap)

@@ -11,31 +11,44 @@ math is in learner/critic.py; the trainer runs the value model this algorithm bu
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 
-from longhorizon.learner.algorithms.base import AlgorithmError, SumOverRanks
-from longhorizon.learner.algorithms.grpo import GRPO, GRPOSettings
+from longhorizon.common.config import bounded
+from longhorizon.learner.algorithms.base import SumOverRanks
+from longhorizon.learner.algorithms.grpo import GRPO, GRPOOptions
 from longhorizon.learner.critic import build_value_model, gae, per_token_rewards, value_loss, whiten
 from longhorizon.learner.losses import LossOutput
 from longhorizon.learner.scoring import ScoredBatch, example_from, group_failed, usable_groups
 
 
-@dataclass(frozen=True)
-class PPOSettings(GRPOSettings):
-    critic: str
-    gamma: float
-    lam: float
-    value_coef: float
-    value_clip: float
-    advantage_std_scaling: bool
+class PPOOptions(GRPOOptions):
+    """ppo's keys: grpo's, and its critic's."""
+
+    critic: str = "shared"
+    """The value model: `shared` (a linear head on the policy's own backbone, which the value
+    loss then also trains) or a model folder (a separate, usually smaller, critic)."""
+    gamma: float = bounded(1.0, ge=0, le=1)
+    """Discount per generated token."""
+    lam: float = bounded(0.95, ge=0, le=1)
+    """GAE's lambda (bias against variance of the advantage estimate)."""
+    value_coef: float = bounded(0.5, gt=0)
+    """Weight of the value loss beside the policy loss (positive: the critic must learn)."""
+    value_clip: float = bounded(0.2, ge=0)
+    """The new value may move at most this far from the old one in the clipped value loss (0
+    turns the clip off)."""
+    advantage_std_scaling: bool = False
+    """Also divide the centred GAE advantages by their std over the step (whitening). Off by
+    default: whitening keeps the update's size whatever the rewards' spread, so near convergence,
+    when a step's rewards are (nearly) all equal, it scales the critic's errors up to the size of
+    real advantages, and on the codebook env such updates undid a converged policy in its last
+    steps (docs/algorithms.md)."""
 
 
 class PPO(GRPO):
     summary = ("a learned critic and GAE over generated tokens, turn rewards at turn ends "
                "(Schulman et al. 2017; Ouyang et al. 2022)")
-    Settings = PPOSettings
+    Options = PPOOptions
     # The trainer runs its critic on any number of ranks (tests/test_distributed.py), but the
     # launcher has not been opened to it: a run with several ranks is refused for now.
     runs_on_several_ranks = False
@@ -44,14 +57,6 @@ class PPO(GRPO):
 
     def scores_every_generated_token(self) -> bool:
         return True  # turn rewards sit at the ends of the generated runs
-
-    def check_settings(self) -> None:
-        settings = self.settings
-        if not (0 <= settings.gamma <= 1 and 0 <= settings.lam <= 1):
-            raise AlgorithmError(f"learner.gamma and learner.lam must be in [0, 1], got {settings.gamma}, {settings.lam}")
-        if settings.value_coef <= 0:
-            raise AlgorithmError("learner.value_coef must be positive (the critic must learn)")
-        super().check_settings()
 
     def score(self, groups) -> ScoredBatch:
         """Every group with two usable members, flat ones too (the critic is the baseline, and flat
@@ -68,7 +73,7 @@ class PPO(GRPO):
         return ScoredBatch(examples, len(kept), 0, too_small, failed)
 
     def build_value_model(self, policy_model):
-        critic = build_value_model(policy_model, self.settings.critic)
+        critic = build_value_model(policy_model, self.options.critic)
         # The head computes in float32 (a bfloat16 backbone's hidden states are cast up to it), or
         # in float64 beside a float64 backbone: with several ranks FSDP2 shards each unit's
         # parameters in one dtype, and the head sits in the policy's root unit.
@@ -80,7 +85,7 @@ class PPO(GRPO):
         """GAE from the critic's values at the start of the update, centred over the step's
         generated tokens (every rank's, with `sum_over_ranks`) and scaled to unit std there when
         `advantage_std_scaling`; the value targets (returns) beside them."""
-        settings = self.settings
+        settings = self.options
         estimates = [
             gae(micro.token_rewards, micro_values, micro.loss_mask, settings.gamma, settings.lam)
             for micro, micro_values in zip(micro_batches, values)
@@ -100,6 +105,6 @@ class PPO(GRPO):
         return with_advantages, [returns for _, returns in estimates]
 
     def value_loss(self, values, old_values, returns, mask) -> LossOutput:
-        critic = value_loss(values, old_values, returns, mask, value_clip=self.settings.value_clip,
+        critic = value_loss(values, old_values, returns, mask, value_clip=self.options.value_clip,
                             aggregation=self.aggregation)
-        return LossOutput(self.settings.value_coef * critic, {"value_loss": critic.item()})
+        return LossOutput(self.options.value_coef * critic, {"value_loss": critic.item()})

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from longhorizon.common.config import bundled_config_names, config_to_dict, load_config
+from longhorizon.learner.algorithms import with_resolved_options
 
 DEFAULTS = "(defaults)"
 """The entry for the config a run gets with no file at all."""
@@ -31,11 +32,11 @@ def flatten(table: dict, prefix: str = "") -> dict:
 def resolved_configs() -> dict[str, dict]:
     """The defaults' resolved keys in full, and for each bundled config the keys whose resolved
     value differs from the default or that the defaults lack (a key it leaves out has the
-    default's value)."""
-    defaults = flatten(config_to_dict(load_config(None)))
+    default's value). The chosen algorithm's options are resolved with their defaults."""
+    defaults = flatten(config_to_dict(with_resolved_options(load_config(None))))
     configs = {DEFAULTS: defaults}
     for name in bundled_config_names():
-        resolved = flatten(config_to_dict(load_config(name)))
+        resolved = flatten(config_to_dict(with_resolved_options(load_config(name))))
         configs[name] = {key: value for key, value in resolved.items() if defaults.get(key, object()) != value}
     return configs
 
