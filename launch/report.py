@@ -144,6 +144,11 @@ def summarise_run(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     else:
         summary.update({key: None for key in outcome_keys})
     summary["invalid_action_rate_mean"] = _mean(_values(records, "invalid_action_rate"))
+    # The learner's peak memory and the least the machine had left (runs recorded before these
+    # figures existed: None).
+    peaks, available = _values(records, "rss_peak_mb"), _values(records, "memory_available_mb")
+    summary["learner_rss_peak_mb"] = max(peaks) if peaks else None
+    summary["memory_available_min_mb"] = min(available) if available else None
     return summary
 
 
@@ -249,6 +254,8 @@ def format_report(summary: dict[str, Any]) -> str:
         f"scaled to {_number(summary['signal_fraction_mean'], '.0%')} by flat groups, "
         f"{_number(summary['update_seconds_mean'], '.1f', ' s')} each; actors "
         f"{_number(summary['episodes_per_s_mean'], '.2f')} episodes/s",
+        f"memory: learner peak {_number(summary.get('learner_rss_peak_mb'), '.0f', ' MiB')}, least left on the "
+        f"machine {_number(summary.get('memory_available_min_mb'), '.0f', ' MiB')}",
     ]
     findings = diagnose(summary)
     if findings:

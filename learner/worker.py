@@ -19,6 +19,7 @@ import trio
 
 from longhorizon.common.config import Config
 from longhorizon.common.metrics import MetricsWriter, truncate_metrics
+from longhorizon.common.resources import MIB, LowMemoryWarning, memory_figures
 from longhorizon.common.transport import UnknownPeer
 from longhorizon.common.wire import Heartbeat, Hello, Stop
 from longhorizon.learner.broadcast import horizon_update
@@ -189,6 +190,7 @@ class Learner:
         self.episode_log = (open_episode_log(config, self.run_dir, tokenizer, self.model_path, start_step=self.step)
                             if self.ranks.is_main else None)
         self.weights_bytes = 0
+        self.low_memory = LowMemoryWarning()
         self.last_rank_command = time.monotonic()
         self.peers = PeerTable(config.learner.peer_timeout_s, self.counters)
         self.latest_weights = None
@@ -483,9 +485,23 @@ class Learner:
             "actors_lost": int(self.counters["actors_lost"]),
             # Bytes of tensors in the latest weights update (with LoRA: the adapters alone).
             "weights_bytes": self.weights_bytes,
+            # This process's resident memory (now, and its peak so far) and what the machine (or
+            # its cgroup) has left, in MiB.
+            **memory_figures(),
         }
         record.update(train_metrics)
+        self._warn_on_low_memory(record)
         return record
+
+    def _warn_on_low_memory(self, record: dict) -> None:
+        """A WARNING when the machine's memory runs low: the kernel's OOM killer gives no notice."""
+        available, total = record.get("memory_available_mb"), record.get("memory_total_mb")
+        if available is None or not total:
+            return
+        message = self.low_memory.check(int(available * MIB), int(total * MIB))
+        if message is not None:
+            log.warning("step %d: %s (this learner: %.0f MiB, its peak %.0f MiB)", self.step, message,
+                        record.get("rss_mb", 0.0), record.get("rss_peak_mb", 0.0))
 
     def _write_sample(self, groups) -> None:
         trajectories = [t for g in groups for t in g.trajectories]

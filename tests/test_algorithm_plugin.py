@@ -157,6 +157,9 @@ async def test_a_run_trains_with_an_algorithm_from_outside(tmp_path, tiny_codebo
     records = read_metrics(config.run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["groups_used"] == 2 and r["groups_skipped_zero_variance"] == 0 for r in records)
+    # Each step says how much memory the learner holds and the machine has left.
+    assert all(r["rss_peak_mb"] >= r["rss_mb"] > 100 and 0 < r["memory_available_mb"] < r["memory_total_mb"]
+               for r in records)
     assert module.calls["score"] >= 3 and module.calls["loss"] >= 3
     untrained = load_causal_lm(tiny_codebook_model)
     assert any(not torch.equal(trained, initial)
