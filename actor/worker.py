@@ -42,6 +42,11 @@ class ActorRefused(RuntimeError):
     with the same credentials would be refused again."""
 
 
+class SyncVersionRefused(RuntimeError):
+    """Sync mode: the engine refused the weights of the version whose batch this actor must play,
+    and no other version will come until that batch is trained: the actor cannot go on."""
+
+
 def sync_share(groups_per_step: int, num_actors: int, actor_index: int) -> int:
     """Groups actor `actor_index` generates per learner step in sync mode (the batch split evenly)."""
     base, extra = divmod(groups_per_step, num_actors)
@@ -57,6 +62,9 @@ class _Counters:
     errors: int = 0
     weights_refused: int = 0
     """Weight updates the engine refused (they did not fit its model; it kept the version it had)."""
+    newest_refused_version: int = -1
+    """The newest version among them (-1: none), told to the learner in every heartbeat."""
+    last_refusal: str = ""
 
 
 class Actor:
@@ -137,7 +145,9 @@ class Actor:
                 self._notify()
             elif isinstance(message, WeightsUpdate):
                 # The learner re-sends its latest version to latecomers: equal means held.
-                if message.version != self.engine.policy_version:
+                # A version the engine refused is not tried again when the learner re-sends it
+                # for another actor (only that number: a learner resumed from a checkpoint counts up again).
+                if message.version not in (self.engine.policy_version, self.counters.newest_refused_version):
                     await self._load_weights(message)
 
     async def _receive_collective_weights(self, announcements: trio.MemoryReceiveChannel) -> None:
@@ -162,10 +172,13 @@ class Actor:
             await trio.to_thread.run_sync(self.engine.update_weights, message)
         except WeightsRefused as refused:
             self.counters.weights_refused += 1
+            self.counters.newest_refused_version = max(self.counters.newest_refused_version, message.version)
+            self.counters.last_refusal = str(refused)
             log.warning(
                 "%s: refused weights v%d, still serving v%d (%d refused so far): %s",
                 self.actor_id, message.version, self.engine.policy_version, self.counters.weights_refused, refused,
             )
+            self._notify()  # a sync actor waiting for this version must learn it will not come
             return
         if message.version < held:
             # The learner restarted from an older checkpoint; its weights are the policy now, so
@@ -188,6 +201,7 @@ class Actor:
                     policy_version=self.engine.policy_version,
                     episodes_done=self.counters.episodes,
                     time=time.time(),
+                    refused_version=self.counters.newest_refused_version,
                 )
             )
             if time.monotonic() - last_stats >= 5 * self.config.actor.heartbeat_s:
@@ -205,6 +219,7 @@ class Actor:
             mean_generation_seconds=self.counters.generation_seconds / episodes,
             mean_env_seconds=self.counters.env_seconds / episodes,
             errors=self.counters.errors,
+            weights_refused=self.counters.weights_refused,
         )
 
     async def _send(self, trajectory: Trajectory) -> None:
@@ -317,10 +332,16 @@ class Actor:
             # Generate only with the weights of the learner's current version, once per version.
             await self._wait_for(
                 lambda: self.horizon is not None
-                and self.engine.policy_version >= self.horizon.learner_step
-                and self.engine.policy_version > self.last_sync_version,
+                and ((self.engine.policy_version >= self.horizon.learner_step
+                      and self.engine.policy_version > self.last_sync_version)
+                     or self._refused_version_to_play()),
                 f"the learner's next version after v{self.last_sync_version}",
             )
+            if self._refused_version_to_play():
+                raise SyncVersionRefused(
+                    f"{self.actor_id}: sync mode needs the learner's v{self.horizon.learner_step} to play its batch, "
+                    f"and the engine refused those weights ({self.counters.last_refusal}); the learner trains "
+                    f"nothing until that batch arrives, so this actor stops (it serves v{self.engine.policy_version})")
             self.last_sync_version = self.engine.policy_version
 
             async def limited_group() -> None:
@@ -330,6 +351,12 @@ class Actor:
             async with trio.open_nursery() as nursery:
                 for _ in range(share):
                     nursery.start_soon(limited_group)
+
+
+    def _refused_version_to_play(self) -> bool:
+        """Sync mode: whether the version the learner waits for is one the engine refused."""
+        wanted = self.horizon.learner_step if self.horizon is not None else -1
+        return self.engine.policy_version < wanted <= self.counters.newest_refused_version
 
 
 async def run_actor(config: Config, actor_index: int, endpoints, *, engine: Engine | None = None) -> str:

@@ -310,6 +310,7 @@ def _check_hello(values: dict[str, Any], limits: WireLimits | None) -> None:
 def _check_heartbeat(values: dict[str, Any], limits: WireLimits | None) -> None:
     _require_nonempty(values, "Heartbeat", "actor_id")
     _require_at_least(values, "Heartbeat", 0, "episodes_done")
+    _require_at_least(values, "Heartbeat", -1, "refused_version")
 
 
 def _check_nothing(values: dict[str, Any], limits: WireLimits | None) -> None:
@@ -318,7 +319,7 @@ def _check_nothing(values: dict[str, Any], limits: WireLimits | None) -> None:
 
 def _check_actor_stats(values: dict[str, Any], limits: WireLimits | None) -> None:
     _require_nonempty(values, "ActorStats", "actor_id")
-    _require_at_least(values, "ActorStats", 0, "episodes_done", "errors")
+    _require_at_least(values, "ActorStats", 0, "episodes_done", "errors", "weights_refused")
 
 
 _CHECKS: dict[type, Callable[[dict[str, Any], WireLimits | None], None]] = {

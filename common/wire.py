@@ -197,7 +197,7 @@ class Heartbeat:
     """Periodic sign of life from an actor; silence means it hangs or died."""
 
     TYPE_TAG: ClassVar[str] = "heartbeat"
-    SCHEMA_VERSION: ClassVar[int] = 1
+    SCHEMA_VERSION: ClassVar[int] = 2
 
     actor_id: str
     # Weights the actor currently samples with: shows how far behind it runs.
@@ -206,6 +206,9 @@ class Heartbeat:
     episodes_done: int
     # The actor's wall clock (time.time()); hosts' clocks differ, so only for display.
     time: float
+    # The newest weights version the actor's engine refused (-1: none): the learner does not send
+    # that version again, since it would be refused again.
+    refused_version: int = -1
 
 
 @dataclass
@@ -224,7 +227,7 @@ class ActorStats:
     """Throughput figures an actor reports now and then, for the learner's metrics."""
 
     TYPE_TAG: ClassVar[str] = "actor_stats"
-    SCHEMA_VERSION: ClassVar[int] = 1
+    SCHEMA_VERSION: ClassVar[int] = 2
 
     actor_id: str
     episodes_done: int
@@ -234,6 +237,8 @@ class ActorStats:
     mean_env_seconds: float
     # Episodes that ended with an env or engine failure.
     errors: int
+    # Weight updates the actor's engine refused (it kept the version it had).
+    weights_refused: int = 0
 
 
 Message = Trajectory | WeightsUpdate | CollectiveWeights | HorizonUpdate | Hello | Heartbeat | Stop | ActorStats

@@ -182,16 +182,18 @@ def main(argv: list[str] | None = None) -> int:
         from longhorizon.common.memory import keep_freed_message_memory
 
         keep_freed_message_memory()
-    from longhorizon.actor.worker import ActorRefused
+    from longhorizon.actor.worker import ActorRefused, SyncVersionRefused
     from longhorizon.learner.distributed import RanksError
     from longhorizon.learner.worker import NonfiniteUpdatesError
 
     try:
         return trio.run(_main, args.role, config, args.index, credentials)
-    except (NonfiniteUpdatesError, ActorRefused, RanksError, BaseExceptionGroup) as error:
+    except (NonfiniteUpdatesError, ActorRefused, SyncVersionRefused, RanksError, BaseExceptionGroup) as error:
         # Restarting would meet the same failure: the learner's checkpoint replays the same
-        # inputs into it, an actor's credentials are refused again, the rank count still differs.
-        final = nonfinite_error_in(error) or error_of_kind(error, ActorRefused) or error_of_kind(error, RanksError)
+        # inputs into it, an actor's credentials are refused again, the version a sync actor
+        # refused is sent again, the rank count still differs.
+        final = (nonfinite_error_in(error) or error_of_kind(error, ActorRefused)
+                 or error_of_kind(error, SyncVersionRefused) or error_of_kind(error, RanksError))
         if final is None:
             raise
         logging.getLogger(__name__).error("%s", final)

@@ -49,8 +49,10 @@ class PeerTable:
             info["version"] = message.policy_version
             info["incarnation"] = (message.hostname, message.pid)
             info.pop("lost", None)
+            info.pop("refused_version", None)  # a new process has refused nothing yet
         elif isinstance(message, Heartbeat):
             info["version"] = message.policy_version
+            info["refused_version"] = message.refused_version
             self.episodes_reported[(peer, info.get("incarnation"))] = message.episodes_done
             info.pop("lost", None)
         elif isinstance(message, ActorStats):
@@ -86,6 +88,15 @@ class PeerTable:
     def version_of(self, peer: str) -> int | None:
         """The weights version `peer` last said it holds (None before it said)."""
         return self.known[peer].get("version")
+
+    def refused_version_of(self, peer: str) -> int:
+        """The newest weights version `peer`'s engine refused (-1: none, or not said yet)."""
+        return self.known[peer].get("refused_version", -1)
+
+    def weights_refused_total(self) -> int:
+        """Weight updates refused, summed over the actors' latest stats (an actor restarted
+        since counts from zero again)."""
+        return sum(info["stats"].weights_refused for info in self.known.values() if "stats" in info)
 
     def last_seen(self, peer: str) -> float:
         return self.known[peer].get("last_seen", 0.0)

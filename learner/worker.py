@@ -191,6 +191,7 @@ class Learner:
                             if self.ranks.is_main else None)
         self.weights_bytes = 0
         self.low_memory = LowMemoryWarning()
+        self._refusals_logged: dict[str, int] = {}  # actor -> the refused version last warned about
         self.last_rank_command = time.monotonic()
         self.peers = PeerTable(config.learner.peer_timeout_s, self.counters)
         self.latest_weights = None
@@ -275,18 +276,34 @@ class Learner:
                 await self._publish_horizon()
                 await self._republish_weights_if_behind(message.policy_version)
             elif isinstance(message, Heartbeat):
-                await self._republish_weights_if_behind(message.policy_version)
+                await self._republish_weights_if_behind(message.policy_version, peer)
 
-    async def _republish_weights_if_behind(self, actor_version: int) -> None:
+    def _refused_latest(self, peer: str) -> bool:
+        """Whether `peer`'s engine refused the latest weights: sending them again would only be
+        refused again (logged once per version and actor)."""
+        if self.latest_weights is None or peer not in self.peers.known:
+            return False
+        version = self.latest_weights.version
+        if self.peers.refused_version_of(peer) < version:
+            return False
+        if self._refusals_logged.get(peer) != version:
+            self._refusals_logged[peer] = version
+            log.warning("actor %s refused weights v%d (see its log) and serves v%s: not sending v%d to it again; "
+                        "the next version goes out as usual", peer, version, self.peers.version_of(peer), version)
+        return True
+
+    async def _republish_weights_if_behind(self, actor_version: int, peer: str | None = None) -> None:
         if self.publisher.needs_control_channel:
             self._keep_actors_current()  # per actor, with its own bounds: nothing goes to all
             return
         if self.latest_weights is None or actor_version == self.latest_weights.version:
             return
+        if peer is not None and self._refused_latest(peer):
+            return
         if time.monotonic() - self.last_weights_broadcast <= _REPUBLISH_AFTER_S:
             return
-        self.counters["weights_republished"] += 1
         await self._publish()
+        self.counters["weights_republished"] += 1  # counted once sent, so a reader sees it out
 
     async def _publish_horizon(self) -> None:
         await self.endpoints.broadcast.send(horizon_update(self.horizon))
@@ -334,7 +351,8 @@ class Learner:
         """Per-actor transports: every live actor that lacks the latest version gets it (the
         transport skips actors that failed and have not been heard from since)."""
         for peer in self.peers.live():
-            self.publisher.keep_current(peer, self.peers.version_of(peer), self.peers.last_seen(peer))
+            if not self._refused_latest(peer):
+                self.publisher.keep_current(peer, self.peers.version_of(peer), self.peers.last_seen(peer))
 
     async def _repeat_horizon(self) -> None:
         """Publish the horizon every few seconds: a subscriber that joined after the last
@@ -483,6 +501,10 @@ class Learner:
             "actors_seen": len(self.peers),
             "actors_live": len(live),
             "actors_lost": int(self.counters["actors_lost"]),
+            # Weight updates the actors' engines refused (from their latest stats), and the live
+            # actors that refused the latest version (it is not sent to them again).
+            "weights_refused": self.peers.weights_refused_total(),
+            "actors_refusing_latest": sum(self._refused_latest(peer) for peer in live),
             # Bytes of tensors in the latest weights update (with LoRA: the adapters alone).
             "weights_bytes": self.weights_bytes,
             # This process's resident memory (now, and its peak so far) and what the machine (or

@@ -20,7 +20,7 @@ from longhorizon.common.config import ConfigError, LearnerConfig, load_config
 from longhorizon.learner.distributed import Ranks, RanksError, ranks_from_environment, split_by_tokens
 from longhorizon.learner.scoring import FlatShare
 
-CONFIG = dict(optimizer_steps_per_batch=2, learning_rate=1e-3, micro_batch_size=2, clip_eps=0.2)
+CONFIG = dict(optimizer_steps_per_batch=2, learning_rate=1e-3, micro_batch_size=2)
 
 
 # -- pure parts ---------------------------------------------------------------------------------

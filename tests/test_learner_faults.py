@@ -122,6 +122,60 @@ async def test_joining_actors_get_the_horizon_each_and_the_weights_once_per_inte
     assert learner.counters["weights_republished"] == 1
 
 
+async def test_a_version_an_actor_refused_is_not_sent_to_it_again(tmp_path, byte_model, monkeypatch, caplog):
+    """An actor whose engine refused the latest weights keeps saying it serves an older version;
+    re-sending the same weights every few seconds would only be refused again."""
+    import logging
+
+    from longhorizon.common.wire import ActorStats, Heartbeat
+
+    monkeypatch.setattr(learner_worker, "_REPUBLISH_AFTER_S", 0.0)  # resend at every look
+    network = InProcessNetwork(broadcast_keep_latest=1000)
+    learner = await _make_learner(_config(tmp_path, byte_model), network.learner_endpoints(), byte_model)
+    subscriber = network.subscriber()
+    learner.version = 2
+    learner.latest_weights = make_weights_update(learner.model, 2, "inline")
+
+    def heartbeat(refused_version):
+        return Heartbeat(actor_id="actor-0", policy_version=1, episodes_done=0, time=0.0,
+                         refused_version=refused_version)
+
+    async def weights_sent() -> int:
+        sent = 0
+        while subscriber._pending:
+            sent += type(await subscriber.receive()).__name__ == "WeightsUpdate"
+        return sent
+
+    dealer = network.dealer("actor-0")
+    with caplog.at_level(logging.WARNING, logger="longhorizon.learner.worker"):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(learner._control)
+            await dealer.send(heartbeat(-1))  # behind, refused nothing: sent again
+            with trio.fail_after(10):
+                while learner.counters["weights_republished"] < 1:
+                    await trio.sleep(0.01)
+            for _ in range(3):  # behind because it refused v2: not sent again
+                await dealer.send(heartbeat(2))
+            await dealer.send(ActorStats(actor_id="actor-0", episodes_done=0, episodes_per_s=0.0,
+                                         generated_tokens_per_s=0.0, mean_generation_seconds=0.0,
+                                         mean_env_seconds=0.0, errors=0, weights_refused=1))
+            with trio.fail_after(10):
+                while "stats" not in learner.peers.known.get("actor-0", {}):
+                    await trio.sleep(0.01)
+            assert learner.counters["weights_republished"] == 1
+            learner.version = 3
+            learner.latest_weights = make_weights_update(learner.model, 3, "inline")
+            await dealer.send(heartbeat(2))  # a newer version goes out as usual
+            with trio.fail_after(10):
+                while learner.counters["weights_republished"] < 2:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert await weights_sent() == 2
+    assert learner.peers.weights_refused_total() == 1
+    refusals = [r.getMessage() for r in caplog.records if "not sending v2 to it again" in r.getMessage()]
+    assert len(refusals) == 1, refusals  # said once, not at every heartbeat
+
+
 def test_a_weights_update_owns_its_bytes(tiny_codebook_model):
     model = load_causal_lm(tiny_codebook_model)
     update = make_weights_update(model, 3, "inline")

@@ -10,6 +10,7 @@ tests/test_vllm_engine.py.
 
 import logging
 import queue
+import re
 import threading
 import time
 from pathlib import Path
@@ -272,6 +273,11 @@ async def test_the_actor_counts_a_refused_update_logs_it_and_keeps_serving_its_v
             while heartbeat.time <= refused_at:  # those queued before the refusal
                 heartbeat = await next_heartbeat()
             assert heartbeat.policy_version == 0  # what the learner hears
+            assert heartbeat.refused_version == 1  # and which version it need not send again
+            assert actor.stats().weights_refused == 1
+            await publisher.send(wrong_shape)  # re-sent for another actor: not tried again
+            await trio.sleep(0.2)
+            assert actor.counters.weights_refused == 1
             await publisher.send(WeightsUpdate(version=2, tensors=good))
             await until(lambda: engine.policy_version == 2)  # still taking updates
             assert actor.counters.weights_refused == 1
@@ -279,6 +285,45 @@ async def test_the_actor_counts_a_refused_update_logs_it_and_keeps_serving_its_v
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert any(f"actor-0: refused weights v1, still serving v0 (1 refused so far): weights update refused, "
                f"nothing loaded: shape of {name} is (64, 63), the model's is (64, 64)" in w for w in warnings), warnings
+    router.close()
+
+
+async def test_a_sync_actor_that_refused_the_version_it_must_play_says_so_and_stops(tiny_codebook_model):
+    """In sync mode the learner trains nothing until the batch of its current version arrives, so
+    an actor whose engine refused that version would wait for ever."""
+    from longhorizon.actor.worker import Actor, SyncVersionRefused
+    from longhorizon.common.config import load_config
+    from longhorizon.common.transport import InProcessNetwork
+    from longhorizon.common.wire import HorizonUpdate
+
+    config = load_config(None, [
+        "env.name='codebook'", "actor.engine='hf'", f"model.path={str(tiny_codebook_model)!r}", "run.mode='sync'",
+        "actor.group_size=2", "actor.concurrent_groups=1", "learner.groups_per_step=1",
+    ])
+    network = InProcessNetwork()
+    router = network.router()
+    publisher = network.publisher()
+    engine = _engine(tiny_codebook_model)
+    actor = Actor(config, 0, network.actor_endpoints("actor-0"), engine)
+    good = {name: t.numpy() for name, t in unique_state_dict(engine.model).items()}
+    name = list(good)[-1]
+    with_nan = good[name].copy()
+    with_nan.reshape(-1)[-1] = np.nan
+    with trio.fail_after(60):
+        with pytest.raises(BaseExceptionGroup) as raised:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(actor.run)
+                await publisher.send(HorizonUpdate(horizon_cap=2, stage=0, learner_step=0))
+                while actor.counters.episodes < 2:  # the batch of v0 is played
+                    await trio.sleep(0.01)
+                await publisher.send(HorizonUpdate(horizon_cap=2, stage=0, learner_step=1))
+                await publisher.send(WeightsUpdate(version=1, tensors={**good, name: with_nan}))
+    refusals = raised.value.subgroup(SyncVersionRefused)
+    while isinstance(refusals, BaseExceptionGroup):
+        refusals = refusals.exceptions[0]
+    assert re.match(r"actor-0: sync mode needs the learner's v1 to play its batch, and the engine refused those "
+                    r"weights \(.*holds NaN/inf", str(refusals)), raised.value
+    assert engine.policy_version == 0
     router.close()
 
 
