@@ -352,7 +352,6 @@ class Actor:
                 for _ in range(share):
                     nursery.start_soon(limited_group)
 
-
     def _refused_version_to_play(self) -> bool:
         """Sync mode: whether the version the learner waits for is one the engine refused."""
         wanted = self.horizon.learner_step if self.horizon is not None else -1

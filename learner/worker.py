@@ -280,12 +280,15 @@ class Learner:
 
     def _refused_latest(self, peer: str) -> bool:
         """Whether `peer`'s engine refused the latest weights: sending them again would only be
-        refused again (logged once per version and actor)."""
-        if self.latest_weights is None or peer not in self.peers.known:
+        refused again."""
+        return (self.latest_weights is not None and peer in self.peers.known
+                and self.peers.refused_version_of(peer) >= self.latest_weights.version)
+
+    def _skip_refused_latest(self, peer: str) -> bool:
+        """`_refused_latest`, logged once per version and actor when it holds back a send."""
+        if not self._refused_latest(peer):
             return False
         version = self.latest_weights.version
-        if self.peers.refused_version_of(peer) < version:
-            return False
         if self._refusals_logged.get(peer) != version:
             self._refusals_logged[peer] = version
             log.warning("actor %s refused weights v%d (see its log) and serves v%s: not sending v%d to it again; "
@@ -298,7 +301,7 @@ class Learner:
             return
         if self.latest_weights is None or actor_version == self.latest_weights.version:
             return
-        if peer is not None and self._refused_latest(peer):
+        if peer is not None and self._skip_refused_latest(peer):
             return
         if time.monotonic() - self.last_weights_broadcast <= _REPUBLISH_AFTER_S:
             return
@@ -351,7 +354,7 @@ class Learner:
         """Per-actor transports: every live actor that lacks the latest version gets it (the
         transport skips actors that failed and have not been heard from since)."""
         for peer in self.peers.live():
-            if not self._refused_latest(peer):
+            if not self._skip_refused_latest(peer):
                 self.publisher.keep_current(peer, self.peers.version_of(peer), self.peers.last_seen(peer))
 
     async def _repeat_horizon(self) -> None:

@@ -232,21 +232,26 @@ async def test_a_refused_update_over_the_collective_leaves_the_hf_engine_as_it_w
 # -- the actor ------------------------------------------------------------------------------------
 
 
-async def test_the_actor_counts_a_refused_update_logs_it_and_keeps_serving_its_version(tiny_codebook_model, caplog):
+def _in_process_actor(model, *overrides):
+    """An hf actor on `model` in an in-process network: its router, publisher, engine and actor."""
     from longhorizon.actor.worker import Actor
     from longhorizon.common.config import load_config
     from longhorizon.common.transport import InProcessNetwork
-    from longhorizon.common.wire import Heartbeat
 
     config = load_config(None, [
-        "env.name='codebook'", "actor.engine='hf'", f"model.path={str(tiny_codebook_model)!r}",
-        "actor.group_size=2", "actor.concurrent_groups=1", "actor.heartbeat_s=0.05",
+        "env.name='codebook'", "actor.engine='hf'", f"model.path={str(model)!r}",
+        "actor.group_size=2", "actor.concurrent_groups=1", *overrides,
     ])
     network = InProcessNetwork()
-    router = network.router()
-    publisher = network.publisher()
-    engine = _engine(tiny_codebook_model)
-    actor = Actor(config, 0, network.actor_endpoints("actor-0"), engine)
+    router, publisher = network.router(), network.publisher()
+    engine = _engine(model)
+    return router, publisher, engine, Actor(config, 0, network.actor_endpoints("actor-0"), engine)
+
+
+async def test_the_actor_counts_a_refused_update_logs_it_and_keeps_serving_its_version(tiny_codebook_model, caplog):
+    from longhorizon.common.wire import Heartbeat
+
+    router, publisher, engine, actor = _in_process_actor(tiny_codebook_model, "actor.heartbeat_s=0.05")
     good = {name: t.numpy() for name, t in _perturbed(unique_state_dict(engine.model), seed=4).items()}
     name = "model.layers.1.self_attn.o_proj.weight"
     wrong_shape = WeightsUpdate(version=1, tensors={**good, name: np.zeros((64, 63), np.float32)})
@@ -291,20 +296,11 @@ async def test_the_actor_counts_a_refused_update_logs_it_and_keeps_serving_its_v
 async def test_a_sync_actor_that_refused_the_version_it_must_play_says_so_and_stops(tiny_codebook_model):
     """In sync mode the learner trains nothing until the batch of its current version arrives, so
     an actor whose engine refused that version would wait for ever."""
-    from longhorizon.actor.worker import Actor, SyncVersionRefused
-    from longhorizon.common.config import load_config
-    from longhorizon.common.transport import InProcessNetwork
+    from longhorizon.actor.worker import SyncVersionRefused
     from longhorizon.common.wire import HorizonUpdate
 
-    config = load_config(None, [
-        "env.name='codebook'", "actor.engine='hf'", f"model.path={str(tiny_codebook_model)!r}", "run.mode='sync'",
-        "actor.group_size=2", "actor.concurrent_groups=1", "learner.groups_per_step=1",
-    ])
-    network = InProcessNetwork()
-    router = network.router()
-    publisher = network.publisher()
-    engine = _engine(tiny_codebook_model)
-    actor = Actor(config, 0, network.actor_endpoints("actor-0"), engine)
+    router, publisher, engine, actor = _in_process_actor(
+        tiny_codebook_model, "run.mode='sync'", "learner.groups_per_step=1")
     good = {name: t.numpy() for name, t in unique_state_dict(engine.model).items()}
     name = list(good)[-1]
     with_nan = good[name].copy()
