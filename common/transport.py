@@ -36,7 +36,7 @@ import logging
 import math
 import secrets
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from contextlib import ExitStack
 from dataclasses import dataclass
 from ipaddress import ip_address
@@ -88,6 +88,26 @@ take the id over (the learner passes its ``learner.peer_timeout_s``)."""
 CONNECTION_MARK = "#"
 """Separates the actor id from the dealer's own token in its routing identity."""
 
+CONNECTION_PROPERTY = "X-Connection"
+"""The handshake property under which an actor's trajectory socket names its control connection
+(the dealer's routing identity), so that the learner can tell which admitted process sent each
+trajectory."""
+
+_KNOWN_CONNECTIONS = 4096
+"""How many admitted control connections the router remembers after they are gone: trajectories
+an actor sent just before it died or restarted are still vouched for."""
+
+
+def new_connection_id(actor_id: str) -> str:
+    """A fresh identity for one process's connection speaking for ``actor_id``: the id, the
+    mark, and a random token no other process knows."""
+    return f"{actor_id}{CONNECTION_MARK}{secrets.token_hex(8)}"
+
+
+def actor_id_of_connection(connection: str) -> str:
+    """The actor id a connection identity speaks for."""
+    return connection.rpartition(CONNECTION_MARK)[0] or connection
+
 
 def is_loopback_host(host: str) -> bool:
     """127.0.0.0/8, ::1 and localhost; anything else (a name, 0.0.0.0, *) may be reachable from
@@ -130,12 +150,22 @@ class Receiver(Protocol):
 
 
 @runtime_checkable
+class TrajectoryReceiver(Receiver, Protocol):
+    """The learner's end of the trajectory channel: a Receiver that also says which control
+    connection each message's sender named (see ``Router.vouches_for``)."""
+
+    async def receive_with_sender(self) -> tuple[str | None, Message]: ...
+
+
+@runtime_checkable
 class Router(Protocol):
     """The learner's end of the control channel: talks to many peers by id."""
 
     rejected: int
 
     async def receive(self) -> tuple[str, Message]: ...
+
+    def vouches_for(self, connection: str | None, actor_id: str) -> bool | None: ...
 
     async def send(self, peer_id: str, message: Message) -> None: ...
 
@@ -163,7 +193,7 @@ class Dealer(Protocol):
 class LearnerEndpoints:
     """Everything the learner process talks through."""
 
-    trajectories: Receiver
+    trajectories: TrajectoryReceiver
     broadcast: Sender
     control: Router
     owned_context: Any = None
@@ -416,7 +446,7 @@ def _open_socket(
     receive_hwm: int,
     limits: WireLimits | None,
     identity: str | None = None,
-    options: dict[int, int] | None = None,
+    options: dict[int, int | bytes] | None = None,
     gate: "ZapGate | None" = None,
     credentials: "Credentials | None" = None,
     before_connect: Callable[[zmq.Socket], None] | None = None,
@@ -505,10 +535,15 @@ class ZmqPushSender(_ZmqEndpoint):
         send_hwm: int = DEFAULT_TRAJECTORY_HWM,
         context: zmq.Context | None = None,
         credentials: "Credentials | None" = None,
+        connection: str | None = None,
     ) -> None:
+        # ``connection``: the identity of this process's control connection, which the socket's
+        # handshake carries (encrypted with CurveZMQ) and the learner reads off every message.
+        options = {zmq.METADATA: f"{CONNECTION_PROPERTY}:{connection}".encode("utf-8")} if connection else None
         self._socket, self.address = _open_socket(
             context=context, socket_type=zmq.PUSH, name="trajectory sender", address=address,
             bind=False, send_hwm=send_hwm, receive_hwm=0, limits=None, credentials=credentials,
+            options=options,
         )
 
     async def send(self, message: Message) -> None:
@@ -535,10 +570,23 @@ class ZmqPullReceiver(_ZmqReceiving):
         )
 
     async def receive(self) -> Message:
+        return (await self.receive_with_sender())[1]
+
+    async def receive_with_sender(self) -> tuple[str | None, Message]:
+        """The next message, and the control connection its sender's handshake named (None for
+        a socket that named none: not one of our actors)."""
         while True:
-            message = self._decode_or_count(await self._socket.receive_frames())
+            frames = await self._socket.receive_frames()
+            message = self._decode_or_count(frames)
             if message is not None:
-                return message
+                return _connection_property(frames[0]), message
+
+
+def _connection_property(frame: zmq.Frame) -> str | None:
+    try:
+        return frame.get(CONNECTION_PROPERTY)
+    except zmq.ZMQError:  # the peer's handshake did not carry it
+        return None
 
 
 class ZmqPublisher(_ZmqEndpoint):
@@ -632,6 +680,8 @@ class ZmqRouter(_ZmqReceiving):
         self._holders: dict[str, bytes] = {}
         self._last_heard: dict[bytes, float] = {}
         self._refused: set[bytes] = set()
+        # Every connection admitted to speak for an actor id, the latest last (bounded).
+        self._admitted: OrderedDict[bytes, None] = OrderedDict()
         self._socket, self.address = _open_socket(
             context=context, socket_type=zmq.ROUTER, name="control router", address=address,
             bind=True, send_hwm=hwm, receive_hwm=hwm, limits=limits,
@@ -652,7 +702,7 @@ class ZmqRouter(_ZmqReceiving):
             except UnicodeDecodeError:
                 self._rejections.record("peer identity is not UTF-8 (not one of our actors)")
                 continue
-            peer_id = identity.rpartition(CONNECTION_MARK)[0] or identity
+            peer_id = actor_id_of_connection(identity)
             if not self._speaks_for(peer_id, connection):
                 continue
             message = self._decode_or_count(frames[1:])
@@ -676,7 +726,24 @@ class ZmqRouter(_ZmqReceiving):
         self._holders[peer_id] = connection
         self._last_heard[connection] = now
         self._refused.discard(connection)
+        self._admitted[connection] = None
+        self._admitted.move_to_end(connection)
+        if len(self._admitted) > _KNOWN_CONNECTIONS:
+            self._admitted.popitem(last=False)
         return True
+
+    def vouches_for(self, connection: str | None, actor_id: str) -> bool | None:
+        """Whether a message from the process behind ``connection`` may speak for ``actor_id``:
+        True when this router admitted that connection for that id (now or before: an actor's
+        last trajectories may arrive after it restarted), False when it names another id, none,
+        or a connection refused the id; None when this router has not heard from it yet (its
+        Hello may still be on the way)."""
+        if connection is None or actor_id_of_connection(connection) != actor_id:
+            return False
+        raw = connection.encode("utf-8")
+        if raw in self._admitted:
+            return True
+        return False if raw in self._refused else None
 
     def _connected(self, connection: bytes) -> bool:
         """Whether that connection is still there. An empty message probes it: the router fails
@@ -735,10 +802,14 @@ class ZmqDealer(_ZmqReceiving):
         hwm: int = DEFAULT_CONTROL_HWM,
         context: zmq.Context | None = None,
         credentials: "Credentials | None" = None,
+        connection: str | None = None,
     ) -> None:
         if not actor_id:
             raise ValueError("a dealer needs a non-empty actor id (it begins its routing identity)")
+        if connection is not None and actor_id_of_connection(connection) != actor_id:
+            raise ValueError(f"connection {connection!r} does not speak for {actor_id!r}")
         self.actor_id = actor_id
+        self.connection = connection or new_connection_id(actor_id)
         self._limits = limits
         self._rejections = RateLimitedLog(f"control dealer {actor_id} rejected a message")
         # A handshake the learner refuses is not retried by ZeroMQ, and the socket then has no
@@ -750,7 +821,7 @@ class ZmqDealer(_ZmqReceiving):
             self._socket, self.address = _open_socket(
                 context=context, socket_type=zmq.DEALER, name=f"control dealer {actor_id}",
                 address=address, bind=False, send_hwm=hwm, receive_hwm=hwm, limits=limits,
-                identity=f"{actor_id}{CONNECTION_MARK}{secrets.token_hex(8)}", credentials=credentials,
+                identity=self.connection, credentials=credentials,
                 before_connect=lambda raw: monitors.append(raw.get_monitor_socket(_HANDSHAKE_EVENTS)),
             )
         except Exception:
@@ -898,11 +969,15 @@ def zmq_actor_endpoints(
     owned = None
     if context is None:
         context = owned = zmq.Context()
+    # One identity for this process's control connection, named by its trajectory socket too:
+    # the learner takes a trajectory only from the process admitted for its actor id.
+    connection = new_connection_id(actor_id)
     with ExitStack() as opened:
         if owned is not None:
             opened.callback(owned.term)
         trajectories = ZmqPushSender(
             trajectory_address, send_hwm=trajectory_hwm, context=context, credentials=credentials,
+            connection=connection,
         )
         opened.callback(trajectories.close)
         broadcast = ZmqSubscriber(
@@ -912,7 +987,7 @@ def zmq_actor_endpoints(
         opened.callback(broadcast.close)
         control = ZmqDealer(
             actor_id, control_address, limits=control_limits, hwm=control_hwm, context=context,
-            credentials=credentials,
+            credentials=credentials, connection=connection,
         )
         opened.pop_all()
     return ActorEndpoints(trajectories=trajectories, broadcast=broadcast, control=control, owned_context=owned)
@@ -959,6 +1034,10 @@ class InProcessPullReceiver(_Decoding):
             message = self._decode_or_count(await self._channel.receive())
             if message is not None:
                 return message
+
+    async def receive_with_sender(self) -> tuple[str | None, Message]:
+        """As ZmqPullReceiver's; one process has no connections to name (None)."""
+        return None, await self.receive()
 
     def close(self) -> None:
         self._channel.close()
@@ -1033,6 +1112,10 @@ class InProcessRouter(_Decoding):
             message = self._decode_or_count(frames)
             if message is not None:
                 return peer_id, message
+
+    def vouches_for(self, connection: str | None, actor_id: str) -> bool | None:
+        """As ZmqRouter's; every party of one process is the run's own (True)."""
+        return True
 
     async def send(self, peer_id: str, message: Message) -> None:
         if self._closed:

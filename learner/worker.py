@@ -20,7 +20,7 @@ import trio
 from longhorizon.common.config import Config
 from longhorizon.common.metrics import MetricsWriter, truncate_metrics
 from longhorizon.common.resources import MIB, LowMemoryWarning, memory_figures
-from longhorizon.common.transport import UnknownPeer
+from longhorizon.common.transport import RateLimitedLog, UnknownPeer
 from longhorizon.common.wire import Heartbeat, Hello, Stop
 from longhorizon.learner.broadcast import horizon_update
 from longhorizon.learner.buffer import GroupBuffer, staleness
@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 # it (PUB drops messages for slow subscribers); the learner then publishes the latest again. The
 # same interval bounds how often a joining actor can make the learner re-send whole weights.
 _REPUBLISH_AFTER_S = 5.0
+# A trajectory whose sender's control connection has not been heard from yet (its Hello may still
+# be queued) waits this long, at most this many of them, before it is refused.
+_UNVOUCHED_WAIT_S = 30.0
+_UNVOUCHED_LIMIT = 1024
 _HORIZON_REPEAT_S = 2.0
 _WAITING_REPORT_S = 30.0
 # A Stop that an actor cannot take within this long (a hung peer with a full queue) is given up.
@@ -192,6 +196,9 @@ class Learner:
         self.weights_bytes = 0
         self.low_memory = LowMemoryWarning()
         self._refusals_logged: dict[str, int] = {}  # actor -> the refused version last warned about
+        # (arrival time, sender connection, trajectory) for senders not yet heard on control.
+        self._unvouched: deque[tuple[float, str | None, object]] = deque()
+        self._wrong_senders = RateLimitedLog("learner refused a trajectory", log=log)
         self.last_rank_command = time.monotonic()
         self.peers = PeerTable(config.learner.peer_timeout_s, self.counters)
         self.latest_weights = None
@@ -250,23 +257,64 @@ class Learner:
 
     async def _receive_trajectories(self) -> None:
         while True:
-            trajectory = await self.endpoints.trajectories.receive()
+            sender, trajectory = await self.endpoints.trajectories.receive_with_sender()
             if not hasattr(trajectory, "group_id"):
                 self.counters["unexpected_messages"] += 1
                 continue
-            self.counters["trajectories_received"] += 1
-            self.last_arrival = time.monotonic()
-            self.received_since_step += 1
-            generated = int(np.sum(trajectory.loss_mask))
-            self.generated_tokens_since_step += generated
-            self.counters["generated_tokens_received"] += generated
-            self.buffer.add(trajectory, learner_version=self.version)
-            self.arrived.set()
+            # Each trajectory must come from the process the control socket admitted for its
+            # actor id: another process holding the run's credentials cannot train under an
+            # actor's name. (Those held for want of a Hello go first.)
+            self._settle_unvouched()
+            verdict = self.endpoints.control.vouches_for(sender, trajectory.actor_id)
+            if verdict is None:
+                self._unvouched.append((time.monotonic(), sender, trajectory))
+                if len(self._unvouched) > _UNVOUCHED_LIMIT:
+                    _, oldest_sender, oldest = self._unvouched.popleft()
+                    self._refuse_sender(oldest_sender, oldest, "its sender never said Hello")
+            elif verdict:
+                self._accept(trajectory)
+            else:
+                self._refuse_sender(sender, trajectory, "its sender is not the process admitted for that actor id")
+
+    def _settle_unvouched(self) -> None:
+        """Take or refuse the held trajectories whose senders the control socket has now heard
+        from (or that waited too long)."""
+        if not self._unvouched:
+            return
+        now = time.monotonic()
+        waiting: deque = deque()
+        for arrived, sender, trajectory in self._unvouched:
+            verdict = self.endpoints.control.vouches_for(sender, trajectory.actor_id)
+            if verdict:
+                self._accept(trajectory)
+            elif verdict is False:
+                self._refuse_sender(sender, trajectory, "its sender is not the process admitted for that actor id")
+            elif now - arrived > _UNVOUCHED_WAIT_S:
+                self._refuse_sender(sender, trajectory, f"its sender said no Hello within {_UNVOUCHED_WAIT_S:.0f}s")
+            else:
+                waiting.append((arrived, sender, trajectory))
+        self._unvouched = waiting
+
+    def _refuse_sender(self, sender: str | None, trajectory, reason: str) -> None:
+        self.counters["trajectories_wrong_sender"] += 1
+        self._wrong_senders.record(f"{trajectory.trajectory_id!r} for {trajectory.actor_id!r} from connection "
+                                   f"{sender!r}: {reason}")
+
+    def _accept(self, trajectory) -> None:
+        self.counters["trajectories_received"] += 1
+        self.last_arrival = time.monotonic()
+        self.received_since_step += 1
+        generated = int(np.sum(trajectory.loss_mask))
+        self.generated_tokens_since_step += generated
+        self.counters["generated_tokens_received"] += generated
+        self.buffer.add(trajectory, learner_version=self.version)
+        self.arrived.set()
 
     async def _control(self) -> None:
         while True:
             peer, message = await self.endpoints.control.receive()
             self.peers.heard_from(peer, message)
+            self._settle_unvouched()  # a Hello vouches for the trajectories its sender sent first
             if isinstance(message, Hello):
                 log.info("actor %s joined (pid %s on %s, engine %s)", peer, message.pid, message.hostname, message.engine)
                 self.publisher.actor_joined(peer, message.policy_version)
@@ -501,6 +549,9 @@ class Learner:
             "control_rejected_messages": self._rejected("control"),
             # Connections refused for want of the run's CurveZMQ keys (common/curve.py).
             "auth_refused": int(self.counters.get("auth_refused", 0)) + int(getattr(self.endpoints, "auth_refused", 0)),
+            # Trajectories refused before the buffer (not in trajectories_received) because the
+            # process that sent them is not the one admitted for their actor id.
+            "trajectories_wrong_sender": int(self.counters["trajectories_wrong_sender"]),
             "actors_seen": len(self.peers),
             "actors_live": len(live),
             "actors_lost": int(self.counters["actors_lost"]),
