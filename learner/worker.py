@@ -44,6 +44,7 @@ _REPUBLISH_AFTER_S = 5.0
 # be queued) waits this long, at most this many of them, before it is refused.
 _UNVOUCHED_WAIT_S = 30.0
 _UNVOUCHED_LIMIT = 1024
+_NOT_ADMITTED = "its sender is not the process admitted for that actor id"
 _HORIZON_REPEAT_S = 2.0
 _WAITING_REPORT_S = 30.0
 # A Stop that an actor cannot take within this long (a hung peer with a full queue) is given up.
@@ -274,7 +275,7 @@ class Learner:
             elif verdict:
                 self._accept(trajectory)
             else:
-                self._refuse_sender(sender, trajectory, "its sender is not the process admitted for that actor id")
+                self._refuse_sender(sender, trajectory, _NOT_ADMITTED)
 
     def _settle_unvouched(self) -> None:
         """Take or refuse the held trajectories whose senders the control socket has now heard
@@ -288,7 +289,7 @@ class Learner:
             if verdict:
                 self._accept(trajectory)
             elif verdict is False:
-                self._refuse_sender(sender, trajectory, "its sender is not the process admitted for that actor id")
+                self._refuse_sender(sender, trajectory, _NOT_ADMITTED)
             elif now - arrived > _UNVOUCHED_WAIT_S:
                 self._refuse_sender(sender, trajectory, f"its sender said no Hello within {_UNVOUCHED_WAIT_S:.0f}s")
             else:
