@@ -302,3 +302,29 @@ async def test_an_admitted_actor_reports_no_refusal(secret, learner):
         assert member.refusal() is None
     finally:
         member.close()
+
+
+async def test_a_learner_that_keeps_hanging_up_mid_handshake_is_a_refusal():
+    """A learner refusing this side's mechanism mostly closes the connection before this side has
+    read why (no detail in the handshake event), so hang-ups in a row count as a refusal. A
+    listener that closes every connection at once stands in for it, every time."""
+    import socket as socket_module
+
+    listener = socket_module.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.setblocking(False)
+    member = ZmqDealer("actor-0", f"tcp://127.0.0.1:{listener.getsockname()[1]}")
+    try:
+        with trio.fail_after(20):
+            while (reason := member.refusal()) is None:
+                await trio.sleep(0.05)
+                try:
+                    listener.accept()[0].close()
+                except BlockingIOError:
+                    pass
+        assert "hung up during the handshake 3 times in a row" in reason
+        assert "another security mechanism" in reason
+    finally:
+        member.close()
+        listener.close()
