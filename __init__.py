@@ -1,12 +1,12 @@
 """longhorizon: asynchronous actor-learner reinforcement learning for long-horizon LLM agents.
 
-The Python API (launch/api.py, docs/api.md): `train`, `evaluate`, `report`, `bench` and
-`load_config`, imported on first use so that `import longhorizon` stays light.
+The Python API (launch/api.py, docs/api.md): `train`, `evaluate`, `collect`, `sft`, `dpo`, `rft`,
+`report`, `bench` and `load_config`, imported on first use so that `import longhorizon` stays light.
 """
 
 __version__ = "0.1.0"
 
-_API = {"train", "evaluate", "report", "bench", "RunFailed", "TrainResult"}
+_API = {"train", "evaluate", "collect", "sft", "dpo", "rft", "report", "bench", "RunFailed", "TrainResult"}
 __all__ = sorted(_API | {"load_config", "Config", "ConfigError"})
 
 

@@ -9,23 +9,24 @@ results as objects rather than exit codes and printed tables.
     scores["success_rate"]
 
 Each function does what the command of the same name does (`longhorizon train`, `eval`,
-`report`, `bench`), with the same configs: a bundled config's name, a TOML file, or a `Config`
-built in Python (`lh.load_config(...)`, then `config.replace(...)`). A run that fails raises
-`RunFailed`, a wrong config `ConfigError`, as the commands print them.
+`collect`, `sft`, `dpo`, `rft`, `report`, `bench`), with the same configs: a bundled config's
+name, a TOML file, or a `Config` built in Python (`lh.load_config(...)`, then
+`config.replace(...)`). A run that fails raises `RunFailed`, a wrong config `ConfigError`, as the
+commands print them. The commands are this module's callers: they parse arguments, call a
+function here and print what it returns.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from longhorizon.common.config import Config, ConfigError, load_config
+
+if TYPE_CHECKING:
+    from longhorizon.actor.collect import CollectSummary
 
 ConfigLike = Config | str | Path
 
@@ -64,15 +65,20 @@ def _config(config: ConfigLike, overrides: Sequence[str]) -> Config:
 
 
 def train(config: ConfigLike, overrides: Sequence[str] = (), *,
-          progress: Callable[[str], None] = print) -> TrainResult:
+          progress: Callable[[str], None] = print, in_process: bool = False) -> TrainResult:
     """Train as `longhorizon train` does (its launcher, processes and run folder) and return the
-    run's records; `progress` receives each line the command would print."""
+    run's records; `progress` receives each line the command would print. `in_process` runs the
+    learner and actors as tasks of this process over the in-process transport (debugging; the
+    local launcher only)."""
     from longhorizon.common.metrics import read_metrics
     from longhorizon.launch.launcher import last_error, launch
     from longhorizon.launch.report import diagnose, summarise_run
 
     resolved = _config(config, overrides)
-    code = launch(resolved, progress=progress)
+    if in_process:
+        code = _train_in_process(resolved)
+    else:
+        code = launch(resolved, progress=progress)
     run_dir = resolved.run_dir
     if code != 0:
         cause = last_error(run_dir / "logs" / "learner.log")
@@ -81,6 +87,21 @@ def train(config: ConfigLike, overrides: Sequence[str] = (), *,
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
     summary = summarise_run(records) if records else {}
     return TrainResult(run_dir, records, summary, diagnose(summary) if records else [])
+
+
+def _train_in_process(config: Config) -> int:
+    import logging
+
+    import trio
+
+    from longhorizon.launch.local import train_in_process
+
+    if config.run.launcher != "local":
+        raise ConfigError(f"in-process training runs every role in this process, not with run.launcher = "
+                          f"{config.run.launcher!r}: drop one of the two")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    trio.run(train_in_process, config)
+    return 0
 
 
 def evaluate(config: ConfigLike, overrides: Sequence[str] = (), *, checkpoint: str | Path | None = None,
@@ -108,29 +129,57 @@ def report(run_dir: str | Path) -> dict:
     return {"summary": summary, "findings": diagnose(summary)}
 
 
-class _Tee(io.TextIOBase):
-    """Writes to the user's stdout and keeps a copy (the benchmark's last line is its JSON)."""
+def collect(config: ConfigLike, overrides: Sequence[str] = (), *, output: str | Path,
+            episodes: int | None = None, split: str | None = None, tasks: int = 0,
+            only_successful: bool = False, model: str | None = None, horizon: int = 0,
+            concurrency: int = 32, engine_options: dict[str, Any] | None = None, overwrite: bool = False,
+            on_progress: Callable[[int, int, str], None] | None = None,
+            note: Callable[[str], None] = print) -> "CollectSummary":
+    """Play the config's env split with its engine and write the conversations to `output` (JSONL),
+    as `longhorizon collect` does; returns what was played and written. `on_progress(done,
+    total, detail)` follows the episodes."""
+    from longhorizon.actor.collect import run_collect
 
-    def __init__(self, through: Any) -> None:
-        self.through = through
-        self.kept = io.StringIO()
+    return run_collect(
+        _config(config, overrides), output=output, episodes=episodes, split=split, only_successful=only_successful,
+        model=model, horizon=horizon, concurrency=concurrency, engine_options=dict(engine_options or {}),
+        overwrite=overwrite, max_tasks=tasks, on_progress=on_progress, on_note=note,
+    )
 
-    def write(self, text: str) -> int:
-        self.through.write(text)
-        return self.kept.write(text)
 
-    def flush(self) -> None:
-        self.through.flush()
+def sft(config: ConfigLike, overrides: Sequence[str] = (), *, note: Callable[[str], None] = print) -> dict:
+    """Supervised fine-tuning from the config's [sft] table, as `longhorizon sft` does; returns
+    its summary (also in the run folder's sft_summary.json): the data, the loss, the checkpoint
+    and, where asked, the held-out evaluation."""
+    from longhorizon.launch.sft import run_sft
+
+    return run_sft(_config(config, overrides), note=note)
+
+
+def dpo(config: ConfigLike, overrides: Sequence[str] = (), *, note: Callable[[str], None] = print) -> dict:
+    """Direct preference optimisation from the config's [dpo] table, as `longhorizon dpo` does;
+    returns its summary (also in dpo_summary.json)."""
+    from longhorizon.launch.dpo import run_dpo
+
+    return run_dpo(_config(config, overrides), note=note)
+
+
+def rft(config: ConfigLike, overrides: Sequence[str] = (), *, note: Callable[[str], None] = print) -> dict:
+    """Rejection-sampling fine-tuning ([rft] and [sft]), as `longhorizon rft` does: rounds of
+    sampling, keeping the successes and SFT on them; returns its summary (also in
+    rft_summary.json)."""
+    from longhorizon.launch.rft import run_rft
+
+    return run_rft(_config(config, overrides), note=note)
 
 
 def bench(name: str, *arguments: str) -> dict:
-    """Run `longhorizon bench NAME ARGUMENTS...`, showing its table, and return its JSON result."""
-    from longhorizon.launch.bench.cli import main
+    """Run `longhorizon bench NAME ARGUMENTS...`, showing its tables, and return its result (the
+    object the command prints as its last line)."""
+    from longhorizon.launch.bench.cli import run
+    from longhorizon.launch.bench.tables import BenchStopped
 
-    tee = _Tee(sys.stdout)
-    with contextlib.redirect_stdout(tee):
-        code = main([name, *arguments])
-    if code != 0:
-        raise RunFailed(f"longhorizon bench {name} ended with exit code {code}", code)
-    lines = [line for line in tee.kept.getvalue().splitlines() if line.strip()]
-    return json.loads(lines[-1])
+    try:
+        return run([name, *arguments])
+    except BenchStopped as stop:
+        raise RunFailed(f"longhorizon bench {name}: {stop}", stop.exit_code) from None

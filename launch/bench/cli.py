@@ -23,9 +23,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from longhorizon.common.args import parse_args, positive_int
+from longhorizon.common.args import positive_int
 from longhorizon.launch.bench import async_vs_sync
-from longhorizon.launch.bench.tables import print_json
+from longhorizon.launch.bench.tables import BenchStopped, parsed, run_as_command
 
 BENCHMARKS = ("transport", "async-vs-sync", "envs", "sciworld-memory", "all")
 STANDALONE_BENCHMARKS = {
@@ -39,7 +39,8 @@ STANDALONE_BENCHMARKS = {
     "peak-memory": "longhorizon.launch.bench.peak_memory",
 }
 """Benchmarks with their own module and options: `longhorizon bench NAME ...` calls the module's
-`main(argv)`, which prints a table for people and, last, one line of JSON."""
+`main(argv)`, which prints a table for people and, last, one line of JSON; the Python API calls its
+`run(argv)`, which returns the result."""
 
 
 def _run_transport(args: argparse.Namespace) -> dict[str, Any]:
@@ -145,13 +146,12 @@ def _run_envs(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def main(argv: list[str]) -> int:
+def run(argv: list[str]) -> dict[str, Any]:
+    """Run the benchmark argv names with its options, print its tables and return its result
+    (`all`: each one's result under its name); BenchStopped when it cannot."""
     if argv and argv[0] in STANDALONE_BENCHMARKS:
-        module = importlib.import_module(STANDALONE_BENCHMARKS[argv[0]])
-        return int(module.main(argv[1:]))
-    args = parse_args(build_parser(), argv, check=lambda args: _settings_from(args).check())
-    if isinstance(args, int):
-        return args
+        return importlib.import_module(STANDALONE_BENCHMARKS[argv[0]]).run(argv[1:])
+    args = parsed(build_parser(), argv, check=lambda args: _settings_from(args).check())
     settings = _settings_from(args)
     results: dict[str, Any] = {}
     if args.name in ("transport", "all"):
@@ -160,8 +160,7 @@ def main(argv: list[str]) -> int:
         try:
             result = async_vs_sync.bench_async_vs_sync(settings, output_dir=args.output_dir)
         except RuntimeError as error:
-            print(f"longhorizon bench: {error}", file=sys.stderr)
-            return 1
+            raise BenchStopped(1, str(error)) from error
         if args.output_dir is not None:
             (Path(args.output_dir) / "bench.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
         results["async_vs_sync"] = result
@@ -169,16 +168,21 @@ def main(argv: list[str]) -> int:
     if args.name == "sciworld-memory":
         from longhorizon.launch.bench import sciworld
 
-        sciworld.print_report(sciworld.bench_sciworld_memory(args.episodes))
+        results["sciworld_memory"] = sciworld.bench_sciworld_memory(args.episodes)
+        sciworld.print_report(results["sciworld_memory"])
     if args.name in ("envs", "all"):
         try:
             results["envs"] = _run_envs(args)
         except ValueError as error:
-            print(f"longhorizon bench: error: {error}", file=sys.stderr)
-            return 2
-    if args.name == "all":
-        print_json(results)
-    return 0
+            raise BenchStopped(2, f"error: {error}") from error
+    return results if args.name == "all" else next(iter(results.values()))
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] in STANDALONE_BENCHMARKS:
+        # Their own main: some have modes of their own (a process they start, an exit code they pass on).
+        return int(importlib.import_module(STANDALONE_BENCHMARKS[argv[0]]).main(argv[1:]))
+    return run_as_command("longhorizon bench", run, argv)
 
 
 if __name__ == "__main__":

@@ -39,9 +39,10 @@ from urllib.parse import urlsplit
 
 import trio
 
-from longhorizon.common.args import parse_args
 from longhorizon.common.processes import stop_process
-from longhorizon.launch.bench.tables import Column, print_json, print_table
+from longhorizon.launch.bench.tables import BenchStopped, Column, parsed, print_table, run_as_command
+
+PROG = "longhorizon bench env-service"
 
 STEP_ACTION = "inventory"  # a TextCraft action that never ends the episode
 
@@ -363,7 +364,7 @@ async def _bench(servers: dict[str, str], settings: argparse.Namespace) -> dict[
 
 
 def print_report(result: dict) -> None:
-    """A table for people, then the result as one line of JSON."""
+    """A table for people (the command prints the result as JSON after it)."""
     labels = list(result["servers"])
     print(f"good keep-alive clients, POST /step, {result['seconds_per_run']:.0f} s per run, "
           f"{result['rounds']} rounds (median, then every round)")
@@ -387,7 +388,6 @@ def print_report(result: dict) -> None:
               figures["max_ms"], figures["errors"], figures["junk_connects"]]
              for label in labels if (figures := result.get(f"{label}_attack"))],
         )
-    print_json(result)
 
 
 def _raise_descriptor_limit(wanted: int) -> None:
@@ -432,8 +432,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--seconds, --attack-seconds and --rounds must be positive, --junk at least 0")
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="longhorizon bench env-service", description=__doc__.splitlines()[0])
+def run(argv: list[str]) -> dict[str, Any]:
+    """Measure as the options say (a server of its own unless --server), print the tables, return
+    the result."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--server", action="append", default=[], metavar="LABEL=URL",
                         help="a running `env serve textcraft` to measure (repeatable; default: start one here)")
     parser.add_argument("--pid", action="append", default=[], metavar="LABEL=PID",
@@ -447,9 +449,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--trickle-interval", type=float, default=1.0, help="seconds between a trickler's bytes")
     parser.add_argument("--reconnect-delay", type=float, default=0.2, help="seconds a cut junk client waits")
     parser.add_argument("--timeout", type=float, default=10.0, help="a good request slower than this is an error")
-    args = parse_args(parser, argv, check=_check)
-    if isinstance(args, int):
-        return args
+    args = parsed(parser, argv, check=_check)
     _raise_descriptor_limit(args.junk + 256)
     own = None
     servers = {item.partition("=")[0]: item.partition("=")[2] for item in args.server}
@@ -460,13 +460,16 @@ def main(argv: list[str]) -> int:
             args.pids = {"this": own.pid}
         result = trio.run(_bench, servers, args)
     except (RuntimeError, OSError) as error:
-        print(f"longhorizon bench env-service: {error}", file=sys.stderr)
-        return 1
+        raise BenchStopped(1, str(error)) from error
     finally:
         if own is not None:
             stop_process(own, timeout_s=10)
     print_report(result)
-    return 0
+    return result
+
+
+def main(argv: list[str]) -> int:
+    return run_as_command(PROG, run, argv)
 
 
 if __name__ == "__main__":

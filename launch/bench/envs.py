@@ -17,7 +17,7 @@ from typing import Any
 import trio
 
 from longhorizon.envs.agents import ActionParseError, parse_action
-from longhorizon.launch.bench.tables import Column, print_json, print_table
+from longhorizon.launch.bench.tables import Column, print_table
 
 DEFAULT_ENVS = ("codebook", "textcraft", "babyai")
 
@@ -87,7 +87,7 @@ def bench_env_steps(env_names=DEFAULT_ENVS, *, seconds: float = 5.0, max_turns: 
 
 
 def print_report(result: dict) -> None:
-    """A table for people, then the result as one line of JSON."""
+    """A table for people (the command prints the result as JSON after it)."""
     print(f"env calls (reset + step) per second, random policy, {result['seconds_per_run']:.0f} s per run")
     print_table(
         [Column("env", 10, left=True), Column("in-process/s", 13, ".1f"), Column("ms/call", 8, ".3f"),
@@ -95,4 +95,3 @@ def print_report(result: dict) -> None:
         [[name, result[f"{name}_in_process_steps_per_s"], result[f"{name}_in_process_ms_per_call"],
           result[f"{name}_http_steps_per_s"], result[f"{name}_http_ms_per_call"]] for name in result["envs"]],
     )
-    print_json(result)

@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from longhorizon.common.args import parse_args
 from longhorizon.launch.bench.memory import GIB, memory_use
-from longhorizon.launch.bench.tables import Column, print_json, print_table
+from longhorizon.launch.bench.tables import BenchStopped, Column, parsed, print_table, run_as_command
+
+PROG = "longhorizon bench generation"
 
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     # Public architecture settings of the Qwen2.5 instruct models; weights are random (dummy).
@@ -250,9 +251,9 @@ def _time_updates(engine, name: str, args: argparse.Namespace, model_path: str) 
     return figures
 
 
-def print_report(results: list[dict[str, Any]], settings: dict[str, Any]) -> None:
-    """Two tables for people (throughput per batch; weight updates, memory, log-prob mismatch),
-    then the settings and results as one line of JSON."""
+def print_report(report: dict[str, Any]) -> None:
+    """Two tables for people: throughput per batch; weight updates, memory, log-prob mismatch."""
+    results, settings = report["engines"], report["settings"]
     print(
         f"generation: model {settings['model']}, {settings['dtype']}, {settings['new_tokens']} new tokens, "
         f"temperature {settings['temperature']}, load format {settings['load_format']}"
@@ -278,7 +279,6 @@ def print_report(results: list[dict[str, Any]], settings: dict[str, Any]) -> Non
          Column("memory GiB", 11, ".2f"), Column("logprob |diff| max / mean", 27)],
         rows,
     )
-    print_json({"settings": settings, "engines": results})
 
 
 def _seconds(value: float | None) -> str:
@@ -339,10 +339,9 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--model-shape runs random weights through vLLM only: use --engine vllm")
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(build_parser(), argv, check=_check)
-    if isinstance(args, int):
-        return args
+def run(argv: list[str]) -> dict[str, Any]:
+    """Measure as the options say, print the tables, return the settings and each engine's figures."""
+    args = parsed(build_parser(), argv, check=_check)
     args.engines = args.engines or ["hf"]
     from longhorizon.actor.engines.base import EngineError
     from longhorizon.common.models import resolve_model_path
@@ -361,8 +360,7 @@ def main(argv: list[str]) -> int:
             model_label = args.model
         results = [bench_engine(name, args, model_path) for name in args.engines]
     except (EngineError, ValueError) as error:
-        print(f"longhorizon bench generation: error: {error}", file=sys.stderr)
-        return 1
+        raise BenchStopped(1, f"error: {error}") from error
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -370,8 +368,13 @@ def main(argv: list[str]) -> int:
         "model": model_label, "dtype": args.dtype, "new_tokens": args.new_tokens, "temperature": args.temperature,
         "load_format": args.load_format, "batch_sizes": args.batch_sizes,
     }
-    print_report(results, settings)
-    return 0
+    report = {"settings": settings, "engines": results}
+    print_report(report)
+    return report
+
+
+def main(argv: list[str]) -> int:
+    return run_as_command(PROG, run, argv)
 
 
 if __name__ == "__main__":

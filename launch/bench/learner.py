@@ -48,7 +48,9 @@ from typing import Any
 
 from longhorizon.common.args import parse_args
 from longhorizon.launch.bench.memory import MIB, PeakRss
-from longhorizon.launch.bench.tables import Column, print_json, print_table
+from longhorizon.launch.bench.tables import BenchStopped, Column, parsed, print_table, run_as_command
+
+PROG = "longhorizon bench learner"
 
 
 def _non_negative_list(text: str) -> list[int]:
@@ -274,20 +276,15 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--shared-prefix on needs groups: --shape textcraft or codebook")
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(build_parser(), argv, check=_check)
-    if isinstance(args, int):
-        return args
+def run(argv: list[str]) -> dict[str, Any]:
+    """Measure each kind of run as the options say, in processes of its own, print the table and
+    return the settings and runs."""
+    args = parsed(build_parser(), argv, check=_check)
     if args.one is not None:
-        print(json.dumps(measure(args, args.one, args.one_shared)))
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from longhorizon.learner.distributed import exit_without_teardown
-
-            exit_without_teardown(0)  # a rank: see there why
-        return 0
+        raise BenchStopped(2, "error: --one measures inside a process the benchmark starts; run the benchmark "
+                              "without it")
     if min(args.ranks) < 1:
-        print("longhorizon bench learner: error: --ranks must be >= 1", file=sys.stderr)
-        return 2
+        raise BenchStopped(2, "error: --ranks must be >= 1")
     kinds = [(str(chunk), shared) for shared in args.shared_prefix for chunk in args.logprob_chunk_tokens]
     kinds += [] if args.no_bare else [("bare", False)]
     shared = [
@@ -305,25 +302,43 @@ def main(argv: list[str]) -> int:
             try:
                 runs.append(_run_ranks(shared + (["--one-shared"] if shared_prefix else []), kind, rank_count))
             except RuntimeError as error:
-                print(f"longhorizon bench learner: {error}", file=sys.stderr)
-                return 1
-    for run in runs:
-        bare = next((other for other in runs if other["kind"] == "bare torch" and other["ranks"] == run["ranks"]), None)
-        run["overhead_vs_bare"] = run["step_s"] / bare["step_s"] - 1 if bare else None
-    print_report(args, runs)
-    return 0
+                raise BenchStopped(1, str(error)) from error
+    for one in runs:
+        bare = next((other for other in runs if other["kind"] == "bare torch" and other["ranks"] == one["ranks"]), None)
+        one["overhead_vs_bare"] = one["step_s"] / bare["step_s"] - 1 if bare else None
+    result = {"model": args.model, "sequences": args.sequences, "tokens": args.tokens, "shape": args.shape,
+              "group_size": args.group_size, "prompt_tokens": _prompt_tokens(args), "precision": args.precision,
+              "gradient_checkpointing": args.gradient_checkpointing, "micro_batch_size": args.micro_batch_size,
+              "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch, "steps": args.steps, "runs": runs}
+    print_report(result)
+    return result
 
 
-def print_report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
-    """A table for people, then the settings and runs as one line of JSON."""
-    shape = " x" if args.shape == "random" else (
-        f" in groups of {args.group_size} sharing a {_prompt_tokens(args)}-token prompt ({args.shape}), up to")
-    print(f"model {args.model}: {args.sequences} sequences{shape} {args.tokens} tokens, {args.precision}, "
-          f"gradient checkpointing {args.gradient_checkpointing}, "
-          f"micro-batches of <= {args.micro_batch_size} sequences and {args.max_tokens_per_micro_batch} tokens, "
-          f"median of {args.steps} steps")
+def main(argv: list[str]) -> int:
+    args = parse_args(build_parser(), argv, check=_check)
+    if isinstance(args, int):
+        return args
+    if args.one is not None:  # a process the benchmark started: one measurement, as JSON
+        print(json.dumps(measure(args, args.one, args.one_shared)))
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from longhorizon.learner.distributed import exit_without_teardown
+
+            exit_without_teardown(0)  # a rank: see there why
+        return 0
+    return run_as_command(PROG, run, argv)
+
+
+def print_report(result: dict[str, Any]) -> None:
+    """A table for people."""
+    shape = " x" if result["shape"] == "random" else (
+        f" in groups of {result['group_size']} sharing a {result['prompt_tokens']}-token prompt ({result['shape']}), "
+        "up to")
+    print(f"model {result['model']}: {result['sequences']} sequences{shape} {result['tokens']} tokens, "
+          f"{result['precision']}, gradient checkpointing {result['gradient_checkpointing']}, "
+          f"micro-batches of <= {result['micro_batch_size']} sequences and {result['max_tokens_per_micro_batch']} "
+          f"tokens, median of {result['steps']} steps")
     rows = []
-    for run in runs:
+    for run in result["runs"]:
         chunk = "-" if run["logprob_chunk_tokens"] is None else (run["logprob_chunk_tokens"] or "whole")
         gpu = "-" if run["peak_cuda_mb"] is None else f"{run['peak_cuda_mb']:.0f}"
         overhead = "-" if run["overhead_vs_bare"] is None else f"{run['overhead_vs_bare']:+.1%}"
@@ -339,9 +354,6 @@ def print_report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
          Column("vs bare", 8)],
         rows,
     )
-    print_json({"model": args.model, "sequences": args.sequences, "tokens": args.tokens, "shape": args.shape,
-                "group_size": args.group_size, "prompt_tokens": _prompt_tokens(args),
-                "precision": args.precision, "runs": runs})
 
 
 def _run_ranks(shared: list[str], kind: str, rank_count: int) -> dict[str, Any]:

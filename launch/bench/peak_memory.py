@@ -23,9 +23,10 @@ from typing import Any, Sequence
 
 import psutil
 
-from longhorizon.common.args import parse_args
 from longhorizon.launch.bench.memory import MIB
-from longhorizon.launch.bench.tables import Column, print_json, print_table
+from longhorizon.launch.bench.tables import BenchStopped, Column, parsed, print_table, run_as_command
+
+PROG = "longhorizon bench peak-memory"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,14 +106,15 @@ def measure(command: Sequence[str], interval_s: float) -> tuple[int, TreeSampler
     return code, sampler, time.monotonic() - started
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(build_parser(), argv)
+def run(argv: Sequence[str]) -> dict[str, Any]:
+    """Run the command after `--` while sampling its process tree, print the tables, return the
+    figures (the command's exit code under "exit_code")."""
+    args = parsed(build_parser(), argv)
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        print("longhorizon bench peak-memory: error: give the command to run after --", file=sys.stderr)
-        return 2
+        raise BenchStopped(2, "error: give the command to run after --")
     code, sampler, seconds = measure(command, args.interval_s)
     at_peak = sorted(sampler.peak_processes.items(), key=lambda item: -item[1])[:args.top]
     own_peaks = sorted(sampler.by_label.items(), key=lambda item: -item[1])[:args.top]
@@ -130,5 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "at_peak_mb": {label: value / MIB for label, value in at_peak},
         "own_peak_mb": {label: value / MIB for label, value in own_peaks},
     }
-    print_json(result)
-    return code
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """As a command, the measured command's exit code is this one's."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return run_as_command(PROG, run, argv, exit_code=lambda result: result["exit_code"])

@@ -116,14 +116,13 @@ def bench_sciworld_memory(
 
 
 def print_report(result: dict[str, Any]) -> None:
-    """The samples as a table, a summary line, then the whole result as one line of JSON."""
+    """The samples as a table and a summary line (the command prints the result as JSON after them)."""
     columns = ("episode", "seconds", "jvm_pid", "jvm_rss_mb", "reference_jvm_rss_mb", "python_rss_mb")
     print_table([Column(name, 20) for name in columns],
                 [[sample[name] for name in columns] for sample in result["samples"]], separator="  ")
     print(f"{result['episodes']} episodes, {result['steps']} steps in {result['seconds']} s: "
           f"{result['steps_per_second']} steps/s overall, {result['env_steps_per_second']} env steps/s, "
           f"reset {result['mean_reset_ms']} ms, {result['jvms_started']} JVMs started")
-    print_json(result)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,11 +133,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sample-every", type=int, default=50)
     parser.add_argument("--time-limit-s", type=float, default=None)
     arguments = parser.parse_args(argv)
-    print_report(bench_sciworld_memory(
+    result = bench_sciworld_memory(
         arguments.episodes, steps_per_episode=arguments.steps_per_episode,
         recycle_after_episodes=arguments.recycle_after_episodes, sample_every=arguments.sample_every,
         time_limit_s=arguments.time_limit_s,
-    ))
+    )
+    print_report(result)
+    print_json(result)
 
 
 if __name__ == "__main__":

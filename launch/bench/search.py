@@ -29,9 +29,10 @@ from typing import Any
 import numpy as np
 import trio
 
-from longhorizon.common.args import parse_args
 from longhorizon.launch.bench.memory import MIB, PeakRss, memory_use
-from longhorizon.launch.bench.tables import Column, print_json, print_table
+from longhorizon.launch.bench.tables import Column, parsed, print_table, run_as_command
+
+PROG = "longhorizon bench search"
 
 
 def _folder_mb(path: Path) -> float:
@@ -205,7 +206,7 @@ def bench_generated(passages: int, query_count: int) -> dict[str, Any]:
 
 
 def print_report(result: dict[str, Any]) -> None:
-    """Tables for people, then the result as one line of JSON."""
+    """Tables for people."""
     corpora = [("built-in", result["builtin"])] + ([("generated", result["generated"])] if "generated" in result else [])
     print_table(
         [Column("corpus", 10, left=True), Column("passages", 9), Column("build s", 8, ".2f"),
@@ -227,7 +228,6 @@ def print_report(result: dict[str, Any]) -> None:
     env = result["builtin"]["env"]
     print(f"\nenv (oracle, test split): {env['episodes']} episodes, success {env['oracle_success']:.3f}, "
           f"{env['env_calls_per_s']:.0f} env calls/s ({env['ms_per_call']:.3f} ms per call)")
-    print_json(result)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -235,20 +235,23 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--queries must be positive and --generated non-negative")
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="longhorizon bench search", description=__doc__.splitlines()[0])
+def run(argv: list[str]) -> dict[str, Any]:
+    """Measure as the options say, print the tables, return the result."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--queries", type=int, default=2000, help="queries timed per corpus")
     parser.add_argument("--generated", type=int, default=0, metavar="N",
                         help="also bench a generated corpus of N passages (e.g. 1000000; minutes, GBs)")
     parser.add_argument("--env-seconds", type=float, default=30.0, help="cap on the oracle env run")
-    args = parse_args(parser, argv, check=_check)
-    if isinstance(args, int):
-        return args
+    args = parsed(parser, argv, check=_check)
     result: dict[str, Any] = {"builtin": bench_builtin(args.queries, args.env_seconds)}
     if args.generated:
         result["generated"] = bench_generated(args.generated, args.queries)
     print_report(result)
-    return 0
+    return result
+
+
+def main(argv: list[str]) -> int:
+    return run_as_command(PROG, run, argv)
 
 
 if __name__ == "__main__":

@@ -36,10 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from longhorizon.common.metrics import read_metrics
-from longhorizon.common.args import parse_args
 from longhorizon.common.processes import stop_process
 from longhorizon.launch.bench.memory import MIB, memory_use
-from longhorizon.launch.bench.tables import Column, print_json, print_table
+from longhorizon.launch.bench.tables import BenchStopped, Column, parsed, print_table, run_as_command
+
+PROG = "longhorizon bench soak"
 
 _REFUSALS = (
     "trajectories_duplicate", "trajectories_malformed", "trajectories_too_long", "trajectories_dropped_stale",
@@ -206,7 +207,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_report(result: dict[str, Any]) -> None:
-    """A table for people, the data's account, then the result as one line of JSON."""
+    """A table for people and the data's account (the command prints the result as JSON after them)."""
     print(f"soak: {result['minutes']:.0f} min, {result['steps']} learner steps, {result['kills']} actors killed")
     print_table(
         [Column("process", 10), Column("pid", 8), Column("from s", 7, ".0f"), Column("to s", 7, ".0f"),
@@ -223,7 +224,6 @@ def print_report(result: dict[str, Any]) -> None:
               f"({'adds up' if data['accepted_adds_up'] else 'DOES NOT ADD UP'}); actors reported "
               f"{data['actor_episodes_reported']} sent")
     print(f"processes left behind: {len(result['left_behind'])}")
-    print_json(result)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -231,17 +231,19 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--minutes and --sample-every-s must be positive, --warmup-s and --kill-every-s not negative")
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(build_parser(), argv, check=_check)
-    if isinstance(args, int):
-        return args
+def run(argv: list[str]) -> dict[str, Any]:
+    """Soak as the options say, print the tables, return the result."""
+    args = parsed(build_parser(), argv, check=_check)
     try:
         result = run_soak(args)
     except RuntimeError as error:
-        print(f"longhorizon bench soak: {error}", file=sys.stderr)
-        return 1
+        raise BenchStopped(1, str(error)) from error
     print_report(result)
-    return 0
+    return result
+
+
+def main(argv: list[str]) -> int:
+    return run_as_command(PROG, run, argv)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,56 @@
-"""What every benchmark prints: tables for people, then, last, the whole result as one line of JSON.
+"""What every benchmark shares: tables for people, the result as an object for the Python API,
+and, as a command, that result as the last line of output (one line of JSON).
 
-A benchmark's report writes its own title and summary lines around `print_table`, and ends with
-`print_json(result)`, so a machine reading the output takes its last line.
+Each benchmark module has `run(argv) -> dict`: it parses its options, measures, prints its tables
+(its `print_report`: title and summary lines around `print_table`) and returns the result, or
+raises `BenchStopped`. Its `main(argv)` is `run_as_command`, which prints the result with
+`print_json`, so a machine reading the output takes its last line, and `longhorizon.bench` calls
+`run` and gets the object itself.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from longhorizon.common.args import parse_args
+
+
+class BenchStopped(Exception):
+    """A benchmark that ended without a result: after `--help` (exit code 0) or a usage error
+    argparse has printed (2), or a measurement that could not be made (1; `message` says why)."""
+
+    def __init__(self, exit_code: int, message: str = "") -> None:
+        super().__init__(message or f"exit code {exit_code}")
+        self.exit_code = exit_code
+        self.message = message
+
+
+def parsed(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
+           check: Callable[[argparse.Namespace], Any] | None = None) -> argparse.Namespace:
+    """The benchmark's options (`common.args.parse_args`), or BenchStopped with its exit code."""
+    args = parse_args(parser, argv, check=check)
+    if isinstance(args, int):
+        raise BenchStopped(args)
+    return args
+
+
+def run_as_command(prog: str, run: Callable[[list[str]], Any], argv: Sequence[str], *,
+                   exit_code: Callable[[Any], int] = lambda result: 0) -> int:
+    """A benchmark's `main`: run it, then print its result as the last line, one line of JSON, and
+    return `exit_code(result)`. A stop is its exit code, its message (if any) on stderr after `prog`."""
+    try:
+        result = run(list(argv))
+    except BenchStopped as stop:
+        if stop.message:
+            print(f"{prog}: {stop.message}", file=sys.stderr)
+        return stop.exit_code
+    print_json(result)
+    return exit_code(result)
 
 
 @dataclass(frozen=True)

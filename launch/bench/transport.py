@@ -42,7 +42,7 @@ from longhorizon.common.codec import encode, pack_arrays
 from longhorizon.common.memory import keep_freed_message_memory, keeping_freed_message_memory
 from longhorizon.common.transport import DEFAULT_TRAJECTORY_HWM, ZmqPullReceiver, ZmqPushSender
 from longhorizon.common.wire import Trajectory
-from longhorizon.launch.bench.tables import Column, print_json, print_table
+from longhorizon.launch.bench.tables import Column, print_table
 
 TARGET_RATIO = 0.8
 """Trajectory throughput should reach this share of the raw baseline."""
@@ -427,7 +427,7 @@ def bench_transport(
 
 
 def print_report(result: dict) -> None:
-    """A table for people, then the result as one line of JSON for machines."""
+    """A table for people (the command prints the result as JSON after it)."""
     allocator = "freed buffers kept for reuse" if result["keep_freed_memory"] else "glibc defaults"
     print(f"transport over tcp loopback, {result['rounds']} rounds, medians; allocator on both sides: {allocator}")
     kinds = ("raw", "trajectory", "raw_split")
@@ -446,7 +446,6 @@ def print_report(result: dict) -> None:
     )
     if all(result[f"{kind}_cpu_us_per_message"] is not None for kind in kinds):
         _print_cpu_table(result)
-    print_json(result)
 
 
 def _print_cpu_table(result: dict) -> None:

@@ -20,9 +20,10 @@ from typing import Any
 
 import trio
 
-from longhorizon.common.args import parse_args
 from longhorizon.launch.bench.memory import MIB, memory_use
-from longhorizon.launch.bench.tables import Column, print_json, print_table
+from longhorizon.launch.bench.tables import BenchStopped, Column, parsed, print_table, run_as_command
+
+PROG = "longhorizon bench web"
 
 TASK = "click-checkboxes"
 
@@ -109,7 +110,7 @@ async def _bench(contexts: list[int], seconds: float, resets: int, steps: int, b
 
 
 def print_report(result: dict[str, Any]) -> None:
-    """A table for people, then the result as one line of JSON."""
+    """A table for people (the command prints the result as JSON after it)."""
     print(f"web env on MiniWoB {result['task']} ({result['browsers']} browser(s), system Chromium)")
     print(f"  browser launch      {result['launch_s']:8.2f} s   (idle browser: RSS {result['idle_browser_rss_mib']:.0f} MiB,"
           f" PSS {result['idle_browser_pss_mib']:.0f} MiB)")
@@ -122,7 +123,6 @@ def print_report(result: dict[str, Any]) -> None:
          for row in result["parallel"]],
         indent="  ",
     )
-    print_json(result)
 
 
 def _contexts(text: str) -> list[int]:
@@ -135,23 +135,25 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("contexts, seconds, resets, steps and browsers must be positive")
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="longhorizon bench web", description=__doc__.splitlines()[0])
+def run(argv: list[str]) -> dict[str, Any]:
+    """Measure as the options say, print the table, return the result."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="1,2,4,8", help="comma-separated numbers of parallel contexts")
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each parallel run")
     parser.add_argument("--resets", type=int, default=10, help="resets timed (each a new task instance)")
     parser.add_argument("--steps", type=int, default=30, help="steps timed one after another in one context")
     parser.add_argument("--browsers", type=int, default=1, help="Chromium processes in the pool")
-    args = parse_args(parser, argv, check=_check)
-    if isinstance(args, int):
-        return args
+    args = parsed(parser, argv, check=_check)
     try:
         result = trio.run(_bench, _contexts(args.contexts), args.seconds, args.resets, args.steps, args.browsers)
     except RuntimeError as error:
-        print(f"longhorizon bench web: {error}", file=sys.stderr)
-        return 1
+        raise BenchStopped(1, str(error)) from error
     print_report(result)
-    return 0
+    return result
+
+
+def main(argv: list[str]) -> int:
+    return run_as_command(PROG, run, argv)
 
 
 if __name__ == "__main__":

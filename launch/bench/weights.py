@@ -64,7 +64,9 @@ from typing import Any, Callable
 
 from longhorizon.common.args import positive_int
 from longhorizon.launch.bench.memory import peak_rss_bytes, reset_peak_rss
-from longhorizon.launch.bench.tables import Column, print_json, print_table
+from longhorizon.launch.bench.tables import BenchStopped, Column, parsed, print_table, run_as_command
+
+PROG = "longhorizon bench weights"
 
 _EVENT_PREFIX = "@bench-weights "
 """Marks the receiver's event lines on its stdout, so stray prints from libraries are not read as events."""
@@ -763,7 +765,7 @@ _RUN_COLUMNS = (
 
 
 def print_report(result: dict[str, Any]) -> None:
-    """A table for people, then the result as one line of JSON for machines."""
+    """A table for people (the command prints the result as JSON after it)."""
     print(
         f"weights updates to a receiver in another process over tcp 127.0.0.1: median of "
         f"{result['repeats']} after {result['warmup']} warm-up, {result['threads']} torch threads"
@@ -787,7 +789,6 @@ def print_report(result: dict[str, Any]) -> None:
           "safetensors file (the socket carries its location); collective, the buckets over the gloo "
           "group. GB/s = moved / s per update; of loopback: GB/s over the run's loopback GB/s. first s: the run's first update (new memory everywhere, "
           "not in the median).")
-    print_json(result)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -872,28 +873,34 @@ def _settings_from(args: argparse.Namespace) -> Settings:
     )
 
 
-def main(argv: list[str]) -> int:
-    from longhorizon.common.args import parse_args
-
+def run(argv: list[str]) -> dict[str, Any]:
+    """Measure as the options say, print the table, return the result."""
     parser = build_parser()
-    args = parse_args(parser, argv)
-    if isinstance(args, int):  # --help, or a usage error argparse has printed
-        return args
+    args = parsed(parser, argv)
     if args.receiver is not None:
-        return run_receiver(args.receiver, args.threads, args.parent_pid or os.getppid())
+        raise BenchStopped(2, "error: --receiver is the process the benchmark starts; run the benchmark without it")
     try:
         settings = _settings_from(args)
     except Exception as error:  # a bad option or a model that cannot be found
         parser.print_usage(sys.stderr)
-        print(f"longhorizon bench weights: error: {error}", file=sys.stderr)
-        return 2
+        raise BenchStopped(2, f"error: {error}") from error
     try:
         result = bench_weights(settings)
     except (RuntimeError, TimeoutError, OSError, ValueError) as error:
-        print(f"longhorizon bench weights: {error}", file=sys.stderr)
-        return 1
+        raise BenchStopped(1, str(error)) from error
     print_report(result)
-    return 0
+    return result
+
+
+def main(argv: list[str]) -> int:
+    from longhorizon.common.args import parse_args
+
+    args = parse_args(build_parser(), argv)
+    if isinstance(args, int):  # --help, or a usage error argparse has printed
+        return args
+    if args.receiver is not None:
+        return run_receiver(args.receiver, args.threads, args.parent_pid or os.getppid())
+    return run_as_command(PROG, run, argv)
 
 
 if __name__ == "__main__":
