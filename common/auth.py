@@ -99,6 +99,10 @@ class RunSecret:
         """Socket options of an actor's socket (a PLAIN client presenting the secret)."""
         return {zmq.PLAIN_USERNAME: _PLAIN_USERNAME, zmq.PLAIN_PASSWORD: self.value.encode("utf-8")}
 
+    def server_gate(self, context: zmq.Context) -> SecretGate:
+        """The learner's gate with this secret: it admits only peers that present it."""
+        return SecretGate(context, self)
+
 
 class SecretGate(ZapGate):
     """The learner's gate on loopback: admits a connection only if it presents the run's secret

@@ -89,8 +89,9 @@ class RunConfig(Section):
     resume: bool = False
     """Continue from the latest checkpoint in the run directory if there is one."""
     launcher: str = "local"
-    """Where the processes run: `local` (all on this machine) or `ray` (placed on a Ray cluster
-    with the resources of [ray]; docs/cluster.md)."""
+    """Where the processes run: `local` (all on this machine), `ray` (placed on a Ray cluster
+    with the resources of [ray]; docs/cluster.md), or a launcher a plug-in registers (the
+    `longhorizon.launchers` entry-point group, or a dotted path `package.module:function`)."""
     keep_checkpoints: int = bounded(3, ge=1)
     """Checkpoints kept in `<run_dir>/checkpoints/`: the newest N (at least 1); older ones are
     removed as each new one is written."""

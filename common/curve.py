@@ -93,6 +93,10 @@ class CurveKeys:
             server_secret=server_secret.decode(), client_secret=client_secret.decode(),
         )
 
+    def server_gate(self, context: zmq.Context) -> CurveGate:
+        """The learner's gate with these keys: it admits only peers holding the run's client keys."""
+        return CurveGate(context, self)
+
     def for_role(self, role: str) -> CurveKeys:
         """The keys one role needs: the learner never holds the actors' secret, nor an actor the
         learner's (an actor that leaks its keys cannot pose as the learner)."""

@@ -932,16 +932,10 @@ def zmq_learner_endpoints(
     with ExitStack() as opened:
         if owned is not None:
             opened.callback(owned.term)
-        gate = None
-        if curve is not None:
-            from longhorizon.common.curve import CurveGate
-
-            gate = CurveGate(context, curve)
-            opened.callback(gate.close)
-        elif secret is not None:
-            from longhorizon.common.auth import SecretGate
-
-            gate = SecretGate(context, secret)
+        # The credentials make the gate that checks every peer: a CurveZMQ or a run-secret one.
+        credentials = curve if curve is not None else secret
+        gate = None if credentials is None else credentials.server_gate(context)
+        if gate is not None:
             opened.callback(gate.close)
         trajectories = ZmqPullReceiver(
             trajectory_address, limits=trajectory_limits, receive_hwm=trajectory_hwm, context=context, gate=gate,

@@ -234,7 +234,7 @@ def run_experiment(settings: Settings, progress=print) -> dict:
     """Train every seed in turn, judge each run; write freezes.json and return its document."""
     from longhorizon.common.config import load_config
     from longhorizon.common.metrics import read_metrics
-    from longhorizon.launch.local import validate_config
+    from longhorizon.launch.checks import validate_config
 
     if settings.runs < 1:
         raise ValueError(f"--runs must be at least 1, got {settings.runs}")

@@ -27,9 +27,29 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 
 from longhorizon.common.config import Config, ConfigError, dump_toml
 from longhorizon.common.metrics import LineFollower, MetricsFollower
+from longhorizon.common.plugins import PluginError, Registry
 from longhorizon.common.processes import remove_tied_folder, tied_folder
 
-LAUNCHERS = ("local", "ray")
+
+class Launcher(Protocol):
+    """A launcher: runs a training job from its config (processes started, supervised and stopped)
+    and returns the exit code. `progress` receives each line for the user (a step's progress)."""
+
+    def __call__(self, config: Config, *, progress: Callable[[str], None] = print) -> int: ...
+
+
+def _check_launcher_part(name: str, part: object) -> None:
+    if not callable(part):
+        raise TypeError(f"launcher {name!r} must be callable as launcher(config, progress=...) -> exit code")
+
+
+LAUNCHERS: Registry[Launcher] = Registry(
+    "launcher", "longhorizon.launchers",
+    {"local": "longhorizon.launch.local:launch_local", "ray": "longhorizon.launch.ray:launch_ray"},
+    check=_check_launcher_part,
+)
+"""`run.launcher` names one: the built-ins, one registered in this process, an installed package's
+entry point in the `longhorizon.launchers` group, or a dotted path."""
 
 _MAX_RESTARTS_PER_ACTOR = 20
 _MAX_LEARNER_RESTARTS = 3
@@ -156,21 +176,17 @@ def process_name(role: str, index: int) -> str:
     return f"actor-{index}"
 
 
-def check_launcher(config: Config) -> None:
-    if config.run.launcher not in LAUNCHERS:
-        raise ConfigError(f"run.launcher must be one of {', '.join(LAUNCHERS)}, got {config.run.launcher!r}")
+def launcher_of(config: Config) -> Launcher:
+    """The launcher `run.launcher` names; ConfigError (with the names there are) otherwise."""
+    try:
+        return LAUNCHERS.get(config.run.launcher)
+    except (PluginError, TypeError) as error:
+        raise ConfigError(f"run.launcher: {error}") from None
 
 
 def launch(config: Config, *, progress=print) -> int:
     """Run a training job with the launcher `run.launcher` names; returns the exit code."""
-    check_launcher(config)
-    if config.run.launcher == "ray":
-        from longhorizon.launch.ray import launch_ray
-
-        return launch_ray(config, progress=progress)
-    from longhorizon.launch.local import launch_local
-
-    return launch_local(config, progress=progress)
+    return launcher_of(config)(config, progress=progress)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

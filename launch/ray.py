@@ -724,7 +724,7 @@ def launch_ray(config: Config, *, progress=print) -> int:
     """Run a training job on the Ray cluster at `ray.address`; returns the exit code as launch_local."""
     from longhorizon.common.auth import auth_environments, auth_mechanism
     from longhorizon.common.models import resolve_model_path
-    from longhorizon.launch.local import validate_config
+    from longhorizon.launch.checks import validate_config
 
     check_ray_settings(config)
     ray = import_ray()

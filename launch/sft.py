@@ -46,7 +46,8 @@ from longhorizon.learner.sft import (
 from longhorizon.learner.logprobs import (
     chunked_logprobs_match, pad_examples, token_logprobs, use_gradient_checkpointing,
 )
-from longhorizon.learner.shared_prefix import computed_tokens, probe_shared_prefix
+from longhorizon.learner.prefix_probe import probe_shared_prefix
+from longhorizon.learner.shared_prefix import computed_tokens
 from longhorizon.learner.trainer import learning_rate_at
 
 

@@ -1,9 +1,9 @@
 """Training examples as padded tensors, and each next token's log-prob (and entropy) under a model.
 
 What the RL update, SFT and DPO share: an `Example` is one token sequence with its loss mask,
-`pad_examples` makes a micro-batch of them, `plan_micro_batches` cuts a step's examples into
-micro-batches within a memory budget, and `token_logprobs` runs the model over a padded batch
-(the output layer in chunks when asked, so the whole batch's logits never exist at once).
+`pad_examples` makes a micro-batch of them (learner/shared_prefix.py plans which examples go
+together), and `token_logprobs` runs the model over a padded batch (the output layer in chunks
+when asked, so the whole batch's logits never exist at once).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.utils.checkpoint
+
+from longhorizon.learner.shared_prefix import run_shared_prefix
 
 
 @dataclass
@@ -123,8 +125,6 @@ def token_logprobs(
     targets = batch.input_ids[:, 1:]
     parts = split_output_layer(model) if chunk_tokens > 0 else None
     if batch.prefix_length:
-        from longhorizon.learner.shared_prefix import run_shared_prefix
-
         if parts is None:
             return run_shared_prefix(
                 model, model, batch.input_ids, batch.attention_mask, batch.prefix_length,
@@ -244,28 +244,6 @@ def chunked_logprobs_match(model, tolerance: float = 1e-4) -> bool:
     finally:
         model.train(was_training)
     return bool(torch.allclose(whole, chunked, atol=tolerance, rtol=0))
-
-
-def plan_micro_batches(examples: list[Example], max_sequences: int, max_tokens: int) -> list[list[Example]]:
-    """Split a step's examples into micro-batches of similar lengths.
-
-    Each micro-batch is padded only to its own longest sequence, so it is sorted by length and
-    cut where adding the next sequence would pass ``max_sequences`` or make (sequences x
-    longest length) pass ``max_tokens``: a step's peak memory follows the budget, not the
-    longest episode times the batch. A sequence longer than the budget is a micro-batch alone.
-    """
-    max_sequences, max_tokens = max(1, max_sequences), max(1, max_tokens)
-    chunks: list[list[Example]] = []
-    current: list[Example] = []
-    for example in sorted(examples, key=lambda e: len(e.token_ids)):
-        length = len(example.token_ids)  # the longest so far, as the list is sorted
-        if current and (len(current) + 1 > max_sequences or (len(current) + 1) * length > max_tokens):
-            chunks.append(current)
-            current = []
-        current.append(example)
-    if current:
-        chunks.append(current)
-    return chunks
 
 
 ACTIVATION_BYTES_PER_UNIT = 100

@@ -20,8 +20,8 @@ from longhorizon.common.conversations import (
     read_conversations,
     tokenize_conversation,
 )
-from longhorizon.learner.logprobs import Example, plan_micro_batches
-from longhorizon.learner.shared_prefix import plan_group_micro_batches
+from longhorizon.learner.logprobs import Example
+from longhorizon.learner.shared_prefix import plan_group_micro_batches, plan_micro_batches
 from longhorizon.learner.trainer import PRECISIONS
 
 # Files that make a checkpoint a self-contained model folder besides the weights and config (the

@@ -38,17 +38,13 @@ from longhorizon.learner.logprobs import (
     PaddedBatch,
     chunked_logprobs_match,
     pad_examples,
-    plan_micro_batches,
     token_logprobs,
     use_gradient_checkpointing,
 )
 from longhorizon.learner.losses import aggregate, kl_penalty, sampled_entropy
 from longhorizon.learner.scoring import FlatShare, ScoredBatch
-from longhorizon.learner.shared_prefix import (
-    plan_group_micro_batches,
-    probe_shared_prefix,
-    sharing_units,
-)
+from longhorizon.learner.prefix_probe import probe_shared_prefix
+from longhorizon.learner.shared_prefix import plan_group_micro_batches, plan_micro_batches, sharing_units
 
 
 def learning_rate_at(step: int, base: float, warmup_steps: int) -> float:

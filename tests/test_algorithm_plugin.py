@@ -123,7 +123,7 @@ def test_a_bad_value_of_a_plugins_own_key_is_one_line_from_the_command_line(plug
 
 
 def test_what_is_not_an_algorithm_is_refused_before_the_run(install_plugin):
-    from longhorizon.launch.local import validate_config
+    from longhorizon.launch.checks import validate_config
 
     install_plugin("not_algorithms", "class Helper:\n    pass\n")
     base = ["env.name='codebook'", "actor.engine='scripted'"]

@@ -263,7 +263,7 @@ def test_the_config_check_refuses_exactly_the_lower_clips_the_loss_refuses(monke
 
 
 def test_the_launcher_refuses_bad_algorithm_settings_before_starting():
-    from longhorizon.launch.local import validate_config
+    from longhorizon.launch.checks import validate_config
 
     base = ["env.name='codebook'", "actor.engine='scripted'"]
     with pytest.raises(ConfigError, match="unknown learner.algorithm"):
@@ -273,7 +273,7 @@ def test_the_launcher_refuses_bad_algorithm_settings_before_starting():
     with pytest.raises(ConfigError, match="unknown config key learner.advantage"):
         load_config(None, ["learner.advantage='rloo'"])
     # An algorithm that does not run on several ranks says so; the launcher asks it.
-    from longhorizon.launch.local import _check_learner_ranks
+    from longhorizon.launch.checks import _check_learner_ranks
 
     with pytest.raises(ConfigError, match="'ppo' runs on one rank"):
         _check_learner_ranks(load_config(None, ["learner.algorithm='ppo'", "learner.num_ranks=2"]), torch.device("cpu"))

@@ -550,7 +550,7 @@ def test_an_unknown_staleness_unit_is_refused():
 
 def test_the_launcher_refuses_per_token_staleness_with_a_score_that_reads_every_token():
     from longhorizon.common.config import ConfigError, load_config
-    from longhorizon.launch.local import validate_config
+    from longhorizon.launch.checks import validate_config
 
     base = ["env.name='codebook'", "actor.engine='scripted'", "learner.staleness_unit='token'"]
     validate_config(load_config(None, base))  # grpo scores by the final reward alone

@@ -85,7 +85,7 @@ def test_a_rank_that_is_done_exits_with_its_code_and_its_output_flushed(tmp_path
 
 
 def test_wrong_rank_settings_fail_before_any_process_starts():
-    from longhorizon.launch.local import _check_learner_ranks, validate_config
+    from longhorizon.launch.checks import _check_learner_ranks, validate_config
 
     with pytest.raises(ConfigError, match="learner.num_ranks must be >= 1, got 0"):
         validate_config(load_config(None, ["learner.num_ranks=0", "env.name='codebook'", "actor.engine='scripted'"]))

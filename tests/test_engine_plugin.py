@@ -72,7 +72,7 @@ def test_longhorizon_eval_plays_with_an_engine_from_outside(engine_plugin, found
 
 def test_the_factory_and_the_launchers_ask_the_declared_capabilities(engine_plugin):
     from longhorizon.actor.engines.factory import build_engine
-    from longhorizon.launch.local import validate_config
+    from longhorizon.launch.checks import validate_config
 
     module, name = engine_plugin("capable_engines", "counting-oracle-2")
     assert capabilities_of(engine_class(name)) == module.CountingOracle.capabilities

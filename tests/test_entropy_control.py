@@ -155,7 +155,7 @@ def test_a_value_outside_a_keys_own_range_is_refused_by_the_config_itself():
 
 
 def test_the_launcher_refuses_bad_entropy_control_before_starting():
-    from longhorizon.launch.local import validate_config
+    from longhorizon.launch.checks import validate_config
 
     base = ["env.name='codebook'", "actor.engine='scripted'"]
     with pytest.raises(ConfigError, match="learner.target_entropy must be positive"):
@@ -164,7 +164,7 @@ def test_the_launcher_refuses_bad_entropy_control_before_starting():
 
 
 def test_the_launcher_refuses_a_clamp_on_a_bonus_that_is_off():
-    from longhorizon.launch.local import validate_config
+    from longhorizon.launch.checks import validate_config
 
     base = ["env.name='codebook'", "actor.engine='scripted'"]
     with pytest.raises(ConfigError, match="learner.entropy_top_k = 4 clamps the entropy bonus, which is off"):

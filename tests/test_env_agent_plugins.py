@@ -298,7 +298,7 @@ def test_unknown_loops_are_named_and_the_config_key_is_checked(plugins, tmp_path
         get_agent_loop("nope")
     assert get_agent_loop("react").parse_action("Thought: x\nAction: go") == "go"
 
-    from longhorizon.launch.local import validate_config
+    from longhorizon.launch.checks import validate_config
 
     def config(*overrides):
         return load_config(None, [f"run.output_dir={str(tmp_path)!r}", "env.name='wordtype'", "actor.engine='scripted'",

@@ -8,7 +8,8 @@ import pytest
 
 from longhorizon.common.config import load_config
 from longhorizon.launch.cli import main
-from longhorizon.launch.local import format_progress, validate_config
+from longhorizon.launch.checks import validate_config
+from longhorizon.launch.launcher import format_progress
 
 
 @pytest.mark.parametrize(
@@ -63,7 +64,7 @@ def test_progress_line():
 
 
 def test_a_fresh_run_moves_an_earlier_one_aside(tmp_path):
-    from longhorizon.launch.local import prepare_run_dir
+    from longhorizon.launch.launcher import prepare_run_dir
 
     config = load_config(None, [f"run.output_dir={str(tmp_path)!r}", "run.name='x'"])
     first = prepare_run_dir(config, progress=lambda line: None)
@@ -207,3 +208,39 @@ def test_the_worker_under_torchrun_says_a_config_error_in_one_line(capsys):
     assert exit_status.value.code == 2
     assert "unknown config key learner.num_rankz" in capsys.readouterr().err
 
+
+
+LAUNCHED: list = []
+
+
+def recording_launcher(config, *, progress=print) -> int:
+    """A launcher from outside the package: it records what it was asked to run."""
+    LAUNCHED.append(config.run.name)
+    progress(f"launched {config.run.name}")
+    return 7
+
+
+def test_a_launcher_from_outside_the_package_runs_the_job(capsys):
+    """run.launcher names a launcher by dotted path (or entry point, or registration) like every
+    other part; the command returns its exit code."""
+    from longhorizon.launch.launcher import LAUNCHERS, launch
+
+    config = load_config(None, ["env.name=codebook", "run.name='plugged'",
+                                "run.launcher='tests.test_launch:recording_launcher'"])
+    lines: list[str] = []
+    assert launch(config, progress=lines.append) == 7
+    assert LAUNCHED == ["plugged"] and lines == ["launched plugged"]
+    LAUNCHERS.register("recording", recording_launcher)
+    try:
+        assert launch(config.replace(run=config.run.replace(launcher="recording")), progress=lines.append) == 7
+    finally:
+        LAUNCHERS.unregister("recording")
+    assert LAUNCHED == ["plugged", "plugged"]
+
+
+def test_a_launcher_that_cannot_launch_is_a_config_error():
+    from longhorizon.common.config import ConfigError
+    from longhorizon.launch.launcher import launch
+
+    with pytest.raises(ConfigError, match="run.launcher: launcher 'tests.test_launch:LAUNCHED' must be callable"):
+        launch(load_config(None, ["env.name=codebook", "run.launcher='tests.test_launch:LAUNCHED'"]))

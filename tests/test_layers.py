@@ -99,3 +99,102 @@ def test_the_check_sees_deferred_relative_and_string_imports(tmp_path, source, e
     folder.mkdir()
     (folder / "probe.py").write_text(source)
     assert len(layer_violations([folder / "probe.py"], root=tmp_path)) == expected
+
+
+# --------------------------------------------------------------------------------------------
+# Between modules: no cycle, deferred imports included
+# --------------------------------------------------------------------------------------------
+
+
+def _runtime_imports(tree: ast.AST, package: list[str]) -> list[str]:
+    """The modules (and `module.name` for each name taken from one) an import statement in `tree`
+    reaches when it runs; imports under `if TYPE_CHECKING:` never run and are left out."""
+    found = []
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
+            found += [name for child in node.orelse for name in _runtime_imports(child, package)]
+            continue
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - (node.level - 1)] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else [])) if node.level else (node.module or "")
+            found += [module, *(f"{module}.{alias.name}" for alias in node.names)]
+        found += _runtime_imports(node, package)
+    return found
+
+
+def module_graph(files, root: Path = ROOT) -> dict[str, set[str]]:
+    """Each module of ours and the modules of ours it imports (a package's `__init__` counts as
+    the package; a name taken from a package that is a module of its own counts as that module)."""
+    names = {module_name(path, root): path for path in files}
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        targets = set()
+        for module in _runtime_imports(ast.parse(path.read_text(), filename=str(path)), package):
+            parts = module.split(".")
+            while parts and ".".join(parts) not in names:
+                parts.pop()
+            target = ".".join(parts)
+            # A package's own modules importing its __init__ (or it them) is how a package is built.
+            if parts and target != name and not name.startswith(target + ".") and not target.startswith(name + "."):
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or round a loop (strongly connected
+    components of more than one module)."""
+    order: dict[str, int] = {}
+    lowest: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(module: str) -> None:
+        order[module] = lowest[module] = len(order)
+        stack.append(module)
+        for target in graph[module]:
+            if target not in order:
+                visit(target)
+                lowest[module] = min(lowest[module], lowest[target])
+            elif target in stack:
+                lowest[module] = min(lowest[module], order[target])
+        if lowest[module] == order[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return cycles
+
+
+def test_no_modules_import_each_other():
+    """An import cycle between modules, even one hidden by an import inside a function, ties them
+    into one piece that can be neither read nor tested alone."""
+    cycles = import_cycles(module_graph(source_files()))
+    assert not cycles, "modules that import each other:\n" + "\n".join(" <-> ".join(cycle) for cycle in cycles)
+
+
+def test_the_cycle_check_sees_a_deferred_import_and_not_a_type_checking_one(tmp_path):
+    folder = tmp_path / "learner"
+    folder.mkdir()
+    (folder / "first.py").write_text("from longhorizon.learner.second import thing\n")
+    (folder / "second.py").write_text("def thing():\n    from . import first\n")
+    (folder / "third.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                     "    from longhorizon.learner import first\n")
+    files = sorted(folder.glob("*.py"))
+    assert import_cycles(module_graph(files, root=tmp_path)) == [["longhorizon.learner.first", "longhorizon.learner.second"]]
+    (folder / "second.py").write_text("def thing():\n    pass\n")
+    (folder / "first.py").write_text("from longhorizon.learner.third import thing\n")
+    (folder / "third.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                     "    from longhorizon.learner import first\n")
+    assert import_cycles(module_graph(files, root=tmp_path)) == []

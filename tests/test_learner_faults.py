@@ -224,7 +224,7 @@ async def test_a_sync_batch_that_lost_a_group_goes_ahead(tmp_path, byte_model):
 
 def test_training_refuses_top_p_below_one(tmp_path, byte_model):
     from longhorizon.common.config import ConfigError
-    from longhorizon.launch.local import validate_config
+    from longhorizon.launch.checks import validate_config
 
     with pytest.raises(ConfigError, match="top_p"):
         validate_config(_config(tmp_path, byte_model, "actor.sampling.top_p=0.8"))

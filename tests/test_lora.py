@@ -46,7 +46,7 @@ def test_a_target_that_matches_no_module_is_refused_before_any_process_starts(ti
     with pytest.raises(LoraError, match="'lm_head' is this model's output layer, which is tied"):
         check_targets_of_model_folder(lora_settings({"rank": 4, "target_modules": ["q_proj", "lm_head"]}),
                                       tiny_codebook_model)
-    from longhorizon.launch.local import validate_config
+    from longhorizon.launch.checks import validate_config
 
     config = load_config(None, [
         "env.name='codebook'", "actor.engine='scripted'", f"model.path={str(tiny_codebook_model)!r}",
@@ -162,7 +162,7 @@ def test_adapters_that_do_not_fit_the_engines_targets_are_refused_whole(tiny_cod
 
 
 def test_lora_with_the_vllm_engine_over_a_collective_is_refused(tiny_codebook_model):
-    from longhorizon.launch.local import validate_config
+    from longhorizon.launch.checks import validate_config
 
     config = load_config(None, [
         "env.name='codebook'", "actor.engine='vllm'", f"model.path={str(tiny_codebook_model)!r}",

@@ -361,7 +361,7 @@ def test_an_unknown_launcher_is_refused(capsys):
     from longhorizon.launch.cli import main
 
     assert main(["train", str(REPO_ROOT / "configs" / "codebook.toml"), "run.launcher=slurm"]) == 2
-    assert "run.launcher must be one of local, ray" in capsys.readouterr().err
+    assert "run.launcher: unknown launcher 'slurm'; available: local, ray" in capsys.readouterr().err
 
 
 def test_the_folder_mirror_sends_growth_replacements_and_deletions(tmp_path):

@@ -110,7 +110,7 @@ async def test_a_groups_members_keep_the_cap_it_drew_when_its_first_member_start
 
 
 def test_an_unknown_rollout_slot_is_refused_before_anything_starts():
-    from longhorizon.launch.local import validate_config
+    from longhorizon.launch.checks import validate_config
 
     config = load_config(None, ["actor.rollout_slots='token'"])
     with pytest.raises(ConfigError, match="actor.rollout_slots must be one of group, episode, got 'token'"):

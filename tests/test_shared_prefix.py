@@ -357,16 +357,16 @@ def test_every_algorithm_updates_the_same_with_the_shared_prefix(algorithm, lora
 
 
 def test_a_model_whose_forward_takes_no_cache_keeps_the_plain_pass(monkeypatch, caplog):
-    from longhorizon.learner import shared_prefix
+    from longhorizon.learner import prefix_probe, shared_prefix
 
-    assert shared_prefix.probe_shared_prefix(_tiny_model("llama")).usable
+    assert prefix_probe.probe_shared_prefix(_tiny_model("llama")).usable
     assert Trainer(_tiny_model(), LearnerConfig(shared_prefix=True)).shared_prefix
 
     def broken(run, *args, **kwargs):
         raise TypeError("this model takes no past_key_values")
 
     monkeypatch.setattr(shared_prefix, "shared_prefix_forward", broken)
-    probe = shared_prefix.probe_shared_prefix(_tiny_model())
+    probe = prefix_probe.probe_shared_prefix(_tiny_model())
     assert not probe.usable and "takes no past_key_values" in probe.reason
     with caplog.at_level("WARNING"):
         trainer = Trainer(_tiny_model(), LearnerConfig(shared_prefix=True))
@@ -378,16 +378,16 @@ def test_a_model_whose_forward_takes_no_cache_keeps_the_plain_pass(monkeypatch, 
 def test_a_float32_difference_is_judged_in_float64_on_the_architecture(monkeypatch):
     """A difference above the negligible one sends the probe to a float64 twin of the model: there
     the passes agree to rounding of float64, so the float32 difference is rounding and is named."""
-    from longhorizon.learner import shared_prefix
+    from longhorizon.learner import prefix_probe
 
-    monkeypatch.setattr(shared_prefix, "NEGLIGIBLE_DIFFERENCE", -1.0)
+    monkeypatch.setattr(prefix_probe, "NEGLIGIBLE_DIFFERENCE", -1.0)
     model = _tiny_model("llama").float()
     state = torch.random.get_rng_state()
-    probe = shared_prefix.probe_shared_prefix(model)
+    probe = prefix_probe.probe_shared_prefix(model)
     assert torch.equal(torch.random.get_rng_state(), state)  # the twin's weights do not move the run's seed
     assert probe.usable and probe.exact_difference is not None and probe.exact_difference < 1e-12
     assert probe.difference < 1e-4 and "float32" in probe.reason and "rounding" in probe.reason
-    twin = shared_prefix._float64_twin(model)
+    twin = prefix_probe._float64_twin(model)
     assert type(twin) is type(model) and next(twin.parameters()).dtype == torch.float64
     assert twin.config.num_hidden_layers == 2 and twin.config.hidden_size == model.config.hidden_size
 
@@ -395,13 +395,13 @@ def test_a_float32_difference_is_judged_in_float64_on_the_architecture(monkeypat
 def test_a_pass_that_computes_otherwise_is_refused_with_both_differences(monkeypatch):
     """Suffix tokens that see zeros for the prefix's values differ in float64 as much as in
     float32: refused, and the reason names both measured differences."""
-    from longhorizon.learner import shared_prefix
+    from longhorizon.learner import prefix_probe, shared_prefix
 
     def without_prefix_values(self, keys, values, *args, **kwargs):
         return torch.cat([self.keys, keys], dim=-2), torch.cat([torch.zeros_like(self.values), values], dim=-2)
 
     monkeypatch.setattr(shared_prefix._PrefixLayer, "update", without_prefix_values)
-    probe = shared_prefix.probe_shared_prefix(_tiny_model("qwen2").float())
+    probe = prefix_probe.probe_shared_prefix(_tiny_model("qwen2").float())
     assert not probe.usable
     assert probe.exact_difference > 1e-3 and probe.difference > 1e-3
     assert f"{probe.difference:.1e} in float32" in probe.reason and f"{probe.exact_difference:.1e} in float64" in probe.reason
@@ -410,11 +410,11 @@ def test_a_pass_that_computes_otherwise_is_refused_with_both_differences(monkeyp
 def test_a_difference_beyond_the_precision_rounding_is_refused(monkeypatch):
     """Exact in float64 on the CPU but far off on the model's own device and precision (a kernel
     that computes otherwise there): refused, naming the allowance."""
-    from longhorizon.learner import shared_prefix
+    from longhorizon.learner import prefix_probe
 
-    monkeypatch.setattr(shared_prefix, "NEGLIGIBLE_DIFFERENCE", -1.0)
-    monkeypatch.setattr(shared_prefix, "ROUNDING_ALLOWANCE", {torch.float32: -1.0})
-    probe = shared_prefix.probe_shared_prefix(_tiny_model("qwen2").float())
+    monkeypatch.setattr(prefix_probe, "NEGLIGIBLE_DIFFERENCE", -1.0)
+    monkeypatch.setattr(prefix_probe, "ROUNDING_ALLOWANCE", {torch.float32: -1.0})
+    probe = prefix_probe.probe_shared_prefix(_tiny_model("qwen2").float())
     assert not probe.usable and "more than that precision's rounding" in probe.reason
 
 
@@ -456,16 +456,16 @@ def test_the_learner_bench_builds_groups_that_share_the_recorded_prompt():
 def test_a_16_bit_model_is_judged_against_its_own_plain_rounding(monkeypatch):
     """In bfloat16 the plain pass itself is far from the exact values: the shared pass may differ
     from it by twice the plain pass's distance from float32, and the model is left in bfloat16."""
-    from longhorizon.learner import shared_prefix
+    from longhorizon.learner import prefix_probe
 
-    monkeypatch.setattr(shared_prefix, "NEGLIGIBLE_DIFFERENCE", -1.0)
+    monkeypatch.setattr(prefix_probe, "NEGLIGIBLE_DIFFERENCE", -1.0)
     model = _tiny_model("llama").to(torch.bfloat16)
     before = {name: p.clone() for name, p in model.state_dict().items()}
-    probe = shared_prefix.probe_shared_prefix(model)
+    probe = prefix_probe.probe_shared_prefix(model)
     assert probe.usable and "bfloat16" in probe.reason and probe.exact_difference < 1e-12
     assert all(p.dtype == torch.bfloat16 and torch.equal(p, before[name]) for name, p in model.state_dict().items())
-    monkeypatch.setattr(shared_prefix, "PLAIN_ROUNDING_FACTOR", -1.0)
-    assert not shared_prefix.probe_shared_prefix(model).usable
+    monkeypatch.setattr(prefix_probe, "PLAIN_ROUNDING_FACTOR", -1.0)
+    assert not prefix_probe.probe_shared_prefix(model).usable
 
 
 @pytest.mark.slow
@@ -476,7 +476,7 @@ def test_the_default_model_trains_with_the_shared_prefix_to_float32_rounding(def
     scale; a wrong pass is off by nats)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from longhorizon.learner.shared_prefix import probe_shared_prefix
+    from longhorizon.learner.prefix_probe import probe_shared_prefix
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path)
     model = AutoModelForCausalLM.from_pretrained(default_model_path).float().train()

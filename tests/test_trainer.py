@@ -14,9 +14,9 @@ from longhorizon.learner.logprobs import (
     chunked_logprobs_match,
     logprobs_from_logits,
     pad_examples,
-    plan_micro_batches,
     token_logprobs,
 )
+from longhorizon.learner.shared_prefix import plan_micro_batches
 from longhorizon.learner.scoring import FlatShare
 from longhorizon.learner.trainer import Trainer, has_dropout, score_groups
 from longhorizon.learner.worker import build_buffer, build_trainer

@@ -74,7 +74,7 @@ def test_the_buffer_measures_a_windowed_trajectory_by_its_longest_sample():
 
 
 def test_the_launcher_refuses_turn_samples_with_an_algorithm_that_reads_whole_episodes():
-    from longhorizon.launch.local import validate_config
+    from longhorizon.launch.checks import validate_config
 
     base = ["env.name='codebook'", "actor.engine='scripted'", "actor.history_turns=1"]
     validate_config(load_config(None, base))

@@ -95,7 +95,7 @@ def test_wandb_mode_follows_the_setting_then_the_key():
 def test_config_checks_name_the_extra_and_the_modes(monkeypatch):
     import importlib.util
 
-    from longhorizon.launch.local import validate_config
+    from longhorizon.launch.checks import validate_config
 
     base = ["env.name='codebook'", "actor.engine='scripted'", "logging.wandb.enabled=true"]
     with pytest.raises(ConfigError, match="logging.wandb.mode must be one of online, offline, disabled"):

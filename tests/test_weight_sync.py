@@ -488,7 +488,8 @@ def test_a_bucket_that_does_not_arrive_bit_identical_is_refused():
 
 
 def test_wrong_collective_settings_are_refused_before_any_process_starts(tmp_path, tiny_codebook_model, monkeypatch):
-    from longhorizon.launch.local import launch_local, validate_config
+    from longhorizon.launch.checks import validate_config
+    from longhorizon.launch.local import launch_local
 
     def config(*overrides):
         return load_config(

@@ -93,7 +93,7 @@ async def test_a_run_sends_its_versions_through_a_transport_from_outside(
 
 
 def test_a_transport_the_engine_cannot_take_is_refused_before_the_run(install_plugin):
-    from longhorizon.launch.local import validate_config
+    from longhorizon.launch.checks import validate_config
 
     install_plugin("collective_like", """
 from longhorizon.learner.weights import WeightsPublisher

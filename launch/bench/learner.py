@@ -178,8 +178,8 @@ def measure(args: argparse.Namespace, kind: str, shared_prefix: bool = False) ->
     from longhorizon.common.config import LearnerConfig
     from longhorizon.common.models import load_causal_lm, resolve_device, resolve_model_path
     from longhorizon.learner import distributed
-    from longhorizon.learner.logprobs import pad_examples, plan_micro_batches
-    from longhorizon.learner.shared_prefix import computed_tokens, plan_group_micro_batches
+    from longhorizon.learner.logprobs import pad_examples
+    from longhorizon.learner.shared_prefix import computed_tokens, plan_group_micro_batches, plan_micro_batches
     from longhorizon.learner.trainer import Trainer
 
     ranks = distributed.ranks_from_environment(int(os.environ.get("WORLD_SIZE", "1")))

@@ -1,0 +1,183 @@
+"""The rules a run's config must meet across its parts, checked once before any process starts.
+
+A key's own type and range are checked where it is declared, on loading (common/config.py), and
+an algorithm's own options where the algorithm is made. What is left lives here: the choices
+that name a part (an engine, a weights transport, an env, an agent loop) and the rules between
+parts, such as a staleness unit the algorithm can score, LoRA adapters the engine can take over
+the chosen transport, or ranks the devices can hold. Every launcher calls `validate_config`, so a
+wrong config fails once, with a one-line message, instead of crashing every process it starts.
+"""
+
+from __future__ import annotations
+
+from longhorizon.common.config import Config, ConfigError
+
+
+def validate_config(config: Config) -> None:
+    """Cheap checks before any process starts, so a wrong name fails once with a clear message
+    instead of crashing every actor in a restart loop. A key's own range is checked on loading
+    (common/config.py); these are the choices, the parts and the rules across keys."""
+    from longhorizon.actor.engines.base import EngineError, capabilities_of, check_engine_settings, engine_class
+    from longhorizon.actor.engines.factory import engine_settings
+    from longhorizon.actor.worker import ROLLOUT_SLOTS
+    from longhorizon.envs.base import get_env_spec, list_tasks
+    from longhorizon.common.plugins import PluginError
+    from longhorizon.learner.weights import publisher_class
+    from longhorizon.learner.buffer import PARTIAL_GROUP_POLICIES, STALENESS_UNITS
+    from longhorizon.learner.curriculum import make_schedule
+    from longhorizon.common.models import ModelError, resolve_device
+    from longhorizon.learner.trainer import PRECISIONS
+    from longhorizon.learner.worker import check_sampling_for_training
+
+    def require(condition: bool, message: str) -> None:
+        if not condition:
+            raise ConfigError(message)
+
+    require(config.run.mode in ("async", "sync"), f"run.mode must be async or sync, got {config.run.mode!r}")
+    require(config.actor.rollout_slots in ROLLOUT_SLOTS,
+            f"actor.rollout_slots must be one of {', '.join(ROLLOUT_SLOTS)}, got {config.actor.rollout_slots!r}")
+    from longhorizon.learner.algorithms import AlgorithmError, make_algorithm
+
+    try:
+        algorithm = make_algorithm(config.learner)
+    except AlgorithmError as error:
+        raise ConfigError(str(error)) from None
+    require(not (config.learner.staleness_unit == "token" and algorithm.scores_every_generated_token()),
+            f"learner.staleness_unit = \"token\" takes an episode's stale turns out of its loss mask, and "
+            f"learner.algorithm = {algorithm.name!r} scores episodes by all their generated tokens as set here: "
+            "use staleness_unit = \"episode\"")
+    require(not (config.actor.history_turns and not algorithm.takes_turn_samples),
+            f"actor.history_turns = {config.actor.history_turns} trains each turn as a sample of its own, which "
+            f"learner.algorithm = {algorithm.name!r} does not take: use actor.history_turns = 0")
+    require(not (algorithm.resamples_flat_groups and config.run.mode == "sync"),
+            f"learner.algorithm = {algorithm.name!r} replaces groups without signal by new ones, which "
+            "sync mode (one batch per version) cannot: use run.mode = \"async\"")
+    try:
+        publisher = publisher_class(config.learner.weights_transport)
+    except (PluginError, TypeError) as error:
+        raise ConfigError(f"learner.weights_transport: {error}") from None
+    require(config.learner.staleness_unit in STALENESS_UNITS,
+            f"learner.staleness_unit must be one of {', '.join(STALENESS_UNITS)}, got {config.learner.staleness_unit!r}")
+    require(config.learner.partial_groups in PARTIAL_GROUP_POLICIES,
+            f"learner.partial_groups must be one of {', '.join(PARTIAL_GROUP_POLICIES)}")
+    require(config.learner.precision in PRECISIONS, f"learner.precision must be one of {', '.join(PRECISIONS)}")
+    require(isinstance(config.learner.gradient_checkpointing, bool) or config.learner.gradient_checkpointing == "auto",
+            f"learner.gradient_checkpointing must be true, false or \"auto\", "
+            f"got {config.learner.gradient_checkpointing!r}")
+    _check_wandb(config)
+    try:
+        learner_device = resolve_device(config.learner.device)
+    except ModelError as error:
+        raise ConfigError(f"learner.device: {error}") from None
+    _check_learner_ranks(config, learner_device)
+    try:
+        engine_cls = engine_class(config.actor.engine)
+    except EngineError as error:
+        raise ConfigError(f"actor.engine: {error}") from None
+    _check_lora(config, capabilities_of(engine_cls), publisher)
+    require(config.actor.max_context_tokens > config.actor.sampling.max_new_tokens,
+            "actor.max_context_tokens must be larger than actor.sampling.max_new_tokens")
+    try:
+        check_sampling_for_training(config)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    get_env_spec(config.env.name)
+    if config.actor.agent:
+        from longhorizon.envs.agents import AgentLoopError, get_agent_loop
+
+        try:
+            get_agent_loop(config.actor.agent)
+        except AgentLoopError as error:
+            raise ConfigError(f"actor.agent: {error}") from None
+    if not list_tasks(config.env.name, config.env.train_split, **dict(config.env.options)):
+        raise ConfigError(f"env {config.env.name!r} has no {config.env.train_split!r} tasks")
+    try:
+        publisher.check(config, learner_device, capabilities_of(engine_cls))
+        check_engine_settings(engine_cls, engine_settings(config, ""))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    try:
+        make_schedule(config.horizon)
+    except ValueError as error:
+        raise ConfigError(f"[horizon]: {error}") from None
+    # Transport security: CurveZMQ beyond loopback, the run's secret on loopback, unless
+    # transport.insecure (common/auth.py).
+    from longhorizon.common.auth import auth_mechanism
+
+    auth_mechanism(config.transport)
+
+
+def _check_wandb(config: Config) -> None:
+    """[logging.wandb]: a known mode, and the optional wandb package installed when it is on."""
+    import importlib.util
+
+    from longhorizon.common.metrics import WANDB_MODES
+
+    settings = config.logging.wandb
+    if settings.mode and settings.mode not in WANDB_MODES:
+        raise ConfigError(f"logging.wandb.mode must be one of {', '.join(WANDB_MODES)} or \"\" (auto), got {settings.mode!r}")
+    if not all(isinstance(tag, str) for tag in settings.tags):
+        raise ConfigError(f"logging.wandb.tags must be strings, got {settings.tags!r}")
+    if settings.enabled and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb.enabled needs the wandb package: pip install 'longhorizon[wandb]'")
+
+
+def _check_learner_ranks(config: Config, device) -> None:
+    """learner.num_ranks against the devices there are: one GPU per rank on CUDA; on the CPU,
+    ranks share the cores (gloo), which tests and small runs use."""
+    num_ranks = config.learner.num_ranks
+    if num_ranks == 1:
+        return
+    from longhorizon.learner.algorithms import AlgorithmError, algorithm_class
+
+    try:
+        several_ranks = algorithm_class(config.learner.algorithm).runs_on_several_ranks
+    except AlgorithmError as error:
+        raise ConfigError(str(error)) from None
+    if not several_ranks:
+        raise ConfigError(f"learner.algorithm = {config.learner.algorithm!r} runs on one rank for now: "
+                          "set learner.num_ranks = 1")
+    import torch.distributed
+
+    if not torch.distributed.is_available():
+        raise ConfigError("learner.num_ranks > 1 needs torch.distributed, which this torch build lacks")
+    if device.type == "cuda":
+        import torch
+
+        visible = torch.cuda.device_count()
+        if device.index is not None:
+            raise ConfigError(
+                f"learner.device = {config.learner.device!r} names one GPU, but each of the "
+                f"{num_ranks} ranks takes its own: use learner.device = \"cuda\" or \"auto\""
+            )
+        if num_ranks > visible:
+            raise ConfigError(
+                f"learner.num_ranks = {num_ranks} but only {visible} CUDA GPU(s) are visible: one rank per GPU"
+            )
+
+
+def _check_lora(config: Config, capabilities, publisher) -> None:
+    """learner.lora: its keys, that the engine takes adapters the way the transport sends them, and
+    that each target names modules of the model (checked on the architecture alone, without loading
+    weights)."""
+    from longhorizon.common.models import resolve_model_path
+    from longhorizon.common.lora import LoraError, check_targets_of_model_folder, lora_settings
+
+    try:
+        settings = lora_settings(config.learner.lora)
+        if settings is None:
+            return
+        if not capabilities.takes_lora:
+            raise LoraError(
+                f"learner.lora sends adapters only, which the {config.actor.engine!r} engine cannot take: "
+                "use an engine that takes LoRA adapters (capabilities.takes_lora), or full fine-tuning"
+            )
+        if publisher.sends not in capabilities.lora_transports():
+            raise LoraError(
+                f"learner.lora with the {config.actor.engine!r} engine takes adapters only as "
+                f"{' or '.join(capabilities.lora_transports())} updates, not {publisher.sends!r} ones "
+                f"(learner.weights_transport = {config.learner.weights_transport!r}): choose a transport that sends those"
+            )
+        check_targets_of_model_folder(settings, resolve_model_path(config.model.path, config.model.cache_dir))
+    except LoraError as error:
+        raise ConfigError(str(error)) from None
