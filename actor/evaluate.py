@@ -5,11 +5,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
 from longhorizon.actor.engines.base import Engine
 from longhorizon.actor.rollout import EnvPool, run_episode
+
+if TYPE_CHECKING:
+    from longhorizon.common.config import Config
 
 
 @dataclass
@@ -80,6 +85,40 @@ async def evaluate(
         failed_episodes=len(results) - len(played),
         by_task={task_id: (wins, tries) for task_id, (wins, tries) in sorted(by_task.items())},
     )
+
+
+def evaluate_model_folder(config: "Config", model_folder: str | Path, episodes: int, *, samples_per_task: int = 1,
+                          temperature: float = 0.0) -> dict:
+    """Held-out success of a model folder (a checkpoint, or model.path) on the config's
+    env.eval_split, as the offline recipes and experiments report it: its first `episodes`
+    tasks, `samples_per_task` episodes each, greedy at temperature 0 and sampled
+    (actor.sampling's other settings) above it; a JSON-ready dict."""
+    from longhorizon.actor.engines.factory import build_engine
+
+    # The engine that plays is a model engine whatever actor.engine says (a scripted oracle or an
+    # endpoint played the data): the factory's `checkpoint` purpose picks it.
+    if temperature > 0:
+        sampling = config.actor.sampling.replace(temperature=temperature)
+        config = config.replace(actor=config.actor.replace(sampling=sampling))
+    engine = build_engine(config, "checkpoint", model_path=str(model_folder), greedy=temperature <= 0)
+
+    async def play():
+        try:
+            return await evaluate(
+                engine, config.env.name, dict(config.env.options), split=config.env.eval_split, episodes=episodes,
+                horizon_cap=max(config.horizon.stages), max_new_tokens=config.actor.sampling.max_new_tokens,
+                max_context_tokens=config.actor.max_context_tokens, seed=config.run.seed, agent=config.actor.agent,
+                history_turns=config.actor.history_turns,
+                samples_per_task=samples_per_task,
+            )
+        finally:
+            await engine.close()
+
+    result = trio.run(play)
+    return {"split": config.env.eval_split, "episodes": result.episodes, "success_rate": result.success_rate,
+            "mean_reward": result.mean_reward, "failed_episodes": result.failed_episodes,
+            "samples_per_task": samples_per_task, "temperature": max(temperature, 0.0),
+            "by_task": {task_id: list(counts) for task_id, counts in result.by_task.items()}}
 
 
 def greedy(settings):

@@ -11,9 +11,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from longhorizon.actor.evaluate import evaluate_model_folder
 from longhorizon.common.config import Config, dump_toml
 from longhorizon.launch.launcher import fresh_run_dir
-from longhorizon.launch.sft import evaluate_model
 from longhorizon.learner.dpo import (
     check_dpo_config,
     chosen_nll,
@@ -27,7 +27,7 @@ from longhorizon.learner.sft import load_model_for_training, plan_steps, save_mo
 from longhorizon.learner.logprobs import (
     chunked_logprobs_match, pad_examples, token_logprobs, use_gradient_checkpointing,
 )
-from longhorizon.learner.trainer import learning_rate_at
+from longhorizon.learner.optimiser import OfflineSettings, run_offline_steps
 
 
 def run_dpo(config: Config, *, note: Callable[[str], None] = print, progress_stream=None) -> dict:
@@ -56,7 +56,7 @@ def run_dpo(config: Config, *, note: Callable[[str], None] = print, progress_str
                      "pairs": len(pairs), "pairs_from_episodes": data.pairs_from_episodes,
                      "pairs_from_files": data.pairs_from_files, "episodes": data.episodes, "beta": dpo.beta}
     if dpo.eval_before and dpo.eval_episodes > 0:
-        summary["eval_before"] = evaluate_model(config, model_folder, dpo.eval_episodes)
+        summary["eval_before"] = evaluate_model_folder(config, model_folder, dpo.eval_episodes)
         note(f"before: held-out success {summary['eval_before']['success_rate']:.1%} "
              f"on {summary['eval_before']['episodes']} {config.env.eval_split} episodes")
 
@@ -100,7 +100,6 @@ def run_dpo(config: Config, *, note: Callable[[str], None] = print, progress_str
     metrics = MetricsWriter(run_dir, config=config)
     bar = ProgressBar("dpo", len(plan), stream=progress_stream)
     started = time.perf_counter()
-    records: list[dict] = []
     checkpoint = None
 
     def save(step: int, epoch: int) -> Path:
@@ -109,41 +108,36 @@ def run_dpo(config: Config, *, note: Callable[[str], None] = print, progress_str
         return save_model_folder(model, model_folder, checkpoint_dir(run_dir, step), provenance=provenance,
                                  provenance_file="longhorizon_dpo.json")
 
+    def accumulate(indices: list[int]) -> dict[str, float]:
+        """One step's micro-batches forward and backward: each micro-batch's mean over its pairs,
+        weighted by its share of the step's pairs, so the accumulated gradient is the step mean's."""
+        step = {"dpo_loss": 0.0, "chosen_nll": 0.0, "reward_margin": 0.0, "preference_accuracy": 0.0}
+        for chosen, batch in micro_batches(indices):
+            sides = sequence_logprobs_of(batch)
+            loss, pair_metrics = dpo_loss(
+                sides[:len(chosen)], sides[len(chosen):], reference_chosen[chosen].to(device),
+                reference_rejected[chosen].to(device), beta=dpo.beta)
+            nll = chosen_nll(sides[:len(chosen)], chosen_tokens[chosen].to(device))
+            share = len(chosen) / len(indices)
+            ((loss + dpo.nll_coef * nll) * share).backward()
+            step["dpo_loss"] += loss.item() * share
+            step["chosen_nll"] += nll.item() * share
+            for key, value in pair_metrics.items():
+                step[key] += value * share
+        return {**step, "train_pairs": len(indices)}
+
+    def on_step(record: dict) -> None:
+        metrics.write(record)
+        bar.update(record["step"], f"| epoch {record['epoch']}/{dpo.epochs} | loss {record['dpo_loss']:.4f} | "
+                                   f"accuracy {record['preference_accuracy']:.2f}")
+        if dpo.checkpoint_every and record["step"] % dpo.checkpoint_every == 0 and record["step"] < len(plan):
+            save(record["step"], record["epoch"] - 1)
+
     try:
-        model.train()
-        for step_index, (epoch, indices) in enumerate(plan):
-            step_started = time.perf_counter()
-            learning_rate = learning_rate_at(step_index, dpo.learning_rate, dpo.warmup_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate
-            optimizer.zero_grad(set_to_none=True)
-            step = {"dpo_loss": 0.0, "chosen_nll": 0.0, "reward_margin": 0.0, "preference_accuracy": 0.0}
-            for chosen, batch in micro_batches(indices):
-                sides = sequence_logprobs_of(batch)
-                loss, pair_metrics = dpo_loss(
-                    sides[:len(chosen)], sides[len(chosen):], reference_chosen[chosen].to(device),
-                    reference_rejected[chosen].to(device), beta=dpo.beta)
-                nll = chosen_nll(sides[:len(chosen)], chosen_tokens[chosen].to(device))
-                # Each micro-batch's mean over its pairs, weighted by its share of the step's pairs:
-                # the accumulated gradient is that of the step's mean.
-                share = len(chosen) / len(indices)
-                ((loss + dpo.nll_coef * nll) * share).backward()
-                step["dpo_loss"] += loss.item() * share
-                step["chosen_nll"] += nll.item() * share
-                for key, value in pair_metrics.items():
-                    step[key] += value * share
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), dpo.grad_clip)
-            optimizer.step()
-            seconds = time.perf_counter() - step_started
-            record = {"step": step_index + 1, "epoch": epoch + 1, **step, "learning_rate": learning_rate,
-                      "grad_norm": float(norm), "train_pairs": len(indices), "learner_step_seconds": seconds}
-            records.append(record)
-            metrics.write(record)
-            bar.update(step_index + 1, f"| epoch {epoch + 1}/{dpo.epochs} | loss {step['dpo_loss']:.4f} | "
-                                       f"accuracy {step['preference_accuracy']:.2f}")
-            if dpo.checkpoint_every and (step_index + 1) % dpo.checkpoint_every == 0 and step_index + 1 < len(plan):
-                save(step_index + 1, epoch)
-        model.eval()
+        records = run_offline_steps(
+            model, optimizer, plan, OfflineSettings(dpo.learning_rate, dpo.warmup_steps, dpo.grad_clip),
+            accumulate, on_step,
+        )
         checkpoint = save(len(plan), dpo.epochs - 1)
     finally:
         bar.close()
@@ -154,9 +148,9 @@ def run_dpo(config: Config, *, note: Callable[[str], None] = print, progress_str
                     "final_preference_accuracy": last_epoch["preference_accuracy"],
                     "train_seconds": time.perf_counter() - started, "checkpoint": str(checkpoint)})
     note(f"checkpoint: {checkpoint} (model.path of an RL run, or eval --checkpoint)")
-    del model, optimizer  # the evaluation engine loads its own copy
+    model = optimizer = None  # freed: the evaluation engine loads its own copy
     if dpo.eval_episodes > 0:
-        summary["eval_after"] = evaluate_model(config, checkpoint, dpo.eval_episodes)
+        summary["eval_after"] = evaluate_model_folder(config, checkpoint, dpo.eval_episodes)
         note(f"after: held-out success {summary['eval_after']['success_rate']:.1%} "
              f"on {summary['eval_after']['episodes']} {config.env.eval_split} episodes")
     (run_dir / "dpo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -100,7 +100,7 @@ def check_sft_rl_config(config: Config) -> None:
 
 
 def wilson_entry(evaluation: dict) -> dict:
-    """An evaluation (evaluate_model's dict) with its successes and 95% Wilson interval added."""
+    """An evaluation (evaluate_model_folder's dict) with its successes and 95% Wilson interval added."""
     from longhorizon.actor.metrics import wilson_interval
 
     played = evaluation["episodes"] - evaluation["failed_episodes"]
@@ -170,7 +170,8 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
     from longhorizon.learner.checkpoint import latest_checkpoint
     from longhorizon.launch.child import run_in_child
     from longhorizon.launch.launcher import fresh_run_dir
-    from longhorizon.launch.sft import evaluate_model, run_sft
+    from longhorizon.actor.evaluate import evaluate_model_folder
+    from longhorizon.launch.sft import run_sft
     from longhorizon.learner.sft import check_sft_config
 
     check_sft_rl_config(config)
@@ -201,7 +202,7 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
         began = time.perf_counter()
         decoding = "greedy" if temperature == 0 else f"{samples} sampled at temperature {temperature:g} per task"
         note(f"{phase}: evaluating {model} on {settings.eval_episodes} {config.env.eval_split} tasks ({decoding})")
-        entry = wilson_entry(run_in_child(evaluate_model, eval_config, model, settings.eval_episodes,
+        entry = wilson_entry(run_in_child(evaluate_model_folder, eval_config, model, settings.eval_episodes,
                                           samples_per_task=samples, temperature=temperature))
         entry.update({"eval_seconds": time.perf_counter() - began, **extra, "model": model})
         summary["phases"][phase] = entry

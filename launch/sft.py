@@ -31,6 +31,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from longhorizon.actor.evaluate import evaluate_model_folder
 from longhorizon.common.config import Config, dump_toml
 from longhorizon.common.conversations import tokenizer_fingerprint
 from longhorizon.launch.launcher import fresh_run_dir
@@ -48,43 +49,7 @@ from longhorizon.learner.logprobs import (
 )
 from longhorizon.learner.prefix_probe import probe_shared_prefix
 from longhorizon.learner.shared_prefix import computed_tokens
-from longhorizon.learner.trainer import learning_rate_at
-
-
-def evaluate_model(config: Config, model_folder: str | Path, episodes: int, *, samples_per_task: int = 1,
-                   temperature: float = 0.0) -> dict:
-    """Held-out success of a model folder on env.eval_split: its first `episodes` tasks,
-    `samples_per_task` episodes each, greedy at temperature 0 and sampled (actor.sampling's other
-    settings) above it."""
-    import trio
-
-    from longhorizon.actor.engines.factory import build_engine
-    from longhorizon.actor.evaluate import evaluate
-
-    # The engine that plays is a model engine whatever actor.engine says (a scripted oracle or an
-    # endpoint played the data): the factory's `checkpoint` purpose picks it.
-    if temperature > 0:
-        sampling = config.actor.sampling.replace(temperature=temperature)
-        config = config.replace(actor=config.actor.replace(sampling=sampling))
-    engine = build_engine(config, "checkpoint", model_path=str(model_folder), greedy=temperature <= 0)
-
-    async def play():
-        try:
-            return await evaluate(
-                engine, config.env.name, dict(config.env.options), split=config.env.eval_split, episodes=episodes,
-                horizon_cap=max(config.horizon.stages), max_new_tokens=config.actor.sampling.max_new_tokens,
-                max_context_tokens=config.actor.max_context_tokens, seed=config.run.seed, agent=config.actor.agent,
-                history_turns=config.actor.history_turns,
-                samples_per_task=samples_per_task,
-            )
-        finally:
-            await engine.close()
-
-    result = trio.run(play)
-    return {"split": config.env.eval_split, "episodes": result.episodes, "success_rate": result.success_rate,
-            "mean_reward": result.mean_reward, "failed_episodes": result.failed_episodes,
-            "samples_per_task": samples_per_task, "temperature": max(temperature, 0.0),
-            "by_task": {task_id: list(counts) for task_id, counts in result.by_task.items()}}
+from longhorizon.learner.optimiser import OfflineSettings, run_offline_steps
 
 
 def run_sft(config: Config, *, note: Callable[[str], None] = print, progress_stream=None) -> dict:
@@ -111,7 +76,7 @@ def run_sft(config: Config, *, note: Callable[[str], None] = print, progress_str
     summary: dict = {"model": str(model_folder), "data": list(sft.data), "conversations": len(data.examples),
                      "retokenized": data.retokenized, "tokens": data.tokens, "assistant_tokens": data.assistant_tokens}
     if sft.eval_before and sft.eval_episodes > 0:
-        summary["eval_before"] = evaluate_model(config, model_folder, sft.eval_episodes)
+        summary["eval_before"] = evaluate_model_folder(config, model_folder, sft.eval_episodes)
         note(f"before: held-out success {summary['eval_before']['success_rate']:.1%} "
              f"on {summary['eval_before']['episodes']} {config.env.eval_split} episodes")
 
@@ -138,7 +103,6 @@ def run_sft(config: Config, *, note: Callable[[str], None] = print, progress_str
     metrics = MetricsWriter(run_dir, config=config)
     bar = ProgressBar("sft", len(plan), stream=progress_stream)
     started = time.perf_counter()
-    losses: list[float] = []
     checkpoint = None
 
     def save(step: int, epoch: int) -> Path:
@@ -146,55 +110,50 @@ def run_sft(config: Config, *, note: Callable[[str], None] = print, progress_str
             "base_model": str(model_folder), "step": step, "epoch": epoch + 1, "data": list(sft.data),
             "conversations": len(data.examples)})
 
+    def accumulate(indices: list[int]) -> dict[str, float]:
+        """One step's micro-batches forward and backward: each micro-batch's mean weighted by its
+        share of the step's tokens, so the accumulated gradient is that of the step's token mean."""
+        plan_of_step = plan_sft_micro_batches([data.examples[i] for i in indices], learner.micro_batch_size,
+                                              learner.max_tokens_per_micro_batch, share_prefix)
+        micro_batches = [pad_examples(chunk, pad_token_id, prefix).to(device) for chunk, prefix in plan_of_step]
+        step_tokens = sum(float(micro.loss_mask.sum()) for micro in micro_batches)
+        step_loss = 0.0
+        for micro in micro_batches:
+            share = float(micro.loss_mask.sum()) / step_tokens
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16,
+                                enabled=learner.precision == "bf16-mixed"):
+                logprobs = token_logprobs(model, micro, 1.0, chunk_tokens)
+            loss = sft_loss(logprobs, micro.loss_mask)
+            (loss * share).backward()
+            step_loss += loss.item() * share
+        return {"sft_loss": step_loss, "train_tokens": step_tokens,
+                "sequence_tokens": sum(len(data.examples[i].token_ids) for i in indices),
+                "computed_tokens": sum(computed_tokens(micro.input_ids, micro.prefix_length) for micro in micro_batches),
+                "train_sequences": len(indices)}
+
+    def on_step(record: dict) -> None:
+        metrics.write(record)
+        bar.update(record["step"], f"| epoch {record['epoch']}/{sft.epochs} | loss {record['sft_loss']:.4f} | "
+                                   f"{record['sequence_tokens'] / max(record['learner_step_seconds'], 1e-9):.0f} tok/s")
+        if sft.checkpoint_every and record["step"] % sft.checkpoint_every == 0 and record["step"] < len(plan):
+            save(record["step"], record["epoch"] - 1)
+
     try:
-        model.train()
-        for step_index, (epoch, indices) in enumerate(plan):
-            step_started = time.perf_counter()
-            learning_rate = learning_rate_at(step_index, sft.learning_rate, sft.warmup_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate
-            plan_of_step = plan_sft_micro_batches([data.examples[i] for i in indices], learner.micro_batch_size,
-                                                  learner.max_tokens_per_micro_batch, share_prefix)
-            micro_batches = [pad_examples(chunk, pad_token_id, prefix).to(device) for chunk, prefix in plan_of_step]
-            computed = sum(computed_tokens(micro.input_ids, micro.prefix_length) for micro in micro_batches)
-            step_tokens = sum(float(micro.loss_mask.sum()) for micro in micro_batches)
-            sequence_tokens = sum(len(data.examples[i].token_ids) for i in indices)
-            optimizer.zero_grad(set_to_none=True)
-            step_loss = 0.0
-            for micro in micro_batches:
-                # Each micro-batch's mean weighted by its share of the step's tokens: the
-                # accumulated gradient is the gradient of the whole step's token mean.
-                share = float(micro.loss_mask.sum()) / step_tokens
-                with torch.autocast(device_type=device.type, dtype=torch.bfloat16,
-                                    enabled=learner.precision == "bf16-mixed"):
-                    logprobs = token_logprobs(model, micro, 1.0, chunk_tokens)
-                loss = sft_loss(logprobs, micro.loss_mask)
-                (loss * share).backward()
-                step_loss += loss.item() * share
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), sft.grad_clip)
-            optimizer.step()
-            losses.append(step_loss)
-            seconds = time.perf_counter() - step_started
-            metrics.write({"step": step_index + 1, "epoch": epoch + 1, "sft_loss": step_loss,
-                           "learning_rate": learning_rate, "grad_norm": float(norm), "train_tokens": step_tokens,
-                           "sequence_tokens": sequence_tokens, "computed_tokens": computed,
-                           "train_sequences": len(indices),
-                           "learner_step_seconds": seconds})
-            bar.update(step_index + 1, f"| epoch {epoch + 1}/{sft.epochs} | loss {step_loss:.4f} | "
-                                       f"{sequence_tokens / max(seconds, 1e-9):.0f} tok/s")
-            if sft.checkpoint_every and (step_index + 1) % sft.checkpoint_every == 0 and step_index + 1 < len(plan):
-                save(step_index + 1, epoch)
-        model.eval()
+        records = run_offline_steps(
+            model, optimizer, plan, OfflineSettings(sft.learning_rate, sft.warmup_steps, sft.grad_clip),
+            accumulate, on_step,
+        )
         checkpoint = save(len(plan), sft.epochs - 1)
     finally:
         bar.close()
         metrics.close()
+    losses = [record["sft_loss"] for record in records]
     summary.update({"steps": len(plan), "epochs": sft.epochs, "first_loss": losses[0], "final_loss": losses[-1],
                     "train_seconds": time.perf_counter() - started, "checkpoint": str(checkpoint)})
     note(f"checkpoint: {checkpoint} (model.path of an RL run, or eval --checkpoint)")
     model = optimizer = None  # freed: the evaluation engine loads its own copy
     if sft.eval_episodes > 0:
-        summary["eval_after"] = evaluate_model(config, checkpoint, sft.eval_episodes)
+        summary["eval_after"] = evaluate_model_folder(config, checkpoint, sft.eval_episodes)
         note(f"after: held-out success {summary['eval_after']['success_rate']:.1%} "
              f"on {summary['eval_after']['episodes']} {config.env.eval_split} episodes")
     (run_dir / "sft_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -42,16 +42,10 @@ from longhorizon.learner.logprobs import (
     use_gradient_checkpointing,
 )
 from longhorizon.learner.losses import aggregate, kl_penalty, sampled_entropy
+from longhorizon.learner.optimiser import apply_update, learning_rate_at
 from longhorizon.learner.scoring import FlatShare, ScoredBatch
 from longhorizon.learner.prefix_probe import probe_shared_prefix
 from longhorizon.learner.shared_prefix import plan_group_micro_batches, plan_micro_batches, sharing_units
-
-
-def learning_rate_at(step: int, base: float, warmup_steps: int) -> float:
-    """Learning rate of optimiser step `step` (0-based): a linear rise over the warm-up, then flat."""
-    if warmup_steps <= 0:
-        return base
-    return base * min(1.0, (step + 1) / warmup_steps)
 
 
 def score_groups(groups, config: LearnerConfig | None = None) -> ScoredBatch:
@@ -420,20 +414,16 @@ class Trainer:
                         maxima[key] = max(maxima.get(key, -math.inf), value)
                     else:
                         totals[key] = totals.get(key, 0.0) + value * share
-            norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), config.grad_clip)
-            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-            finite = self._update_is_finite(loss_finite, grad_norm)
+            update = apply_update(
+                self.optimizer, self.policy.parameters(), grad_clip=config.grad_clip,
+                learning_rate=lambda: learning_rate_at(self.optimizer_steps_taken(), config.learning_rate,
+                                                       config.warmup_steps),
+                loss_finite=loss_finite, agree=self._all_ranks_agree,
+            )
+            grad_norm, finite = update.grad_norm, update.applied
             if not finite:
-                # Adam would write NaN into every parameter and into its moments, from which no
-                # later step recovers: the update is dropped, the weights and the optimiser state
-                # (moments, step count, learning rate) stay as they were, and a later optimiser
-                # step on this batch would only repeat it.
-                self.optimizer.zero_grad(set_to_none=True)
-                break
-            learning_rate = learning_rate_at(self.optimizer_steps_taken(), config.learning_rate, config.warmup_steps)
-            for group in self.optimizer.param_groups:
-                group["lr"] = learning_rate
-            self.optimizer.step()
+                break  # dropped (learner/optimiser.py); a later pass on this batch would only repeat it
+            learning_rate = self.optimizer.param_groups[0]["lr"]
             applied += 1
         self.policy.eval()
         # Summed over passes, then divided by them below: the batch's own tokens and sequences,
@@ -497,11 +487,10 @@ class Trainer:
         """Restore `extra_state` (a checkpoint without it leaves the coefficient at its start)."""
         self.entropy_controller.load_state_dict(state.get("entropy_control", {}))
 
-    def _update_is_finite(self, loss_finite: bool, grad_norm: float) -> bool:
-        """Whether this pass's update may be applied: its loss and gradient norm finite. The norm
-        is already global over the ranks; the loss is each rank's own, so with several ranks the
-        verdict is combined and every rank skips, or steps, together."""
-        finite = loss_finite and math.isfinite(grad_norm)
+    def _all_ranks_agree(self, finite: bool) -> bool:
+        """Whether this pass's update may be applied on every rank: the gradient norm is already
+        global over the ranks, but each rank's loss is its own, so with several ranks the verdict
+        is combined and every rank skips, or steps, together."""
         if self.ranks.distributed:
             finite = distributed.all_reduce_max(0 if finite else 1) == 0
         return finite

@@ -22,7 +22,7 @@ from longhorizon.launch.cli import main as cli_main
 from longhorizon.launch.sft import run_sft
 from longhorizon.learner.logprobs import Example
 from longhorizon.learner.sft import load_sft_data, plan_sft_micro_batches, plan_steps, sft_loss
-from longhorizon.learner.trainer import learning_rate_at
+from longhorizon.learner.optimiser import learning_rate_at
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SFT_CONFIG = REPO_ROOT / "configs" / "codebook-sft.toml"
