@@ -156,6 +156,10 @@ def _config(args: argparse.Namespace) -> int:
 
     if args.config_command == "show":
         print(dump_toml(with_resolved_options(load_config(args.config, args.overrides))), end="")
+    elif args.config_command == "reference":
+        from longhorizon.launch.config_reference import current_reference
+
+        print(current_reference(), end="")
     else:
         print(json.dumps({**config_schema(), "algorithm_options": options_schemas()}, indent=1))
     return 0
@@ -309,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. run.total_steps=20")
     config_commands.add_parser("schema", help="the JSON schema of a config: every key's type, default and meaning, "
                                "and each built-in algorithm's options under algorithm_options")
+    config_commands.add_parser("reference", help="the key reference (docs/config.md) as Markdown, written from the schema")
     config.set_defaults(handler=_config)
 
     bench = commands.add_parser(

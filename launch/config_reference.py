@@ -1,0 +1,96 @@
+"""The key reference (docs/config.md), written from the config's JSON schema: every table and key
+with its type, default, allowed range and meaning, and each built-in algorithm's options.
+
+`longhorizon config reference` prints it; a test holds docs/config.md to it, so the reference
+changes only where a key's declaration (its type, default, `bounded(...)` range or docstring in
+common/config.py, or an algorithm's `Options`) changes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+_BOUNDS = (("minimum", ">= {}"), ("exclusiveMinimum", "> {}"), ("maximum", "<= {}"), ("exclusiveMaximum", "< {}"))
+
+
+def _type_of(field: dict[str, Any]) -> str:
+    if "anyOf" in field:
+        return " or ".join(_type_of(option) for option in field["anyOf"])
+    kind = field.get("type", "any")
+    if kind == "array":
+        items = field.get("items") or {}
+        return f"list of {_type_of(items)}" if items else "list"
+    return {"integer": "int", "number": "float", "boolean": "bool", "string": "str", "object": "table",
+            "null": "unset"}.get(kind, kind)
+
+
+def _default_of(field: dict[str, Any]) -> str:
+    if "default" not in field:
+        return "(required)" if field.get("type") != "object" else "`{}`"
+    return "unset" if field["default"] is None else f"`{json.dumps(field['default'])}`"
+
+
+def _range_of(field: dict[str, Any]) -> str:
+    return ", ".join(template.format(field[key]) for key, template in _BOUNDS if key in field)
+
+
+def _cell(text: str) -> str:
+    """One table cell: the docstring's lines joined, and `|` escaped."""
+    return " ".join(line.strip() for line in text.splitlines()).replace("|", "\\|")
+
+
+def _table(prefix: str, definition: dict[str, Any], definitions: dict[str, Any], sections: list[str]) -> None:
+    """The rows of one table's keys, and after it (in `sections`) each table nested in it."""
+    rows, nested = [], []
+    for key, field in definition.get("properties", {}).items():
+        if "$ref" in field:
+            nested.append((f"{prefix}.{key}", definitions[field["$ref"].rsplit("/", 1)[-1]], field.get("description", "")))
+            continue
+        rows.append(f"| `{key}` | {_type_of(field)} | {_default_of(field)} | {_range_of(field)} | "
+                    f"{_cell(field.get('description', ''))} |")
+    text = [f"## [{prefix}]", ""]
+    if definition.get("description"):
+        text += [_cell(definition["description"]), ""]
+    text += ["| key | type | default | range | meaning |", "|---|---|---|---|---|", *rows, ""]
+    sections.append("\n".join(text))
+    for nested_prefix, nested_definition, description in nested:
+        _table(nested_prefix, {**nested_definition, "description": description or nested_definition.get("description", "")},
+               definitions, sections)
+
+
+def config_reference(schema: dict[str, Any], algorithm_options: dict[str, Any]) -> str:
+    """The reference as Markdown, from `common.config.config_schema()` and
+    `learner.algorithms.options_schemas()`."""
+    definitions = schema.get("$defs", {})
+    sections = [
+        "# Config keys\n\n"
+        "Every key of a run's TOML config, by table: its type, default, allowed range and meaning. A key\n"
+        "that is not here, or a value of the wrong type or out of its range, is refused when the config\n"
+        "is loaded, in one line naming it. `longhorizon config show CONFIG` prints a config with every\n"
+        "default filled in; `longhorizon config schema` prints the JSON schema this page is written from\n"
+        "(`longhorizon config reference > docs/config.md` writes the page again).\n"
+    ]
+    for table, field in schema.get("properties", {}).items():
+        definition = definitions[field["$ref"].rsplit("/", 1)[-1]]
+        _table(table, definition, definitions, sections)
+    sections.append(
+        "## [learner.algorithm_options]\n\n"
+        "The keys of the algorithm `learner.algorithm` names, checked when it is made: another\n"
+        "algorithm's key is refused. A plug-in algorithm declares its own (docs/algorithms.md).\n"
+    )
+    for algorithm, options in algorithm_options.items():
+        rows = [f"| `{key}` | {_type_of(field)} | {_default_of(field)} | {_range_of(field)} | "
+                f"{_cell(field.get('description', ''))} |" for key, field in options.get("properties", {}).items()]
+        body = ["| key | type | default | range | meaning |", "|---|---|---|---|---|", *rows] if rows else ["No keys."]
+        about = [_cell(options["description"]), ""] if options.get("description") else []
+        sections.append("\n".join([f"### {algorithm}", "", *about, *body, ""]))
+    return "\n".join(sections)
+
+
+def current_reference() -> str:
+    """The reference of this installation's config and built-in algorithms."""
+    from longhorizon.common.config import config_schema
+    from longhorizon.learner.algorithms import options_schemas
+
+    return config_reference(config_schema(), options_schemas())
