@@ -33,8 +33,6 @@ from longhorizon.common.wire import (
 log = logging.getLogger(__name__)
 
 _ADMISSION_CHECK_S = 0.5
-ROLLOUT_SLOTS = ("group", "episode")
-"""What one of an async actor's slots holds (actor.rollout_slots)."""
 
 
 class ActorRefused(RuntimeError):

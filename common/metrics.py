@@ -125,9 +125,6 @@ _WANDB_INIT_KEYS = ("id", "project", "entity", "name", "tags", "mode", "dir")
 WANDB_STEP_METRIC = "train/step"
 """The learner step, logged in every W&B row and set as the x-axis of every other metric."""
 
-WANDB_MODES = ("online", "offline", "disabled")
-
-
 def wandb_mode(setting: str, environ: dict) -> str:
     """The W&B mode to use: WANDB_MODE when set, else `setting`, else online with an API key
     (WANDB_API_KEY) and offline without one."""

@@ -15,6 +15,10 @@ _BOUNDS = (("minimum", ">= {}"), ("exclusiveMinimum", "> {}"), ("maximum", "<= {
 
 
 def _type_of(field: dict[str, Any]) -> str:
+    if "enum" in field:
+        return "one of " + ", ".join(f"`{json.dumps(choice)}`" for choice in field["enum"])
+    if "const" in field:
+        return f"`{json.dumps(field['const'])}`"
     if "anyOf" in field:
         return " or ".join(_type_of(option) for option in field["anyOf"])
     kind = field.get("type", "any")

@@ -24,13 +24,12 @@ from typing import Any
 import numpy as np
 
 from longhorizon.common.codec import MAX_LOGPROB
+from longhorizon.common.config import PARTIAL_GROUP_POLICIES, STALENESS_UNITS
 from longhorizon.common.transport import RateLimitedLog
 from longhorizon.learner.samples import sample_lengths, window_problem, windows_of
 
-__all__ = ["DEFAULT_MAX_ABS_REWARD", "Group", "GroupBuffer", "PARTIAL_GROUP_POLICIES", "STALENESS_UNITS", "staleness",
-           "tokens_within_staleness"]
+__all__ = ["DEFAULT_MAX_ABS_REWARD", "Group", "GroupBuffer", "staleness", "tokens_within_staleness"]
 
-PARTIAL_GROUP_POLICIES = ("drop", "keep")
 _VERSIONS_REMEMBERED = 1024
 DEFAULT_MAX_ABS_REWARD = 1e6
 # The largest reward bound allowed: advantages reach twice the bound (rloo, dr_grpo), a critic's
@@ -67,9 +66,6 @@ def staleness(learner_version: int, policy_versions: np.ndarray, loss_mask: np.n
     return int(learner_version) - oldest_version
 
 
-STALENESS_UNITS = ("episode", "token")
-"""What learner.max_staleness bounds: a whole episode by its oldest generated token, or each
-generated token on its own (`tokens_within_staleness`)."""
 
 
 def tokens_within_staleness(learner_version: int, policy_versions: np.ndarray, loss_mask: np.ndarray,

@@ -35,7 +35,6 @@ from longhorizon.learner.sft import (
     conversation_example,
 )
 from longhorizon.learner.logprobs import Example
-from longhorizon.learner.trainer import PRECISIONS
 
 
 @dataclass
@@ -259,8 +258,6 @@ def check_dpo_config(config: Config) -> None:
         paths = getattr(dpo, key)
         if not all(isinstance(path, str) and path for path in paths):
             raise ConfigError(f"dpo.{key} must be a list of file paths, got {paths!r}")
-    if config.learner.precision not in PRECISIONS:
-        raise ConfigError(f"learner.precision must be one of {', '.join(PRECISIONS)}, got {config.learner.precision!r}")
     if config.learner.num_ranks != 1:
         raise ConfigError(f"dpo trains in one process: set learner.num_ranks=1 (got {config.learner.num_ranks})")
 

@@ -22,7 +22,6 @@ from longhorizon.common.conversations import (
 )
 from longhorizon.learner.logprobs import Example
 from longhorizon.learner.shared_prefix import plan_group_micro_batches, plan_micro_batches
-from longhorizon.learner.trainer import PRECISIONS
 
 # Files that make a checkpoint a self-contained model folder besides the weights and config (the
 # same set the RL checkpoints copy): the tokenizer, its chat template, the tiny models' marker.
@@ -104,8 +103,6 @@ def check_sft_config(config: Config) -> None:
                           'sft.data=["runs/oracle.jsonl"] (write one with `longhorizon collect`)')
     if not all(isinstance(path, str) and path for path in sft.data):
         raise ConfigError(f"sft.data must be a list of file paths, got {sft.data!r}")
-    if config.learner.precision not in PRECISIONS:
-        raise ConfigError(f"learner.precision must be one of {', '.join(PRECISIONS)}, got {config.learner.precision!r}")
     if config.learner.num_ranks != 1:
         raise ConfigError(f"sft trains in one process: set learner.num_ranks=1 (got {config.learner.num_ranks})")
 

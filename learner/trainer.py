@@ -61,7 +61,6 @@ def has_dropout(model) -> bool:
     return float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
 
 
-PRECISIONS = ("fp32", "bf16-mixed")
 
 
 class PolicyLogprobs(torch.nn.Module):
@@ -132,8 +131,6 @@ class Trainer:
         # The KL penalty and the entropy estimate are means, weighted like the loss ("sum" is a
         # per-sequence weighting, so they take per-sequence means there).
         self._monitor_level = "token" if self.aggregation == "token" else "sequence"
-        if config.precision not in PRECISIONS:
-            raise ValueError(f"learner.precision must be one of {', '.join(PRECISIONS)}, got {config.precision!r}")
         self.gradient_checkpointing = use_gradient_checkpointing(
             config.gradient_checkpointing, model, config.max_tokens_per_micro_batch)
         if self.gradient_checkpointing:

@@ -30,6 +30,8 @@ def test_a_row_says_type_default_range_and_meaning():
                 "rate": {"anyOf": [{"type": "number"}, {"type": "null"}], "default": None, "exclusiveMinimum": 0,
                          "maximum": 1, "description": "A share."},
                 "sub": {"$ref": "#/$defs/Sub", "description": "Nested keys."},
+                "how": {"enum": ["a", "b"], "type": "string", "default": "a", "description": "Which."},
+                "when": {"anyOf": [{"type": "boolean"}, {"const": "auto", "type": "string"}], "default": "auto"},
             }},
             "Sub": {"properties": {"names": {"type": "array", "items": {"type": "string"}, "description": "Names."}}},
         },
@@ -39,3 +41,5 @@ def test_a_row_says_type_default_range_and_meaning():
     assert "| `rate` | float or unset | unset | > 0, <= 1 | A share. |" in text
     assert "## [run.sub]\n\nNested keys.\n" in text and "| `names` | list of str | (required) |  | Names. |" in text
     assert "### mine\n\nIts keys.\n\nNo keys." in text
+    assert '| `how` | one of `"a"`, `"b"` | `"a"` |  | Which. |' in text
+    assert '| `when` | bool or `"auto"` | `"auto"` |  |  |' in text

@@ -109,9 +109,9 @@ async def test_a_groups_members_keep_the_cap_it_drew_when_its_first_member_start
         assert len({m.horizon_cap for m in members}) == 1, [m.horizon_cap for m in members]
 
 
-def test_an_unknown_rollout_slot_is_refused_before_anything_starts():
+def test_an_unknown_rollout_slot_is_refused_when_the_config_loads():
     from longhorizon.launch.checks import validate_config
 
-    config = load_config(None, ["actor.rollout_slots='token'"])
     with pytest.raises(ConfigError, match="actor.rollout_slots must be one of group, episode, got 'token'"):
-        validate_config(config)
+        load_config(None, ["actor.rollout_slots='token'"])
+    validate_config(load_config(None, ["actor.rollout_slots='episode'"]))
