@@ -175,6 +175,12 @@ def entropy_settings(config: LearnerConfig) -> EntropySettings:
     require(top_k != 1, "learner.entropy_top_k = 1 leaves one token, whose entropy is always 0: use 0 (the whole "
                         "vocabulary) or at least 2")
     require_bonus(top_k == 0, f"learner.entropy_top_k = {top_k}", "clamps")
+    # frozen_entropy is a level of the whole distribution's entropy; a clamped one never exceeds
+    # log k, so judged by it (frozen_entropy 0.8, k = 2) every failed row would count as frozen.
+    require(not (top_k and settings.entropy_scope == "frozen_groups"),
+            f"learner.entropy_scope = 'frozen_groups' picks rows by the whole distribution's entropy "
+            f"(frozen_entropy), which learner.entropy_top_k = {top_k} does not compute (its clamped entropy "
+            f"is at most log {top_k}): use entropy_top_k = 0, or entropy_scope = 'failed_groups'")
     if settings.uses_covariance and settings.cov_fraction is not None:
         require(0 < settings.cov_fraction <= 1, f"learner.cov_fraction must be in (0, 1], got {settings.cov_fraction}")
     if mode == "clip_cov":

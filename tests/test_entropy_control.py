@@ -143,6 +143,8 @@ def test_clip_cov_detaches_the_chosen_tokens_and_kl_cov_penalises_their_drift():
     ({"entropy_top_k": 4}, "learner.entropy_top_k = 4 clamps the entropy bonus, which is off"),
     ({"entropy_top_k": 4, "entropy_control": "clip_cov"}, "learner.entropy_top_k = 4 clamps the entropy bonus"),
     ({"entropy_top_k": 1, "entropy_coef": 0.1}, "learner.entropy_top_k = 1 leaves one token"),
+    ({"entropy_top_k": 2, "entropy_coef": 0.1, "entropy_scope": "frozen_groups", "frozen_entropy": 0.8},
+     "learner.entropy_scope = 'frozen_groups' picks rows by the whole distribution's entropy"),
 ])
 def test_bad_entropy_control_settings_are_refused_naming_the_key(settings, message):
     with pytest.raises(AlgorithmError, match=message):
