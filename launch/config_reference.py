@@ -1,5 +1,6 @@
 """The key reference (docs/config.md), written from the config's JSON schema: every table and key
-with its type, default, allowed range and meaning, and each built-in algorithm's options.
+with its type, default, allowed range and meaning, and each built-in algorithm's and engine's
+options.
 
 `longhorizon config reference` prints it; a test holds docs/config.md to it, so the reference
 changes only where a key's declaration (its type, default, `bounded(...)` range or docstring in
@@ -36,7 +37,9 @@ def _default_of(field: dict[str, Any]) -> str:
 
 
 def _range_of(field: dict[str, Any]) -> str:
-    return ", ".join(template.format(field[key]) for key, template in _BOUNDS if key in field)
+    """The bounds of a number, or of the number an optional key may be."""
+    bounds = [template.format(field[key]) for key, template in _BOUNDS if key in field]
+    return ", ".join(bounds) or ", ".join(filter(None, (_range_of(option) for option in field.get("anyOf", []))))
 
 
 def _cell(text: str) -> str:
@@ -63,9 +66,10 @@ def _table(prefix: str, definition: dict[str, Any], definitions: dict[str, Any],
                definitions, sections)
 
 
-def config_reference(schema: dict[str, Any], algorithm_options: dict[str, Any]) -> str:
-    """The reference as Markdown, from `common.config.config_schema()` and
-    `learner.algorithms.options_schemas()`."""
+def config_reference(schema: dict[str, Any], algorithm_options: dict[str, Any],
+                     engine_options: dict[str, Any] | None = None) -> str:
+    """The reference as Markdown, from `common.config.config_schema()`,
+    `learner.algorithms.options_schemas()` and `actor.engines.base.engine_options_schemas()`."""
     definitions = schema.get("$defs", {})
     sections = [
         "# Config keys\n\n"
@@ -78,23 +82,32 @@ def config_reference(schema: dict[str, Any], algorithm_options: dict[str, Any]) 
     for table, field in schema.get("properties", {}).items():
         definition = definitions[field["$ref"].rsplit("/", 1)[-1]]
         _table(table, definition, definitions, sections)
-    sections.append(
-        "## [learner.algorithm_options]\n\n"
-        "The keys of the algorithm `learner.algorithm` names, checked when it is made: another\n"
-        "algorithm's key is refused. A plug-in algorithm declares its own (docs/algorithms.md).\n"
-    )
-    for algorithm, options in algorithm_options.items():
-        rows = [f"| `{key}` | {_type_of(field)} | {_default_of(field)} | {_range_of(field)} | "
-                f"{_cell(field.get('description', ''))} |" for key, field in options.get("properties", {}).items()]
-        body = ["| key | type | default | range | meaning |", "|---|---|---|---|---|", *rows] if rows else ["No keys."]
-        about = [_cell(options["description"]), ""] if options.get("description") else []
-        sections.append("\n".join([f"### {algorithm}", "", *about, *body, ""]))
+    _option_tables(sections, "learner.algorithm_options",
+                   "The keys of the algorithm `learner.algorithm` names, checked when it is made: another\n"
+                   "algorithm's key is refused. A plug-in algorithm declares its own (docs/algorithms.md).\n",
+                   algorithm_options)
+    _option_tables(sections, "actor.engine_options",
+                   "The keys of the engine `actor.engine` names, checked before any process starts. The openai\n"
+                   "engine reads its own (docs/actor-types.md); the scripted engine takes none.\n",
+                   engine_options or {})
     return "\n".join(sections)
+
+
+def _option_tables(sections: list[str], key: str, about: str, by_part: dict[str, Any]) -> None:
+    """A part's own keys (each algorithm's or engine's `Options`), one table per part."""
+    sections.append(f"## [{key}]\n\n{about}")
+    for part, options in by_part.items():
+        rows = [f"| `{name}` | {_type_of(field)} | {_default_of(field)} | {_range_of(field)} | "
+                f"{_cell(field.get('description', ''))} |" for name, field in options.get("properties", {}).items()]
+        body = ["| key | type | default | range | meaning |", "|---|---|---|---|---|", *rows] if rows else ["No keys."]
+        description = [_cell(options["description"]), ""] if options.get("description") else []
+        sections.append("\n".join([f"### {part}", "", *description, *body, ""]))
 
 
 def current_reference() -> str:
     """The reference of this installation's config and built-in algorithms."""
+    from longhorizon.actor.engines.base import engine_options_schemas
     from longhorizon.common.config import config_schema
     from longhorizon.learner.algorithms import options_schemas
 
-    return config_reference(config_schema(), options_schemas())
+    return config_reference(config_schema(), options_schemas(), engine_options_schemas())

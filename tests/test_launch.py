@@ -29,6 +29,7 @@ from longhorizon.launch.launcher import format_progress
         ("run.target_success=1.5", r"run.target_success must be in \[0, 1\]"),
         ("run.target_window=0", "run.target_window must be >= 1"),
         ("learner.gradient_checkpointing=sometimes", 'learner.gradient_checkpointing must be true, false or "auto"'),
+        ("actor.engine_options.devise='cpu'", "unknown config key actor.engine_options.devise .*valid keys: device"),
     ],
 )
 def test_validate_config_names_the_problem(override, message):

@@ -44,11 +44,14 @@ PROMPTS = [
 
 
 def test_options_name_the_valid_ones():
-    from longhorizon.actor.engines.vllm import VLLMOptions
+    from longhorizon.actor.engines.base import engine_options
+    from longhorizon.actor.engines.vllm import VLLMEngine
 
-    assert VLLMOptions.from_dict({"load_format": "dummy", "kv_cache_gib": 2}).kv_cache_gib == 2
-    with pytest.raises(ValueError, match="unknown vllm engine option 'kv_cache'; valid: load_format"):
-        VLLMOptions.from_dict({"kv_cache": 2})
+    assert engine_options(VLLMEngine, {"load_format": "dummy", "kv_cache_gib": 2}).kv_cache_gib == 2
+    with pytest.raises(ValueError, match="unknown config key actor.engine_options.kv_cache .* valid keys: enforce_eager"):
+        engine_options(VLLMEngine, {"kv_cache": 2})
+    with pytest.raises(ValueError, match="actor.engine_options.load_format must be one of auto, safetensors, dummy"):
+        engine_options(VLLMEngine, {"load_format": "npz"})
 
 
 def test_vllm_logs_errors_only_in_a_console_unless_the_user_chose_a_level(monkeypatch):

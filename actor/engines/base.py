@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 from longhorizon.common.chat import ChatTokenizer
-from longhorizon.common.config import SamplingConfig
+from longhorizon.common.config import SamplingConfig, check_section
 from longhorizon.common.plugins import PluginError, Registry
 
 
@@ -196,9 +196,33 @@ def reject_engine_options(engine_name: str, settings: EngineSettings) -> None:
         )
 
 
+def engine_options(engine_cls: type, options: dict) -> Any:
+    """`actor.engine_options` as the engine declares them: its `Options` model (a
+    `common.config.Section`, each key with its type, default and docstring) checked, or a
+    ConfigError naming the key; the dict itself for an engine that declares none and reads its
+    options itself."""
+    declared = getattr(engine_cls, "Options", None)
+    if declared is None:
+        return dict(options)
+    return check_section(declared, dict(options), "actor.engine_options")
+
+
+def engine_options_schemas() -> dict:
+    """The JSON schema of each built-in engine's declared options, by name (`longhorizon config
+    schema`); engines that read their options themselves (openai) or take none are left out."""
+    schemas = {}
+    for name in ENGINES.builtin_names():
+        declared = getattr(ENGINES.get(name), "Options", None)
+        if declared is not None:
+            schemas[name] = declared.model_json_schema()
+    return schemas
+
+
 def check_engine_settings(engine_cls: type, settings: EngineSettings) -> None:
-    """The engine's own check of its settings before any process starts (ValueError), when it
-    has one (`check_settings`, a classmethod): e.g. the scripted engine's policy exists."""
+    """The engine's own checks of its settings before any process starts (ValueError): its
+    declared options (`engine_options`), then its `check_settings` (a classmethod) where it has
+    one: e.g. the scripted engine's policy exists."""
+    engine_options(engine_cls, settings.engine_options)
     check = getattr(engine_cls, "check_settings", None)
     if check is not None:
         check(settings)

@@ -24,9 +24,11 @@ from longhorizon.actor.engines.base import (
     EngineSettings,
     GenerationRequest,
     GenerationResult,
+    engine_options,
     tokens_through_stop_string,
 )
 from longhorizon.common.chat import HFChatTokenizer
+from longhorizon.common.config import Section
 from longhorizon.common.models import check_state_for, load_state_into
 
 log = logging.getLogger(__name__)
@@ -49,27 +51,25 @@ class ResultWithTopLogprobs(GenerationResult):
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
-HF_ENGINE_OPTIONS = {
-    "device": "where the model runs: auto (a CUDA GPU when present, else the CPU), cpu, cuda or cuda:N",
-}
+class HFOptions(Section):
+    """The hf engine's keys of `actor.engine_options`."""
+
+    device: str = "auto"
+    """Where the model runs: auto (a CUDA GPU when present, else the CPU), cpu, cuda or cuda:N."""
 
 
 class HFEngine:
     """Token-in / token-out generation with per-token log-probs using transformers."""
 
     capabilities = EngineCapabilities(takes_lora=True, weight_transports=("inline", "path", "collective"))
+    Options = HFOptions
 
     def __init__(self, settings: EngineSettings) -> None:
         import torch
 
         from longhorizon.common.models import load_causal_lm, load_tokenizer, resolve_device
 
-        unknown = sorted(set(settings.engine_options) - set(HF_ENGINE_OPTIONS))
-        if unknown:
-            raise ValueError(
-                f"unknown hf engine option {unknown[0]!r}; valid: {', '.join(sorted(HF_ENGINE_OPTIONS))}"
-            )
-        self.device = resolve_device(str(settings.engine_options.get("device", "auto")))
+        self.device = resolve_device(engine_options(HFEngine, settings.engine_options).device)
         torch.set_num_threads(max(1, settings.torch_threads))
         # transformers samples from torch's global generator.
         torch.manual_seed(settings.seed)

