@@ -257,9 +257,13 @@ class ThroughputWindow:
         self._points: deque[tuple[float, float, float | None]] = deque(maxlen=steps + 1)
 
     def add(self, record: dict) -> Rates | None:
-        """The rates up to `record`, or None while there is no earlier record to measure from."""
+        """The rates up to `record`, or None while there is no earlier record to measure from. A
+        learner process's first record (`learner_started`) starts the window again: a restarted
+        learner's clock and counts continue from its checkpoint, not from the last record shown."""
         if "trajectories_received" not in record or "time" not in record:
             return None
+        if record.get("learner_started"):
+            self._points.clear()
         tokens = record.get("generated_tokens_received")
         self._points.append((float(record["time"]), float(record["trajectories_received"]),
                              None if tokens is None else float(tokens)))
@@ -277,14 +281,18 @@ def format_progress(record: dict, total_steps: int, rates: Rates | None = None) 
     count only what arrived during that step."""
     episodes_per_s = record.get("episodes_per_s", 0.0) if rates is None else rates.episodes_per_s
     tokens_per_s = record.get("tokens_per_s", 0.0) if rates is None or rates.tokens_per_s is None else rates.tokens_per_s
+    if rates is None and record.get("learner_started"):
+        # The learner's first step counts what queued while it loaded: no rate to show yet.
+        rate_text = "     - ep/s |       - tok/s"
+    else:
+        rate_text = f"{episodes_per_s:6.2f} ep/s | {tokens_per_s:7.1f} tok/s"
     return (
         f"step {record.get('step', 0):>4}/{total_steps}"
         f" | reward {record.get('reward_mean', 0.0):6.3f}"
         f" | success {record.get('success_rate', 0.0):5.1%}"
         f" | horizon {record.get('horizon_cap', 0)} (stage {record.get('horizon_stage', 0)})"
         f" | staleness {record.get('staleness_mean', 0.0):4.2f}"
-        f" | {episodes_per_s:6.2f} ep/s"
-        f" | {tokens_per_s:7.1f} tok/s"
+        f" | {rate_text}"
         f" | groups {record.get('groups_used', 0)} used, {record.get('groups_skipped_zero_variance', 0)} flat"
     )
 

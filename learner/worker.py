@@ -672,6 +672,7 @@ class Learner:
         run = self.config.run
         recent_success: deque[float] = deque(maxlen=run.target_window)
         target_reached = False
+        first_step_of_process = True
         while self.step < run.total_steps and not target_reached:
             groups = await self._collect_batch()
             scored = self.trainer.algorithm.score(groups)
@@ -697,6 +698,11 @@ class Learner:
             record = self._record(groups, scored, train_metrics, now - last_step_time, trained_version)
             if decision:
                 record["horizon_decision"] = decision
+            if first_step_of_process:
+                # What queued while this process loaded (all of it, after a restart) arrives in
+                # this step: its per-step rates are not the actors' (the progress line says so).
+                record["learner_started"] = True
+                first_step_of_process = False
             recent_success.append(record["success_rate"])
             target_reached = target_success_reached(list(recent_success), run.target_success, run.target_window)
             if target_reached:

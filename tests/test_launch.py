@@ -152,6 +152,24 @@ def test_the_progress_line_shows_the_rate_over_the_last_steps_not_the_last_step_
     assert old.add({"time": 2.0, "trajectories_received": 8}) == (4.0, None)
 
 
+def test_a_restarted_learner_starts_the_rate_again_and_shows_none_for_its_first_step():
+    """A learner restarted from its step-5 checkpoint resumes its clock (120 s) and counts (200)
+    from there, and receives at once what the actors queued while it loaded: mixed with the
+    records before the kill (up to 160 s and 300 episodes) the window would show 10/5 = 2 episodes
+    a second from nothing the actors did."""
+    from longhorizon.launch.launcher import ThroughputWindow
+
+    window = ThroughputWindow()
+    for time, count in ((100.0, 150), (120.0, 200), (140.0, 250), (160.0, 300)):
+        window.add({"time": time, "trajectories_received": count})
+    first = {"step": 6, "time": 125.0, "trajectories_received": 260, "episodes_per_s": 12.0, "learner_started": True}
+    assert window.add(first) is None
+    assert "     - ep/s |       - tok/s" in format_progress(first, 10, None)
+    assert window.add({"step": 7, "time": 135.0, "trajectories_received": 280}) == (2.0, None)
+    fresh = {"step": 1, "time": 5.0, "trajectories_received": 8, "episodes_per_s": 1.6, "learner_started": True}
+    assert "     - ep/s" in format_progress(fresh, 10, ThroughputWindow().add(fresh))
+
+
 def _raises_in_a_trio_task(exception: BaseException):
     """A command's main that, like eval, runs trio in this process and meets `exception` in a
     task: trio hands it on wrapped in an exception group."""
