@@ -411,7 +411,7 @@ class LearnerConfig(Section):
     folder on a filesystem every actor can read) or `collective` (a torch.distributed group between
     the learner and each actor's engine, gloo or NCCL: no disk, no copy through ZeroMQ; engines hf
     and vllm), a `longhorizon.weights` entry point, or `package.module:Class` (learner/weights/)."""
-    weights_backend: str = "auto"
+    weights_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """`collective`: the process-group backend. auto (nccl when the learner trains on a CUDA GPU,
     else gloo), gloo (buffers in CPU memory) or nccl (GPU buffers; the engines must be on GPUs)."""
     weights_bucket_mb: int = bounded(128, ge=1)

@@ -115,10 +115,7 @@ def check_collective_settings(config, learner_device: str) -> None:
             "lacks (torch.distributed.is_available() is False); use 'inline' or 'path', or install a "
             "torch build with distributed support"
         )
-    backend = learner_config.weights_backend
-    if backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"learner.weights_backend must be auto, gloo or nccl, got {backend!r}")
-    backend = resolve_backend(backend, learner_device)
+    backend = resolve_backend(learner_config.weights_backend, learner_device)
     if backend == "gloo" and not dist.is_gloo_available():
         raise ValueError("learner.weights_backend 'gloo': this torch build has no gloo backend")
     if backend == "nccl":
@@ -128,10 +125,6 @@ def check_collective_settings(config, learner_device: str) -> None:
             raise ValueError(
                 "learner.weights_backend 'nccl' needs CUDA GPUs and a torch build with NCCL; use 'gloo'"
             )
-    if not learner_config.weights_bucket_mb > 0:
-        raise ValueError("learner.weights_bucket_mb must be positive")
-    if not learner_config.weights_timeout_s > 0:
-        raise ValueError("learner.weights_timeout_s must be positive")
     host = config.transport.host
     if not is_loopback_host(host) and not getattr(config.transport, "insecure", False):
         raise ValueError(

@@ -501,7 +501,7 @@ def test_wrong_collective_settings_are_refused_before_any_process_starts(tmp_pat
     validate_config(config())  # hf actors take it
     with pytest.raises(ConfigError, match="actor.engine 'scripted' cannot take weights sent as 'collective'"):
         validate_config(config("actor.engine='scripted'", "actor.scripted_policy='random'"))
-    with pytest.raises(ConfigError, match="weights_backend must be auto, gloo or nccl"):
+    with pytest.raises(ConfigError, match="learner.weights_backend must be one of auto, gloo, nccl, got 'mpi'"):
         validate_config(config("learner.weights_backend='mpi'"))
     with pytest.raises(ConfigError, match="learner.weights_bucket_mb must be >= 1, got 0"):
         validate_config(config("learner.weights_bucket_mb=0"))
