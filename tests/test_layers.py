@@ -198,3 +198,28 @@ def test_the_cycle_check_sees_a_deferred_import_and_not_a_type_checking_one(tmp_
     (folder / "third.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                                      "    from longhorizon.learner import first\n")
     assert import_cycles(module_graph(files, root=tmp_path)) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Scripts outside the package name only what the package has
+# --------------------------------------------------------------------------------------------
+
+
+def _python_scripts() -> list[Path]:
+    return sorted(path for path in (ROOT / "scripts").iterdir()
+                  if path.is_file() and path.read_text(errors="replace").startswith("#!/usr/bin/env python"))
+
+
+def test_every_name_a_script_imports_from_the_package_exists():
+    """scripts/ are Python without a .py suffix, which no import of the suite reaches: a name
+    moved to another module would only fail when someone runs the script (or its slow test)."""
+    import importlib
+
+    missing = []
+    for path in _python_scripts():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGE + "."):
+                module = importlib.import_module(node.module)
+                missing += [f"{path.name}:{node.lineno}: {node.module}.{alias.name}"
+                            for alias in node.names if not hasattr(module, alias.name)]
+    assert _python_scripts() and not missing, "\n".join(missing)
