@@ -34,9 +34,10 @@ from longhorizon.envs.server import EnvServer
 from longhorizon.envs.service import ServiceSettings, build_task_table
 
 
-def _request(port: int, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None):
+def _request(port: int, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None,
+             timeout_s: float = 10.0):
     """One request on a fresh connection: (status, decoded JSON body, response headers)."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
         data = json.dumps(body).encode() if isinstance(body, dict) else body
         connection.request(method, path, body=data, headers=headers or {})
@@ -498,13 +499,14 @@ async def test_sciworld_through_remote_matches_in_process():
 @pytest.mark.slow
 def test_sciworld_reset_fields_and_action_hints():
     with EnvServer(ServiceSettings("sciworld", env_options={"task_names": ["boil"]}, max_instances=2)) as server:
-        status, created, _ = _request(server.port, "POST", "/create", {"data_idx": 0})
+        # A SciWorld instance starts a JVM: on 2 busy cores that alone has taken over 10 s.
+        status, created, _ = _request(server.port, "POST", "/create", {"data_idx": 0}, timeout_s=120)
         assert status == 200
         task = build_task_table("sciworld", {"task_names": ["boil"]}).by_data_idx[0]
         assert created["task_name"] == task.data["task_name"] == "boil"
         assert created["var_num"] == task.data["variation"]
         assert created["task_description"] == created["observation"].split("\n", 1)[0]
-        status, hint, _ = _request(server.port, "GET", f"/action_hint?id={created['id']}")
+        status, hint, _ = _request(server.port, "GET", f"/action_hint?id={created['id']}", timeout_s=60)
         assert status == 200 and "look around" in hint["action_hint"]
         assert hint["action_hint"] == sorted(hint["action_hint"])
     with EnvServer(ServiceSettings("codebook")) as server:
