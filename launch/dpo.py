@@ -130,13 +130,11 @@ def run_dpo(config: Config, *, note: Callable[[str], None] = print, progress_str
         metrics.write(record)
         bar.update(record["step"], f"| epoch {record['epoch']}/{dpo.epochs} | loss {record['dpo_loss']:.4f} | "
                                    f"accuracy {record['preference_accuracy']:.2f}")
-        if dpo.checkpoint_every and record["step"] % dpo.checkpoint_every == 0 and record["step"] < len(plan):
-            save(record["step"], record["epoch"] - 1)
 
     try:
         records = run_offline_steps(
             model, optimizer, plan, OfflineSettings(dpo.learning_rate, dpo.warmup_steps, dpo.grad_clip),
-            accumulate, on_step,
+            accumulate, on_step, checkpoint_every=dpo.checkpoint_every, save=save,
         )
         checkpoint = save(len(plan), dpo.epochs - 1)
     finally:

@@ -135,13 +135,11 @@ def run_sft(config: Config, *, note: Callable[[str], None] = print, progress_str
         metrics.write(record)
         bar.update(record["step"], f"| epoch {record['epoch']}/{sft.epochs} | loss {record['sft_loss']:.4f} | "
                                    f"{record['sequence_tokens'] / max(record['learner_step_seconds'], 1e-9):.0f} tok/s")
-        if sft.checkpoint_every and record["step"] % sft.checkpoint_every == 0 and record["step"] < len(plan):
-            save(record["step"], record["epoch"] - 1)
 
     try:
         records = run_offline_steps(
             model, optimizer, plan, OfflineSettings(sft.learning_rate, sft.warmup_steps, sft.grad_clip),
-            accumulate, on_step,
+            accumulate, on_step, checkpoint_every=sft.checkpoint_every, save=save,
         )
         checkpoint = save(len(plan), sft.epochs - 1)
     finally:

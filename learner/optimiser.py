@@ -69,13 +69,17 @@ def run_offline_steps(
     settings: OfflineSettings,
     accumulate: Callable[[list[int]], dict[str, float]],
     on_step: Callable[[dict], None],
+    *,
+    checkpoint_every: int = 0,
+    save: Callable[[int, int], object] | None = None,
 ) -> list[dict]:
     """Train through `plan` ((epoch, example indices) per optimiser step): for each step, clear
     the gradient, let `accumulate(indices)` run the step's micro-batches forward and backward
     (returning the step's figures: a non-finite value among them marks the loss non-finite),
     then apply the update. Each step's record (`step` from 1, `epoch` from 1, the figures,
     `learning_rate`, `grad_norm`, `nonfinite_step`, `learner_step_seconds`) goes to `on_step`
-    (metrics, progress, checkpoints) and is returned with the others."""
+    (metrics, progress) and is returned with the others. Every `checkpoint_every` steps before the
+    last, `save(step, epoch index)` writes a checkpoint (the caller saves the last one itself)."""
     records = []
     model.train()
     for step_index, (epoch, indices) in enumerate(plan):
@@ -90,5 +94,7 @@ def run_offline_steps(
                   "learner_step_seconds": time.perf_counter() - started}
         records.append(record)
         on_step(record)
+        if save is not None and checkpoint_every and record["step"] % checkpoint_every == 0 and record["step"] < len(plan):
+            save(record["step"], epoch)
     model.eval()
     return records

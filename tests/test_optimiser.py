@@ -68,8 +68,10 @@ def test_the_offline_loop_steps_through_its_plan_and_skips_a_non_finite_step():
         loss.backward()
         return {"loss": math.nan if indices == [1] else loss.item()}
 
+    saved = []
     records = run_offline_steps(model, optimizer, [(0, [0]), (0, [1]), (1, [2])], OfflineSettings(0.25, 2, 10.0),
-                                accumulate, seen.append)
+                                accumulate, seen.append, checkpoint_every=1, save=lambda *at: saved.append(at))
+    assert saved == [(1, 0), (2, 0)]  # every step but the last, which the caller saves
     assert seen == records and [r["step"] for r in records] == [1, 2, 3] and [r["epoch"] for r in records] == [1, 1, 2]
     assert [r["learning_rate"] for r in records] == [0.125, 0.25, 0.25]
     assert [r["nonfinite_step"] for r in records] == [0.0, 1.0, 0.0]
