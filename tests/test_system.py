@@ -263,7 +263,10 @@ def test_the_adaptive_horizon_moves_through_its_stages_and_resumes_in_the_same_s
     test (a stepwise cap is a pure function of the step; the adaptive stage and window must come
     from the checkpoint, the stronger check)."""
     adaptive = ["horizon.schedule='adaptive'", "horizon.stages=[1, 2, 3]", "horizon.window=2",
-                "horizon.min_stage_steps=4", "horizon.min_gain=1.0", "learner.checkpoint_every=3"]
+                "horizon.min_stage_steps=4", "horizon.min_gain=1.0", "learner.checkpoint_every=3",
+                "run.save_episodes=true", "learner.max_staleness=1"]
+    # max_staleness = 1: the last steps cannot all train on a backlog played under the last
+    # stage's cap (groups are taken oldest first), so episodes at cap 3 are trained on for sure.
     expected_caps = [1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3]
 
     first = _start(_overrides(tmp_path, byte_model, "adaptive", 6, adaptive))
@@ -284,6 +287,14 @@ def test_the_adaptive_horizon_moves_through_its_stages_and_resumes_in_the_same_s
     decisions = {r["step"]: r["horizon_decision"] for r in records if "horizon_decision" in r}
     assert sorted(decisions) == [4, 8]
     assert decisions[8].startswith("step 8: ")  # the stay counted from step 4, across the resume
-    # The actors played under each cap: 3-turn episodes are all cut at cap 1, none at cap 3.
-    assert records[0]["truncated_rate"] == 1.0 and records[-1]["truncated_rate"] == 0.0
+    # The actors played under each cap: 3-turn episodes are all cut at cap 1, none at cap 3. Judged
+    # per episode (the episode files hold the cap each was played under): a step may train on
+    # groups played under the last stage's cap for as long as they are within max_staleness.
+    played = [json.loads(line) for path in sorted((run_dir / "episodes").glob("episodes-*.jsonl"))
+              for line in path.read_text().splitlines()]
+    truncated_by_cap = {}
+    for episode in played:
+        truncated_by_cap.setdefault(episode["metadata"]["horizon_cap"], set()).add(episode["truncated"])
+    assert truncated_by_cap == {1: {True}, 2: {True}, 3: {False}}
+    assert records[0]["truncated_rate"] == 1.0
     assert [r["cut_by_cap_rate"] for r in records] == [r["truncated_rate"] for r in records]  # the cap's cuts only
