@@ -163,6 +163,9 @@ class ActorConfig(Section):
     agent: str = ""
     """Agent loop (prompt format, action parsing, history shown): "" for the env's own prompt
     format, `react`, `bare`, a `longhorizon.agents` entry point or `package.module:attribute`."""
+    agent_options: dict = Field(default_factory=dict)
+    """Settings of the chosen agent loop, which declares and checks them (`tools`: format,
+    ...; see docs/actor-types.md)."""
     history_turns: int = bounded(0, ge=0)
     """What the model sees of a long episode: 0, the whole history (or what the agent loop
     shows); K > 0, the first prompt (the task) and only the last K turns. Each turn then trains as
@@ -698,7 +701,8 @@ class Config(Section):
 
 
 # Tables whose keys are free-form (passed through to a component that validates them itself).
-_FREE_FORM = {("env", "options"), ("actor", "engine_options"), ("learner", "algorithm_options")}
+_FREE_FORM = {("env", "options"), ("actor", "engine_options"), ("actor", "agent_options"),
+              ("learner", "algorithm_options")}
 
 
 def check_section(model: type[Section], values: dict, key: str) -> Section:
