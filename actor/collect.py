@@ -34,6 +34,7 @@ from longhorizon.common.conversations import (
     tokenize_conversation,
     without_trailing_observations,
 )
+from longhorizon.envs.agents import configured_agent
 
 
 @dataclass
@@ -130,7 +131,7 @@ async def collect_episodes(
                     max_context_tokens=config.actor.max_context_tokens,
                     max_new_tokens=config.actor.sampling.max_new_tokens, seed=seed,
                     episode_id=f"collect-{index}", invalid_reply_reward=config.actor.invalid_reply_reward,
-                    env_call_timeout_s=config.actor.env_call_timeout_s, agent=config.actor.agent,
+                    env_call_timeout_s=config.actor.env_call_timeout_s, agent=configured_agent(config.actor.agent, config.actor.agent_options),
                     history_turns=config.actor.history_turns,
                 )
                 pool.release(env, broken=bool(result.error))

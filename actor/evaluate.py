@@ -12,6 +12,7 @@ import trio
 
 from longhorizon.actor.engines.base import Engine
 from longhorizon.actor.rollout import EnvPool, run_episode
+from longhorizon.envs.agents import configured_agent
 
 if TYPE_CHECKING:
     from longhorizon.common.config import Config
@@ -107,7 +108,8 @@ def evaluate_model_folder(config: "Config", model_folder: str | Path, episodes: 
             return await evaluate(
                 engine, config.env.name, dict(config.env.options), split=config.env.eval_split, episodes=episodes,
                 horizon_cap=max(config.horizon.stages), max_new_tokens=config.actor.sampling.max_new_tokens,
-                max_context_tokens=config.actor.max_context_tokens, seed=config.run.seed, agent=config.actor.agent,
+                max_context_tokens=config.actor.max_context_tokens, seed=config.run.seed,
+                agent=configured_agent(config.actor.agent, config.actor.agent_options),
                 history_turns=config.actor.history_turns,
                 samples_per_task=samples_per_task,
             )

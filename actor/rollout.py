@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 import numpy as np
 import trio
 
-from longhorizon.envs.agents import ActionParseError, AgentLoop, agent_loop_for
+from longhorizon.envs.agents import ActionParseError, AgentLoop, agent_loop_for, episode_loop
 from longhorizon.actor.engines.base import Engine, GenerationRequest
 from longhorizon.common.chat import TokenConversation
 from longhorizon.common.codec import pack_arrays
@@ -101,8 +101,12 @@ async def run_episode(
         started = time.perf_counter()
         observation, info = await env_call("reset", env.reset, task, seed=seed)
         result.env_seconds += time.perf_counter() - started
-        loop = agent_loop_for(env, agent)
-        conversation = TokenConversation.start(engine.tokenizer, loop.first_messages(env.instructions(), observation))
+        loop = episode_loop(agent_loop_for(env, agent), env, engine.tokenizer)
+        prompt_tools = getattr(loop, "prompt_tools", lambda: None)()
+        stop_strings = (loop.stop_strings(env) if hasattr(loop, "stop_strings")
+                        else tuple(getattr(env, "stop_strings", ())))
+        conversation = TokenConversation.start(
+            engine.tokenizer, loop.first_messages(env.instructions(), observation), tools=prompt_tools)
         result.conversation = conversation
         if len(conversation) + max_new_tokens > max_context_tokens:
             # Nothing the model could write would fit; the learner would refuse it as too long.
@@ -122,7 +126,7 @@ async def run_episode(
                     episode_id=episode_id,
                     messages=view.messages,
                     task=task,
-                    stop_strings=tuple(getattr(env, "stop_strings", ())),
+                    stop_strings=stop_strings,
                 )
             )
             result.generation_seconds += time.perf_counter() - started
@@ -141,6 +145,8 @@ async def run_episode(
                 started = time.perf_counter()
                 observation, reward, terminated, truncated, info = await env_call("step", env.step, action)
                 result.env_seconds += time.perf_counter() - started
+                if hasattr(loop, "env_observation"):
+                    observation = loop.env_observation(observation)
                 result.success = bool(info.get("success", False))
             result.turn_rewards.append(float(reward))
             if terminated or truncated:

@@ -29,6 +29,7 @@ from longhorizon.common.models import WeightsRefused
 from longhorizon.common.wire import (
     ActorStats, CollectiveWeights, Heartbeat, Hello, HorizonUpdate, Stop, Trajectory, WeightsUpdate,
 )
+from longhorizon.envs.agents import configured_agent
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +255,7 @@ class Actor:
             max_context_tokens=self.config.actor.max_context_tokens,
             max_new_tokens=self.config.actor.sampling.max_new_tokens,
             seed=self.rng.randrange(2**31),
-            agent=self.config.actor.agent,
+            agent=configured_agent(self.config.actor.agent, self.config.actor.agent_options),
             history_turns=self.config.actor.history_turns,
             on_trajectory=self._send,
             invalid_reply_reward=self.config.actor.invalid_reply_reward,

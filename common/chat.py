@@ -7,6 +7,7 @@ re-tokenised, so what the learner trains on is exactly what the actor sampled.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -18,8 +19,9 @@ class ChatTokenizer(Protocol):
 
     eos_token_id: int
 
-    def prompt_tokens(self, messages: Sequence[dict]) -> list[int]:
-        """Tokens of a whole conversation, ending with the prompt for the assistant's turn."""
+    def prompt_tokens(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        """Tokens of a whole conversation, ending with the prompt for the assistant's turn; `tools`
+        (OpenAI function schemas) for the template to render, where `renders_tools` says it can."""
 
     def continuation_tokens(self, observation: str, *, stopped_on_eos: bool) -> list[int]:
         """Tokens that follow a generated assistant turn: its closing (and the end-of-turn token
@@ -49,10 +51,23 @@ class HFChatTokenizer:
         self.eos_token_id = int(tokenizer.eos_token_id)
         self._after_eos, self._before_observation, self._after_observation = self._template_pieces()
 
-    def _render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
+    def _render(self, messages: Sequence[dict], add_generation_prompt: bool, tools: Sequence[dict] | None = None) -> str:
         return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+            tools=list(tools) if tools else None,
         )
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows the tool schemas it is given (Qwen's and Hermes' do,
+        SmolLM2's does not): a probe tool's name must appear in the rendering."""
+        probe = {"type": "function", "function": {
+            "name": "PROBE_TOOL_NAME", "description": "", "parameters": {"type": "object", "properties": {}}}}
+        messages = [{"role": "user", "content": self._PROBE_USER}]
+        try:
+            return "PROBE_TOOL_NAME" in self._render(messages, add_generation_prompt=True, tools=[probe])
+        except Exception:  # a template that fails on `tools` renders none
+            return False
 
     def _template_pieces(self) -> tuple[str, str, str]:
         """Split the template around one user turn that follows an assistant turn.
@@ -77,9 +92,12 @@ class HFChatTokenizer:
         before, after = new_turn.split(self._PROBE_OBSERVATION, 1)
         return after_eos, before, after
 
-    def prompt_tokens(self, messages: Sequence[dict]) -> list[int]:
+    def prompt_tokens(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        if tools and not self.renders_tools:
+            raise ValueError("the model's chat template renders no tools: describe them in a message instead")
         ids = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=True, add_generation_prompt=True, return_dict=False
+            list(messages), tokenize=True, add_generation_prompt=True, return_dict=False,
+            tools=list(tools) if tools else None,
         )
         return [int(i) for i in ids]
 
@@ -109,7 +127,11 @@ class ByteChatTokenizer:
     def _turn(self, role: str, content: str) -> list[int]:
         return [self.IM_START, *f"{role}\n{content}".encode(), self.IM_END, *b"\n"]
 
-    def prompt_tokens(self, messages: Sequence[dict]) -> list[int]:
+    renders_tools = False
+
+    def prompt_tokens(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        if tools:
+            raise ValueError("the byte tokenizer renders no tools: describe them in a message instead")
         ids: list[int] = []
         for message in messages:
             ids += self._turn(message["role"], message["content"])
@@ -161,9 +183,13 @@ class TokenConversation:
     """Where each turn (a reply and the observation after it) begins in token_ids."""
 
     @classmethod
-    def start(cls, tokenizer: ChatTokenizer, messages: Sequence[dict]) -> "TokenConversation":
+    def start(cls, tokenizer: ChatTokenizer, messages: Sequence[dict],
+              tools: Sequence[dict] | None = None) -> "TokenConversation":
+        """The first prompt; `tools` are rendered by the chat template (tokenizers that take none
+        are called without them)."""
         conversation = cls(tokenizer=tokenizer, messages=[dict(m) for m in messages])
-        conversation._append(tokenizer.prompt_tokens(messages), generated=False)
+        prompt = tokenizer.prompt_tokens(messages, tools=tools) if tools else tokenizer.prompt_tokens(messages)
+        conversation._append(prompt, generated=False)
         conversation.prompt_length = len(conversation.token_ids)
         conversation.prompt_messages = len(conversation.messages)
         return conversation

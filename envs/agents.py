@@ -7,10 +7,21 @@ An agent loop owns the three things between the model's tokens and the env's tex
   observation tells the model how to answer (the turn still counts, the env is not stepped);
 - what the model sees of the history for its next turn (everything, by default).
 
-Two built-in loops, named after the prompt formats the envs declare (`Env.prompt_format`):
+Built-in loops; the first two are named after the prompt formats the envs declare
+(`Env.prompt_format`):
 - `react`: the model writes `Thought:` ... `Action:` ...; the action is the first non-empty line
   after `Action:`. More than one `Action:` is an error (the reference counts it as one too).
 - `bare`: the whole reply, stripped, is the action.
+- `tools`: the model calls the env's actions as tools (envs/tools.py), written in a tool-call
+  format (envs/tool_calls.py: `hermes`, `json`, or a plug-in); the chat template renders the tool
+  schemas where it can, else the format describes them in the system message. A reply with no
+  call, several calls, a garbled call or wrong arguments is an invalid action whose observation
+  is the parser's reason.
+
+A loop may declare `Options` (a `common.config.Section`): `actor.agent_options` is checked against
+it before any process starts, and the loop is made with the checked options. A loop that needs
+the env or the tokenizer of an episode (the `tools` loop: the env's tools, whether the template
+renders them) gives `for_episode(env, tokenizer)`, which returns the loop the episode runs.
 
 Loops are found by name like every other part (common/plugins.py): the built-ins, parts
 registered in this process, the `longhorizon.agents` entry-point group, or a dotted path
@@ -22,10 +33,15 @@ crashes the actor.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import field_validator
 
 from longhorizon.common.chat import ConversationView, TokenConversation
+from longhorizon.common.config import ConfigError, Section, check_section
 from longhorizon.common.plugins import PluginError, Registry
+from longhorizon.envs.tool_calls import ToolCallFormatError, ToolCallParseError, get_tool_call_format
+from longhorizon.envs.tools import ToolArgumentError, ToolSet, env_tool_set
 
 _ACTION_MARKER = re.compile(r"(?im)^\s*\**\s*action\s*\**\s*:")
 _MAX_ACTION_CHARS = 1000
@@ -68,6 +84,24 @@ class AgentLoop:
     def error_observation(self, error: ActionParseError) -> str:
         """What the model is told instead of an env step when its reply could not be parsed."""
         return f"Invalid reply: {error}."
+
+    def for_episode(self, env: Any, tokenizer: Any) -> "AgentLoop":
+        """The loop an episode of `env` runs with the engine's `tokenizer` (this one, unless the
+        loop needs either: the `tools` loop binds the env's tools here)."""
+        return self
+
+    def prompt_tools(self) -> list[dict] | None:
+        """Tool schemas the chat template renders into the first prompt (None: none)."""
+        return None
+
+    def stop_strings(self, env: Any) -> tuple[str, ...]:
+        """Where a reply may end before the end-of-turn token: the env's own stop strings."""
+        return tuple(getattr(env, "stop_strings", ()))
+
+    def env_observation(self, observation: str) -> str:
+        """The text the model is shown for what an env step returned (the tools loop wraps it as
+        the tool's result)."""
+        return observation
 
     def model_view(self, conversation: TokenConversation) -> ConversationView:
         """What the model sees for its next turn. Build it only from the conversation's own views
@@ -120,6 +154,99 @@ class BareLoop(AgentLoop):
         return action[:_MAX_BARE_REPLY_CHARS]
 
 
+class ToolsOptions(Section):
+    format: str = "hermes"
+    """How the model writes its calls: `hermes` (JSON in <tool_call> tags: Hermes, Qwen2.5,
+    Qwen3), `json` (the reply is the call as a JSON object: Llama 3.1), a
+    `longhorizon.tool_call_formats` entry point or `package.module:attribute`."""
+    tools_in: Literal["auto", "template", "system"] = "auto"
+    """Where the tool schemas are shown: `template` (the chat template renders them, as the model
+    was trained), `system` (the format's description in the system message, for templates that
+    render no tools, such as SmolLM2's) or `auto` (the template where it renders tools)."""
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, name: str) -> str:
+        try:
+            get_tool_call_format(name)
+        except ToolCallFormatError as error:
+            raise ValueError(f"actor.agent_options.format: {error}") from None
+        return name
+
+
+def template_renders_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template shows tool schemas passed to it."""
+    return bool(getattr(tokenizer, "renders_tools", False))
+
+
+class ToolsLoop(AgentLoop):
+    """The model calls the env's actions as tools, one call per turn."""
+
+    name = "tools"
+    Options = ToolsOptions
+    needs_env_tools = True
+
+    def __init__(self, options: ToolsOptions | None = None, *, tool_set: ToolSet | None = None,
+                 template_tools: bool = False) -> None:
+        self.options = options or ToolsOptions()
+        self.format = get_tool_call_format(self.options.format)
+        self.tool_set = tool_set
+        self.template_tools = template_tools
+
+    def for_episode(self, env: Any, tokenizer: Any) -> "ToolsLoop":
+        renders = template_renders_tools(tokenizer)
+        if self.options.tools_in == "template" and not renders:
+            raise ValueError(
+                "actor.agent_options.tools_in = \"template\", but the model's chat template renders no "
+                "tools: use \"system\" (or \"auto\") to describe them in the system message")
+        in_template = self.options.tools_in == "template" or (self.options.tools_in == "auto" and renders)
+        return ToolsLoop(self.options, tool_set=env_tool_set(env), template_tools=in_template)
+
+    def _tools(self) -> ToolSet:
+        if self.tool_set is None:
+            raise RuntimeError("the tools loop plays an episode once bound to its env: call for_episode(env, tokenizer)")
+        return self.tool_set
+
+    def first_messages(self, instructions: str, observation: str) -> list[dict]:
+        """The env's instructions for tool-calling agents (not its text ones, which ask for
+        another reply layout), with the tools described when the template does not show them."""
+        tools = self._tools()
+        system = tools.instructions
+        if not self.template_tools:
+            system = f"{system}\n\n{self.format.tools_prompt(tools.schemas())}" if system else \
+                self.format.tools_prompt(tools.schemas())
+        return [{"role": "system", "content": system}, {"role": "user", "content": observation}]
+
+    def prompt_tools(self) -> list[dict] | None:
+        return self._tools().schemas() if self.template_tools else None
+
+    def stop_strings(self, env: Any) -> tuple[str, ...]:
+        """The format's (after the first call), not the env's: those end its text actions."""
+        return tuple(getattr(self.format, "stop_strings", ()))
+
+    def parse_action(self, reply: str) -> str:
+        tools = self._tools()
+        try:
+            calls = self.format.parse(reply).calls
+        except ToolCallParseError as error:
+            raise ActionParseError(str(error)) from None
+        if not calls:
+            raise ActionParseError(
+                f"no tool call found: call one of the tools ({', '.join(t.name for t in tools.tools)})")
+        if len(calls) > 1:
+            raise ActionParseError(f"{len(calls)} tool calls in one reply: make exactly one call per turn")
+        try:
+            return tools.action_for(calls[0])
+        except ToolArgumentError as error:
+            raise ActionParseError(str(error)) from None
+
+    def error_observation(self, error: ActionParseError) -> str:
+        return f"Invalid tool call: {error}."
+
+    def env_observation(self, observation: str) -> str:
+        return self.format.tool_result(observation)
+
+
 _LOOP_METHODS = ("first_messages", "parse_action", "error_observation", "model_view")
 
 
@@ -136,7 +263,8 @@ def _check_agent_loop(name: str, part: Any) -> None:
 AGENT_LOOPS: Registry = Registry(
     "agent loop",
     "longhorizon.agents",
-    {"react": "longhorizon.envs.agents:ReactLoop", "bare": "longhorizon.envs.agents:BareLoop"},
+    {"react": "longhorizon.envs.agents:ReactLoop", "bare": "longhorizon.envs.agents:BareLoop",
+     "tools": "longhorizon.envs.agents:ToolsLoop"},
     check=_check_agent_loop,
 )
 
@@ -165,12 +293,36 @@ def get_agent_loop(name: str) -> AgentLoop:
     return part() if isinstance(part, type) else part
 
 
+def configured_agent(name: str, options: dict) -> AgentLoop | str:
+    """The agent loop `actor.agent` and `actor.agent_options` ask for: the name itself when there
+    are no options (looked up per env, "" being each env's own loop), else the loop made with its
+    declared options checked (ConfigError with the key on a bad one)."""
+    if not options:
+        return name
+    if not name:
+        raise ConfigError("actor.agent_options needs actor.agent naming the loop they are for")
+    try:
+        part = AGENT_LOOPS.get(name)
+    except PluginError as error:
+        raise ConfigError(f"actor.agent: {error}") from None
+    declared = getattr(part, "Options", None)
+    if declared is None or not isinstance(part, type):
+        raise ConfigError(f"agent loop {name!r} takes no options, got {', '.join(sorted(options))}")
+    return part(check_section(declared, dict(options), "actor.agent_options"))
+
+
 def agent_loop_for(env: Any, agent: AgentLoop | str = "") -> AgentLoop:
     """The loop an episode of `env` runs: `agent` when given (a loop or its name), else the loop
     named by the env's own prompt format."""
     if isinstance(agent, str):
         return get_agent_loop(agent or env.prompt_format)
     return agent
+
+
+def episode_loop(loop: AgentLoop, env: Any, tokenizer: Any) -> AgentLoop:
+    """The loop bound to one episode (`for_episode`, for loops that have it)."""
+    bind = getattr(loop, "for_episode", None)
+    return bind(env, tokenizer) if callable(bind) else loop
 
 
 def parse_action(reply: str, prompt_format: str) -> str:

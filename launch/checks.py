@@ -75,6 +75,7 @@ def validate_config(config: Config) -> None:
             get_agent_loop(config.actor.agent)
         except AgentLoopError as error:
             raise ConfigError(f"actor.agent: {error}") from None
+    check_agent_options(config)
     if not list_tasks(config.env.name, config.env.train_split, **dict(config.env.options)):
         raise ConfigError(f"env {config.env.name!r} has no {config.env.train_split!r} tasks")
     try:
@@ -161,3 +162,20 @@ def _check_lora(config: Config, capabilities, publisher) -> None:
         check_targets_of_model_folder(settings, resolve_model_path(config.model.path, config.model.cache_dir))
     except LoraError as error:
         raise ConfigError(str(error)) from None
+
+
+def check_agent_options(config: Config) -> None:
+    """`actor.agent_options` against the loop's declared options, and, for a loop that plays an
+    env by its tools, an env class that offers some (ConfigError)."""
+    from longhorizon.envs.agents import configured_agent, get_agent_loop
+    from longhorizon.envs.base import get_env_spec
+
+    configured_agent(config.actor.agent, config.actor.agent_options)
+    if not config.actor.agent:
+        return
+    loop = get_agent_loop(config.actor.agent)
+    factory = get_env_spec(config.env.name).factory
+    if getattr(loop, "needs_env_tools", False) and isinstance(factory, type) and not hasattr(factory, "tool_set"):
+        raise ConfigError(
+            f"actor.agent = {config.actor.agent!r} plays an env by its tools, and env {config.env.name!r} "
+            "offers none: use a text agent loop (\"react\", \"bare\" or \"\" for the env's own)")

@@ -71,11 +71,13 @@ def make_eval_engine(config, checkpoint: str | Path | None = None, engine_option
 
 async def _play(engine, config, tasks, *, samples: int, horizon_cap: int, on_episode=lambda record: None):
     from longhorizon.actor.evaluate import play_tasks
+    from longhorizon.envs.agents import configured_agent
 
     return await play_tasks(
         engine, config.env.name, dict(config.env.options), tasks, samples=samples, horizon_cap=horizon_cap,
         max_new_tokens=config.actor.sampling.max_new_tokens, max_context_tokens=config.actor.max_context_tokens,
-        agent=config.actor.agent, history_turns=config.actor.history_turns, on_episode=on_episode,
+        agent=configured_agent(config.actor.agent, config.actor.agent_options),
+        history_turns=config.actor.history_turns, on_episode=on_episode,
     )
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Sequence
 
 from longhorizon.common.processes import stop_process
+from longhorizon.envs.agents import configured_agent
 
 ARMS = ("fixed-short", "fixed-long", "stepwise", "adaptive")
 ARM_COLOURS = {"fixed-short": "tab:blue", "fixed-long": "tab:red", "stepwise": "tab:green", "adaptive": "tab:purple"}
@@ -269,7 +270,7 @@ def evaluate_model(config, model_folder: Path, cap: int) -> dict:
     records = trio.run(lambda: play_tasks(
         engine, config.env.name, dict(config.env.options), tasks, samples=1, horizon_cap=cap,
         max_new_tokens=config.actor.sampling.max_new_tokens, max_context_tokens=config.actor.max_context_tokens,
-        agent=config.actor.agent, history_turns=config.actor.history_turns,
+        agent=configured_agent(config.actor.agent, config.actor.agent_options), history_turns=config.actor.history_turns,
     ))
     failed = [record for record in records if record.error]
     if failed:

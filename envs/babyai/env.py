@@ -21,6 +21,7 @@ from longhorizon.envs.babyai.levels import (
 from longhorizon.envs.babyai.policies import OraclePolicy, RandomPolicy
 from longhorizon.envs.babyai.view import CHECK_ACTIONS, View, read_view, render_actions, render_view
 from longhorizon.envs.base import EnvSpec, Task
+from longhorizon.envs.tools import EnvTool, ToolSet, object_schema
 
 ENV_NAME = "babyai"
 
@@ -86,6 +87,46 @@ def tasks(
     return result
 
 
+
+TOOL_INSTRUCTIONS = """\
+You are an agent in a grid world of rooms, walls, doors and objects (keys, balls, boxes). Each \
+episode gives you a goal, such as "go to the red ball" or "open the blue door". After every \
+action you are told what you see (positions are counted in steps from you: in front, to your left \
+or right), what you carry, and the list of actions available right now. Act with the tools, naming \
+objects and doors exactly as that list does (e.g. "red ball 1"): you can carry one object; going to \
+a door counts as reaching it; opening a door (a locked one needs its key) or a box is a toggle. \
+Call one tool per turn."""
+
+
+def _seen(description: str) -> dict:
+    return object_schema({"target": {"type": "string", "description": description}})
+
+
+def babyai_tool_set() -> ToolSet:
+    """BabyAI's actions as tools; the targets are the labels the list of available actions shows."""
+    return ToolSet(TOOL_INSTRUCTIONS, (
+        EnvTool("turn", "Turn left or right on the spot.",
+                object_schema({"direction": {"type": "string", "enum": ["left", "right"]}}),
+                lambda arguments: f"turn {arguments['direction']}"),
+        EnvTool("move_forward", "Step one cell forward.", object_schema({}), lambda arguments: "move forward"),
+        EnvTool("go_to", "Walk next to a seen object or door and face it.",
+                _seen("The object as listed, e.g. red ball 1."), lambda arguments: f"go to {arguments['target']}"),
+        EnvTool("pickup", "Go to a seen object and pick it up.",
+                _seen("The object as listed, e.g. yellow key 1."), lambda arguments: f"pickup {arguments['target']}"),
+        EnvTool("go_through", "Walk through an open door.",
+                _seen("The door as listed, e.g. blue door 1."), lambda arguments: f"go through {arguments['target']}"),
+        EnvTool("toggle_and_go_through", "Open a closed door and walk through it.",
+                _seen("The door as listed, e.g. blue door 1."),
+                lambda arguments: f"toggle and go through {arguments['target']}"),
+        EnvTool("toggle", "Open or close the door, or open the box, right in front of you.",
+                object_schema({}), lambda arguments: "toggle"),
+        EnvTool("drop", "Put down what you carry in the empty cell in front of you.",
+                object_schema({}), lambda arguments: "drop"),
+        EnvTool("check_available_actions", "List the actions available now.",
+                object_schema({}), lambda arguments: CHECK_ACTIONS),
+    ))
+
+
 class BabyAIEnv:
     """One BabyAI episode at a time; reuse the object across episodes with reset."""
 
@@ -109,6 +150,9 @@ class BabyAIEnv:
 
     def instructions(self) -> str:
         return INSTRUCTIONS
+
+    def tool_set(self) -> ToolSet:
+        return babyai_tool_set()
 
     async def reset(self, task: Task, *, seed: int | None = None) -> tuple[str, dict]:
         level, layout_seed = task_level_and_seed(task)

@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import trio
 from longhorizon.envs.base import EnvSpec, Task
+from longhorizon.envs.tools import EnvTool, ToolSet, object_schema
 from longhorizon.envs.sciworld.catalog import (
     ACTION_TEMPLATES,
     ENV_NAME,
@@ -55,6 +56,26 @@ Thought:
 
 Action:
 <one action>""".format(templates="\n".join(f"- {template}: {meaning}" for template, meaning in ACTION_TEMPLATES.items()))
+
+
+TOOL_INSTRUCTIONS = """\
+You are an agent in ScienceWorld, a text simulation of a house with a kitchen, a workshop, a \
+greenhouse and more, where you carry out science procedures: boiling, measuring, building \
+circuits, finding and classifying living things, mixing chemicals. Each episode gives you a task; \
+after every action you are told what happened. Act with the act tool, one action per call, written \
+as one of these templates (OBJ is an object or place as the observations name it):
+{templates}
+Doors must be open before you can go through them. When an action could mean several objects, you \
+are shown a numbered list: act with just the number. Call one tool per turn.""".format(
+    templates="\n".join(f"- {template}: {meaning}" for template, meaning in ACTION_TEMPLATES.items()))
+
+
+def sciworld_tool_set() -> ToolSet:
+    """One tool: ScienceWorld's actions are open-ended text over its templates."""
+    return ToolSet(TOOL_INSTRUCTIONS, (EnvTool(
+        "act", "Do one action, written as one of the action templates (or the number of a choice).",
+        object_schema({"action": {"type": "string", "description": "e.g. open door to kitchen"}}),
+        lambda arguments: arguments["action"]),))
 
 
 def clamped_score(score: int) -> int:
@@ -96,6 +117,9 @@ class SciWorldEnv:
 
     def instructions(self) -> str:
         return INSTRUCTIONS
+
+    def tool_set(self) -> ToolSet:
+        return sciworld_tool_set()
 
     @property
     def jvm_pid(self) -> int | None:

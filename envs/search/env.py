@@ -21,6 +21,7 @@ from typing import Mapping
 import trio
 
 from longhorizon.envs.base import EnvSpec, Task
+from longhorizon.envs.tools import EnvTool, ToolSet, object_schema
 from longhorizon.envs.search.data import BUILTIN, QAItem, SearchData, resolve_data
 from longhorizon.envs.search.policies import OraclePolicy, RandomPolicy
 from longhorizon.envs.search.pytool import PythonLimits, format_result, run_python
@@ -49,6 +50,11 @@ Question: In which country is the Varnholt Institute headquartered?
 <search> Lyon city population </search>
 <information>Doc 1 (Title: Lyon) Lyon is a city in France ...</information>
 <answer> France </answer>"""
+
+_TOOL_INSTRUCTIONS = """\
+Answer the given question. When you lack knowledge, search for it with the search tool, as many \
+times as you need. When you know the answer, give it with the answer tool, without a detailed \
+explanation; if it is wrong you are told so and may keep trying. Call one tool per turn."""
 
 _PYTHON_INSTRUCTIONS = """
 To compute something, write a Python program inside <python> and </python>: what it prints comes \
@@ -127,6 +133,24 @@ class SearchEnv:
 
     def instructions(self) -> str:
         return _INSTRUCTIONS.format(python=_PYTHON_INSTRUCTIONS if self.python_tool else "")
+
+    def tool_set(self) -> ToolSet:
+        """search and answer (and python with python_tool), each call written as the reply the
+        bare format reads."""
+        tools = [
+            EnvTool("search", "Search the corpus; the top passages come back.",
+                    object_schema({"query": {"type": "string", "description": "What to look for."}}),
+                    lambda arguments: f"<search> {arguments['query']} </search>"),
+            EnvTool("answer", "Give the final answer: a few words, without explanation.",
+                    object_schema({"answer": {"type": "string", "description": "The answer, e.g. Beijing."}}),
+                    lambda arguments: f"<answer> {arguments['answer']} </answer>"),
+        ]
+        if self.python_tool:
+            tools.append(EnvTool(
+                "python", "Run a Python program without network access, with limited time and memory; what it "
+                "prints comes back.", object_schema({"code": {"type": "string", "description": "The program."}}),
+                lambda arguments: f"<python>\n{arguments['code']}\n</python>"))
+        return ToolSet(_TOOL_INSTRUCTIONS, tuple(tools))
 
     async def _ensure_retriever(self) -> Retriever:
         if self.retriever is None:

@@ -31,6 +31,7 @@ import re
 from typing import Mapping
 
 from longhorizon.envs.base import EnvSpec, Task
+from longhorizon.envs.tools import EnvTool, ToolSet, object_schema
 from longhorizon.envs.textcraft.policies import OraclePolicy, RandomPolicy
 from longhorizon.envs.textcraft.recipes import RecipeBook, count_items, display_name, load_recipe_book
 
@@ -148,6 +149,44 @@ def first_observation(book: RecipeBook, goal: str, num_distractors: int, rng: ra
     return "Crafting commands:\n{}\n\nGoal: craft {}.".format("\n".join(lines), display_name(goal))
 
 
+TOOL_INSTRUCTIONS = """\
+You are crafting items in a Minecraft-like world. Each task lists crafting commands and a goal item. \
+Use the tools to take base items (items no listed recipe makes), to craft with the exact ingredient \
+counts of a listed recipe (a whole multiple of them crafts several batches at once) and to look at \
+what you carry. An ingredient that names a kind of item, such as "planks", accepts any item of that \
+kind, such as "oak planks"; name the exact item you use. Call one tool per turn."""
+
+_COUNT = {"type": "integer", "minimum": 1, "description": "How many."}
+
+
+def _craft_action(arguments: dict) -> str:
+    ingredients = ", ".join(f"{part['count']} {part['item']}" for part in arguments["ingredients"])
+    return f"craft {arguments['count']} {arguments['item']} using {ingredients}"
+
+
+def textcraft_tool_set() -> ToolSet:
+    """TextCraft's commands as tools: get, craft, inventory."""
+    ingredient = object_schema({"item": {"type": "string", "description": "The exact item used."}, "count": _COUNT})
+    return ToolSet(TOOL_INSTRUCTIONS, (
+        EnvTool(
+            "get", "Take some of a base item (an item no listed recipe makes).",
+            object_schema({"item": {"type": "string", "description": "The base item, e.g. oak logs."}, "count": _COUNT}),
+            lambda arguments: f"get {arguments['count']} {arguments['item']}",
+        ),
+        EnvTool(
+            "craft", "Craft an item from the ingredients of one of the listed crafting commands.",
+            object_schema({
+                "item": {"type": "string", "description": "The item to craft, e.g. oak planks."},
+                "count": _COUNT,
+                "ingredients": {"type": "array", "items": ingredient, "minItems": 1,
+                                "description": "Each ingredient used, with its count."},
+            }),
+            _craft_action,
+        ),
+        EnvTool("inventory", "Show what you carry.", object_schema({}), lambda arguments: "inventory"),
+    ))
+
+
 def _normalize_action(action: str) -> str:
     return " ".join(action.split()).rstrip(".").strip()
 
@@ -169,6 +208,9 @@ class TextCraftEnv:
 
     def instructions(self) -> str:
         return INSTRUCTIONS
+
+    def tool_set(self) -> ToolSet:
+        return textcraft_tool_set()
 
     async def reset(self, task: Task, *, seed: int | None = None) -> tuple[str, dict]:
         goal = task.data.get("goal") if isinstance(task.data, Mapping) else None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 from urllib.parse import urljoin
 
+from longhorizon.envs.tools import EnvTool, object_schema
 from longhorizon.envs.web.browser import is_allowed
 from longhorizon.envs.web.observation import BID_ATTRIBUTE
 
@@ -81,6 +82,34 @@ class Action:
 
     def __str__(self) -> str:
         return f"{self.name}({', '.join(repr(arg) for arg in self.args)})"
+
+
+def _json_schema(types: type | tuple[type, ...]) -> dict:
+    """A parameter's JSON type: an element id is a string, a number an int or float."""
+    accepted = types if isinstance(types, tuple) else (types,)
+    if str in accepted:
+        return {"type": "string"}
+    return {"type": "integer"} if accepted == (int,) else {"type": "number"}
+
+
+def action_tools() -> tuple[EnvTool, ...]:
+    """Every action as a tool of the same name and parameters; a call becomes the action's text
+    (`click('12')`), parsed and run as a typed action is."""
+
+    def text_of(name: str, spec: ActionSpec) -> Callable[[dict], str]:
+        def action(arguments: dict) -> str:
+            given = [arguments[param] for param, _ in spec.params if param in arguments]
+            return f"{name}({', '.join(repr(value) for value in given)})"
+        return action
+
+    tools = []
+    for name, spec in ACTION_SPECS.items():
+        properties = {param: _json_schema(types) for param, types in spec.params}
+        required = [param for param, _ in spec.params[:spec.required]]
+        description = spec.help.split(": ", 1)[-1]
+        tools.append(EnvTool(name, description[:1].upper() + description[1:] + ".",
+                             object_schema(properties, required), text_of(name, spec)))
+    return tuple(tools)
 
 
 def action_help() -> str:

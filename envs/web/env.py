@@ -34,7 +34,8 @@ from typing import Any, Mapping
 import trio
 
 from longhorizon.envs.base import Task
-from longhorizon.envs.web.actions import Action, ActionError, action_help, execute, parse_action
+from longhorizon.envs.tools import ToolSet
+from longhorizon.envs.web.actions import Action, ActionError, action_help, action_tools, execute, parse_action
 from longhorizon.envs.web.browser import BrowserFailure, BrowserPool, BrowserSession, SessionOptions, shared_pool
 from longhorizon.envs.web.evaluators import evaluate
 from longhorizon.envs.web.observation import capture
@@ -57,6 +58,13 @@ Thought:
 
 Action:
 <one action, e.g. click('12')>"""
+
+
+TOOL_INSTRUCTIONS = """\
+You are an agent browsing the web to complete a task. Each observation shows the goal, the URL, \
+the open tabs, the error of your last action (if any) and the page as an accessibility tree: one \
+element per line, with an id in brackets for elements you can act on, e.g. [12] button 'Submit'. \
+Act with the tools, naming elements by those ids ("12"). Call one tool per turn."""
 
 
 def placeholder(site_name: str) -> str:
@@ -121,6 +129,9 @@ class BrowserEnv:
 
     def instructions(self) -> str:
         return INSTRUCTIONS.format(actions=action_help())
+
+    def tool_set(self) -> ToolSet:
+        return ToolSet(TOOL_INSTRUCTIONS, action_tools())
 
     # -- hooks for subclasses ----------------------------------------------------------------------
 
