@@ -207,48 +207,66 @@ class ActorConfig(Section):
     """Sampling settings for generation."""
 
 
-# The built-in algorithms' keys, which sat directly under [learner] before each algorithm owned
-# its keys: still read there, and moved into learner.algorithm_options on loading.
+# Keys that sat directly under [learner] before the part that reads them owned a table of its own:
+# still read there, and moved into that table on loading. The built-in algorithms' keys keep their
+# names in learner.algorithm_options; the collective transport's drop their `weights_` prefix in
+# learner.weights_options.
 ALGORITHM_KEY_ALIASES = (
     "clip_eps", "clip_eps_low", "clip_eps_high", "loss", "weight_level", "aggregation",
     "behaviour_weight_cap", "overlong_max_tokens", "overlong_buffer_tokens", "loss_normaliser_tokens",
     "critic", "gamma", "lam", "value_coef", "value_clip", "advantage_std_scaling",
 )
+WEIGHTS_KEY_ALIASES = {
+    "weights_backend": "backend", "weights_bucket_mb": "bucket_mb", "weights_timeout_s": "timeout_s",
+}
+"""The older spelling of each of the collective transport's keys, and its key in weights_options."""
+
+_MOVED_KEYS = {
+    "algorithm_options": {key: key for key in ALGORITHM_KEY_ALIASES},
+    "weights_options": WEIGHTS_KEY_ALIASES,
+}
+"""For each part's table of [learner], the keys written directly under [learner] that go into it."""
 
 
-def move_algorithm_keys(values: Any) -> Any:
-    """A [learner] table with the built-in algorithms' keys written directly under it, as one with
-    them in `algorithm_options` (an unset None is dropped); a key given both ways is refused."""
-    if not isinstance(values, dict) or not any(key in values for key in ALGORITHM_KEY_ALIASES):
+def move_flat_keys(values: Any) -> Any:
+    """A [learner] table with a part's keys written directly under it (a built-in algorithm's
+    `clip_eps`, the collective transport's `weights_bucket_mb`), as one with them in that part's
+    table (`algorithm_options.clip_eps`, `weights_options.bucket_mb`; an unset None is dropped);
+    a key given both ways is refused."""
+    if not isinstance(values, dict):
         return values
     values = dict(values)
-    options = values.get("algorithm_options", {})
-    if not isinstance(options, dict):
-        return values  # the table's own check names the bad type
-    options = dict(options)
-    for key in ALGORITHM_KEY_ALIASES:
-        if key not in values:
+    for table, aliases in _MOVED_KEYS.items():
+        if not any(flat in values for flat in aliases):
             continue
-        value = values.pop(key)
-        if value is None:
-            continue
-        if key in options:
-            raise ValueError(f"learner.{key} and learner.algorithm_options.{key} are both set: keep one")
-        options[key] = value
-    values["algorithm_options"] = options
+        options = values.get(table, {})
+        if not isinstance(options, dict):
+            continue  # the table's own check names the bad type
+        options = dict(options)
+        for flat, key in aliases.items():
+            if flat not in values:
+                continue
+            value = values.pop(flat)
+            if value is None:
+                continue
+            if key in options:
+                raise ValueError(f"learner.{flat} and learner.{table}.{key} are both set: keep one")
+            options[key] = value
+        values[table] = options
     return values
 
 
 class LearnerConfig(Section):
-    _move_algorithm_keys = model_validator(mode="before")(move_algorithm_keys)
+    _move_flat_keys = model_validator(mode="before")(move_flat_keys)
 
     def replace(self, **changes: Any):
-        """As Section.replace; a built-in algorithm's key given directly (`clip_eps=0.1`) replaces
-        its value in `algorithm_options`."""
-        moved = {key: changes.pop(key) for key in ALGORITHM_KEY_ALIASES if key in changes}
-        if moved:
-            options = {**changes.get("algorithm_options", self.algorithm_options), **moved}
-            changes["algorithm_options"] = {key: value for key, value in options.items() if value is not None}
+        """As Section.replace; a part's key given directly under [learner] in its older spelling
+        (`clip_eps=0.1`, `weights_bucket_mb=64`) replaces its value in that part's table."""
+        for table, aliases in _MOVED_KEYS.items():
+            moved = {key: changes.pop(flat) for flat, key in aliases.items() if flat in changes}
+            if moved:
+                options = {**changes.get(table, getattr(self, table)), **moved}
+                changes[table] = {key: value for key, value in options.items() if value is not None}
         return super().replace(**changes)
 
     groups_per_step: int = bounded(2, ge=1)
@@ -413,18 +431,16 @@ class LearnerConfig(Section):
     """`inline` (tensors over the broadcast socket: works across hosts), `path` (a safetensors
     folder on a filesystem every actor can read) or `collective` (a torch.distributed group between
     the learner and each actor's engine, gloo or NCCL: no disk, no copy through ZeroMQ; engines hf
-    and vllm), a `longhorizon.weights` entry point, or `package.module:Class` (learner/weights/)."""
-    weights_backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """`collective`: the process-group backend. auto (nccl when the learner trains on a CUDA GPU,
-    else gloo), gloo (buffers in CPU memory) or nccl (GPU buffers; the engines must be on GPUs)."""
-    weights_bucket_mb: int = bounded(128, ge=1)
-    """`collective`: tensors travel in buckets of about this many MiB, one broadcast each (a larger
-    tensor travels alone); dtypes are kept (bf16 stays bf16)."""
-    weights_timeout_s: float = bounded(120.0, gt=0)
-    """`collective`: the longest any one wait may take (forming an actor's group, sending or
-    receiving a bucket); past it the waiting side raises an error naming its peer, the learner
-    drops that actor's group and the others carry on. It must cover the time an engine needs to
-    take an update between turns (the hf engine waits for its batch in progress)."""
+    and vllm), a `longhorizon.weights` entry point, or `package.module:Class` (learner/weights/).
+    Its own settings go in `weights_options`."""
+    weights_options: dict = Field(default_factory=dict)
+    """The chosen transport's own keys, declared by it (its `Options` model) and checked before any
+    process starts, as the config's own keys are: unknown ones and values out of range refused,
+    naming the key; a transport that declares none takes none (inline, path). The collective's
+    (backend, bucket_mb, timeout_s) are listed in docs/config.md and by `longhorizon config schema`;
+    unset keys take the transport's defaults. The collective's keys written directly under
+    [learner] with a `weights_` prefix (`learner.weights_bucket_mb`, the older spelling) are read
+    as these."""
     checkpoint_every: int = bounded(10, ge=1)
     """Write a checkpoint every N steps (and always at the end)."""
     sample_episodes_every: int = bounded(1, ge=1)
@@ -702,7 +718,7 @@ class Config(Section):
 
 # Tables whose keys are free-form (passed through to a component that validates them itself).
 _FREE_FORM = {("env", "options"), ("actor", "engine_options"), ("actor", "agent_options"),
-              ("learner", "algorithm_options")}
+              ("learner", "algorithm_options"), ("learner", "weights_options")}
 
 
 def check_section(model: type[Section], values: dict, key: str) -> Section:

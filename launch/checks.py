@@ -2,7 +2,8 @@
 
 A key's own type and range are checked where it is declared, on loading (common/config.py), and
 an algorithm's own options where the algorithm is made. What is left lives here: the choices
-that name a part (an engine, a weights transport, an env, an agent loop) and the rules between
+that name a part (an engine, a weights transport, an env, an agent loop), the options such a part
+declares for itself (`actor.engine_options`, `learner.weights_options`) and the rules between
 parts, such as a staleness unit the algorithm can score, LoRA adapters the engine can take over
 the chosen transport, or ranks the devices can hold. Every launcher calls `validate_config`, so a
 wrong config fails once, with a one-line message, instead of crashing every process it starts.
@@ -21,7 +22,7 @@ def validate_config(config: Config) -> None:
     from longhorizon.actor.engines.factory import engine_settings
     from longhorizon.envs.base import get_env_spec, list_tasks
     from longhorizon.common.plugins import PluginError
-    from longhorizon.learner.weights import publisher_class
+    from longhorizon.learner.weights import publisher_class, transport_options
     from longhorizon.learner.curriculum import make_schedule
     from longhorizon.common.models import ModelError, resolve_device
     from longhorizon.learner.worker import check_sampling_for_training
@@ -50,6 +51,7 @@ def validate_config(config: Config) -> None:
         publisher = publisher_class(config.learner.weights_transport)
     except (PluginError, TypeError) as error:
         raise ConfigError(f"learner.weights_transport: {error}") from None
+    transport_options(publisher, config.learner.weights_options, config.learner.weights_transport)
     _check_wandb(config)
     try:
         learner_device = resolve_device(config.learner.device)

@@ -154,6 +154,7 @@ def _config(args: argparse.Namespace) -> int:
     from longhorizon.actor.engines.base import engine_options_schemas
     from longhorizon.common.config import config_schema, dump_toml, load_config
     from longhorizon.learner.algorithms import options_schemas, with_resolved_options
+    from longhorizon.learner.weights import weights_options_schemas
 
     if args.config_command == "show":
         print(dump_toml(with_resolved_options(load_config(args.config, args.overrides))), end="")
@@ -163,7 +164,8 @@ def _config(args: argparse.Namespace) -> int:
         print(current_reference(), end="")
     else:
         print(json.dumps({**config_schema(), "algorithm_options": options_schemas(),
-                          "engine_options": engine_options_schemas()}, indent=1))
+                          "engine_options": engine_options_schemas(),
+                          "weights_options": weights_options_schemas()}, indent=1))
     return 0
 
 
@@ -314,8 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("config", help="TOML config file, or a bundled config's name (see configs/)")
     show.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. run.total_steps=20")
     config_commands.add_parser("schema", help="the JSON schema of a config: every key's type, default and meaning, "
-                               "each built-in algorithm's options under algorithm_options and each engine's under "
-                               "engine_options")
+                               "each built-in algorithm's options under algorithm_options, each engine's under "
+                               "engine_options and each weights transport's under weights_options")
     config_commands.add_parser("reference", help="the key reference (docs/config.md) as Markdown, written from the schema")
     config.set_defaults(handler=_config)
 

@@ -1,10 +1,10 @@
 """The key reference (docs/config.md), written from the config's JSON schema: every table and key
-with its type, default, allowed range and meaning, and each built-in algorithm's and engine's
-options.
+with its type, default, allowed range and meaning, and each built-in algorithm's, engine's and
+weights transport's options.
 
 `longhorizon config reference` prints it; a test holds docs/config.md to it, so the reference
 changes only where a key's declaration (its type, default, `bounded(...)` range or docstring in
-common/config.py, or an algorithm's `Options`) changes.
+common/config.py, or a part's `Options`) changes.
 """
 
 from __future__ import annotations
@@ -67,9 +67,11 @@ def _table(prefix: str, definition: dict[str, Any], definitions: dict[str, Any],
 
 
 def config_reference(schema: dict[str, Any], algorithm_options: dict[str, Any],
-                     engine_options: dict[str, Any] | None = None) -> str:
+                     engine_options: dict[str, Any] | None = None,
+                     weights_options: dict[str, Any] | None = None) -> str:
     """The reference as Markdown, from `common.config.config_schema()`,
-    `learner.algorithms.options_schemas()` and `actor.engines.base.engine_options_schemas()`."""
+    `learner.algorithms.options_schemas()`, `actor.engines.base.engine_options_schemas()` and
+    `learner.weights.weights_options_schemas()`."""
     definitions = schema.get("$defs", {})
     sections = [
         "# Config keys\n\n"
@@ -90,11 +92,16 @@ def config_reference(schema: dict[str, Any], algorithm_options: dict[str, Any],
                    "The keys of the engine `actor.engine` names, checked before any process starts. The openai\n"
                    "engine reads its own (docs/actor-types.md); the scripted engine takes none.\n",
                    engine_options or {})
+    _option_tables(sections, "learner.weights_options",
+                   "The keys of the weights transport `learner.weights_transport` names, checked before any\n"
+                   "process starts; inline and path take none. A plug-in transport declares its own\n"
+                   "(docs/design.md, extension points).\n",
+                   weights_options or {})
     return "\n".join(sections)
 
 
 def _option_tables(sections: list[str], key: str, about: str, by_part: dict[str, Any]) -> None:
-    """A part's own keys (each algorithm's or engine's `Options`), one table per part."""
+    """A part's own keys (each algorithm's, engine's or transport's `Options`), one table per part."""
     sections.append(f"## [{key}]\n\n{about}")
     for part, options in by_part.items():
         rows = [f"| `{name}` | {_type_of(field)} | {_default_of(field)} | {_range_of(field)} | "
@@ -105,9 +112,10 @@ def _option_tables(sections: list[str], key: str, about: str, by_part: dict[str,
 
 
 def current_reference() -> str:
-    """The reference of this installation's config and built-in algorithms."""
+    """The reference of this installation's config and built-in parts."""
     from longhorizon.actor.engines.base import engine_options_schemas
     from longhorizon.common.config import config_schema
     from longhorizon.learner.algorithms import options_schemas
+    from longhorizon.learner.weights import weights_options_schemas
 
-    return config_reference(config_schema(), options_schemas(), engine_options_schemas())
+    return config_reference(config_schema(), options_schemas(), engine_options_schemas(), weights_options_schemas())

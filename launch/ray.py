@@ -104,11 +104,14 @@ def check_ray_settings(config: Config) -> None:
 
 
 def _driver_view(config: Config) -> Config:
-    """The config as validate_config should see it here: the learner's device is checked against
-    its node's resources (check_ray_settings), not against this machine's GPUs."""
+    """The config as validate_config should see it here: the learner's device (and a collective
+    transport's nccl backend) is checked against its node's resources (check_ray_settings), not
+    against this machine's GPUs."""
     learner = config.learner
-    backend = "gloo" if learner.weights_backend == "nccl" else learner.weights_backend
-    return config.replace(learner=learner.replace(device="cpu", weights_backend=backend))
+    options = dict(learner.weights_options)
+    if options.get("backend") == "nccl":
+        options["backend"] = "gloo"
+    return config.replace(learner=learner.replace(device="cpu", weights_options=options))
 
 
 def _bundle(settings, role: str) -> dict[str, float]:

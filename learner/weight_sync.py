@@ -12,9 +12,9 @@ Each actor is served by a thread of its own while it has something to receive, s
 actor never delays the training loop or the other actors. A delivery: announce the update on the
 actor's control socket (`CollectiveWeights`: version, tensor list, bucket layout, group), form the
 group if it is new, then broadcast the buckets in order. Every wait is bounded by
-`learner.weights_timeout_s`; a failure is logged naming the actor, its group is dropped, and the
-actor is sent weights again (on a new group) once it is heard from after the failure. The latest
-version wins: an actor still receiving v gets v+2 next, never a backlog.
+`learner.weights_options.timeout_s`; a failure is logged naming the actor, its group is dropped,
+and the actor is sent weights again (on a new group) once it is heard from after the failure. The
+latest version wins: an actor still receiving v gets v+2 next, never a backlog.
 
 Weights are copied into owned buckets between updates (`snapshot_weights`), so later optimiser
 steps never reach bytes in flight, and a late actor is sent the current version from the same
@@ -100,14 +100,13 @@ def resolve_backend(setting: str, learner_device) -> str:
     return "nccl" if on_gpu and dist.is_nccl_available() else "gloo"
 
 
-def check_collective_settings(config, learner_device: str) -> None:
-    """Refuse a `collective` setting that cannot work, before any process starts (ValueError).
-    Whether the engine takes collective updates is asked of its capabilities (learner/weights)."""
+def check_collective_settings(config, backend_setting: str, learner_device: str) -> None:
+    """Refuse a `collective` setting that cannot work, before any process starts (ValueError):
+    `backend_setting` is its `backend` option. Whether the engine takes collective updates is
+    asked of its capabilities (learner/weights)."""
     import torch.distributed as dist
 
     from longhorizon.common.transport import is_loopback_host
-
-    learner_config = config.learner
 
     if not dist.is_available():
         raise ValueError(
@@ -115,15 +114,15 @@ def check_collective_settings(config, learner_device: str) -> None:
             "lacks (torch.distributed.is_available() is False); use 'inline' or 'path', or install a "
             "torch build with distributed support"
         )
-    backend = resolve_backend(learner_config.weights_backend, learner_device)
+    backend = resolve_backend(backend_setting, learner_device)
     if backend == "gloo" and not dist.is_gloo_available():
-        raise ValueError("learner.weights_backend 'gloo': this torch build has no gloo backend")
+        raise ValueError("learner.weights_options.backend 'gloo': this torch build has no gloo backend")
     if backend == "nccl":
         import torch
 
         if not (dist.is_nccl_available() and torch.cuda.is_available()):
             raise ValueError(
-                "learner.weights_backend 'nccl' needs CUDA GPUs and a torch build with NCCL; use 'gloo'"
+                "learner.weights_options.backend 'nccl' needs CUDA GPUs and a torch build with NCCL; use 'gloo'"
             )
     host = config.transport.host
     if not is_loopback_host(host) and not getattr(config.transport, "insecure", False):

@@ -213,7 +213,7 @@ class Learner:
         # learner.weights_transport: how each version reaches the actors (learner/weights/).
         self.publisher = build_publisher(config.learner.weights_transport, PublisherContext(
             weights_dir=self.run_dir / "weights", host=config.transport.host, device=self.device,
-            learner=config.learner, announce=self._announce_from_thread,
+            options=config.learner.weights_options, announce=self._announce_from_thread,
         ))
         self._trio_token = None  # set when run() starts: the publisher's threads call into the loop
 
@@ -388,15 +388,15 @@ class Learner:
                 self.last_weights_broadcast = time.monotonic()
                 await self.publisher.publish(self.latest_weights, self.endpoints.broadcast)
 
-    def _announce_from_thread(self, peer: str, message) -> None:
+    def _announce_from_thread(self, peer: str, message, timeout_s: float) -> None:
         """For transports that serve each actor from threads of their own: send `message` on
-        `peer`'s control socket through the trio loop."""
-        trio.from_thread.run(self._send_announcement, peer, message, trio_token=self._trio_token)
+        `peer`'s control socket through the trio loop, waiting at most `timeout_s`."""
+        trio.from_thread.run(self._send_announcement, peer, message, timeout_s, trio_token=self._trio_token)
 
-    async def _send_announcement(self, peer: str, message) -> None:
-        """Send a collective update's announcement to one actor, bounded like every wait of the
-        transport (a hung peer with a full queue must not hold its delivery thread for ever)."""
-        with trio.fail_after(self.config.learner.weights_timeout_s):
+    async def _send_announcement(self, peer: str, message, timeout_s: float) -> None:
+        """Send a transport's announcement to one actor, bounded as the transport asks (a hung
+        peer with a full queue must not hold its delivery thread for ever)."""
+        with trio.fail_after(timeout_s):
             await self.endpoints.control.send(peer, message)
 
     def _keep_actors_current(self) -> None:

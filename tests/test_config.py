@@ -228,3 +228,32 @@ def test_values_that_used_to_start_a_failing_run_are_one_line_on_the_command_lin
 
     assert main(["config", "show", "codebook", *override.split()]) == 2
     assert capsys.readouterr().err == f"longhorizon: error: {message}\n"
+
+
+def test_the_collective_transports_older_keys_are_read_as_its_options(tmp_path):
+    """learner.weights_backend, weights_bucket_mb and weights_timeout_s, the spelling from before
+    each transport owned its keys, land in learner.weights_options, from a file, an override or
+    `replace`; one key given both ways is refused in one line."""
+    old = tmp_path / "old.toml"
+    old.write_text('[learner]\nweights_transport = "collective"\nweights_backend = "gloo"\nweights_bucket_mb = 64\n')
+    config = load_config(old, ["learner.weights_timeout_s=30"])
+    assert config.learner.weights_options == {"backend": "gloo", "bucket_mb": 64, "timeout_s": 30}
+    assert config == load_config(None, ["learner.weights_transport='collective'",
+                                        "learner.weights_options={backend = 'gloo', bucket_mb = 64, timeout_s = 30}"])
+    assert config.learner.replace(weights_bucket_mb=32).weights_options == {"backend": "gloo", "bucket_mb": 32,
+                                                                            "timeout_s": 30}
+    with pytest.raises(ConfigError, match=r"^learner.weights_bucket_mb and learner.weights_options.bucket_mb are "
+                                          r"both set: keep one$"):
+        load_config(old, ["learner.weights_options.bucket_mb=32"])
+    # A run's resolved config writes them in their table, and reads back the same.
+    shown = dump_toml(config)
+    assert "[learner.weights_options]\nbackend = \"gloo\"\nbucket_mb = 64\ntimeout_s = 30\n" in shown
+    resolved = tmp_path / "resolved.toml"
+    resolved.write_text(shown)
+    assert load_config(resolved) == config
+
+
+def test_a_built_in_algorithms_key_given_both_ways_is_refused():
+    with pytest.raises(ConfigError, match=r"^learner.clip_eps and learner.algorithm_options.clip_eps are both set"):
+        load_config(None, ["learner.clip_eps=0.1", "learner.algorithm_options.clip_eps=0.2"])
+    assert load_config(None, ["learner.clip_eps=0.1"]).learner.algorithm_options == {"clip_eps": 0.1}

@@ -45,6 +45,36 @@ def test_cli_reports_errors_in_one_line(capsys):
     assert "Traceback" not in error
 
 
+COLLECTIVE = "learner.weights_transport='collective'"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ([COLLECTIVE, "learner.weights_options.bucket_mb=0"], "learner.weights_options.bucket_mb must be >= 1, got 0"),
+        ([COLLECTIVE, "learner.weights_bucket_mb=0"], "learner.weights_options.bucket_mb must be >= 1, got 0"),
+        ([COLLECTIVE, "learner.weights_options.timeout_s=0"], "learner.weights_options.timeout_s must be > 0, got 0"),
+        ([COLLECTIVE, "learner.weights_options.backend='mpi'"],
+         "learner.weights_options.backend must be one of auto, gloo, nccl, got 'mpi'"),
+        ([COLLECTIVE, "learner.weights_options.bucket=64"],
+         "unknown config key learner.weights_options.bucket in [learner.weights_options]; valid keys: backend, "
+         "bucket_mb, timeout_s"),
+        ([COLLECTIVE, "learner.weights_bucket_mb=64", "learner.weights_options.bucket_mb=32"],
+         "learner.weights_bucket_mb and learner.weights_options.bucket_mb are both set: keep one"),
+        (["learner.weights_transport='path'", "learner.weights_options.bucket_mb=64"],
+         "learner.weights_options sets bucket_mb (read by collective), but learner.weights_transport = 'path' "
+         "declares no options of its own: remove them"),
+    ],
+)
+def test_cli_refuses_a_weights_transports_bad_options_in_one_line(tmp_path, capsys, overrides, message):
+    """A transport's options are checked before any process starts, with the config's one-line
+    errors; the collective's older spelling too, and a transport without options takes none."""
+    config = Path(__file__).resolve().parent.parent / "configs" / "codebook.toml"
+    assert main(["train", str(config), f"run.output_dir={str(tmp_path)!r}", *overrides]) == 2
+    assert capsys.readouterr().err == f"longhorizon: error: {message}\n"
+    assert not any(tmp_path.iterdir())  # nothing was started
+
+
 def test_help_is_fast_and_imports_nothing_heavy():
     probe = (
         "import sys; from longhorizon.launch.cli import build_parser; build_parser();"

@@ -501,20 +501,35 @@ def test_wrong_collective_settings_are_refused_before_any_process_starts(tmp_pat
     validate_config(config())  # hf actors take it
     with pytest.raises(ConfigError, match="actor.engine 'scripted' cannot take weights sent as 'collective'"):
         validate_config(config("actor.engine='scripted'", "actor.scripted_policy='random'"))
-    with pytest.raises(ConfigError, match="learner.weights_backend must be one of auto, gloo, nccl, got 'mpi'"):
-        validate_config(config("learner.weights_backend='mpi'"))
-    with pytest.raises(ConfigError, match="learner.weights_bucket_mb must be >= 1, got 0"):
-        validate_config(config("learner.weights_bucket_mb=0"))
+    with pytest.raises(ConfigError, match="learner.weights_options.backend must be one of auto, gloo, nccl, got 'mpi'"):
+        validate_config(config("learner.weights_options.backend='mpi'"))
+    with pytest.raises(ConfigError, match="learner.weights_options.bucket_mb must be >= 1, got 0"):
+        validate_config(config("learner.weights_options.bucket_mb=0"))
     with pytest.raises(ConfigError, match="plain TCP, without the authentication"):
         validate_config(config("transport.host='10.1.2.3'"))
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="'nccl' needs CUDA GPUs"):
-            validate_config(config("learner.weights_backend='nccl'"))
+            validate_config(config("learner.weights_options.backend='nccl'"))
 
     monkeypatch.setattr(torch.distributed, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="needs torch.distributed, which this torch build lacks"):
         launch_local(config(), progress=lambda line: None)
     assert not (tmp_path / "codebook" / "processes.json").exists()  # nothing was started
+
+
+def test_the_collective_publisher_reads_its_own_options():
+    """Its keys of learner.weights_options, checked when it is made, the rest at their defaults;
+    another transport's spelling or a value out of range is refused naming the key."""
+    from longhorizon.learner.weights import PublisherContext, build_publisher
+
+    publisher = build_publisher("collective", PublisherContext(options={"bucket_mb": 4, "backend": "gloo"}))
+    assert (publisher.options.backend, publisher.options.bucket_mb, publisher.options.timeout_s) == ("gloo", 4, 120.0)
+    with pytest.raises(ConfigError, match="unknown config key learner.weights_options.weights_bucket_mb"):
+        build_publisher("collective", PublisherContext(options={"weights_bucket_mb": 4}))
+    with pytest.raises(ConfigError, match="learner.weights_options.timeout_s must be > 0, got -1"):
+        build_publisher("collective", PublisherContext(options={"timeout_s": -1}))
+    with pytest.raises(ConfigError, match="the weights transport InlinePublisher declares no options of its own"):
+        build_publisher("inline", PublisherContext(options={"bucket_mb": 4}))
 
 
 # -- end to end --------------------------------------------------------------------------------
@@ -535,7 +550,7 @@ def test_codebook_learns_with_collective_weights_while_an_actor_is_killed_and_re
     config = load_config(
         REPO_ROOT / "configs" / "codebook.toml",
         [f"run.output_dir={str(tmp_path)!r}", f"model.path={str(tiny_codebook_model)!r}",
-         "learner.weights_transport='collective'", "learner.weights_timeout_s=30",
+         "learner.weights_transport='collective'", "learner.weights_options.timeout_s=30",
          # Long enough after the kill for the restarted actor to load torch and its model and
          # rejoin on a busy machine (it took over 40 s there) before the run ends.
          "run.total_steps=150"],

@@ -1,6 +1,7 @@
 """A weights transport from outside the repository: a package registers a `WeightsPublisher`
 under the `longhorizon.weights` entry point (or is named by a dotted path), and a training run
-moves its versions to the actors through it, chosen by `learner.weights_transport` alone."""
+moves its versions to the actors through it, chosen by `learner.weights_transport` alone and set
+up by the keys it declares for itself in `learner.weights_options`."""
 
 from pathlib import Path
 
@@ -12,26 +13,32 @@ from longhorizon.learner.weights import TRANSPORTS
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Each version goes through a scratch folder of its own outside the run (say, a mount of object
-# storage), as one .safetensors file the actors read. It records what it wrote, so the test can
-# tell that its code, not a built-in's, moved the weights.
+# storage, named by its own option), as one .safetensors file the actors read. It records what it
+# wrote, so the test can tell that its code, not a built-in's, moved the weights.
 SCRATCH_TRANSPORT = """
-import os
 import tempfile
 from pathlib import Path
 
 from safetensors.torch import save_file
 
+from longhorizon.common.config import Section
 from longhorizon.common.wire import WeightsUpdate
 from longhorizon.learner.weights import WeightsPublisher
 
 written = []
 
 
+class ScratchOptions(Section):
+    folder: str = ""
+    '''Where each version's folder is made; empty: the system's temporary folder.'''
+
+
 class ScratchFolderPublisher(WeightsPublisher):
     sends = "path"
+    Options = ScratchOptions
 
     def build(self, state, version):
-        folder = Path(tempfile.mkdtemp(prefix=f"v{version}-", dir=os.environ["SCRATCH_WEIGHTS_DIR"]))
+        folder = Path(tempfile.mkdtemp(prefix=f"v{version}-", dir=self.options.folder or None))
         save_file({name: tensor.detach().cpu().contiguous() for name, tensor in state.items()},
                   str(folder / "weights.safetensors"))
         written.append(version)
@@ -65,20 +72,22 @@ def transport_plugin(install_plugin):
 
 @pytest.mark.parametrize("found_by", ["entry point", "dotted path"])
 async def test_a_run_sends_its_versions_through_a_transport_from_outside(
-        tmp_path, tiny_codebook_model, transport_plugin, found_by, monkeypatch):
+        tmp_path, tiny_codebook_model, transport_plugin, found_by):
     """Sync mode: each step trains on groups played by the version before it, so three steps
-    finish only if the actors loaded versions 1 and 2 from the plug-in's folders."""
+    finish only if the actors loaded versions 1 and 2 from the plug-in's folders, made where its
+    own option says."""
     from longhorizon.actor.engines.factory import build_engine
     from longhorizon.common.metrics import read_metrics
     from longhorizon.launch.local import train_in_process
 
-    monkeypatch.setenv("SCRATCH_WEIGHTS_DIR", str(tmp_path / "scratch"))
-    (tmp_path / "scratch").mkdir()
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
     module, name = transport_plugin("outside_weights", "scratch-folder" if found_by == "entry point" else None)
     config = load_config(REPO_ROOT / "configs" / "codebook.toml", [
         f"run.output_dir={str(tmp_path)!r}", "run.total_steps=3", "run.mode='sync'",
         f"model.path={str(tiny_codebook_model)!r}", "actor.num_actors=1", "actor.group_size=4",
         "learner.groups_per_step=2", f"learner.weights_transport={name!r}",
+        f"learner.weights_options.folder={str(scratch)!r}",
     ])
     engine = build_engine(config, "train")
     await train_in_process(config, engines=[engine])
@@ -90,6 +99,21 @@ async def test_a_run_sends_its_versions_through_a_transport_from_outside(
     assert engine.policy_version >= 2  # loaded from the plug-in's folders
     assert all(r["weights_bytes"] > 0 for r in records)
     assert not (config.run_dir / "weights").exists()  # nothing went through the built-in path
+    assert len(list(scratch.glob("v*"))) >= 4  # the folder its option named
+
+
+def test_a_transport_from_outside_has_its_options_checked_before_the_run(transport_plugin):
+    from longhorizon.launch.checks import validate_config
+
+    _, name = transport_plugin("checked_weights", None)
+    base = ["env.name='codebook'", "actor.engine='scripted'", "actor.scripted_policy='random'",
+            f"learner.weights_transport={name!r}"]
+    validate_config(load_config(None, [*base, "learner.weights_options.folder='/tmp'"]))
+    with pytest.raises(ConfigError, match=r"^learner.weights_options.folder: expected str, got 3$"):
+        validate_config(load_config(None, [*base, "learner.weights_options.folder=3"]))
+    with pytest.raises(ConfigError, match=r"^unknown config key learner.weights_options.bucket_mb in "
+                                          r"\[learner.weights_options\]; valid keys: folder$"):
+        validate_config(load_config(None, [*base, "learner.weights_bucket_mb=64"]))
 
 
 def test_a_transport_the_engine_cannot_take_is_refused_before_the_run(install_plugin):

@@ -320,17 +320,20 @@ class BenchSender:
     def __init__(self, transport: str, zmq_publisher, weights_dir: Path, timeout_s: float) -> None:
         import trio
 
-        from longhorizon.common.config import LearnerConfig
-        from longhorizon.learner.weights import PublisherContext, build_publisher
+        from longhorizon.learner.weights import PublisherContext, build_publisher, publisher_class
 
         self.zmq_publisher = zmq_publisher
 
-        def announce(actor_id: str, message) -> None:  # from the transport's own threads
-            trio.run(zmq_publisher.send, message)
+        def announce(actor_id: str, message, timeout_s: float) -> None:  # from the transport's own threads
+            trio.run(zmq_publisher.send, message)  # a PUB send never waits
 
-        learner = LearnerConfig(weights_backend="gloo", weights_timeout_s=timeout_s, weights_bucket_mb=128)
+        # The collective's settings here (gloo on this machine, the benchmark's own timeout), given
+        # to a transport that declares those keys: one that declares none takes none.
+        declared = publisher_class(transport).Options
+        wanted = {"backend": "gloo", "timeout_s": timeout_s, "bucket_mb": 128}
+        options = {key: value for key, value in wanted.items() if declared is not None and key in declared.model_fields}
         self.publisher = build_publisher(transport, PublisherContext(
-            weights_dir=weights_dir, host="127.0.0.1", device="cpu", learner=learner, announce=announce,
+            weights_dir=weights_dir, host="127.0.0.1", device="cpu", options=options, announce=announce,
         ))
         self.publisher.actor_joined(_BENCH_PEER, None)
 

@@ -13,15 +13,23 @@ Whatever the transport, the actor receives one of three messages (`sends`): a `W
 holding tensors, a `WeightsUpdate` naming a safetensors folder, or a `CollectiveWeights`
 announcement; `actor/weights.py` turns any of them into a state dict, and an engine declares
 which of the three it takes (`EngineCapabilities.weight_transports`).
+
+A transport's own settings are the keys of `learner.weights_options`, declared by its `Options`
+model (a `common.config.Section`: each key's type, default, range and docstring), checked before
+any process starts and read as `self.options`; a transport that declares none takes none.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping
 
+from longhorizon.common.config import ConfigError, Section, check_section
 from longhorizon.common.plugins import Registry
+
+OPTIONS_KEY = "learner.weights_options"
+"""The table of a transport's own keys, as errors name it."""
 
 MESSAGE_FORMS = ("inline", "path", "collective")
 """What a transport may send: tensors in the message, a folder's location, or a collective
@@ -38,11 +46,13 @@ class PublisherContext:
     """The address the learner's sockets listen on (the collective's rendezvous store uses it too)."""
     device: Any = "cpu"
     """The learner's device (a collective over NCCL keeps its buckets there)."""
-    learner: Any = None
-    """The [learner] config section (weights_backend, weights_bucket_mb, weights_timeout_s, ...)."""
-    announce: Callable[[str, Any], None] | None = None
-    """Sends a message to one actor on its control socket, from any thread (blocking); only
-    transports with `needs_control_channel` get it."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """`learner.weights_options` as the config gives them: the publisher checks them against its
+    `Options` when it is made (`self.options`)."""
+    announce: Callable[[str, Any, float], None] | None = None
+    """`announce(actor_id, message, timeout_s)` sends a message to one actor on its control socket,
+    from any thread, blocking at most `timeout_s` seconds (the transport knows how long it may
+    wait); only transports with `needs_control_channel` get it."""
 
 
 class WeightsPublisher:
@@ -59,9 +69,12 @@ class WeightsPublisher:
     needs_control_channel: ClassVar[bool] = False
     """Each actor is served on its own (announced on its control socket) rather than by one
     broadcast to all; the learner then reports every actor's joins and versions to it."""
+    Options: ClassVar[type[Section] | None] = None
+    """Its keys, under `learner.weights_options`; None: it has none, and the table must be empty."""
 
     def __init__(self, context: PublisherContext) -> None:
         self.context = context
+        self.options = transport_options(type(self), context.options)
 
     @classmethod
     def check(cls, config, learner_device, engine_capabilities) -> None:
@@ -100,11 +113,38 @@ class WeightsPublisher:
         """Release what the transport holds (sockets, threads); old versions on disk may stay."""
 
 
+def transport_options(transport: type[WeightsPublisher], options: Mapping[str, Any], name: str = "") -> Any:
+    """`learner.weights_options` checked against the transport's `Options` (a ConfigError naming the
+    key), or None for a transport that declares none, which then takes no keys. `name`: what
+    `learner.weights_transport` says, for the message."""
+    if transport.Options is None:
+        if options:
+            which = f"learner.weights_transport = {name!r}" if name else f"the weights transport {transport.__name__}"
+            raise ConfigError(f"{OPTIONS_KEY} sets {', '.join(_with_readers(sorted(options)))}, but {which} "
+                              "declares no options of its own: remove them")
+        return None
+    return check_section(transport.Options, dict(options), OPTIONS_KEY)
+
+
+def _with_readers(keys: list[str]) -> list[str]:
+    """Each key, with the built-in transports that read it where there are some: "bucket_mb (read
+    by collective)"."""
+    named = []
+    for key in keys:
+        readers = [builtin for builtin in TRANSPORTS.builtin_names()
+                   if key in getattr(TRANSPORTS.get(builtin).Options, "model_fields", ())]
+        named.append(f"{key} (read by {', '.join(readers)})" if readers else key)
+    return named
+
+
 def _check_publisher(name: str, part: Any) -> None:
     if not (isinstance(part, type) and issubclass(part, WeightsPublisher)):
         raise TypeError(f"weights transport {name!r} must be a WeightsPublisher subclass, got {part!r}")
     if part.sends not in MESSAGE_FORMS:
         raise TypeError(f"weights transport {name!r} sends {part.sends!r}; it must be one of {', '.join(MESSAGE_FORMS)}")
+    if part.Options is not None and not (isinstance(part.Options, type) and issubclass(part.Options, Section)):
+        raise TypeError(f"weights transport {name!r}: its Options must be a "
+                        f"longhorizon.common.config.Section, got {part.Options!r}")
 
 
 TRANSPORTS: Registry[type[WeightsPublisher]] = Registry(
@@ -125,3 +165,10 @@ def publisher_class(name: str) -> type[WeightsPublisher]:
 
 def build_publisher(name: str, context: PublisherContext) -> WeightsPublisher:
     return publisher_class(name)(context)
+
+
+def weights_options_schemas() -> dict:
+    """The JSON schema of each built-in transport's declared options, by name (`longhorizon config
+    schema`); transports that take none are left out."""
+    return {name: TRANSPORTS.get(name).Options.model_json_schema()
+            for name in TRANSPORTS.builtin_names() if TRANSPORTS.get(name).Options is not None}

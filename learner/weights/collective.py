@@ -5,11 +5,29 @@ its failure handling are in learner/weight_sync.py)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
-from longhorizon.learner.weights import WeightsPublisher
+from longhorizon.common.config import Section, bounded
+from longhorizon.learner.weights import WeightsPublisher, transport_options
 
 log = logging.getLogger(__name__)
+
+
+class CollectiveOptions(Section):
+    """The collective transport's keys of `learner.weights_options`."""
+
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """The process-group backend. auto (nccl when the learner trains on a CUDA GPU, else gloo),
+    gloo (buffers in CPU memory) or nccl (GPU buffers; the engines must be on GPUs)."""
+    bucket_mb: int = bounded(128, ge=1)
+    """Tensors travel in buckets of about this many MiB, one broadcast each (a larger tensor
+    travels alone); dtypes are kept (bf16 stays bf16)."""
+    timeout_s: float = bounded(120.0, gt=0)
+    """The longest any one wait may take (forming an actor's group, sending or receiving a bucket,
+    announcing an update on the actor's control socket); past it the waiting side raises an error
+    naming its peer, the learner drops that actor's group and the others carry on. It must cover
+    the time an engine needs to take an update between turns (the hf engine waits for its batch in
+    progress)."""
 
 
 class CollectivePublisher(WeightsPublisher):
@@ -17,6 +35,7 @@ class CollectivePublisher(WeightsPublisher):
 
     sends = "collective"
     needs_control_channel = True
+    Options = CollectiveOptions
 
     def __init__(self, context) -> None:
         super().__init__(context)
@@ -27,24 +46,26 @@ class CollectivePublisher(WeightsPublisher):
         from longhorizon.learner.weight_sync import check_collective_settings
 
         super().check(config, learner_device, engine_capabilities)
-        check_collective_settings(config, learner_device)
+        options = transport_options(cls, config.learner.weights_options, config.learner.weights_transport)
+        check_collective_settings(config, options.backend, learner_device)
 
     def _sender(self):
         if self.sender is None:
             from longhorizon.learner.weight_sync import CollectiveSender, resolve_backend
 
-            learner = self.context.learner
-            if self.context.announce is None:
+            options, announce = self.options, self.context.announce
+            if announce is None:
                 raise ValueError("the collective transport needs a control channel to announce updates on")
             self.sender = CollectiveSender(
-                host=self.context.host, backend=resolve_backend(learner.weights_backend, self.context.device),
-                timeout_s=learner.weights_timeout_s, bucket_bytes=learner.weights_bucket_mb << 20,
-                announce=self.context.announce, device=self.context.device,
+                host=self.context.host, backend=resolve_backend(options.backend, self.context.device),
+                timeout_s=options.timeout_s, bucket_bytes=options.bucket_mb << 20,
+                announce=lambda actor_id, message: announce(actor_id, message, options.timeout_s),
+                device=self.context.device,
             )
             log.info(
                 "collective weights: store at %s:%d, backend %s, buckets of %d MiB, timeout %.0f s",
                 self.sender.server.host, self.sender.server.port, self.sender.backend,
-                learner.weights_bucket_mb, learner.weights_timeout_s,
+                options.bucket_mb, options.timeout_s,
             )
         return self.sender
 
