@@ -41,7 +41,7 @@ from longhorizon.common.chat import ConversationView, TokenConversation
 from longhorizon.common.config import ConfigError, Section, check_section
 from longhorizon.common.plugins import PluginError, Registry
 from longhorizon.envs.tool_calls import ToolCallFormatError, ToolCallParseError, get_tool_call_format
-from longhorizon.envs.tools import ToolArgumentError, ToolSet, env_tool_set
+from longhorizon.envs.tools import ToolArgumentError, ToolSet, call_for_action, env_tool_set
 
 _ACTION_MARKER = re.compile(r"(?im)^\s*\**\s*action\s*\**\s*:")
 _MAX_ACTION_CHARS = 1000
@@ -128,6 +128,13 @@ def parse_react_reply(reply: str) -> str:
         if action:
             return action[:_MAX_ACTION_CHARS]
     raise ActionParseError("'Action:' is followed by nothing: write one command after it")
+
+
+def react_reasoning(reply: str) -> str:
+    """The text of a react reply before its `Action:` marker, without the `Thought:` label."""
+    marker = _ACTION_MARKER.search(reply)
+    before = reply[: marker.start()] if marker else ""
+    return re.sub(r"(?im)^\s*\**\s*thought\s*\**\s*:\s*", "", before, count=1).strip()
 
 
 class ReactLoop(AgentLoop):
@@ -242,6 +249,16 @@ class ToolsLoop(AgentLoop):
 
     def error_observation(self, error: ActionParseError) -> str:
         return f"Invalid tool call: {error}."
+
+    def reply_for_action(self, action: str, reasoning: str = "") -> str:
+        """The reply that calls the tool making the env action `action`, with `reasoning` before
+        the call where the format has room for text: how an oracle written for text actions
+        plays by tools (the scripted engine), and how its episodes become tool-call SFT data."""
+        call = call_for_action(self._tools(), action)
+        try:
+            return self.format.render([call], content=reasoning)
+        except ValueError:  # a format whose reply is the call alone
+            return self.format.render([call])
 
     def env_observation(self, observation: str) -> str:
         return self.format.tool_result(observation)

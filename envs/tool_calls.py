@@ -113,6 +113,11 @@ class ToolCallFormat:
         """The text of the message that carries a tool's result back to the model."""
         return result
 
+    def tool_result_content(self, message: str) -> str:
+        """The inverse of `tool_result`: the result a message carries (the message itself when it
+        is not a tool result)."""
+        return message
+
 
 class HermesFormat(ToolCallFormat):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call."""
@@ -153,6 +158,12 @@ class HermesFormat(ToolCallFormat):
 
     def tool_result(self, result: str) -> str:
         return f"<tool_response>\n{result}\n</tool_response>"
+
+    def tool_result_content(self, message: str) -> str:
+        opening, closing = "<tool_response>\n", "\n</tool_response>"
+        if message.startswith(opening) and message.endswith(closing):
+            return message[len(opening):-len(closing)]
+        return message
 
 
 class JsonFormat(ToolCallFormat):

@@ -94,6 +94,9 @@ class EnvTool:
     """JSON schema of the arguments (an object schema; `object_schema` builds one)."""
     action: Callable[[dict], str]
     """The env's text action for checked arguments."""
+    arguments_of: Callable[[str], dict | None] = lambda action: None
+    """The inverse: the arguments of the call that makes a text action, None when the action is
+    not this tool's (oracles and recorded text episodes played back as tool calls)."""
 
     def schema(self) -> dict:
         """The tool as an OpenAI function tool."""
@@ -132,6 +135,15 @@ class ToolSet:
         if problem:
             raise ToolArgumentError(f"{call.name}: {problem}")
         return tool.action(call.arguments)
+
+
+def call_for_action(tool_set: ToolSet, action: str) -> ToolCall:
+    """The call that makes a text action: the first tool that reads it (ValueError if none)."""
+    for tool in tool_set.tools:
+        arguments = tool.arguments_of(action)
+        if arguments is not None:
+            return ToolCall(tool.name, arguments)
+    raise ValueError(f"no tool makes the action {action!r}")
 
 
 def env_tool_set(env: Any) -> ToolSet:

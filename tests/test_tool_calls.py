@@ -264,3 +264,53 @@ def test_an_episode_played_by_tool_calls_reaches_the_goal_and_counts_its_garbled
     arrays = result.conversation.arrays()
     generated = bytes(int(t) for t in arrays["token_ids"][arrays["loss_mask"] == 1] if t < 256).decode()
     assert "A log makes planks." in generated and np.count_nonzero(arrays["loss_mask"]) > 0
+
+
+@pytest.mark.parametrize("env_name, calls", [
+    ("textcraft", [*CALLS, ToolCall("inventory")]),
+    ("babyai", [ToolCall("turn", {"direction": "left"}), ToolCall("move_forward"),
+                ToolCall("go_to", {"target": "red ball 1"}), ToolCall("pickup", {"target": "yellow key 2"}),
+                ToolCall("go_through", {"target": "blue door 1"}),
+                ToolCall("toggle_and_go_through", {"target": "blue door 1"}), ToolCall("toggle"), ToolCall("drop"),
+                ToolCall("check_available_actions")]),
+    ("search", [ToolCall("search", {"query": "capital of france"}), ToolCall("answer", {"answer": "Paris"})]),
+    ("weblocal", [ToolCall("click", {"bid": "12"}), ToolCall("fill", {"bid": "3", "value": "it's"}),
+             ToolCall("scroll", {"delta_x": 0, "delta_y": 300}), ToolCall("stop")]),
+])
+def test_every_tool_call_makes_an_action_that_reads_back_as_the_same_call(env_name, calls):
+    from longhorizon.envs.tools import call_for_action
+
+    env = get_env_spec(env_name).factory()
+    tool_set = env.tool_set()
+    for call in calls:
+        action = tool_set.action_for(call)
+        assert call_for_action(tool_set, action) == call, action
+
+
+@pytest.mark.parametrize("env_name", ["textcraft", "babyai", "search"])
+def test_the_oracle_plays_by_tool_calls_as_well_as_by_text(env_name):
+    """The scripted engine turns each oracle action into the tools loop's call (its reasoning kept
+    before a hermes call): every episode the oracle wins with its own loop it wins by tools."""
+    from longhorizon.actor.engines.base import EngineSettings
+    from longhorizon.actor.engines.scripted import ScriptedEngine
+    from longhorizon.actor.rollout import run_episode
+
+    spec = get_env_spec(env_name)
+    tasks = spec.tasks("train")[:4]
+
+    async def play(agent, agent_options):
+        engine = ScriptedEngine(EngineSettings(env_name=env_name, agent=agent, agent_options=agent_options))
+        results = []
+        for number, task in enumerate(tasks):
+            results.append(await run_episode(spec.factory(), engine, task, horizon_cap=60, max_context_tokens=1 << 16,
+                                             max_new_tokens=512, seed=number, agent=configured_agent(agent, agent_options)))
+        return results
+
+    text = trio.run(play, "", {})
+    for options in ({}, {"format": "json"}):
+        tools = trio.run(play, "tools", options)
+        assert [r.error for r in tools] == [""] * len(tasks)
+        assert [r.success for r in tools] == [r.success for r in text] and any(r.success for r in text)
+        assert sum(r.invalid_actions for r in tools) == 0
+        replies = [m["content"] for m in tools[0].conversation.messages if m["role"] == "assistant"]
+        assert all(get_tool_call_format(options.get("format", "hermes")).parse(reply).calls for reply in replies)

@@ -114,6 +114,10 @@ class EngineSettings:
     env_name: str = ""
     env_options: dict = field(default_factory=dict)
     scripted_policy: str = "oracle"
+    agent: str = ""
+    """actor.agent: a scripted policy writes its env's own replies, which the scripted engine
+    turns into the chosen loop's (tool calls for `tools`)."""
+    agent_options: dict = field(default_factory=dict)
     simulated_token_latency_s: float = 0.0
     seed: int = 0
     torch_threads: int = 1

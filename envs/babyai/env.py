@@ -9,7 +9,7 @@ simulator has no other randomness). Reward is minigrid's: 1 - 0.9 * steps / max_
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from longhorizon.envs.babyai.levels import (
     LevelSimulators,
@@ -102,28 +102,47 @@ def _seen(description: str) -> dict:
     return object_schema({"target": {"type": "string", "description": description}})
 
 
+def _command(action: str) -> str:
+    return " ".join(action.lower().split()).rstrip(".")
+
+
+def _exactly(command: str) -> Callable[[str], dict | None]:
+    return lambda action: {} if _command(action) == command else None
+
+
+def _after(prefix: str) -> Callable[[str], dict | None]:
+    """The target of an action written `<prefix> <target>`."""
+    def arguments_of(action: str) -> dict | None:
+        command = _command(action)
+        return {"target": command[len(prefix) + 1:]} if command.startswith(prefix + " ") else None
+    return arguments_of
+
+
 def babyai_tool_set() -> ToolSet:
     """BabyAI's actions as tools; the targets are the labels the list of available actions shows."""
     return ToolSet(TOOL_INSTRUCTIONS, (
         EnvTool("turn", "Turn left or right on the spot.",
                 object_schema({"direction": {"type": "string", "enum": ["left", "right"]}}),
-                lambda arguments: f"turn {arguments['direction']}"),
-        EnvTool("move_forward", "Step one cell forward.", object_schema({}), lambda arguments: "move forward"),
+                lambda arguments: f"turn {arguments['direction']}",
+                lambda action: {"direction": _command(action)[5:]} if _command(action) in ("turn left", "turn right")
+                else None),
+        EnvTool("move_forward", "Step one cell forward.", object_schema({}), lambda arguments: "move forward",
+                _exactly("move forward")),
         EnvTool("go_to", "Walk next to a seen object or door and face it.",
-                _seen("The object as listed, e.g. red ball 1."), lambda arguments: f"go to {arguments['target']}"),
+                _seen("The object as listed, e.g. red ball 1."), lambda arguments: f"go to {arguments['target']}", _after("go to")),
         EnvTool("pickup", "Go to a seen object and pick it up.",
-                _seen("The object as listed, e.g. yellow key 1."), lambda arguments: f"pickup {arguments['target']}"),
+                _seen("The object as listed, e.g. yellow key 1."), lambda arguments: f"pickup {arguments['target']}", _after("pickup")),
         EnvTool("go_through", "Walk through an open door.",
-                _seen("The door as listed, e.g. blue door 1."), lambda arguments: f"go through {arguments['target']}"),
+                _seen("The door as listed, e.g. blue door 1."), lambda arguments: f"go through {arguments['target']}", _after("go through")),
         EnvTool("toggle_and_go_through", "Open a closed door and walk through it.",
                 _seen("The door as listed, e.g. blue door 1."),
-                lambda arguments: f"toggle and go through {arguments['target']}"),
+                lambda arguments: f"toggle and go through {arguments['target']}", _after("toggle and go through")),
         EnvTool("toggle", "Open or close the door, or open the box, right in front of you.",
-                object_schema({}), lambda arguments: "toggle"),
+                object_schema({}), lambda arguments: "toggle", _exactly("toggle")),
         EnvTool("drop", "Put down what you carry in the empty cell in front of you.",
-                object_schema({}), lambda arguments: "drop"),
+                object_schema({}), lambda arguments: "drop", _exactly("drop")),
         EnvTool("check_available_actions", "List the actions available now.",
-                object_schema({}), lambda arguments: CHECK_ACTIONS),
+                object_schema({}), lambda arguments: CHECK_ACTIONS, _exactly(CHECK_ACTIONS)),
     ))
 
 

@@ -75,7 +75,7 @@ def sciworld_tool_set() -> ToolSet:
     return ToolSet(TOOL_INSTRUCTIONS, (EnvTool(
         "act", "Do one action, written as one of the action templates (or the number of a choice).",
         object_schema({"action": {"type": "string", "description": "e.g. open door to kitchen"}}),
-        lambda arguments: arguments["action"]),))
+        lambda arguments: arguments["action"], lambda action: {"action": action.strip()}),))
 
 
 def clamped_score(score: int) -> int:

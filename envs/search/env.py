@@ -16,6 +16,7 @@ process shares one opened index.
 
 from __future__ import annotations
 
+import re
 from typing import Mapping
 
 import trio
@@ -105,6 +106,15 @@ def format_information(hits: list[SearchHit]) -> str:
     return "<information>" + "\n".join(documents) + "</information>"
 
 
+def _tag_arguments(tag: str, argument: str):
+    """The inverse of a search tool: the argument between the first `<tag>` and `</tag>` of a reply
+    whose first tool tag is this one."""
+    def arguments_of(reply: str) -> dict | None:
+        first = re.search(r"<(search|answer|python)>(.*?)</\1>", reply, re.DOTALL)
+        return {argument: first.group(2).strip()} if first and first.group(1) == tag else None
+    return arguments_of
+
+
 class SearchEnv:
     """One question at a time; reuse the object across episodes with reset."""
 
@@ -140,16 +150,16 @@ class SearchEnv:
         tools = [
             EnvTool("search", "Search the corpus; the top passages come back.",
                     object_schema({"query": {"type": "string", "description": "What to look for."}}),
-                    lambda arguments: f"<search> {arguments['query']} </search>"),
+                    lambda arguments: f"<search> {arguments['query']} </search>", _tag_arguments("search", "query")),
             EnvTool("answer", "Give the final answer: a few words, without explanation.",
                     object_schema({"answer": {"type": "string", "description": "The answer, e.g. Beijing."}}),
-                    lambda arguments: f"<answer> {arguments['answer']} </answer>"),
+                    lambda arguments: f"<answer> {arguments['answer']} </answer>", _tag_arguments("answer", "answer")),
         ]
         if self.python_tool:
             tools.append(EnvTool(
                 "python", "Run a Python program without network access, with limited time and memory; what it "
                 "prints comes back.", object_schema({"code": {"type": "string", "description": "The program."}}),
-                lambda arguments: f"<python>\n{arguments['code']}\n</python>"))
+                lambda arguments: f"<python>\n{arguments['code']}\n</python>", _tag_arguments("python", "code")))
         return ToolSet(_TOOL_INSTRUCTIONS, tuple(tools))
 
     async def _ensure_retriever(self) -> Retriever:

@@ -164,6 +164,24 @@ def _craft_action(arguments: dict) -> str:
     return f"craft {arguments['count']} {arguments['item']} using {ingredients}"
 
 
+def _get_arguments(action: str) -> dict | None:
+    match = _GET.fullmatch(_normalize_action(action).lower())
+    return {"item": match.group(2), "count": int(match.group(1) or 1)} if match else None
+
+
+def _craft_arguments(action: str) -> dict | None:
+    match = _CRAFT.fullmatch(_normalize_action(action).lower())
+    if not match:
+        return None
+    ingredients = []
+    for part in match.group(3).split(","):
+        count, _, item = part.strip().partition(" ")
+        if not count.isdigit() or not item:
+            return None
+        ingredients.append({"item": item.strip(), "count": int(count)})
+    return {"item": match.group(2), "count": int(match.group(1) or 1), "ingredients": ingredients}
+
+
 def textcraft_tool_set() -> ToolSet:
     """TextCraft's commands as tools: get, craft, inventory."""
     ingredient = object_schema({"item": {"type": "string", "description": "The exact item used."}, "count": _COUNT})
@@ -171,7 +189,7 @@ def textcraft_tool_set() -> ToolSet:
         EnvTool(
             "get", "Take some of a base item (an item no listed recipe makes).",
             object_schema({"item": {"type": "string", "description": "The base item, e.g. oak logs."}, "count": _COUNT}),
-            lambda arguments: f"get {arguments['count']} {arguments['item']}",
+            lambda arguments: f"get {arguments['count']} {arguments['item']}", _get_arguments,
         ),
         EnvTool(
             "craft", "Craft an item from the ingredients of one of the listed crafting commands.",
@@ -181,9 +199,10 @@ def textcraft_tool_set() -> ToolSet:
                 "ingredients": {"type": "array", "items": ingredient, "minItems": 1,
                                 "description": "Each ingredient used, with its count."},
             }),
-            _craft_action,
+            _craft_action, _craft_arguments,
         ),
-        EnvTool("inventory", "Show what you carry.", object_schema({}), lambda arguments: "inventory"),
+        EnvTool("inventory", "Show what you carry.", object_schema({}), lambda arguments: "inventory",
+                lambda action: {} if _normalize_action(action).lower() == "inventory" else None),
     ))
 
 

@@ -102,13 +102,22 @@ def action_tools() -> tuple[EnvTool, ...]:
             return f"{name}({', '.join(repr(value) for value in given)})"
         return action
 
+    def arguments_of(name: str, spec: ActionSpec) -> Callable[[str], dict | None]:
+        def read(text: str) -> dict | None:
+            try:
+                parsed = parse_action(text)
+            except ActionError:
+                return None
+            return dict(zip((param for param, _ in spec.params), parsed.args)) if parsed.name == name else None
+        return read
+
     tools = []
     for name, spec in ACTION_SPECS.items():
         properties = {param: _json_schema(types) for param, types in spec.params}
         required = [param for param, _ in spec.params[:spec.required]]
         description = spec.help.split(": ", 1)[-1]
         tools.append(EnvTool(name, description[:1].upper() + description[1:] + ".",
-                             object_schema(properties, required), text_of(name, spec)))
+                             object_schema(properties, required), text_of(name, spec), arguments_of(name, spec)))
     return tuple(tools)
 
 
