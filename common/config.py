@@ -228,6 +228,12 @@ _MOVED_KEYS = {
 """For each part's table of [learner], the keys written directly under [learner] that go into it."""
 
 
+WRITTEN_WEIGHTS_DEFAULTS = {"weights_backend": "auto", "weights_bucket_mb": 128, "weights_timeout_s": 120.0}
+"""The collective's keys as every run's saved config.toml held them before they had a table of
+their own: at these values, for another transport, they are dropped on loading, so that such a run
+can still be resumed."""
+
+
 def move_flat_keys(values: Any) -> Any:
     """A [learner] table with a part's keys written directly under it (a built-in algorithm's
     `clip_eps`, the collective transport's `weights_bucket_mb`), as one with them in that part's
@@ -249,6 +255,9 @@ def move_flat_keys(values: Any) -> Any:
             value = values.pop(flat)
             if value is None:
                 continue
+            if (table == "weights_options" and values.get("weights_transport", "inline") != "collective"
+                    and WRITTEN_WEIGHTS_DEFAULTS.get(flat) == value):
+                continue  # written at its default by an older config dump, whatever the transport
             if key in options:
                 raise ValueError(f"learner.{flat} and learner.{table}.{key} are both set: keep one")
             options[key] = value

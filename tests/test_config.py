@@ -253,6 +253,24 @@ def test_the_collective_transports_older_keys_are_read_as_its_options(tmp_path):
     assert load_config(resolved) == config
 
 
+def test_a_run_saved_before_the_weights_table_still_loads_whatever_its_transport(tmp_path):
+    """Every saved config.toml held the collective's three keys at their defaults; for another
+    transport those are dropped (such a run resumes), while a value someone chose still reaches
+    the transport, which refuses it."""
+    from longhorizon.launch.checks import validate_config
+
+    saved = tmp_path / "config.toml"
+    defaults = 'weights_backend = "auto"\nweights_bucket_mb = 128\nweights_timeout_s = 120.0\n'
+    saved.write_text('[env]\nname = "codebook"\n[actor]\nengine = "scripted"\n[learner]\n' + defaults)
+    assert load_config(saved).learner.weights_options == {}
+    validate_config(load_config(saved))
+    saved.write_text('[learner]\nweights_transport = "collective"\n' + defaults)
+    assert load_config(saved).learner.weights_options == {"backend": "auto", "bucket_mb": 128, "timeout_s": 120.0}
+    saved.write_text('[env]\nname = "codebook"\n[actor]\nengine = "scripted"\n[learner]\nweights_bucket_mb = 64\n')
+    with pytest.raises(ConfigError, match="declares no options of its own"):
+        validate_config(load_config(saved))
+
+
 def test_a_built_in_algorithms_key_given_both_ways_is_refused():
     with pytest.raises(ConfigError, match=r"^learner.clip_eps and learner.algorithm_options.clip_eps are both set"):
         load_config(None, ["learner.clip_eps=0.1", "learner.algorithm_options.clip_eps=0.2"])
