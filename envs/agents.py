@@ -163,7 +163,7 @@ class BareLoop(AgentLoop):
 
 class ToolsOptions(Section):
     format: str = "hermes"
-    """How the model writes its calls: `hermes` (JSON in <tool_call> tags: Hermes, Qwen2.5,
+    """How the model writes its calls: `hermes` (JSON in `<tool_call>` tags: Hermes, Qwen2.5,
     Qwen3), `json` (the reply is the call as a JSON object: Llama 3.1), a
     `longhorizon.tool_call_formats` entry point or `package.module:attribute`."""
     tools_in: Literal["auto", "template", "system"] = "auto"
@@ -294,6 +294,17 @@ def register_agent_loop(name: str, loop: AgentLoop | type, *, replace: bool = Fa
 
 def unregister_agent_loop(name: str) -> None:
     AGENT_LOOPS.unregister(name)
+
+
+def agent_options_schemas() -> dict:
+    """The JSON schema of each built-in loop's declared options, by name (`longhorizon config
+    schema`); loops that take none are left out."""
+    schemas = {}
+    for name in AGENT_LOOPS.builtin_names():
+        declared = getattr(AGENT_LOOPS.get(name), "Options", None)
+        if declared is not None:
+            schemas[name] = declared.model_json_schema()
+    return schemas
 
 
 def agent_loop_names() -> list[str]:

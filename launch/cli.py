@@ -155,6 +155,7 @@ def _config(args: argparse.Namespace) -> int:
     from longhorizon.common.config import config_schema, dump_toml, load_config
     from longhorizon.learner.algorithms import options_schemas, with_resolved_options
     from longhorizon.learner.weights import weights_options_schemas
+    from longhorizon.envs.agents import agent_options_schemas
 
     if args.config_command == "show":
         print(dump_toml(with_resolved_options(load_config(args.config, args.overrides))), end="")
@@ -165,7 +166,8 @@ def _config(args: argparse.Namespace) -> int:
     else:
         print(json.dumps({**config_schema(), "algorithm_options": options_schemas(),
                           "engine_options": engine_options_schemas(),
-                          "weights_options": weights_options_schemas()}, indent=1))
+                          "weights_options": weights_options_schemas(),
+                          "agent_options": agent_options_schemas()}, indent=1))
     return 0
 
 

@@ -68,10 +68,11 @@ def _table(prefix: str, definition: dict[str, Any], definitions: dict[str, Any],
 
 def config_reference(schema: dict[str, Any], algorithm_options: dict[str, Any],
                      engine_options: dict[str, Any] | None = None,
-                     weights_options: dict[str, Any] | None = None) -> str:
+                     weights_options: dict[str, Any] | None = None,
+                     agent_options: dict[str, Any] | None = None) -> str:
     """The reference as Markdown, from `common.config.config_schema()`,
     `learner.algorithms.options_schemas()`, `actor.engines.base.engine_options_schemas()` and
-    `learner.weights.weights_options_schemas()`."""
+    `learner.weights.weights_options_schemas()` and `envs.agents.agent_options_schemas()`."""
     definitions = schema.get("$defs", {})
     sections = [
         "# Config keys\n\n"
@@ -97,6 +98,10 @@ def config_reference(schema: dict[str, Any], algorithm_options: dict[str, Any],
                    "process starts; inline and path take none. A plug-in transport declares its own\n"
                    "(docs/design.md, extension points).\n",
                    weights_options or {})
+    _option_tables(sections, "actor.agent_options",
+                   "The keys of the agent loop `actor.agent` names, checked before any process starts; react\n"
+                   "and bare take none. A plug-in loop declares its own (docs/actor-types.md).\n",
+                   agent_options or {})
     return "\n".join(sections)
 
 
@@ -116,6 +121,8 @@ def current_reference() -> str:
     from longhorizon.actor.engines.base import engine_options_schemas
     from longhorizon.common.config import config_schema
     from longhorizon.learner.algorithms import options_schemas
+    from longhorizon.envs.agents import agent_options_schemas
     from longhorizon.learner.weights import weights_options_schemas
 
-    return config_reference(config_schema(), options_schemas(), engine_options_schemas(), weights_options_schemas())
+    return config_reference(config_schema(), options_schemas(), engine_options_schemas(), weights_options_schemas(),
+                            agent_options_schemas())
