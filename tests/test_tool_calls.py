@@ -314,3 +314,23 @@ def test_the_oracle_plays_by_tool_calls_as_well_as_by_text(env_name):
         assert sum(r.invalid_actions for r in tools) == 0
         replies = [m["content"] for m in tools[0].conversation.messages if m["role"] == "assistant"]
         assert all(get_tool_call_format(options.get("format", "hermes")).parse(reply).calls for reply in replies)
+
+
+def test_a_tiny_untrained_model_playing_by_tools_gets_its_garbled_calls_counted(tiny_codebook_model):
+    """A random model's replies hold no call: each is an invalid action with the parser's reason,
+    the episode runs to its cap and its sampled tokens train as they were sampled."""
+    from longhorizon.actor.engines.base import EngineSettings, make_engine
+    from longhorizon.actor.rollout import run_episode
+    from longhorizon.common.config import SamplingConfig
+
+    engine = make_engine("hf", EngineSettings(model_path=str(tiny_codebook_model),
+                                              sampling=SamplingConfig(max_new_tokens=6), max_batch_size=4))
+    task = get_env_spec("textcraft").tasks("train")[0]
+    result = trio.run(lambda: run_episode(TextCraftEnv(), engine, task, horizon_cap=3, max_context_tokens=1 << 15,
+                                          max_new_tokens=6, agent="tools"))
+    assert result.error == "" and result.num_turns == 3 and result.truncated and result.cut_by == "horizon"
+    assert result.invalid_actions == 3
+    assert all(m["content"].startswith("Invalid tool call: no tool call found")
+               for m in result.conversation.messages[3::2])
+    arrays = result.conversation.arrays()
+    assert np.all(arrays["behaviour_logprobs"][arrays["loss_mask"] == 1] < 0)
