@@ -16,6 +16,7 @@ import random
 import socket
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -26,6 +27,7 @@ from longhorizon.actor.rollout import EnvPool, run_group, run_group_member
 from longhorizon.common.config import Config
 from longhorizon.common.collective import CollectiveError
 from longhorizon.common.models import WeightsRefused
+from longhorizon.common.plugins import Registry
 from longhorizon.common.wire import (
     ActorStats, CollectiveWeights, Heartbeat, Hello, HorizonUpdate, Stop, Trajectory, WeightsUpdate,
 )
@@ -115,13 +117,7 @@ class Actor:
                 nursery.start_soon(self._receive_broadcasts)
                 nursery.start_soon(self._receive_collective_weights, announcements)
                 nursery.start_soon(self._heartbeats)
-                if self.config.run.mode == "sync":
-                    nursery.start_soon(self._sync_loop)
-                elif self.config.actor.rollout_slots == "episode":
-                    nursery.start_soon(self._async_episode_slots)
-                else:
-                    for _ in range(self.config.actor.concurrent_groups):
-                        nursery.start_soon(self._async_group_loop)
+                self._start_drivers(nursery)
                 task_status.started()
                 while True:
                     message = await self.endpoints.control.receive()
@@ -135,6 +131,16 @@ class Actor:
         finally:
             await self.env_pool.close()  # also when cancelled from outside (a signal)
         return stop_reason
+
+    def _start_drivers(self, nursery: trio.Nursery) -> None:
+        """Start what makes episodes: the rollout loops (a gateway actor serves calls instead)."""
+        if self.config.run.mode == "sync":
+            nursery.start_soon(self._sync_loop)
+        elif self.config.actor.rollout_slots == "episode":
+            nursery.start_soon(self._async_episode_slots)
+        else:
+            for _ in range(self.config.actor.concurrent_groups):
+                nursery.start_soon(self._async_group_loop)
 
     async def _receive_broadcasts(self) -> None:
         while True:
@@ -357,11 +363,30 @@ class Actor:
         return self.engine.policy_version < wanted <= self.counters.newest_refused_version
 
 
+def _check_driver(name: str, part: Any) -> None:
+    if not (isinstance(part, type) and issubclass(part, Actor)):
+        raise TypeError(f"actor driver {name!r} must be a subclass of longhorizon.actor.worker.Actor, got {part!r}")
+
+
+ACTOR_DRIVERS: Registry = Registry(
+    "actor driver",
+    "longhorizon.actor_drivers",
+    # The gateway's module (Starlette, Hypercorn) is imported only where a gateway runs.
+    {"rollout": "longhorizon.actor.worker:Actor", "gateway": "longhorizon.actor.gateway_server:GatewayActor"},
+    check=_check_driver,
+)
+
+
+def actor_driver(name: str) -> type[Actor]:
+    """The actor class `actor.driver` names: what makes the actor's episodes."""
+    return ACTOR_DRIVERS.get(name)
+
+
 async def run_actor(config: Config, actor_index: int, endpoints, *, engine: Engine | None = None) -> str:
     """Build the engine (unless given) and run an actor until the learner stops it."""
     if engine is None:
         engine = await trio.to_thread.run_sync(lambda: build_engine(config, "train", actor_index=actor_index))
-    actor = Actor(config, actor_index, endpoints, engine)
+    actor = actor_driver(config.actor.driver)(config, actor_index, endpoints, engine)
     try:
         return await actor.run()
     finally:

@@ -163,6 +163,12 @@ class ActorConfig(Section):
     agent: str = ""
     """Agent loop (prompt format, action parsing, history shown): "" for the env's own prompt
     format, `react`, `bare`, a `longhorizon.agents` entry point or `package.module:attribute`."""
+    driver: str = "rollout"
+    """What makes an actor's episodes: `rollout` (it plays env episodes with the agent loop),
+    `gateway` (it serves an OpenAI-compatible endpoint and turns the sessions of outside agents
+    into trajectories: the [gateway] table, docs/gateway.md; async mode only), a
+    `longhorizon.actor_drivers` entry point or `package.module:Class` (a subclass of
+    `actor.worker.Actor`)."""
     agent_options: dict = Field(default_factory=dict)
     """Settings of the chosen agent loop, which declares and checks them (`tools`: format,
     ...; see docs/actor-types.md)."""
@@ -516,6 +522,27 @@ class TransportConfig(Section):
     price of holding on to freed memory."""
 
 
+class GatewayConfig(Section):
+    """`actor.driver = "gateway"`: each actor serves an OpenAI-compatible endpoint whose sessions
+    (calls of outside agents) become trajectories (docs/gateway.md)."""
+
+    host: str = "127.0.0.1"
+    """Address the gateway listens on (0.0.0.0 to serve agents on other hosts)."""
+    port: int = bounded(8400, ge=0, le=65535)
+    """Actor i listens on port + i; 0 picks free ports. Each actor writes its address to
+    `<run_dir>/gateway/actor-<i>.json`."""
+    tool_format: str = "hermes"
+    """How the model writes tool calls, to return them as `tool_calls` (envs/tool_calls.py)."""
+    on_history_break: Literal["split", "refuse"] = "split"
+    """A call whose messages are not the session's history plus new messages: `split` (a new
+    segment; each reply then trains in the context it was sampled in) or `refuse` (an error the
+    agent reads)."""
+    session_idle_timeout_s: float = bounded(600.0, gt=0)
+    """A session without a call or reward for this long is dropped (counted)."""
+    model_name: str = ""
+    """The model name `/v1/models` reports ("" for the model folder's name); requests may name any."""
+
+
 class SFTConfig(Section):
     """`longhorizon sft`: supervised fine-tuning of model.path on conversation files (docs/offline.md).
 
@@ -711,6 +738,7 @@ class Config(Section):
     env: EnvConfig = Field(default_factory=EnvConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     horizon: HorizonConfig = Field(default_factory=HorizonConfig)
     transport: TransportConfig = Field(default_factory=TransportConfig)
     ray: RayConfig = Field(default_factory=RayConfig)

@@ -78,6 +78,18 @@ def validate_config(config: Config) -> None:
         except AgentLoopError as error:
             raise ConfigError(f"actor.agent: {error}") from None
     check_agent_options(config)
+    from longhorizon.actor.worker import actor_driver
+
+    try:
+        driver = actor_driver(config.actor.driver)
+    except (PluginError, TypeError) as error:
+        raise ConfigError(f"actor.driver: {error}") from None
+    check_driver = getattr(driver, "check_config", None)
+    if check_driver is not None:
+        try:
+            check_driver(config)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     if not list_tasks(config.env.name, config.env.train_split, **dict(config.env.options)):
         raise ConfigError(f"env {config.env.name!r} has no {config.env.train_split!r} tasks")
     try:
@@ -181,3 +193,4 @@ def check_agent_options(config: Config) -> None:
         raise ConfigError(
             f"actor.agent = {config.actor.agent!r} plays an env by its tools, and env {config.env.name!r} "
             "offers none: use a text agent loop (\"react\", \"bare\" or \"\" for the env's own)")
+
