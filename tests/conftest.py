@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models built once per session, the default model when a test needs it."""
+"""Shared fixtures: tiny models built once per session, the default model when a test needs it; and
+the order in which pytest-xdist hands test files to its workers."""
 
 from pathlib import Path
 
@@ -6,6 +7,86 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CODEBOOK_WORDS = ["s0", "s1", "s2", "s3", "a0", "a1", "a2", "a3"]
+
+
+# -- the order test files go out in, under pytest-xdist ----------------------------------------
+
+# `make test` gives each worker whole files (--dist loadfile). Left to itself xdist hands them out
+# in order of their number of tests, most first, which sent the files of a few long tests (the
+# learning runs, the experiments, the Ray cluster) out last: each ran alone on one worker at the
+# end of the suite while the others had nothing left to do. Files go out longest first instead,
+# and the short ones fill in behind them. A test's length is what CI measured (the call times of
+# `make test`'s --durations list, 3 workers on 2 cores, seconds); a test not listed counts
+# SLOW_SECONDS if it is marked slow, FAST_SECONDS if not. Paste a newer list over this one when
+# the order drifts; a renamed test only falls back to its estimate.
+CI_SECONDS = {
+    "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[gspo]": 143,
+    "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[cispo]": 130,
+    "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[rloo]": 129,
+    "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[dapo]": 126,
+    "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[reinforce_pp]": 98,
+    "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[dr_grpo]": 77,
+    "tests/test_vllm_engine.py::test_short_training_run_with_vllm_actors": 168,
+    "tests/test_vllm_engine.py::test_lora_adapters_are_merged_into_the_engines_weights": 134,
+    # The module's engine starts in this test's setup.
+    "tests/test_vllm_engine.py::test_concurrent_generation_logprobs_match_the_learner": 75,
+    "tests/test_learning.py::test_tiny_model_learns_codebook_on_a_learner_of_two_ranks": 164,
+    "tests/test_learning.py::test_tiny_model_learns_codebook_on_unseen_sequences_shown_only_its_last_turn": 142,
+    "tests/test_horizon_experiment.py::test_the_command_runs_two_arms_on_a_tiny_budget": 161,
+    "tests/test_ray.py::test_codebook_learns_on_a_two_node_ray_cluster_and_survives_a_killed_actor": 141,
+    "tests/test_lora.py::test_lora_learns_codebook_and_only_adapters_cross_the_wire": 134,
+    "tests/test_sft_rl.py::test_the_sft_checkpoint_may_go_unevaluated": 131,
+    "tests/test_sft_rl.py::test_each_phase_improves_on_held_out_sequences_it_never_trained_on": 119,
+    "tests/test_shared_prefix.py::test_the_default_model_trains_with_the_shared_prefix_to_float32_rounding": 115,
+    "tests/test_system.py::test_the_adaptive_horizon_moves_through_its_stages_and_resumes_in_the_same_stage": 109,
+    "tests/test_distributed_system.py::test_a_killed_rank_restarts_the_whole_learner_and_sigterm_then_writes_the_final_checkpoint": 105,
+    "tests/test_frozen_policy.py::test_the_script_freezes_s0_on_a1_then_trains_from_there": 94,
+    "tests/test_experiment_freezes.py::test_the_command_trains_two_seeds_and_writes_their_verdicts": 93,
+    "tests/test_bench.py::test_learner_bench_runs_ranks_in_processes": 80,
+    "tests/test_web_local.py::test_oracle_plans_succeed_on_every_app": 78,
+    "tests/test_web_miniwob_seeds.py::test_reset_gives_browsergym_instruction_for_each_task_and_seed": 70,
+    "tests/test_babyai.py::test_oracle_solves_the_default_test_split_of_all_40_levels": 69,
+}
+SLOW_SECONDS = 30
+FAST_SECONDS = 1
+
+
+def expected_seconds(item) -> float:
+    """What `item` is expected to take in CI: its measured time, else the estimate for its kind."""
+    if item.nodeid in CI_SECONDS:
+        return CI_SECONDS[item.nodeid]
+    return SLOW_SECONDS if item.get_closest_marker("slow") else FAST_SECONDS
+
+
+def longest_files_first(items: list) -> list:
+    """`items` with whole files in order of their expected total time, longest first (ties keep
+    the collection's order); each file's tests stay in their own order."""
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    order = sorted(files.values(), key=lambda tests: -sum(expected_seconds(test) for test in tests))
+    return [item for tests in order for item in tests]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    # Only in xdist's workers: their collections, identical, are the order the controller hands
+    # files out in (see pytest_xdist_make_scheduler). A run without workers keeps its own order.
+    if hasattr(config, "workerinput"):
+        items[:] = longest_files_first(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile and loadscope take the work in the order the workers collected it (the
+    order above) instead of reordering it by number of tests."""
+    dist = config.getvalue("dist")
+    if dist not in ("loadfile", "loadscope"):
+        return None
+    from xdist.scheduler import LoadFileScheduling, LoadScopeScheduling
+
+    config.option.loadscopereorder = False
+    return (LoadFileScheduling if dist == "loadfile" else LoadScopeScheduling)(config, log)
 
 
 @pytest.fixture(scope="session")
