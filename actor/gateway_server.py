@@ -4,8 +4,9 @@ Routes:
 - `POST /v1/chat/completions`: messages (and `tools`) rendered with the model's chat template; the
   reply's tool calls come back as `tool_calls` (finish_reason "tool_calls"); `stream: true`
   answers with server-sent events in OpenAI's chunk shapes. Every call is recorded in its session.
-- `POST /v1/completions`: a text prompt, recorded the same way (a prompt that extends the
-  session's tokens continues it).
+- `POST /v1/completions`: a prompt as text or token ids, recorded the same way; the reply's
+  `token_ids` are the sampled ids, and a prompt of token ids that extends the session's tokens
+  continues it.
 - `GET /v1/models`: the served model and the weights version it holds.
 - `POST /v1/sessions` `{"task_id", "session_id"}`: open a session explicitly (else the first call
   opens it); the answer says its group and horizon cap.
@@ -125,11 +126,15 @@ class Gateway:
         return response, generation
 
     async def completion(self, headers: Any, body: dict) -> dict:
-        prompt_text = body.get("prompt")
-        if not isinstance(prompt_text, str) or not prompt_text:
-            raise GatewayError(400, "prompt must be a non-empty string", "invalid_prompt")
+        prompt = body.get("prompt")
+        if isinstance(prompt, str) and prompt:
+            tokens = list(self.book.renderer.tokenizer.encode(prompt))
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                         for t in prompt):
+            tokens = list(prompt)  # token ids: how a text session extends its tokens exactly
+        else:
+            raise GatewayError(400, "prompt must be a non-empty string or a list of token ids", "invalid_prompt")
         session = self.session_of(headers, body)
-        tokens = list(self.book.renderer.tokenizer.encode(prompt_text))
         recorded = session.token_ids[session.segment_start:]
         continues = bool(session.calls) and tokens[:len(recorded)] == recorded
         if session.calls >= session.horizon_cap:
@@ -146,7 +151,10 @@ class Gateway:
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": self.model_name,
             "choices": [{"index": 0, "text": generation.text, "logprobs": None,
-                         "finish_reason": "stop" if generation.stopped_on_eos else "length"}],
+                         "finish_reason": "stop" if generation.stopped_on_eos else "length",
+                         # The sampled ids: a next prompt of these after the last one's continues
+                         # the session exactly (text would lose the end-of-turn token).
+                         "token_ids": [int(t) for t in generation.token_ids]}],
             "usage": {"prompt_tokens": len(tokens), "completion_tokens": len(generation.token_ids),
                       "total_tokens": len(tokens) + len(generation.token_ids)},
             "policy_version": int(generation.policy_version), "session_id": session.session_id,

@@ -220,6 +220,8 @@ def serving(engine, book, horizon_cap=6):
 
 
 def _tool_reply(request):
+    if not request.messages:  # a text completion
+        return "ok"
     last = request.messages[-1]
     if last["role"] == "tool":
         return f"finished after {last['content']}"
@@ -312,3 +314,34 @@ def test_bad_requests_get_openai_style_errors_and_the_gateway_keeps_serving():
         again = httpx.post(f"{url}/sessions/good/reward", json={"reward": 1})
         assert again.status_code == 409 and again.json()["error"]["code"] == "session_finished"
     assert len(sent) == 1
+
+
+def test_streamed_tool_calls_text_completions_explicit_sessions_and_the_cap_over_http():
+    engine = ScriptEngine(ByteChatTokenizer(), _tool_reply)
+    with serving(engine, _book(), horizon_cap=2) as (url, sent):
+        client = openai.OpenAI(base_url=url, api_key="EMPTY")
+        opened = httpx.post(f"{url}/sessions", json={"task_id": "craft-7", "session_id": "x"})
+        assert opened.status_code == 201 and opened.json()["horizon_cap"] == 2
+        stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}], tools=TOOLS,
+                                                stream=True, extra_headers={"X-Session-Id": "x"})
+        chunks = list(stream)
+        calls = [call for chunk in chunks for call in (chunk.choices[0].delta.tool_calls or [])]
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get", {"item": "log"})]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # A text session continues while its prompt extends the recorded tokens.
+        first = client.completions.create(model="m", prompt="abc", user="text-session")
+        sampled = first.choices[0].model_extra["token_ids"]
+        assert sampled == list(b"ok") + [ByteChatTokenizer.IM_END]
+        second = client.completions.create(model="m", prompt=list(b"abc") + sampled + list(b"def"), user="text-session")
+        assert second.choices[0].text == "ok"
+        # The cap: a third call of a two-call session is refused in words the agent can act on.
+        client.completions.create(model="m", prompt="abc", user="capped")
+        client.completions.create(model="m", prompt="abc", user="capped")
+        with pytest.raises(openai.BadRequestError, match="horizon cap"):
+            client.completions.create(model="m", prompt="abc", user="capped")
+        httpx.post(f"{url}/sessions/text-session/reward", json={"reward": 1.0}).raise_for_status()
+        httpx.post(f"{url}/sessions/capped/reward", json={"reward": 0.0, "truncated": True}).raise_for_status()
+    text, capped = sent
+    assert text.sample_windows == [] and text.num_turns == 2
+    assert text.token_ids[:len(b"abc")].tolist() == list(b"abc")
+    assert capped.sample_windows != [] and capped.truncated and capped.cut_by == "horizon"  # its prompt restarted
