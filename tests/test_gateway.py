@@ -345,3 +345,17 @@ def test_streamed_tool_calls_text_completions_explicit_sessions_and_the_cap_over
     assert text.sample_windows == [] and text.num_turns == 2
     assert text.token_ids[:len(b"abc")].tolist() == list(b"abc")
     assert capped.sample_windows != [] and capped.truncated and capped.cut_by == "horizon"  # its prompt restarted
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor.driver='gateway'", "run.mode='sync'"], 'actor.driver = "gateway" needs run.mode = "async"'),
+    (["actor.driver='gateway'", "gateway.tool_format='yaml'"], "gateway.tool_format: unknown tool-call format 'yaml'"),
+    (["actor.driver='portal'"], "actor.driver: unknown actor driver 'portal'"),
+    (["gateway.on_history_break='ignore'"], "gateway.on_history_break must be one of split, refuse"),
+])
+def test_a_gateway_config_that_cannot_run_is_refused_in_one_line(overrides, message, capsys):
+    from longhorizon.launch.cli import main
+
+    assert main(["train", "codebook", "actor.engine='scripted'", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

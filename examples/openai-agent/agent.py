@@ -73,7 +73,10 @@ def gateway_urls(folder: str, wait_s: float) -> list[str]:
 
 
 def chat(client: openai.OpenAI, session: str, task: str, messages: list[dict], tools: list[dict] | None):
-    """One model call; None when the gateway refuses it (the episode is over: horizon or context)."""
+    """One model call; None when the gateway refuses it (the episode is over: horizon or context).
+    A connection that fails is tried again for a while (a server may close an idle keep-alive
+    connection as the client reuses it); one that keeps failing means training has ended."""
+    unreachable_since = None
     for attempt in range(600):
         try:
             return client.chat.completions.create(
@@ -89,7 +92,10 @@ def chat(client: openai.OpenAI, session: str, task: str, messages: list[dict], t
                 raise
             time.sleep(0.5)
         except openai.APIConnectionError:
-            raise GatewayGone() from None
+            unreachable_since = unreachable_since or time.monotonic()
+            if time.monotonic() - unreachable_since > 10:
+                raise GatewayGone() from None
+            time.sleep(0.5)
     raise GatewayGone()
 
 

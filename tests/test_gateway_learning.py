@@ -1,0 +1,88 @@
+"""A black-box agent learns through the gateway: the example agent (only the `openai` client and HTTP)
+plays codebook episodes served by `env serve` against a training run whose actor is a gateway.
+
+Real processes: the learner and one gateway actor started by the local launcher, the agent in a
+process of its own, the env in an HTTP service. The held-out check is the built-in loop's
+(tests/test_learning.py): greedy play of the final checkpoint on held-out tasks above 80%, where
+the untrained model is below 20%.
+"""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from longhorizon.actor.engines.base import make_engine
+from longhorizon.actor.engines.factory import engine_settings
+from longhorizon.actor.evaluate import evaluate, greedy
+from longhorizon.common.config import load_config
+from longhorizon.common.metrics import read_metrics
+from longhorizon.envs.server import EnvServer
+from longhorizon.envs.service import ServiceSettings
+from longhorizon.learner.checkpoint import latest_checkpoint
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+AGENT = REPO_ROOT / "examples" / "openai-agent" / "agent.py"
+
+
+def _overrides(tmp_path, model_folder):
+    return [
+        f"run.output_dir={str(tmp_path)!r}", f"model.path={str(model_folder)!r}",
+        "actor.driver='gateway'", "gateway.port=0", "actor.num_actors=1",
+        # As the built-in loop's learning runs (tests/test_learning.py): stop once training holds
+        # 95%, with the bonus that thaws a policy frozen on a wrong answer.
+        "run.target_success=0.95", "learner.entropy_coef=0.5", "learner.entropy_scope='frozen_groups'",
+    ]
+
+
+def _held_out_success(config, model_folder) -> float:
+    engine = make_engine("hf", greedy(engine_settings(config, str(model_folder))))
+    result = trio.run(lambda: evaluate(
+        engine, config.env.name, dict(config.env.options), split="test", episodes=200,
+        horizon_cap=config.horizon.stages[0], max_new_tokens=config.actor.sampling.max_new_tokens))
+    assert result.failed_episodes == 0
+    return result.success_rate
+
+
+def test_the_example_agent_imports_nothing_of_longhorizon():
+    source = AGENT.read_text()
+    assert "longhorizon" not in "".join(line for line in source.splitlines() if line.startswith(("import", "from")))
+
+
+@pytest.mark.slow
+def test_a_black_box_agent_learns_codebook_through_the_gateway(tmp_path, tiny_codebook_model):
+    config = load_config(REPO_ROOT / "configs" / "codebook.toml", _overrides(tmp_path, tiny_codebook_model))
+    untrained = _held_out_success(config, tiny_codebook_model)
+    assert untrained < 0.2
+    with EnvServer(ServiceSettings("codebook", env_options=dict(config.env.options))) as server:
+        training = subprocess.Popen(
+            [sys.executable, "-m", "longhorizon.launch.cli", "train", str(REPO_ROOT / "configs" / "codebook.toml"),
+             *_overrides(tmp_path, tiny_codebook_model), "--no-plots"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
+        agent = subprocess.Popen(
+            [sys.executable, str(AGENT), "--env-url", server.url, "--gateway-dir", str(config.run_dir / "gateway"),
+             "--threads", "8", "--group-size", str(config.actor.group_size)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            # Either process failing ends the test (an agent that died leaves the learner waiting).
+            deadline = time.monotonic() + 900
+            while training.poll() is None and time.monotonic() < deadline:
+                assert agent.poll() is None, f"the agent ended before training did:\n{agent.stdout.read()}"
+                time.sleep(1)
+            assert training.poll() == 0, training.stdout.read()
+            output, _ = agent.communicate(timeout=120)
+        finally:
+            for process in (training, agent):
+                if process.poll() is None:
+                    process.kill()
+    assert agent.returncode == 0, output
+    records = read_metrics(config.run_dir)
+    assert records[-1].get("target_reached") or records[-1]["step"] == config.run.total_steps
+    assert records[-1]["actors_seen"] == 1 and records[-1]["trajectories_trained"] > 0
+    checkpoint = latest_checkpoint(config.run_dir)
+    trained = _held_out_success(config, checkpoint)
+    print(f"held-out greedy success through the gateway: untrained {untrained:.1%}, trained {trained:.1%}")
+    assert trained > 0.8
