@@ -315,6 +315,12 @@ class GatewayActor(Actor):
     def _start_drivers(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._serve)
 
+    def stats(self):
+        stats = super().stats()
+        if self._gateway is not None:
+            stats.history_breaks = self._gateway.book.counters.history_breaks
+        return stats
+
     def gateway(self) -> Gateway:
         config = self.config
         settings = GatewaySettings(
@@ -328,11 +334,14 @@ class GatewayActor(Actor):
                        horizon_cap=lambda: None if self.horizon is None else int(self.horizon.horizon_cap),
                        on_trajectory=self._send)
 
+    _gateway: Gateway | None = None
+
     async def _serve(self) -> None:
         gateway_config = self.config.gateway
         port = gateway_config.port + self.actor_index if gateway_config.port else 0
+        self._gateway = self.gateway()
         async with trio.open_nursery() as nursery:
-            address = await nursery.start(serve_gateway, self.gateway(), gateway_config.host, port)
+            address = await nursery.start(serve_gateway, self._gateway, gateway_config.host, port)
             folder = self.config.run_dir / "gateway"
             folder.mkdir(parents=True, exist_ok=True)
             (folder / f"{self.actor_id}.json").write_text(json.dumps({"actor_id": self.actor_id, "url": f"{address}/v1"}))

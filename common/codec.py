@@ -319,7 +319,7 @@ def _check_nothing(values: dict[str, Any], limits: WireLimits | None) -> None:
 
 def _check_actor_stats(values: dict[str, Any], limits: WireLimits | None) -> None:
     _require_nonempty(values, "ActorStats", "actor_id")
-    _require_at_least(values, "ActorStats", 0, "episodes_done", "errors", "weights_refused")
+    _require_at_least(values, "ActorStats", 0, "episodes_done", "errors", "weights_refused", "history_breaks")
 
 
 _CHECKS: dict[type, Callable[[dict[str, Any], WireLimits | None], None]] = {

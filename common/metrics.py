@@ -85,7 +85,7 @@ _GROUP_RULES: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ), ("_per_s", "_seconds", "_bytes", "_mb", "_gb", "_s")),
     ("rollout", (
         "reward", "success", "staleness", "episode", "turns", "truncated", "cut_by_cap", "horizon_",
-        "groups_", "invalid_action", "failed_episodes", "target_",
+        "groups_", "invalid_action", "failed_episodes", "target_", "history_breaks",
     ), ()),
 )
 

@@ -227,7 +227,8 @@ class ActorStats:
     """Throughput figures an actor reports now and then, for the learner's metrics."""
 
     TYPE_TAG: ClassVar[str] = "actor_stats"
-    SCHEMA_VERSION: ClassVar[int] = 2
+    # 3: history_breaks added.
+    SCHEMA_VERSION: ClassVar[int] = 3
 
     actor_id: str
     episodes_done: int
@@ -239,6 +240,10 @@ class ActorStats:
     errors: int
     # Weight updates the actor's engine refused (it kept the version it had).
     weights_refused: int = 0
+    # A gateway actor: calls whose messages were not their session's history plus new messages
+    # (the agent's framework re-rendered or edited it), so the learner can tell how often an
+    # outside agent's sessions could not stay one sequence.
+    history_breaks: int = 0
 
 
 Message = Trajectory | WeightsUpdate | CollectiveWeights | HorizonUpdate | Hello | Heartbeat | Stop | ActorStats

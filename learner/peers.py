@@ -93,6 +93,10 @@ class PeerTable:
         """The newest weights version `peer`'s engine refused (-1: none, or not said yet)."""
         return self.known[peer].get("refused_version", -1)
 
+    def history_breaks_total(self) -> int:
+        """Gateway calls that broke their session's history, summed over the actors' latest stats."""
+        return sum(info["stats"].history_breaks for info in self.known.values() if "stats" in info)
+
     def weights_refused_total(self) -> int:
         """Weight updates refused, summed over the actors' latest stats (an actor restarted
         since counts from zero again)."""

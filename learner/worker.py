@@ -560,6 +560,9 @@ class Learner:
             # actors that refused the latest version (it is not sent to them again).
             "weights_refused": self.peers.weights_refused_total(),
             "actors_refusing_latest": sum(self._refused_latest(peer) for peer in live),
+            # Gateway actors: calls whose messages were not their session's history (split or
+            # refused as gateway.on_history_break says), from the actors' latest stats.
+            "history_breaks": self.peers.history_breaks_total(),
             # Bytes of tensors in the latest weights update (with LoRA: the adapters alone).
             "weights_bytes": self.weights_bytes,
             # This process's resident memory (now, and its peak so far) and what the machine (or

@@ -3,6 +3,7 @@
 import contextlib
 import json
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -14,7 +15,7 @@ import trio
 from longhorizon.actor.engines.base import GenerationResult
 from longhorizon.actor.gateway import ChatRenderer, GatewayError, GatewaySettings, SessionBook, reply_message
 from longhorizon.common.chat import ByteChatTokenizer, HFChatTokenizer
-from longhorizon.envs.tool_calls import HermesFormat, ToolCall
+from longhorizon.envs.tool_calls import HermesFormat
 from longhorizon.learner.samples import sample_lengths, window_problem
 
 TOOLS = [{"type": "function", "function": {"name": "get", "description": "Take an item.", "parameters": {
@@ -359,3 +360,21 @@ def test_a_gateway_config_that_cannot_run_is_refused_in_one_line(overrides, mess
     assert main(["train", "codebook", "actor.engine='scripted'", *overrides]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_a_gateway_actor_reports_its_history_breaks_to_the_learner():
+    from longhorizon.actor.gateway_server import GatewayActor
+    from longhorizon.common.config import load_config
+    from longhorizon.learner.peers import PeerTable
+
+    config = load_config("codebook", ["actor.driver='gateway'", "actor.engine='scripted'"])
+    actor = GatewayActor(config, 0, endpoints=None, engine=ScriptEngine(ByteChatTokenizer()))
+    assert actor.stats().history_breaks == 0
+    actor._gateway = actor.gateway()
+    actor._gateway.book.counters.history_breaks = 2
+    stats = actor.stats()
+    assert stats.history_breaks == 2
+    # The learner sums each actor's latest figure into metrics.jsonl's history_breaks.
+    peers = PeerTable(timeout_s=10, counters=Counter())
+    peers.heard_from("actor-0", stats)
+    assert peers.history_breaks_total() == 2

@@ -82,6 +82,7 @@ def test_a_black_box_agent_learns_codebook_through_the_gateway(tmp_path, tiny_co
     records = read_metrics(config.run_dir)
     assert records[-1].get("target_reached") or records[-1]["step"] == config.run.total_steps
     assert records[-1]["actors_seen"] == 1 and records[-1]["trajectories_trained"] > 0
+    assert records[-1]["history_breaks"] == 0  # the agent sends its history back as it got it
     checkpoint = latest_checkpoint(config.run_dir)
     trained = _held_out_success(config, checkpoint)
     print(f"held-out greedy success through the gateway: untrained {untrained:.1%}, trained {trained:.1%}")

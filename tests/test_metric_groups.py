@@ -13,7 +13,7 @@ def test_each_kind_of_figure_lands_in_its_group():
                   "signal_fraction", "entropy_coef", "value_loss", "train_tokens"],
         "rollout": ["reward_mean", "success_rate", "episode_turns_mean", "truncated_rate", "cut_by_cap_rate",
                     "staleness_mean", "staleness_max", "horizon_cap", "groups_used", "groups_none_succeeded",
-                    "invalid_action_rate", "failed_episodes"],
+                    "invalid_action_rate", "failed_episodes", "history_breaks"],
         "system": ["time", "version", "episodes_per_s", "tokens_per_s", "learner_step_seconds", "weights_bytes",
                    "trajectories_received", "groups_dropped_stale", "groups_resampled", "actors_live",
                    "rejected_messages", "auth_refused", "memory_rss_mb"],
