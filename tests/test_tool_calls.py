@@ -22,7 +22,7 @@ from longhorizon.envs.tool_calls import (
     get_tool_call_format,
     to_openai,
 )
-from longhorizon.envs.tools import ToolArgumentError, argument_problem, object_schema
+from longhorizon.envs.tools import argument_problem, object_schema
 
 CALLS = (
     ToolCall("get", {"item": "oak logs", "count": 1}),
