@@ -30,6 +30,7 @@ counted; the learner's partial-group rules handle the group they leave short.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -225,6 +226,8 @@ class Session:
     generation_seconds: float = 0.0
     turn_rewards: list[float] = field(default_factory=list)
     finished: bool = False
+    busy: bool = False
+    """A call of the session is being answered: another one, or its reward, must wait for it."""
 
     def append(self, token_ids: Sequence[int], *, generated: bool, logprobs: Sequence[float] = (),
                version: int = -1) -> None:
@@ -281,6 +284,22 @@ class SessionBook:
             raise GatewayError(404, f"no open session {session_id!r} (finished, expired or never opened)",
                                "session_not_found")
         return session
+
+    @contextlib.contextmanager
+    def calling(self, session: Session):
+        """Hold the session for one call: a second call or a reward meanwhile is refused (its
+        record would be built from a history that is about to change), and the session is not
+        idle while its reply is generated."""
+        if session.busy:
+            raise GatewayError(409, f"session {session.session_id!r} has a call in progress: wait for its reply",
+                               "session_busy")
+        session.busy = True
+        session.last_active = time.monotonic()
+        try:
+            yield session
+        finally:
+            session.busy = False
+            session.last_active = time.monotonic()
 
     def prompt_for(self, session: Session, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], bool]:
         """The prompt tokens for a session's next call and whether it continues the record (False:
@@ -343,6 +362,9 @@ class SessionBook:
                truncated: bool = False) -> Trajectory:
         """The session, ended with its reward, as a trajectory (and forgotten)."""
         session = self.get(session_id)
+        if session.busy:
+            raise GatewayError(409, f"session {session_id!r} has a call in progress: post its reward after the reply",
+                               "session_busy")
         if not session.calls:
             raise GatewayError(400, f"session {session_id!r} made no call: there is nothing to train on", "empty_session")
         del self.sessions[session_id]
@@ -354,7 +376,8 @@ class SessionBook:
     def expire(self, now: float | None = None) -> list[str]:
         """Forget sessions idle for longer than the timeout; their ids."""
         now = time.monotonic() if now is None else now
-        idle = [sid for sid, s in self.sessions.items() if now - s.last_active > self.settings.session_idle_timeout_s]
+        idle = [sid for sid, s in self.sessions.items()
+                if not s.busy and now - s.last_active > self.settings.session_idle_timeout_s]
         for session_id in idle:
             del self.sessions[session_id]
         self.counters.sessions_expired += len(idle)

@@ -107,12 +107,13 @@ class Gateway:
         messages = check_messages(body.get("messages"))
         tools = check_tools(body.get("tools"))
         session = self.session_of(headers, body)
-        prompt, continues, generation, seconds = await self.generate(
-            session, messages, tools, body.get("stop"), body.get("max_completion_tokens", body.get("max_tokens")))
-        message, finish = reply_message(self.book.renderer, generation.text)
-        if not generation.stopped_on_eos and finish == "stop":
-            finish = "length"
-        self.book.record(session, messages, prompt, continues, generation, message, seconds)
+        with self.book.calling(session):
+            prompt, continues, generation, seconds = await self.generate(
+                session, messages, tools, body.get("stop"), body.get("max_completion_tokens", body.get("max_tokens")))
+            message, finish = reply_message(self.book.renderer, generation.text)
+            if not generation.stopped_on_eos and finish == "stop":
+                finish = "length"
+            self.book.record(session, messages, prompt, continues, generation, message, seconds)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(generation.token_ids),
                  "total_tokens": len(prompt) + len(generation.token_ids)}
         response = {
@@ -143,10 +144,11 @@ class Gateway:
             raise GatewayError(400, "the prompt does not extend this session's tokens", "history_break")
         limit = self.book.settings.max_new_tokens
         self.book.check_fits(len(tokens), limit)
-        started = time.perf_counter()
-        generation = await self.engine.generate(GenerationRequest(token_ids=tokens, episode_id=session.session_id))
-        self.book.record(session, [], tokens, continues, generation, {}, time.perf_counter() - started)
-        session.last_messages = None  # a text session continues by its tokens, not by messages
+        with self.book.calling(session):
+            started = time.perf_counter()
+            generation = await self.engine.generate(GenerationRequest(token_ids=tokens, episode_id=session.session_id))
+            self.book.record(session, [], tokens, continues, generation, {}, time.perf_counter() - started)
+            session.last_messages = None  # a text session continues by its tokens, not by messages
         return {
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": self.model_name,

@@ -378,3 +378,17 @@ def test_a_gateway_actor_reports_its_history_breaks_to_the_learner():
     peers = PeerTable(timeout_s=10, counters=Counter())
     peers.heard_from("actor-0", stats)
     assert peers.history_breaks_total() == 2
+
+
+def test_a_second_call_or_the_reward_while_a_call_is_answered_is_refused_and_busy_sessions_do_not_expire():
+    book = _book(session_idle_timeout_s=1)
+    session = book.open("s", "t", horizon_cap=5)
+    with book.calling(session):
+        with pytest.raises(GatewayError, match="has a call in progress") as busy:
+            with book.calling(session):
+                pass
+        assert busy.value.status == 409 and busy.value.code == "session_busy"
+        with pytest.raises(GatewayError, match="post its reward after the reply"):
+            book.finish("s", 1.0)
+        assert book.expire(now=session.last_active + 100) == []
+    assert not session.busy and book.expire(now=session.last_active + 100) == ["s"]
