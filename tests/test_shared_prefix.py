@@ -494,13 +494,17 @@ def test_the_default_model_trains_with_the_shared_prefix_to_float32_rounding(def
                 for reply, advantage in zip(replies, (1.0, -0.5, 0.25))]
     prefix = shareable_prefix_length([e.token_ids for e in examples])
     assert prefix >= len(prompt) > 40
-    for chunk_tokens in (0, 1024):
-        plain = _loss_and_gradients(model, pad_examples(examples, 0), chunk_tokens, with_entropy=True)
-        shared = _loss_and_gradients(model, pad_examples(examples, 0, prefix), chunk_tokens, with_entropy=True)
-        torch.testing.assert_close(shared[0], plain[0], rtol=0, atol=1e-3)
-        torch.testing.assert_close(shared[1], plain[1], rtol=0, atol=1e-3)
-        assert shared[2].keys() == plain[2].keys() and len(plain[2]) > 100
-        for name in plain[2]:
-            scale = float(plain[2][name].abs().max())
-            difference = float((shared[2][name] - plain[2][name]).abs().max())
-            assert difference <= 1e-3 * scale + 1e-12, f"{name}: differs by {difference:.3g} at {scale:.3g}"
+    # At the learner's log-prob chunking (1,024 tokens) only: the unchunked pass and chunks that
+    # split a sequence are held to the plain pass on the tiny Qwen2 and Llama (SmolLM2's
+    # architecture) above, entropy and gradient checkpointing included. This test is for the real
+    # model's rounding, which the chunking does not change.
+    chunk_tokens = LearnerConfig().logprob_chunk_tokens
+    plain = _loss_and_gradients(model, pad_examples(examples, 0), chunk_tokens, with_entropy=True)
+    shared = _loss_and_gradients(model, pad_examples(examples, 0, prefix), chunk_tokens, with_entropy=True)
+    torch.testing.assert_close(shared[0], plain[0], rtol=0, atol=1e-3)
+    torch.testing.assert_close(shared[1], plain[1], rtol=0, atol=1e-3)
+    assert shared[2].keys() == plain[2].keys() and len(plain[2]) > 100
+    for name in plain[2]:
+        scale = float(plain[2][name].abs().max())
+        difference = float((shared[2][name] - plain[2][name]).abs().max())
+        assert difference <= 1e-3 * scale + 1e-12, f"{name}: differs by {difference:.3g} at {scale:.3g}"
