@@ -237,28 +237,26 @@ def test_learner_bench_times_our_step_and_a_bare_loop(tiny_codebook_model, capsy
 
 @pytest.mark.slow
 def test_learner_bench_runs_ranks_in_processes(tiny_codebook_model, capsys):
+    """One benchmark, three runs of two rank processes each: our step with the shared prefix off
+    and on, and the bare loop. (Two benchmarks started these six times over; how the ranks split
+    a step's sequences is tests/test_distributed.py's.)"""
     from longhorizon.launch.bench.learner import main as bench_learner
 
-    code = bench_learner([
-        "--model", str(tiny_codebook_model), "--tokens", "32", "--sequences", "3", "--steps", "1",
-        "--device", "cpu", "--ranks", "2",
-    ])
-    assert code == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert [(run["kind"], run["ranks"]) for run in result["runs"]] == [("longhorizon", 2), ("bare torch", 2)]
-    # Rank 0 holds two of the three sequences (split by tokens): one micro-batch.
-    assert all(run["micro_batches"] == 1 and run["step_s"] > 0 for run in result["runs"])
     assert bench_learner(["--ranks", "0"]) == 2
-    # Two ranks with the shared prefix: each rank encodes its group's 32-token prompt once.
-    assert bench_learner([
+    code = bench_learner([
         "--model", str(tiny_codebook_model), "--shape", "codebook", "--tokens", "64", "--sequences", "8",
         "--group-size", "4", "--steps", "1", "--device", "cpu", "--ranks", "2", "--shared-prefix", "off,on",
-        "--no-bare",  # the bare loop ran above
-    ]) == 0
+    ])
+    assert code == 0
     runs = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"]
-    off, on = (next(run for run in runs if run["kind"] == "longhorizon" and run["shared_prefix"] is shared)
-               for shared in (False, True))
-    assert off["tokens_trained"] == on["tokens_trained"] and on["tokens_computed"] == off["tokens_computed"] - 2 * 3 * 32
+    assert [(run["kind"], run["ranks"], run["shared_prefix"]) for run in runs] == [
+        ("longhorizon", 2, False), ("longhorizon", 2, True), ("bare torch", 2, False)]
+    # Each rank's share of the eight sequences fits one micro-batch.
+    assert all(run["micro_batches"] == 1 and run["step_s"] > 0 and run["overhead_vs_bare"] is not None for run in runs)
+    # With the shared prefix each rank encodes its group's 32-token prompt once.
+    off, on, bare = runs
+    assert off["tokens_trained"] == on["tokens_trained"] == bare["tokens_trained"]
+    assert on["tokens_computed"] == off["tokens_computed"] - 2 * 3 * 32
     # "auto", the default, leaves a tiny model's step without checkpointing: its activations are small.
     assert off["gradient_checkpointing"] is False and on["gradient_checkpointing"] is False
 
