@@ -14,8 +14,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_the_script_freezes_s0_on_a1_then_trains_from_there(tmp_path):
     done = subprocess.run(
+        # One actor process instead of the config's two: the script's phases are under test.
         [sys.executable, str(REPO_ROOT / "scripts" / "frozen-policy"), "--entropy-coef", "0.2", "--steps", "2",
-         "--output", str(tmp_path)],
+         "--set", "actor.num_actors=1", "--output", str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
     )
     assert done.returncode == 0, done.stderr[-3000:]
