@@ -90,12 +90,14 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_configure(config):
     """In xdist's workers torch computes on the machine's cores shared out among the workers: one
-    thread each under `make test` (3 workers, 2 cores). Two threads a worker made six compete for
-    two cores, where the threads of an operation wait on one another: with two threads a test
-    on the default model (test_shared_prefix.py) took 33 s of CPU for its 20 s on an idle machine,
-    and 65 s of wall on a busy one, against 25 s of both with one. (Processes the tests start set
-    their own: the learner and actors take learner/actor.torch_threads, 1 by default.) A run
-    without workers keeps torch's default."""
+    thread each under `make test` (3 workers, 2 cores). With torch's default of a thread per core,
+    six threads competed for two cores, and an operation's threads wait on one another: the
+    unmarked tests of test_trainer, test_entropy_control, test_model_server, test_algorithms and
+    test_losses (228) took 660 s on 3 workers (245 s of CPU) against 43 s (58 s of CPU) with one
+    thread each, on a 2-core machine that was busy with other work; alone on an idle one the
+    default-model test of test_shared_prefix.py took 33 s of CPU for its 20 s against 25 s of both.
+    (Processes the tests start set their own: the learner and actors take
+    learner/actor.torch_threads, 1 by default.) A run without workers keeps torch's default."""
     if hasattr(config, "workerinput"):
         import os
 
