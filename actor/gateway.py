@@ -222,6 +222,9 @@ class Session:
     history_breaks: int = 0
     last_messages: list[dict] | None = None
     """The last call's messages followed by the assistant message the gateway returned."""
+    last_response: dict | None = None
+    """What the last chat call answered: a resend of that call (a client that retried after its
+    connection dropped, the reply lost on the way) gets it again instead of a new reply."""
     last_stopped_on_eos: bool = True
     generation_seconds: float = 0.0
     turn_rewards: list[float] = field(default_factory=list)
@@ -245,6 +248,8 @@ class GatewayCounters:
     calls: int = 0
     history_breaks: int = 0
     calls_refused: int = 0
+    calls_resent: int = 0
+    """Calls that repeated the session's last call (a client's retry), answered with its reply."""
 
 
 class SessionBook:
@@ -318,6 +323,13 @@ class SessionBook:
                                "send back every earlier message and the assistant's replies as they were",
                                "history_break")
         return self.renderer.prompt_tokens(messages, tools), False
+
+    def resent(self, session: Session, messages: list[dict]) -> dict | None:
+        """The answer already given, when `messages` are exactly the last call's (a retry)."""
+        before = session.last_messages
+        if session.last_response is None or before is None or len(messages) != len(before) - 1:
+            return None
+        return session.last_response if all(_same_message(old, new) for old, new in zip(before, messages)) else None
 
     def _continuation(self, session: Session, messages: list[dict]) -> list[int] | None:
         before = session.last_messages

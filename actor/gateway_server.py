@@ -108,6 +108,10 @@ class Gateway:
         tools = check_tools(body.get("tools"))
         session = self.session_of(headers, body)
         with self.book.calling(session):
+            resent = self.book.resent(session, messages)
+            if resent is not None:
+                self.book.counters.calls_resent += 1
+                return resent, None
             prompt, continues, generation, seconds = await self.generate(
                 session, messages, tools, body.get("stop"), body.get("max_completion_tokens", body.get("max_tokens")))
             message, finish = reply_message(self.book.renderer, generation.text)
@@ -124,6 +128,7 @@ class Gateway:
             # What the learner will train on, for harnesses that check it.
             "policy_version": int(generation.policy_version), "session_id": session.session_id,
         }
+        session.last_response = response
         return response, generation
 
     async def completion(self, headers: Any, body: dict) -> dict:
@@ -148,7 +153,7 @@ class Gateway:
             started = time.perf_counter()
             generation = await self.engine.generate(GenerationRequest(token_ids=tokens, episode_id=session.session_id))
             self.book.record(session, [], tokens, continues, generation, {}, time.perf_counter() - started)
-            session.last_messages = None  # a text session continues by its tokens, not by messages
+            session.last_messages = session.last_response = None  # a text session goes by its tokens
         return {
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": self.model_name,
@@ -180,7 +185,7 @@ class Gateway:
                 "num_turns": trajectory.num_turns, "history_breaks": len(trajectory.sample_windows) > 0}
 
 
-def _stream_events(response: dict, generation: Any):
+def _stream_events(response: dict):
     """A finished chat completion as OpenAI's stream of chunks (role, content, tool calls, finish)."""
     choice = response["choices"][0]
     message = choice["message"]
@@ -229,9 +234,9 @@ def gateway_app(gateway: Gateway):
 
     async def chat(request: Request):
         body = await body_of(request)
-        response, generation = await gateway.chat(request.headers, body)
+        response, _ = await gateway.chat(request.headers, body)
         if body.get("stream"):
-            return StreamingResponse(_stream_events(response, generation), media_type="text/event-stream")
+            return StreamingResponse(_stream_events(response), media_type="text/event-stream")
         return JSONResponse(response)
 
     async def completions(request: Request):

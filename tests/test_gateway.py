@@ -392,3 +392,24 @@ def test_a_second_call_or_the_reward_while_a_call_is_answered_is_refused_and_bus
             book.finish("s", 1.0)
         assert book.expire(now=session.last_active + 100) == []
     assert not session.busy and book.expire(now=session.last_active + 100) == ["s"]
+
+
+def test_a_resent_call_gets_the_same_answer_and_the_session_stays_one_sequence():
+    """A client whose connection dropped after the gateway answered retries the same call: it gets
+    the recorded reply again, nothing is generated or recorded twice, and no break is counted."""
+    replies = iter(["first", "second", "third"])
+    engine = ScriptEngine(ByteChatTokenizer(), lambda request: next(replies))
+    with serving(engine, _book()) as (url, sent):
+        client = openai.OpenAI(base_url=url, api_key="resender")
+        messages = [{"role": "user", "content": "go"}]
+        answer = client.chat.completions.create(model="m", messages=messages)
+        again = client.chat.completions.create(model="m", messages=messages)
+        assert (again.id, again.choices[0].message.content) == (answer.id, "first")
+        messages += [answer.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "on"}]
+        assert client.chat.completions.create(model="m", messages=messages).choices[0].message.content == "second"
+        health = httpx.get(url.removesuffix("/v1") + "/health").json()
+        httpx.post(f"{url}/sessions/resender/reward", json={"reward": 1.0}).raise_for_status()
+    assert (health["calls"], health["calls_resent"], health["history_breaks"]) == (2, 1, 0)
+    [trajectory] = sent
+    assert trajectory.num_turns == 2 and trajectory.sample_windows == []
+    assert len(engine.sampled["resender"]) == 2

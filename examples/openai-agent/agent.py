@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # One client per endpoint, shared by every thread (both are thread-safe and keep connections).
     pool = httpx.Limits(max_connections=args.threads * args.group_size + 8)
-    clients = {url: openai.OpenAI(base_url=url, api_key="EMPTY", max_retries=0, timeout=120,
-                                  http_client=httpx.Client(limits=pool, timeout=120)) for url in urls}
+    clients = {url: openai.OpenAI(base_url=url, api_key="EMPTY", max_retries=0, timeout=600,
+                                  http_client=httpx.Client(limits=pool, timeout=600)) for url in urls}
     env = httpx.Client(base_url=args.env_url, timeout=60, limits=pool)
     rewards = httpx.Client(timeout=30, limits=pool) if args.gateway_dir else None
 
