@@ -45,6 +45,9 @@ CI_SECONDS = {
     "tests/test_web_local.py::test_oracle_plans_succeed_on_every_app": 78,
     "tests/test_web_miniwob_seeds.py::test_reset_gives_browsergym_instruction_for_each_task_and_seed": 70,
     "tests/test_babyai.py::test_oracle_solves_the_default_test_split_of_all_40_levels": 69,
+    # Measured in a fresh-clone `make test` on this project's 2-core machine (2026-12-05), not CI.
+    "tests/test_gateway_learning.py::test_a_black_box_agent_learns_codebook_through_the_gateway": 550,
+    "tests/test_gateway_learning.py::test_the_example_agent_plays_textcraft_by_its_own_tools_through_env_serve_and_the_gateway": 85,
 }
 SLOW_SECONDS = 30
 FAST_SECONDS = 1
