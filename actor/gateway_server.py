@@ -51,6 +51,7 @@ from longhorizon.envs.tool_calls import ToolCallFormatError, get_tool_call_forma
 
 log = logging.getLogger(__name__)
 
+KEEP_ALIVE_TIMEOUT_S = 75.0
 _FINISHED_REMEMBERED = 4096  # finished session ids kept to tell "already finished" from "unknown"
 
 
@@ -284,6 +285,9 @@ async def serve_gateway(gateway: Gateway, host: str, port: int, *,
     server_config.bind = [f"{host}:{port}"]
     server_config.accesslog = None
     server_config.errorlog = log
+    # Longer than clients keep an idle connection (httpx: 5 s), so that the client closes it first:
+    # at equal timeouts a request sent on a connection the server is closing is lost on the way.
+    server_config.keep_alive_timeout = KEEP_ALIVE_TIMEOUT_S
 
     async def expire_sessions() -> None:
         while True:

@@ -91,10 +91,10 @@ def chat(client: openai.OpenAI, session: str, task: str, messages: list[dict], t
             if error.status_code != 503:
                 raise
             time.sleep(0.5)
-        except openai.APIConnectionError:
+        except openai.APIConnectionError as error:
             unreachable_since = unreachable_since or time.monotonic()
             if time.monotonic() - unreachable_since > 10:
-                raise GatewayGone() from None
+                raise GatewayGone(f"no answer for 10 s ({error})") from None
             time.sleep(0.5)
     raise GatewayGone()
 
@@ -133,12 +133,27 @@ def play_episode(client, env: httpx.Client, rewards: httpx.Client | None, base_u
     finally:
         env.post("/close", json={"id": instance})
     if rewards is not None:
-        try:
-            rewards.post(f"{base_url}/sessions/{session}/reward",
-                         json={"reward": total, "success": success, "truncated": truncated})
-        except httpx.TransportError:
-            raise GatewayGone() from None
+        post_reward(rewards, f"{base_url}/sessions/{session}/reward",
+                    {"reward": total, "success": success, "truncated": truncated})
     return total
+
+
+def post_reward(rewards: httpx.Client, url: str, body: dict) -> None:
+    """Post an episode's reward, trying a failed connection again for a while; a 409 says an
+    earlier try arrived (the session has ended)."""
+    unreachable_since = None
+    while True:
+        try:
+            response = rewards.post(url, json=body)
+        except httpx.TransportError as error:
+            unreachable_since = unreachable_since or time.monotonic()
+            if time.monotonic() - unreachable_since > 10:
+                raise GatewayGone(f"no answer for 10 s ({error!r})") from None
+            time.sleep(0.5)
+            continue
+        if response.status_code != 409:
+            response.raise_for_status()
+        return
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     def member(base_url: str, task: dict) -> None:
         try:
             play_episode(clients[base_url], env, rewards, base_url, task, tools, system)
-        except GatewayGone:
+        except GatewayGone as gone:
+            if not stop.is_set():
+                print(f"the gateway stopped answering: {gone}", file=sys.stderr, flush=True)
             stop.set()
             return
         with lock:
