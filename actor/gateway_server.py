@@ -24,7 +24,6 @@ bad request never ends the gateway or another session.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import time
@@ -318,10 +317,6 @@ class GatewayActor(Actor):
             get_tool_call_format(config.gateway.tool_format)
         except ToolCallFormatError as error:
             raise ValueError(f"gateway.tool_format: {error}") from None
-        missing = [name for name in ("starlette", "hypercorn") if importlib.util.find_spec(name) is None]
-        if missing:
-            raise ValueError(f"actor.driver = \"gateway\" needs {' and '.join(missing)}: "
-                             "pip install 'longhorizon[gateway]'")
 
     def _start_drivers(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._serve)
