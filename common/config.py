@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, get_args
+import types
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -798,8 +799,18 @@ def _one_line(error: ValidationError, model: type[Section], data: dict, prefix: 
     choices = _choices(annotation)
     if choices:
         return f"{dotted} must be {choices}, got {value!r}"
-    expected = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
-    return f"{dotted}: expected {expected}, got {value!r}"
+    return f"{dotted}: expected {_type_name(annotation)}, got {value!r}"
+
+
+def _type_name(annotation: Any) -> str:
+    """A type as an error names it: "int", "list[str] or None"."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        return " or ".join(_type_name(member) for member in get_args(annotation))
+    if annotation is type(None):
+        return "None"
+    if get_args(annotation):
+        return str(annotation).replace("typing.", "").replace("collections.abc.", "").replace("Sequence[", "list[")
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
 
 
 def _choices(annotation: Any) -> str:

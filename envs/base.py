@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
+from longhorizon.common.config import ConfigError, Section, check_section
 from longhorizon.common.plugins import PluginError, Registry
 
 SPLITS = ("train", "test")
@@ -89,6 +90,12 @@ class EnvSpec:
     ImportError deep inside the first episode."""
     extra: str = ""
     """The longhorizon extra that installs `needs` (pip install 'longhorizon[EXTRA]')."""
+    Options: type[Section] | None = None
+    """The env's `env.options` as a config section (a `common.config.Section`: each option's
+    type, default, range and docstring), checked before any env is built and listed by `config
+    schema` and docs/config.md. Its fields are the factory's keyword options, with the same
+    defaults. An env without one has its options checked by name against the factory's
+    signature only."""
 
 
 class MissingEnvPackage(ValueError):
@@ -213,8 +220,11 @@ def _accepted_options(function: Callable[..., Any]) -> set[str] | None:
 
 
 def env_options(name: str) -> dict[str, Any]:
-    """The options an env accepts, with their defaults (taken from its factory's signature)."""
+    """The options an env accepts, with their defaults (its declared `Options`, or else its
+    factory's signature)."""
     spec = get_env_spec(name)
+    if spec.Options is not None:
+        return {key: field.get_default(call_default_factory=True) for key, field in spec.Options.model_fields.items()}
     options: dict[str, Any] = {}
     for parameter in inspect.signature(spec.factory).parameters.values():
         if parameter.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
@@ -222,23 +232,45 @@ def env_options(name: str) -> dict[str, Any]:
     return options
 
 
-def _check_options(spec: EnvSpec, options: Mapping[str, Any]) -> None:
-    # The factory's signature is the env's option set: one place to declare it, checked here so a
-    # misspelt option fails loudly instead of silently falling back to a default.
-    valid = _accepted_options(spec.factory)
+def _check_options(spec: EnvSpec, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options as the env declares them: each name checked against the option set (a
+    misspelt option fails loudly instead of silently falling back to a default), and with a
+    declared `Options` section each value's type and range too. Returns the options to build
+    with (only those given: the factory keeps its defaults)."""
+    valid = set(spec.Options.model_fields) if spec.Options is not None else _accepted_options(spec.factory)
     if valid is None:
-        return
+        return dict(options)
     for key in options:
         if key not in valid:
             listed = ", ".join(sorted(valid)) or "(none)"
             raise ValueError(f"unknown option {key!r} for env {spec.name!r}; valid options: {listed}")
+    if spec.Options is None:
+        return dict(options)
+    try:
+        checked = check_section(spec.Options, dict(options), "env.options")
+    except ConfigError as error:
+        raise ValueError(f"env {spec.name!r}: {error}") from None
+    return {key: getattr(checked, key) for key in options}
+
+
+def env_options_schemas() -> dict[str, dict]:
+    """The JSON schema of each built-in env's declared options, by name (`longhorizon config
+    schema`, docs/config.md); envs whose packages are missing or that declare none are left out."""
+    schemas = {}
+    for name in BUILTIN_ENV_MODULES:
+        try:
+            spec = get_env_spec(name)
+        except (ValueError, TypeError, ImportError):
+            continue
+        if spec.Options is not None:
+            schemas[name] = spec.Options.model_json_schema()
+    return schemas
 
 
 def make_env(name: str, **options: Any) -> Env:
     """A fresh env instance; reuse it across episodes through reset."""
     spec = get_env_spec(name)
-    _check_options(spec, options)
-    return spec.factory(**options)
+    return spec.factory(**_check_options(spec, options))
 
 
 def list_tasks(name: str, split: str, **options: Any) -> list[Task]:
@@ -246,8 +278,7 @@ def list_tasks(name: str, split: str, **options: Any) -> list[Task]:
     spec = get_env_spec(name)
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r} for env {name!r}; valid splits: {', '.join(SPLITS)}")
-    _check_options(spec, options)
-    return spec.tasks(split, **options)
+    return spec.tasks(split, **_check_options(spec, options))
 
 
 def make_policy(env_name: str, policy_name: str, **options: Any) -> ScriptedPolicy:
@@ -257,8 +288,7 @@ def make_policy(env_name: str, policy_name: str, **options: Any) -> ScriptedPoli
     if factory is None:
         listed = ", ".join(sorted(spec.policies)) or "(none)"
         raise ValueError(f"unknown policy {policy_name!r} for env {env_name!r}; valid policies: {listed}")
-    _check_options(spec, options)
-    return factory(**options)
+    return factory(**_check_options(spec, options))
 
 
 def action_from_reply(reply: str, prompt_format: str) -> str:

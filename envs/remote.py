@@ -39,6 +39,7 @@ from urllib.parse import urlencode, urlsplit
 
 import trio
 
+from longhorizon.common.config import Section, bounded
 from longhorizon.envs.agents import AgentLoopError, get_agent_loop
 from longhorizon.envs.base import (
     SPLITS,
@@ -427,10 +428,25 @@ def _delegated_policy(policy_name: str) -> Callable[..., ScriptedPolicy]:
     return build
 
 
+class RemoteOptions(Section):
+    """remote: any env played through an env service over HTTP."""
+
+    url: str = ""
+    """The env service, http://HOST:PORT."""
+    env: str = ""
+    """The env it serves (checked against the service's /info)."""
+    env_options: dict | None = None
+    """The options the service was started with: checked when given, and used for scripted
+    policies and for the task list when the service has no /tasks."""
+    timeout_s: float = bounded(30.0, gt=0)
+    """Most seconds one HTTP call may take."""
+
+
 # The registry (envs/base.py) finds this env here by name.
 SPEC = EnvSpec(
     name=ENV_NAME,
     factory=RemoteEnv,
     tasks=remote_tasks,
     policies={"oracle": _delegated_policy("oracle"), "random": _delegated_policy("random")},
+    Options=RemoteOptions,
 )

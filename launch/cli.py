@@ -151,23 +151,16 @@ def _offline(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from longhorizon.actor.engines.base import engine_options_schemas
-    from longhorizon.common.config import config_schema, dump_toml, load_config
-    from longhorizon.learner.algorithms import options_schemas, with_resolved_options
-    from longhorizon.learner.weights import weights_options_schemas
-    from longhorizon.envs.agents import agent_options_schemas
+    from longhorizon.common.config import dump_toml, load_config
+    from longhorizon.launch.config_reference import current_reference, full_schema
+    from longhorizon.learner.algorithms import with_resolved_options
 
     if args.config_command == "show":
         print(dump_toml(with_resolved_options(load_config(args.config, args.overrides))), end="")
     elif args.config_command == "reference":
-        from longhorizon.launch.config_reference import current_reference
-
         print(current_reference(), end="")
     else:
-        print(json.dumps({**config_schema(), "algorithm_options": options_schemas(),
-                          "engine_options": engine_options_schemas(),
-                          "weights_options": weights_options_schemas(),
-                          "agent_options": agent_options_schemas()}, indent=1))
+        print(json.dumps(full_schema(), indent=1))
     return 0
 
 

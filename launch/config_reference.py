@@ -69,10 +69,10 @@ def _table(prefix: str, definition: dict[str, Any], definitions: dict[str, Any],
 def config_reference(schema: dict[str, Any], algorithm_options: dict[str, Any],
                      engine_options: dict[str, Any] | None = None,
                      weights_options: dict[str, Any] | None = None,
-                     agent_options: dict[str, Any] | None = None) -> str:
-    """The reference as Markdown, from `common.config.config_schema()`,
-    `learner.algorithms.options_schemas()`, `actor.engines.base.engine_options_schemas()` and
-    `learner.weights.weights_options_schemas()` and `envs.agents.agent_options_schemas()`."""
+                     agent_options: dict[str, Any] | None = None,
+                     env_options: dict[str, Any] | None = None) -> str:
+    """The reference as Markdown, from `common.config.config_schema()` and each kind of part's
+    declared options (`full_schema()` gathers them)."""
     definitions = schema.get("$defs", {})
     sections = [
         "# Config keys\n\n"
@@ -102,6 +102,12 @@ def config_reference(schema: dict[str, Any], algorithm_options: dict[str, Any],
                    "The keys of the agent loop `actor.agent` names, checked before any process starts; react\n"
                    "and bare take none. A plug-in loop declares its own (docs/actor-types.md).\n",
                    agent_options or {})
+    _option_tables(sections, "env.options",
+                   "The options of the env `env.name` names, checked before any env is built: an unknown option,\n"
+                   "a value of the wrong type or out of range is refused. A plug-in env declares its own in its\n"
+                   "EnvSpec's `Options`; an env that declares none (the web envs) has its option names checked\n"
+                   "against its factory.\n",
+                   env_options or {})
     return "\n".join(sections)
 
 
@@ -116,13 +122,25 @@ def _option_tables(sections: list[str], key: str, about: str, by_part: dict[str,
         sections.append("\n".join([f"### {part}", "", *description, *body, ""]))
 
 
-def current_reference() -> str:
-    """The reference of this installation's config and built-in parts."""
+def full_schema() -> dict[str, Any]:
+    """The JSON schema of the config (`longhorizon config schema`), with each built-in part's
+    declared options beside it: algorithms, engines, weights transports, agent loops and envs."""
     from longhorizon.actor.engines.base import engine_options_schemas
     from longhorizon.common.config import config_schema
-    from longhorizon.learner.algorithms import options_schemas
     from longhorizon.envs.agents import agent_options_schemas
+    from longhorizon.envs.base import env_options_schemas
+    from longhorizon.learner.algorithms import options_schemas
     from longhorizon.learner.weights import weights_options_schemas
 
-    return config_reference(config_schema(), options_schemas(), engine_options_schemas(), weights_options_schemas(),
-                            agent_options_schemas())
+    return {**config_schema(), "algorithm_options": options_schemas(), "engine_options": engine_options_schemas(),
+            "weights_options": weights_options_schemas(), "agent_options": agent_options_schemas(),
+            "env_options": env_options_schemas()}
+
+
+def current_reference() -> str:
+    """The reference of this installation's config and built-in parts."""
+    schema = full_schema()
+    parts = {key: schema.pop(key) for key in
+             ("algorithm_options", "engine_options", "weights_options", "agent_options", "env_options")}
+    return config_reference(schema, parts["algorithm_options"], parts["engine_options"], parts["weights_options"],
+                            parts["agent_options"], parts["env_options"])

@@ -97,6 +97,8 @@ def test_bad_options_name_the_fix():
     with pytest.raises(ValueError, match="min_turns <= max_turns"):
         CodechainEnv(min_turns=5, max_turns=4)
     with pytest.raises(ValueError, match="basic_turns must be a positive integer"):
+        CodechainEnv(basic_turns=0)
+    with pytest.raises(ValueError, match="env.options.basic_turns must be >= 1, got 0"):
         list_tasks("codechain", "train", basic_turns=0)
     with pytest.raises(ValueError, match=r"no test chain of length \d+ exists"):
         list_tasks("codechain", "test", min_turns=1, num_basic_symbols=2)

@@ -1,6 +1,7 @@
 """The env registry, its error messages, reply parsing and terminal play with scripted input."""
 
 import functools
+import inspect
 import io
 import subprocess
 import sys
@@ -69,10 +70,87 @@ def test_unknown_option_is_named_and_valid_options_listed():
         make_policy("codebook", "oracle", num_turn=3)
 
 
-def test_env_options_come_from_the_factory_signature():
+def test_env_options_come_from_the_declared_section():
     assert env_options("codebook") == {"num_turns": 3, "num_symbols": 4, "num_actions": 4, "codebook_seed": 0,
                                         "held_out_sequences": False}
     assert env_options("textcraft") == {"min_depth": 1, "max_depth": 4, "num_distractors": 10}
+
+
+def _keyword_defaults(function) -> dict:
+    return {parameter.name: parameter.default for parameter in inspect.signature(function).parameters.values()
+            if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _takes_any_keyword(function) -> bool:
+    return any(parameter.kind is inspect.Parameter.VAR_KEYWORD
+               for parameter in inspect.signature(function).parameters.values())
+
+
+@pytest.mark.parametrize("name", ["babyai", "codebook", "codechain", "longtail", "remote", "sciworld", "search",
+                                  "textcraft"])
+def test_a_declared_section_is_the_factory_s_own_option_set(name):
+    # The section is what users read (docs/config.md) and what is checked; the factory, the task
+    # list and every policy are what run: the names and defaults must be the same everywhere.
+    spec = get_env_spec(name)
+    assert spec.Options is not None
+    declared = env_options(name)
+    assert _keyword_defaults(spec.factory) == declared
+    for function in (spec.tasks, *spec.policies.values()):
+        if not _takes_any_keyword(function):
+            assert set(_keyword_defaults(function)) >= set(declared), function
+
+
+def test_a_declared_section_checks_types_and_ranges_in_one_line():
+    with pytest.raises(ValueError, match=r"^env 'textcraft': env.options.min_depth must be >= 1, got 0$"):
+        list_tasks("textcraft", "train", min_depth=0)
+    with pytest.raises(ValueError, match=r"^env 'codebook': env.options.num_turns: expected int, got '3'$"):
+        make_env("codebook", num_turns="3")
+    with pytest.raises(ValueError, match=r"env.options.long_fraction must be in \[0, 1\], got 2"):
+        make_policy("longtail", "oracle", long_fraction=2)
+    with pytest.raises(ValueError, match=r"env.options.levels: expected list\[str\] or None, got 'GoTo'"):
+        make_env("babyai", levels="GoTo")
+
+
+def test_a_plugin_env_declares_its_options_and_gets_only_those_given():
+    from longhorizon.common.config import Section, bounded
+
+    class MazeOptions(Section):
+        """maze: a test env."""
+
+        size: int = bounded(5, ge=2)
+        """Cells per side."""
+        walls: float = bounded(0.25, ge=0, le=1)
+        """Share of cells that are walls."""
+
+    built = []
+
+    def factory(*, size: int = 5, walls: float = 0.25):
+        built.append({"size": size, "walls": walls})
+        return object()
+
+    register_env(EnvSpec(name="maze-options-test", factory=factory, tasks=lambda split, **options: [],
+                         Options=MazeOptions))
+    try:
+        make_env("maze-options-test", walls=1)  # an int is a float: checked, kept as given
+        assert built == [{"size": 5, "walls": 1}]
+        with pytest.raises(ValueError, match="env.options.size must be >= 2, got 1"):
+            make_env("maze-options-test", size=1)
+        with pytest.raises(ValueError, match="unknown option 'doors' for env 'maze-options-test'; valid options: size, walls"):
+            make_env("maze-options-test", doors=2)
+        assert len(built) == 1
+    finally:
+        unregister_env("maze-options-test")
+
+
+def test_the_config_reference_lists_each_env_s_options():
+    from longhorizon.envs.base import env_options_schemas
+    from longhorizon.launch.config_reference import current_reference
+
+    schemas = env_options_schemas()
+    assert set(schemas) >= {"babyai", "codebook", "textcraft", "sciworld", "search"}
+    assert schemas["textcraft"]["properties"]["num_distractors"]["minimum"] == 0
+    reference = current_reference()
+    assert "## [env.options]" in reference and "| `num_distractors` | int | `10` | >= 0 |" in reference
 
 
 def test_options_reach_factory_tasks_and_policies():

@@ -17,6 +17,8 @@ from longhorizon.launch.launcher import format_progress
     [
         ("env.name=nope", "unknown env 'nope'"),
         ("env.options.foo=1", "unknown option 'foo'"),
+        ("env.options.num_turns=0", "env 'codebook': env.options.num_turns must be >= 1, got 0"),
+        ("env.options.held_out_sequences=1", "env 'codebook': env.options.held_out_sequences: expected bool, got 1"),
         ("learner.loss=ppo", "learner.algorithm_options.loss must be one of decoupled_ppo, truncated_is, none, got 'ppo'"),
         ("horizon.stages=[3, 2]", "strictly increasing"),
         ("actor.engine=nonexistent", "unknown engine 'nonexistent'"),

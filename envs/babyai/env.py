@@ -20,6 +20,7 @@ from longhorizon.envs.babyai.levels import (
 )
 from longhorizon.envs.babyai.policies import OraclePolicy, RandomPolicy
 from longhorizon.envs.babyai.view import CHECK_ACTIONS, View, read_view, render_actions, render_view
+from longhorizon.common.config import Section, bounded
 from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.tools import EnvTool, ToolSet, object_schema
 
@@ -214,6 +215,19 @@ class BabyAIEnv:
         self._view = None
 
 
+class BabyAIOptions(Section):
+    """babyai: minigrid's BabyAI levels as egocentric text with high-level actions."""
+
+    levels: Sequence[str] | None = None
+    """BabyAI level names to play (e.g. ["GoToLocal", "KeyInBox"]); none: all 40 of the reference's."""
+    num_train_seeds: int = bounded(500, ge=1)
+    """Layout seeds per level in the train split."""
+    num_test_seeds: int = bounded(5, ge=1)
+    """Layout seeds per level in the test split (seeds 0 .. num_test_seeds - 1)."""
+    max_primitive_steps: int = bounded(64, ge=1)
+    """Most minigrid steps one high-level action may take (a "go to" walks several)."""
+
+
 # The registry (envs/base.py) finds this env here by name.
 SPEC = EnvSpec(
     name=ENV_NAME,
@@ -222,4 +236,5 @@ SPEC = EnvSpec(
     policies={"oracle": OraclePolicy, "random": RandomPolicy},
     needs=("minigrid", "gymnasium"),
     extra="babyai",
+    Options=BabyAIOptions,
 )

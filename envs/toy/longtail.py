@@ -19,6 +19,7 @@ import random
 import re
 from typing import Mapping, Sequence
 
+from longhorizon.common.config import Section, bounded
 from longhorizon.envs.base import EnvSpec, Task
 
 ENV_NAME = "longtail"
@@ -254,10 +255,24 @@ class LongTailRandomPolicy:
         return "let me think about this"
 
 
+class LongTailOptions(Section):
+    """longtail: episodes with long-tailed lengths, for throughput benchmarks."""
+
+    short_turns: Sequence[int] = DEFAULT_SHORT_TURNS
+    """[min, max] turns of a short episode, inclusive."""
+    long_turns: Sequence[int] = DEFAULT_LONG_TURNS
+    """[min, max] turns of a long episode, inclusive."""
+    long_fraction: float = bounded(DEFAULT_LONG_FRACTION, ge=0, le=1)
+    """Share of long episodes."""
+    answer_accuracy: float = bounded(DEFAULT_ANSWER_ACCURACY, ge=0, le=1)
+    """Probability that the scripted policy's answer is right."""
+
+
 # The registry (envs/base.py) finds this env here by name.
 SPEC = EnvSpec(
     name=ENV_NAME,
     factory=LongTailEnv,
     tasks=tasks,
     policies={"oracle": LongTailPolicy, "longtail": LongTailPolicy, "random": LongTailRandomPolicy},
+    Options=LongTailOptions,
 )
