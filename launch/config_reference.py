@@ -91,7 +91,8 @@ def config_reference(schema: dict[str, Any], algorithm_options: dict[str, Any],
                    algorithm_options)
     _option_tables(sections, "actor.engine_options",
                    "The keys of the engine `actor.engine` names, checked before any process starts. The openai\n"
-                   "engine reads its own (docs/actor-types.md); the scripted engine takes none.\n",
+                   "engine's can also be set as LONGHORIZON_OPENAI_<KEY> environment variables, which the config\n"
+                   "overrides (docs/actor-types.md); the scripted engine takes none.\n",
                    engine_options or {})
     _option_tables(sections, "learner.weights_options",
                    "The keys of the weights transport `learner.weights_transport` names, checked before any\n"

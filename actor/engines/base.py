@@ -208,12 +208,17 @@ def engine_options(engine_cls: type, options: dict) -> Any:
     declared = getattr(engine_cls, "Options", None)
     if declared is None:
         return dict(options)
+    # An engine whose options may also come as text (environment variables, a command-line
+    # flag) converts them in its model's `from_mapping` before the same check.
+    from_mapping = getattr(declared, "from_mapping", None)
+    if from_mapping is not None:
+        return from_mapping(dict(options))
     return check_section(declared, dict(options), "actor.engine_options")
 
 
 def engine_options_schemas() -> dict:
     """The JSON schema of each built-in engine's declared options, by name (`longhorizon config
-    schema`); engines that read their options themselves (openai) or take none are left out."""
+    schema`); engines that take none are left out."""
     schemas = {}
     for name in ENGINES.builtin_names():
         declared = getattr(ENGINES.get(name), "Options", None)

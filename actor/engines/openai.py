@@ -25,7 +25,6 @@ is never a config value: the `api_key_env` option names the environment variable
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import random
@@ -34,11 +33,12 @@ import sys
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import trio
+from pydantic import Field
 
 from longhorizon.actor.engines.base import (
     EngineCapabilities,
@@ -48,12 +48,12 @@ from longhorizon.actor.engines.base import (
     GenerationResult,
     tokens_through_stop_string,
 )
+from longhorizon.common.config import Section, bounded, check_section
 from longhorizon.common.models import WeightsRefused
 from longhorizon.common.processes import stop_process
 
 log = logging.getLogger(__name__)
 
-MODES = ("completions", "chat")
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 ENVIRONMENT_PREFIX = "LONGHORIZON_OPENAI_"
 
@@ -66,8 +66,10 @@ class TokenLogprobsUnavailable(OpenAIEndpointError):
     """Training needs token ids and log-probs, and this endpoint does not return them."""
 
 
-@dataclass(frozen=True)
-class OpenAIOptions:
+class OpenAIOptions(Section):
+    """openai: any OpenAI-compatible endpoint (docs/actor-types.md). Each option can also be set as
+    a `LONGHORIZON_OPENAI_<OPTION>` environment variable, which the config overrides."""
+
     base_url: str = ""
     """Endpoint root ending in /v1, e.g. http://10.0.0.5:8000/v1; empty starts `longhorizon
     serve-model` for the model folder on a free loopback port."""
@@ -76,7 +78,7 @@ class OpenAIOptions:
     itself never appears in config files or logs."""
     model: str = ""
     """Model name sent with each request; empty asks the endpoint's /v1/models for its first model."""
-    mode: str = "completions"
+    mode: Literal["completions", "chat"] = "completions"
     """`completions` (token ids in and out, log-probs: training and eval) or `chat` (text: eval only)."""
     tokenizer_path: str = ""
     """Local model folder whose tokenizer and chat template build the conversation tokens; empty
@@ -84,35 +86,30 @@ class OpenAIOptions:
     require_token_logprobs: bool = True
     """Fail a turn whose reply lacks token ids and log-probs (training needs them); `longhorizon
     eval` turns this off, so text-only endpoints can be evaluated."""
-    timeout_s: float = 300.0
+    timeout_s: float = bounded(300.0, gt=0)
     """Seconds one HTTP request may take."""
-    max_concurrent_requests: int = 0
+    max_concurrent_requests: int = bounded(0, ge=0)
     """Requests in flight at once; 0 uses the engine's max_batch_size."""
-    max_retries: int = 4
+    max_retries: int = bounded(4, ge=0)
     """Retries of a request answered 408/429/5xx or lost to a connection error."""
-    retry_backoff_s: float = 0.5
+    retry_backoff_s: float = bounded(0.5, ge=0)
     """First retry delay; each later retry doubles it (with jitter), or follows Retry-After."""
-    server_start_timeout_s: float = 300.0
+    server_start_timeout_s: float = bounded(300.0, gt=0)
     """Seconds to wait for the self-started server to listen."""
-    extra_body: dict = field(default_factory=dict)
+    extra_body: dict = Field(default_factory=dict)
     """Extra JSON fields sent with every generation request (endpoint-specific settings)."""
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "OpenAIOptions":
-        """Options from a dict, with strings from the environment converted to each field's type."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - set(fields))
+        """Options from a dict, with text (from the environment or a command-line flag) converted to
+        each option's type, then checked as a config section is (a ConfigError naming the key)."""
+        unknown = sorted(set(values) - set(cls.model_fields))
         if unknown:
-            raise ValueError(f"unknown openai engine option {unknown[0]!r}; valid options: {', '.join(sorted(fields))}")
-        converted = {}
+            raise ValueError(f"unknown openai engine option {unknown[0]!r}; "
+                             f"valid options: {', '.join(sorted(cls.model_fields))}")
         defaults = cls()
-        for name, value in values.items():
-            default = getattr(defaults, name)
-            converted[name] = _convert_option(name, value, default)
-        options = cls(**converted)
-        if options.mode not in MODES:
-            raise ValueError(f"openai engine option mode must be one of {', '.join(MODES)}, got {options.mode!r}")
-        return options
+        converted = {name: _convert_option(name, value, getattr(defaults, name)) for name, value in values.items()}
+        return check_section(cls, converted, "actor.engine_options")
 
 
 def _convert_option(name: str, value: Any, default: Any) -> Any:
@@ -150,7 +147,7 @@ def _convert_option(name: str, value: Any, default: Any) -> Any:
 def options_from_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Options set as LONGHORIZON_OPENAI_<NAME> environment variables (e.g. ..._BASE_URL)."""
     environ = os.environ if environ is None else environ
-    names = {f.name for f in dataclasses.fields(OpenAIOptions)}
+    names = set(OpenAIOptions.model_fields)
     found = {}
     for key, value in environ.items():
         if key.startswith(ENVIRONMENT_PREFIX):
@@ -310,6 +307,7 @@ class OpenAIEngine:
         needs_local_model=False,
         weight_transports=("inline", "path"),
     )
+    Options = OpenAIOptions
 
     @classmethod
     def options_for(cls, options: dict, *, purpose: str, hosted_model: str | None) -> dict:
