@@ -367,8 +367,8 @@ class LearnerConfig(Section):
     (GiGPO's step groups: the turns of a group's episodes that start from the same observation are
     compared by their discounted returns, and each generated token trains with its episode's
     advantage plus `step_credit_weight` times its turn's). For the algorithms that score groups by
-    their rewards (grpo, rloo, reinforce_pp, dr_grpo, dapo, cispo); groups whose episode rewards
-    are all equal are still skipped."""
+    their rewards (grpo, rloo, reinforce_pp, dr_grpo, dapo, cispo). A group whose episode rewards
+    are all equal trains on its step advantages alone (the turns that got somewhere faster gain)."""
     step_credit_weight: float = bounded(1.0, ge=0)
     """step_credit: the weight of a turn's step advantage beside its episode's."""
     step_discount: float = bounded(0.95, ge=0, le=1)

@@ -121,39 +121,57 @@ def examples_from(trajectory, advantage: float, group: int | None = None, failed
     return examples
 
 
-def _group_examples(members, advantages, index: int, failed: bool, step_credit: StepCredit | None) -> list[Example]:
+def _group_examples(members, advantages, index: int, failed: bool, step_credit: StepCredit | None,
+                    per_token: list | None = None) -> list[Example]:
     """One group's examples; with `step_credit`, each turn credited against the group's other
-    turns from the same state."""
-    per_token = (group_token_advantages(members, list(advantages), step_credit) if step_credit is not None
-                 else [None] * len(members))
+    turns from the same state (`per_token`, when already computed)."""
+    if per_token is None:
+        per_token = (group_token_advantages(members, list(advantages), step_credit) if step_credit is not None
+                     else [None] * len(members))
     return [example for t, value, tokens in zip(members, advantages, per_token)
             for example in examples_from(t, value, group=index, failed=failed, token_advantages=tokens)]
 
 
 def score_each_group(groups, rewards_of: RewardsOf, advantages_of: AdvantagesOf, *,
                      train_flat_groups: bool = False, step_credit: StepCredit | None = None) -> ScoredBatch:
-    """Advantages within each group. A group whose rewards are all equal is skipped and counted
-    (every advantage would be 0); its tokens and members still count in the loss's denominator
+    """Advantages within each group. A flat group, one whose every advantage would be 0 (its
+    rewards all equal and, with step credit, its turns from a shared state all with equal
+    returns), is skipped and counted; its tokens and members still count in the loss's denominator
     (`FlatShare`). With `train_flat_groups` (a KL penalty, an entropy bonus or entropy control is
     on: `learner.entropy.needs_flat_members`) it is trained on instead, at its advantages of 0:
     such a term is not 0 on its members, so leaving them out would drop their share of it (and an
     entropy bonus alone can push a policy so sharp that every member plays alike, flat at any
-    success rate, to explore again); it is still counted as flat."""
+    success rate, to explore again); it is still counted as flat.
+
+    With step credit, a group whose episodes all earned the same can still tell its turns apart:
+    two successes, one reaching a state in fewer turns, give that state's turns different
+    discounted returns. Such a group trains on its step advantages alone (GiGPO's efficiency
+    signal) and counts as used."""
     kept, failed, too_small = usable_groups(groups)
     examples: list[Example] = []
     used = flat_groups = flat_sequences = 0
     flat_tokens = 0.0
     for index, members in enumerate(kept):
         rewards = rewards_of(members)
-        if not group_has_signal(rewards):
+        episode_signal = group_has_signal(rewards)
+        if not episode_signal and step_credit is None and not train_flat_groups:
+            flat_groups += 1
+            flat_tokens += float(sum(np.sum(t.loss_mask) for t in members))
+            flat_sequences += len(members)
+            continue
+        advantages = advantages_of(rewards)
+        per_token = (group_token_advantages(members, list(advantages), step_credit) if step_credit is not None
+                     else None)
+        step_signal = per_token is not None and any(bool(np.any(values != 0)) for values in per_token)
+        if episode_signal or step_signal:
+            used += 1
+        else:
             flat_groups += 1
             if not train_flat_groups:
                 flat_tokens += float(sum(np.sum(t.loss_mask) for t in members))
                 flat_sequences += len(members)
                 continue
-        else:
-            used += 1
-        examples += _group_examples(members, advantages_of(rewards), index, group_failed(members), step_credit)
+        examples += _group_examples(members, advantages, index, group_failed(members), step_credit, per_token)
     return ScoredBatch(examples, used, flat_groups, too_small, failed, FlatShare(flat_tokens, flat_sequences))
 
 

@@ -125,3 +125,25 @@ def test_group_algorithms_score_with_step_credit_and_the_others_refuse_it():
         make_algorithm(LearnerConfig(step_discount=0.5))
     with pytest.raises(ConfigError, match=r"learner.step_discount must be in \[0, 1\], got 1.5"):
         load_config(None, ["learner.step_discount=1.5"])
+
+
+def test_a_group_whose_episodes_all_succeeded_trains_on_the_faster_turns():
+    """Both episodes succeed (reward 1: the group is flat), the first in 2 turns (P, then X), the
+    second in 3 (P, then Y, then X). Discount 0.5, weight 1. Returns: first 0.5 (P), 1 (X); second
+    0.25 (P), 0.5 (Y), 1 (X). P: (0.5, 0.25), mean 0.375, spread 0.125 -> +1, -1; X: (1, 1) -> 0;
+    Y once -> 0. Episode advantages are 0, so only the first replies train: +1 and -1."""
+    fast = _episode([([1, 2], [50]), ([3], [51])], [0.0, 1.0])
+    slow = _episode([([1, 2], [60]), ([4], [61]), ([3], [62])], [0.0, 0.0, 1.0])
+    algorithm = make_algorithm(LearnerConfig(step_credit="anchor_states", step_discount=0.5))
+    scored = algorithm.score([_group(fast, slow)])
+    assert (scored.groups_used, scored.groups_skipped_zero_variance) == (1, 0)
+    a, b = scored.examples
+    assert a.advantage == b.advantage == 0
+    assert a.token_advantages.tolist() == pytest.approx([0, 0, 1, 0, 0], abs=1e-5)
+    assert b.token_advantages.tolist() == pytest.approx([0, 0, -1, 0, 0, 0, 0], abs=1e-5)
+    # Two episodes that play alike tell nothing apart: the group stays flat and is skipped.
+    twin = _episode([([1, 2], [50]), ([3], [51])], [0.0, 1.0])
+    scored = algorithm.score([_group(fast, twin)])
+    assert (scored.groups_used, scored.groups_skipped_zero_variance, scored.examples) == (0, 1, [])
+    # Without step credit the first group is flat too.
+    assert make_algorithm(LearnerConfig()).score([_group(fast, slow)]).groups_skipped_zero_variance == 1
