@@ -147,3 +147,12 @@ def test_a_group_whose_episodes_all_succeeded_trains_on_the_faster_turns():
     assert (scored.groups_used, scored.groups_skipped_zero_variance, scored.examples) == (0, 1, [])
     # Without step credit the first group is flat too.
     assert make_algorithm(LearnerConfig()).score([_group(fast, slow)]).groups_skipped_zero_variance == 1
+
+
+def test_dynamic_sampling_keeps_a_group_whose_turns_differ():
+    fast = _episode([([1, 2], [50]), ([3], [51])], [0.0, 1.0])
+    slow = _episode([([1, 2], [60]), ([4], [61]), ([3], [62])], [0.0, 0.0, 1.0])
+    twin = _episode([([1, 2], [50]), ([3], [51])], [0.0, 1.0])
+    dapo = make_algorithm(LearnerConfig(algorithm="dapo", step_credit="anchor_states", step_discount=0.5))
+    assert dapo.carries_signal(_group(fast, slow)) and not dapo.carries_signal(_group(fast, twin))
+    assert not make_algorithm(LearnerConfig(algorithm="dapo")).carries_signal(_group(fast, slow))

@@ -17,7 +17,7 @@ from longhorizon.learner.advantages import group_has_signal
 from longhorizon.learner.entropy import EntropyControlError, entropy_settings, needs_flat_members
 from longhorizon.learner.losses import POLICY_LOSS_NAMES, WEIGHT_LEVELS, LossOutput
 from longhorizon.learner.scoring import ScoredBatch, usable_members
-from longhorizon.learner.step_credit import step_credit_from
+from longhorizon.learner.step_credit import group_token_advantages, step_credit_from
 
 if TYPE_CHECKING:
     import torch
@@ -130,9 +130,16 @@ class Algorithm:
 
     def carries_signal(self, group) -> bool:
         """Whether a group would move a group-relative update: two usable members whose (shaped)
-        rewards differ. The learner asks it of each group when `resamples_flat_groups`."""
+        rewards differ, or with step credit, turns from a shared state whose returns differ. The
+        learner asks it of each group when `resamples_flat_groups`."""
         members = usable_members(group)
-        return len(members) >= 2 and group_has_signal(self.shaped_rewards(members))
+        if len(members) < 2:
+            return False
+        if group_has_signal(self.shaped_rewards(members)):
+            return True
+        return self.step_credit is not None and any(
+            bool(np.any(values != 0)) for values in group_token_advantages(members, [0.0] * len(members),
+                                                                          self.step_credit))
 
     def score(self, groups) -> ScoredBatch:
         """A step's groups as examples with advantages, and what was left out (learner/scoring.py
