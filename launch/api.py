@@ -71,7 +71,7 @@ def train(config: ConfigLike, overrides: Sequence[str] = (), *,
     learner and actors as tasks of this process over the in-process transport (debugging; the
     local launcher only)."""
     from longhorizon.common.metrics import read_metrics
-    from longhorizon.launch.launcher import last_error, launch
+    from longhorizon.launch.launchers.supervise import last_error, launch
     from longhorizon.launch.report import diagnose, summarise_run
 
     resolved = _config(config, overrides)
@@ -94,7 +94,7 @@ def _train_in_process(config: Config) -> int:
 
     import trio
 
-    from longhorizon.launch.local import train_in_process
+    from longhorizon.launch.launchers.local import train_in_process
 
     if config.run.launcher != "local":
         raise ConfigError(f"in-process training runs every role in this process, not with run.launcher = "
@@ -110,7 +110,7 @@ def evaluate(config: ConfigLike, overrides: Sequence[str] = (), *, checkpoint: s
              engine_options: dict[str, Any] | None = None) -> dict:
     """Evaluate as `longhorizon eval` does and return its JSON document (success rate with its
     interval, Pass@k, per category; a sweep's points under "points")."""
-    from longhorizon.launch.eval import EvalRequest, evaluate_config, write_outputs
+    from longhorizon.launch.recipes.eval import EvalRequest, evaluate_config, write_outputs
 
     request = EvalRequest(checkpoint=checkpoint, tasks=tasks, samples=samples, ks=tuple(k), horizon=horizon,
                           sweep=sweep, values=tuple(values), engine_options=dict(engine_options or {}))
@@ -151,7 +151,7 @@ def sft(config: ConfigLike, overrides: Sequence[str] = (), *, note: Callable[[st
     """Supervised fine-tuning from the config's [sft] table, as `longhorizon sft` does; returns
     its summary (also in the run folder's sft_summary.json): the data, the loss, the checkpoint
     and, where asked, the held-out evaluation."""
-    from longhorizon.launch.sft import run_sft
+    from longhorizon.launch.recipes.sft import run_sft
 
     return run_sft(_config(config, overrides), note=note)
 
@@ -159,7 +159,7 @@ def sft(config: ConfigLike, overrides: Sequence[str] = (), *, note: Callable[[st
 def dpo(config: ConfigLike, overrides: Sequence[str] = (), *, note: Callable[[str], None] = print) -> dict:
     """Direct preference optimisation from the config's [dpo] table, as `longhorizon dpo` does;
     returns its summary (also in dpo_summary.json)."""
-    from longhorizon.launch.dpo import run_dpo
+    from longhorizon.launch.recipes.dpo import run_dpo
 
     return run_dpo(_config(config, overrides), note=note)
 
@@ -168,7 +168,7 @@ def rft(config: ConfigLike, overrides: Sequence[str] = (), *, note: Callable[[st
     """Rejection-sampling fine-tuning ([rft] and [sft]), as `longhorizon rft` does: rounds of
     sampling, keeping the successes and SFT on them; returns its summary (also in
     rft_summary.json)."""
-    from longhorizon.launch.rft import run_rft
+    from longhorizon.launch.recipes.rft import run_rft
 
     return run_rft(_config(config, overrides), note=note)
 

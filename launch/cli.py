@@ -31,7 +31,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from longhorizon.launch.eval import main
+    from longhorizon.launch.recipes.eval import main
 
     return main(args.rest)
 
@@ -166,11 +166,11 @@ def _config(args: argparse.Namespace) -> int:
 
 def _experiment(args: argparse.Namespace) -> int:
     if args.experiment_command == "sft-rl":
-        from longhorizon.launch.experiment_sft_rl import main
+        from longhorizon.launch.recipes.experiment_sft_rl import main
     elif args.experiment_command == "freezes":
-        from longhorizon.launch.experiment_freezes import main
+        from longhorizon.launch.recipes.experiment_freezes import main
     else:
-        from longhorizon.launch.experiment_horizons import main
+        from longhorizon.launch.recipes.experiment_horizons import main
 
     return main(args.rest)
 

@@ -1,7 +1,7 @@
 """Tables and PNG plots of evaluation sweeps: success vs horizon cap, and Pass@k vs k.
 
 `longhorizon eval --sweep ...` calls these; each takes the sweep's JSON document (see
-`launch/eval.py`) and writes one file.
+`launch/recipes/eval.py`) and writes one file.
 """
 
 from __future__ import annotations

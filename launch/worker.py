@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         if final is None:
             raise
         logging.getLogger(__name__).error("%s", final)
-        from longhorizon.launch.launcher import EXIT_DO_NOT_RESTART
+        from longhorizon.launch.launchers.supervise import EXIT_DO_NOT_RESTART
 
         return EXIT_DO_NOT_RESTART
 

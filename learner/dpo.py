@@ -14,7 +14,7 @@ policy and under the reference.
 - A step's pairs are cut into micro-batches that hold both sides of each pair (the loss is a
   function of the pair's two log-likelihoods), each weighted by its share of the step's pairs.
 - Data checks, checkpoints (Hugging Face folders an RL run starts from), the held-out greedy
-  evaluation and the run folder are those of `longhorizon sft`; the run itself is launch/dpo.py.
+  evaluation and the run folder are those of `longhorizon sft`; the run itself is launch/recipes/dpo.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Supervised fine-tuning's parts: the loss, the step plan, the conversation data and the model
-folders it writes. The run itself (train, checkpoint, evaluate) is launch/sft.py."""
+folders it writes. The run itself (train, checkpoint, evaluate) is launch/recipes/sft.py."""
 
 from __future__ import annotations
 

@@ -140,7 +140,7 @@ async def test_a_run_trains_with_an_algorithm_from_outside(tmp_path, tiny_codebo
     group used, flat ones too, which grpo would skip) and its loss moves the weights."""
     from longhorizon.common.metrics import read_metrics
     from longhorizon.common.models import load_causal_lm
-    from longhorizon.launch.local import train_in_process
+    from longhorizon.launch.launchers.local import train_in_process
 
     if found_by == "entry point":
         module, name = plugin("run_algorithms", "constant_baseline_run"), "constant_baseline_run"

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from longhorizon.launch.child import ChildPhaseError, run_in_child
+from longhorizon.launch.recipes.child import ChildPhaseError, run_in_child
 
 
 def _phase(value, *, note, scale=1):
@@ -87,7 +87,7 @@ def test_the_phase_ends_when_the_process_that_runs_it_is_killed():
     import sys
     import time
 
-    code = "import time; from longhorizon.launch.child import run_in_child; run_in_child(time.sleep, 600)"
+    code = "import time; from longhorizon.launch.recipes.child import run_in_child; run_in_child(time.sleep, 600)"
     parent = subprocess.Popen([sys.executable, "-c", code])
     phases = []
     try:

@@ -270,7 +270,7 @@ def test_when_curve_is_used(settings, used):
     ],
 )
 def test_unsafe_or_contradictory_settings_fail_before_any_process_starts(tmp_path, overrides, message):
-    from longhorizon.launch.local import launch_local
+    from longhorizon.launch.launchers.local import launch_local
 
     config = load_config(None, ["env.name=codebook", f"run.output_dir={str(tmp_path)!r}", *overrides])
     with pytest.raises(ConfigError, match=message):
@@ -389,7 +389,7 @@ def _knock_with_other_keys(config_path: Path, other_keys: CurveKeys, done: threa
 
 @pytest.mark.slow
 def test_a_run_with_curve_on_completes_and_counts_a_stranger(tmp_path, byte_model, monkeypatch):
-    from longhorizon.launch.local import launch_local
+    from longhorizon.launch.launchers.local import launch_local
 
     other_keys = CurveKeys.make().for_role("actor")
     made = []

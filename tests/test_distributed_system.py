@@ -15,7 +15,7 @@ import pytest
 
 from longhorizon.common.config import dump_toml, load_config
 from longhorizon.common.metrics import read_metrics
-from longhorizon.launch.launcher import with_ports
+from longhorizon.launch.launchers.supervise import with_ports
 from tests.test_system import REPO_ROOT, _all_pids, _alive, _overrides, _start, _wait_for_step, _wait_until, byte_model  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -72,7 +72,7 @@ def test_the_learner_runs_under_plain_torchrun(tmp_path, byte_model):
     run_dir.mkdir(parents=True)
     config_file = run_dir / "config.toml"
     config_file.write_text(dump_toml(config))
-    from longhorizon.launch.launcher import free_port
+    from longhorizon.launch.launchers.supervise import free_port
 
     # On loopback every process of the run presents the same secret, as `longhorizon train` sets.
     from longhorizon.common.auth import RUN_SECRET_VARIABLE, RunSecret

@@ -17,7 +17,7 @@ from longhorizon.common.conversations import ConversationFileError, tokenizer_fi
 from longhorizon.common.models import load_tokenizer
 from longhorizon.common.preference_pairs import pair_line, read_preference_pairs
 from longhorizon.launch.cli import main as cli_main
-from longhorizon.launch.dpo import run_dpo
+from longhorizon.launch.recipes.dpo import run_dpo
 from longhorizon.learner.dpo import (
     chosen_nll,
     dpo_loss,
@@ -247,7 +247,7 @@ def test_dpo_run_starts_at_log_2_and_writes_a_checkpoint(tmp_path, tiny_codebook
 def _start_checkpoint(folder, model, env_overrides, conversations, epochs):
     """A partly trained start: SFT of the tiny random model on a little oracle play."""
     from longhorizon.actor.collect import run_collect
-    from longhorizon.launch.sft import run_sft
+    from longhorizon.launch.recipes.sft import run_sft
 
     data = folder / "oracle.jsonl"
     config = load_config(SFT_CONFIG, [

@@ -57,7 +57,7 @@ def engine_plugin(install_plugin):
 
 @pytest.mark.parametrize("found_by", ["entry point", "dotted path"])
 def test_longhorizon_eval_plays_with_an_engine_from_outside(engine_plugin, found_by, tmp_path, capsys):
-    from longhorizon.launch.eval import main
+    from longhorizon.launch.recipes.eval import main
 
     module, name = engine_plugin("outside_engines", "counting-oracle" if found_by == "entry point" else None)
     # model.path names no model: the engine's capabilities say it plays none, so none is looked for.

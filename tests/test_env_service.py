@@ -438,7 +438,7 @@ async def test_training_runs_through_remote_envs(tmp_path):
     from longhorizon.common.config import load_config
     from longhorizon.common.metrics import read_metrics
     from longhorizon.common.models import build_tiny_model
-    from longhorizon.launch.local import train_in_process
+    from longhorizon.launch.launchers.local import train_in_process
 
     model = build_tiny_model(tmp_path / "model", words=[f"w{index}" for index in range(260)])
     with EnvServer(ServiceSettings("codebook")) as server:

@@ -8,7 +8,7 @@ import pytest
 
 from longhorizon.actor.evaluate import EpisodeRecord, bootstrap_mean_interval, default_ks, pass_at_k_curve
 from longhorizon.actor.metrics import pass_at_k
-from longhorizon.launch.eval import main as eval_main
+from longhorizon.launch.recipes.eval import main as eval_main
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SCRIPTED = "actor.engine='scripted'"
@@ -105,7 +105,7 @@ def test_episodes_stopped_by_the_context_limit_are_counted_and_named(tmp_path, c
 
 
 def test_the_context_warning_names_the_limit():
-    from longhorizon.launch.eval import context_warning
+    from longhorizon.launch.recipes.eval import context_warning
 
     assert context_warning(0, 2048) == ""
     assert "3 episodes" in context_warning(3, 2048) and "actor.max_context_tokens = 2048" in context_warning(3, 2048)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from longhorizon.launch import experiment_freezes as experiment
+from longhorizon.launch.recipes import experiment_freezes as experiment
 
 CODEBOOK = str(Path(__file__).resolve().parent.parent / "configs" / "codebook.toml")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from longhorizon.common.config import load_config
-from longhorizon.launch import experiment_horizons as experiment
+from longhorizon.launch.recipes import experiment_horizons as experiment
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG = REPO_ROOT / "configs" / "horizons.toml"

@@ -9,7 +9,7 @@ import pytest
 from longhorizon.common.config import load_config
 from longhorizon.launch.cli import main
 from longhorizon.launch.checks import validate_config
-from longhorizon.launch.launcher import format_progress
+from longhorizon.launch.launchers.supervise import format_progress
 
 
 @pytest.mark.parametrize(
@@ -97,7 +97,7 @@ def test_progress_line():
 
 
 def test_a_fresh_run_moves_an_earlier_one_aside(tmp_path):
-    from longhorizon.launch.launcher import prepare_run_dir
+    from longhorizon.launch.launchers.supervise import prepare_run_dir
 
     config = load_config(None, [f"run.output_dir={str(tmp_path)!r}", "run.name='x'"])
     first = prepare_run_dir(config, progress=lambda line: None)
@@ -112,7 +112,7 @@ def test_a_fresh_run_moves_an_earlier_one_aside(tmp_path):
 
 
 def test_the_learners_warnings_reach_the_terminal_as_one_line_each():
-    from longhorizon.launch.launcher import learner_warnings
+    from longhorizon.launch.launchers.supervise import learner_warnings
 
     lines = [
         "2026-12-02 13:00:00,001 learner INFO longhorizon.learner.worker: step 3 trained",
@@ -125,7 +125,7 @@ def test_the_learners_warnings_reach_the_terminal_as_one_line_each():
 
 
 def test_a_failed_learner_is_named_by_the_exception_that_ended_it(tmp_path):
-    from longhorizon.launch.launcher import last_error
+    from longhorizon.launch.launchers.supervise import last_error
 
     log = tmp_path / "learner.log"
     assert last_error(log) == ""
@@ -164,7 +164,7 @@ def test_a_run_refused_before_it_starts_leaves_no_folder(tmp_path, capsys):
 
 
 def test_the_progress_line_shows_the_rate_over_the_last_steps_not_the_last_step_alone():
-    from longhorizon.launch.launcher import Rates, ThroughputWindow
+    from longhorizon.launch.launchers.supervise import Rates, ThroughputWindow
 
     window = ThroughputWindow(steps=2)
     assert window.add({"time": 10.0, "trajectories_received": 40, "generated_tokens_received": 400}) is None
@@ -189,7 +189,7 @@ def test_a_restarted_learner_starts_the_rate_again_and_shows_none_for_its_first_
     from there, and receives at once what the actors queued while it loaded: mixed with the
     records before the kill (up to 160 s and 300 episodes) the window would show 10/5 = 2 episodes
     a second from nothing the actors did."""
-    from longhorizon.launch.launcher import ThroughputWindow
+    from longhorizon.launch.launchers.supervise import ThroughputWindow
 
     window = ThroughputWindow()
     for time, count in ((100.0, 150), (120.0, 200), (140.0, 250), (160.0, 300)):
@@ -222,23 +222,23 @@ def _raises_in_a_trio_task(exception: BaseException):
 
 
 def test_ctrl_c_in_a_trio_command_is_a_quiet_exit_130(monkeypatch, capsys):
-    import longhorizon.launch.eval
+    import longhorizon.launch.recipes.eval
 
-    monkeypatch.setattr(longhorizon.launch.eval, "main", _raises_in_a_trio_task(KeyboardInterrupt()))
+    monkeypatch.setattr(longhorizon.launch.recipes.eval, "main", _raises_in_a_trio_task(KeyboardInterrupt()))
     assert main(["eval", "codebook"]) == 130
     captured = capsys.readouterr()
     assert captured.err == "longhorizon: interrupted\n" and "Traceback" not in captured.out
 
 
 def test_a_user_error_inside_a_trio_command_is_one_line(monkeypatch, capsys):
-    import longhorizon.launch.eval
+    import longhorizon.launch.recipes.eval
     from longhorizon.common.config import ConfigError
 
-    monkeypatch.setattr(longhorizon.launch.eval, "main", _raises_in_a_trio_task(ConfigError("env.name 'nope' is unknown")))
+    monkeypatch.setattr(longhorizon.launch.recipes.eval, "main", _raises_in_a_trio_task(ConfigError("env.name 'nope' is unknown")))
     assert main(["eval", "codebook"]) == 2
     assert capsys.readouterr().err == "longhorizon: error: env.name 'nope' is unknown\n"
     # Anything else keeps its traceback: it is the report.
-    monkeypatch.setattr(longhorizon.launch.eval, "main", _raises_in_a_trio_task(RuntimeError("a bug")))
+    monkeypatch.setattr(longhorizon.launch.recipes.eval, "main", _raises_in_a_trio_task(RuntimeError("a bug")))
     with pytest.raises(BaseExceptionGroup):
         main(["eval", "codebook"])
 
@@ -274,7 +274,7 @@ def recording_launcher(config, *, progress=print) -> int:
 def test_a_launcher_from_outside_the_package_runs_the_job(capsys):
     """run.launcher names a launcher by dotted path (or entry point, or registration) like every
     other part; the command returns its exit code."""
-    from longhorizon.launch.launcher import LAUNCHERS, launch
+    from longhorizon.launch.launchers.supervise import LAUNCHERS, launch
 
     config = load_config(None, ["env.name=codebook", "run.name='plugged'",
                                 "run.launcher='tests.test_launch:recording_launcher'"])
@@ -291,7 +291,7 @@ def test_a_launcher_from_outside_the_package_runs_the_job(capsys):
 
 def test_a_launcher_that_cannot_launch_is_a_config_error():
     from longhorizon.common.config import ConfigError
-    from longhorizon.launch.launcher import launch
+    from longhorizon.launch.launchers.supervise import launch
 
     with pytest.raises(ConfigError, match="run.launcher: launcher 'tests.test_launch:LAUNCHED' must be callable"):
         launch(load_config(None, ["env.name=codebook", "run.launcher='tests.test_launch:LAUNCHED'"]))

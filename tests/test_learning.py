@@ -20,7 +20,7 @@ from longhorizon.actor.evaluate import evaluate, greedy
 from longhorizon.actor.worker import engine_settings
 from longhorizon.common.config import load_config
 from longhorizon.common.metrics import read_metrics
-from longhorizon.launch.local import launch_local
+from longhorizon.launch.launchers.local import launch_local
 from longhorizon.learner.checkpoint import latest_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

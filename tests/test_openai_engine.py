@@ -307,7 +307,7 @@ async def test_make_engine_starts_and_stops_its_own_server(tiny_codebook_model):
 def test_eval_runs_through_the_openai_engine(tiny_codebook_model, server, capsys):
     from pathlib import Path
 
-    from longhorizon.launch.eval import main
+    from longhorizon.launch.recipes.eval import main
 
     config = Path(__file__).resolve().parent.parent / "configs" / "codebook.toml"
     assert main([str(config), "actor.engine='openai'", f"model.path='{tiny_codebook_model}'",

@@ -130,7 +130,7 @@ def test_the_toy_envs_and_the_learner_import_no_env_familys_package():
     code = (
         "import sys\n"
         "from longhorizon.envs.base import make_env, list_tasks\n"
-        "import longhorizon.actor.worker, longhorizon.learner.worker, longhorizon.launch.local\n"
+        "import longhorizon.actor.worker, longhorizon.learner.worker, longhorizon.launch.launchers.local\n"
         "env = make_env('codebook'); env.reset(list_tasks('codebook', 'train')[0])\n"
         f"print(sorted(set().union(*{[sorted(v) for v in EXTRA_IMPORTS.values()]!r}) & set(sys.modules)))\n"
     )

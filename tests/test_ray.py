@@ -30,7 +30,7 @@ import pytest
 from longhorizon.common.config import ConfigError, load_config
 from longhorizon.common.metrics import read_metrics
 from longhorizon.common.processes import stop_process
-from longhorizon.launch.ray import FolderMirror, apply_pieces, check_ray_settings
+from longhorizon.launch.launchers.ray import FolderMirror, apply_pieces, check_ray_settings
 from longhorizon.learner.checkpoint import latest_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -176,7 +176,7 @@ def _run_files(run_dir: Path) -> set[str]:
 
 @pytest.mark.slow
 def test_codebook_learns_on_a_two_node_ray_cluster_and_survives_a_killed_actor(tmp_path, tiny_codebook_model, ray_cluster):
-    from longhorizon.launch.ray import launch_ray
+    from longhorizon.launch.launchers.ray import launch_ray
     from tests.test_learning import _evaluate
 
     from tests.test_learning import FREEZE_GUARD, TARGET
@@ -254,8 +254,8 @@ def test_without_shared_storage_the_run_directory_holds_what_a_local_run_writes(
     run directory ends up with the same files as a local run of the same config. The learner has
     two ranks here (a placement group on the head node). Resuming then sends the latest
     checkpoint back to the learner's node, which starts from it."""
-    from longhorizon.launch.local import launch_local
-    from longhorizon.launch.ray import launch_ray
+    from longhorizon.launch.launchers.local import launch_local
+    from longhorizon.launch.launchers.ray import launch_ray
 
     # One actor: the run directory's files are the point here, and every process less starts
     # sooner (four processes importing torch at once on a 2-core machine).
@@ -328,7 +328,7 @@ def test_a_missing_ray_is_an_error_naming_the_fix(tmp_path, monkeypatch, capsys)
 def test_an_unreachable_ray_address_is_an_error_naming_the_fix(tmp_path, capsys):
     pytest.importorskip("ray")
     from longhorizon.launch.cli import main
-    from longhorizon.launch.launcher import free_port
+    from longhorizon.launch.launchers.supervise import free_port
 
     config = REPO_ROOT / "configs" / "codebook.toml"
     nobody = f"127.0.0.1:{free_port()}"

@@ -9,7 +9,7 @@ import pytest
 
 from longhorizon.common.config import ConfigError, load_config
 from longhorizon.launch.cli import main as cli_main
-from longhorizon.launch.rft import keep_episodes, round_min_reward, run_rft
+from longhorizon.launch.recipes.rft import keep_episodes, round_min_reward, run_rft
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RFT_CONFIG = REPO_ROOT / "configs" / "codebook-rft.toml"

@@ -257,8 +257,8 @@ def test_a_codebook_run_saves_every_episode_it_trained_on_for_sft_and_dpo(tmp_pa
     from longhorizon.common.metrics import read_metrics
     from longhorizon.common.models import load_tokenizer
     from longhorizon.common.preference_pairs import prompt_messages
-    from longhorizon.launch.local import train_in_process
-    from longhorizon.launch.sft import run_sft
+    from longhorizon.launch.launchers.local import train_in_process
+    from longhorizon.launch.recipes.sft import run_sft
     from longhorizon.learner.dpo import load_dpo_data
 
     config = load_config(REPO_ROOT / "configs" / "codebook.toml", [
@@ -303,7 +303,7 @@ def test_a_codebook_run_saves_every_episode_it_trained_on_for_sft_and_dpo(tmp_pa
 
 def test_a_run_without_the_key_sends_no_messages_and_writes_no_episode_files(tmp_path, tiny_codebook_model,
                                                                              monkeypatch):
-    from longhorizon.launch.local import train_in_process
+    from longhorizon.launch.launchers.local import train_in_process
 
     config = load_config(REPO_ROOT / "configs" / "codebook.toml", [
         f"run.output_dir={str(tmp_path)!r}", "run.total_steps=1", f"model.path={str(tiny_codebook_model)!r}",

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from longhorizon.launch.launcher import SubprocessControl
+from longhorizon.launch.launchers.supervise import SubprocessControl
 
 # A worker that makes a temporary folder the usual way, fills it, says where, and waits.
 WORKER = r"""
@@ -64,7 +64,7 @@ def test_a_killed_workers_temporary_folders_go_when_it_restarts_and_when_it_stop
 # A Ray host: a parent that starts a worker (which dies with it, as launch/worker.py arranges).
 HOST = r"""
 import os, signal, subprocess, sys
-from longhorizon.launch.launcher import SubprocessControl
+from longhorizon.launch.launchers.supervise import SubprocessControl
 
 worker_code = (
     "import os, signal, time; from longhorizon.common.processes import die_with_parent; "

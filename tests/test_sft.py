@@ -19,7 +19,7 @@ from longhorizon.common.metrics import read_metrics
 from longhorizon.common.conversations import ConversationFileError, tokenize_conversation, tokenizer_fingerprint
 from longhorizon.common.models import load_tokenizer
 from longhorizon.launch.cli import main as cli_main
-from longhorizon.launch.sft import run_sft
+from longhorizon.launch.recipes.sft import run_sft
 from longhorizon.learner.logprobs import Example
 from longhorizon.learner.sft import load_sft_data, plan_sft_micro_batches, plan_steps, sft_loss
 from longhorizon.learner.optimiser import learning_rate_at
@@ -306,7 +306,7 @@ def test_sft_on_oracle_play_generalises_to_held_out_tasks(oracle_sft_run):
 @pytest.mark.slow
 def test_an_rl_run_starts_from_the_sft_checkpoint(oracle_sft_run, tmp_path):
     from longhorizon.common.metrics import read_metrics
-    from longhorizon.launch.local import train_in_process
+    from longhorizon.launch.launchers.local import train_in_process
     from longhorizon.learner.checkpoint import latest_checkpoint
 
     _, _, _, summary = oracle_sft_run

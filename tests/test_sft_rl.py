@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from longhorizon.common.config import ConfigError, load_config
-from longhorizon.launch.experiment_sft_rl import (
+from longhorizon.launch.recipes.experiment_sft_rl import (
     against_sft, check_sft_rl_config, format_table, held_out_overlap, pooled_entry, run_sft_rl, wilson_entry)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -444,7 +444,7 @@ def test_short_training_run_with_vllm_actors(tmp_path):
     no kernel for heads of 16), so the run's time is the processes' and not the model's."""
     from longhorizon.common.metrics import read_metrics
     from longhorizon.common.models import build_tiny_model
-    from longhorizon.launch.local import launch_local
+    from longhorizon.launch.launchers.local import launch_local
     from tests.conftest import CODEBOOK_WORDS
 
     model = build_tiny_model(tmp_path / "tiny-one-head", words=CODEBOOK_WORDS, num_heads=1)

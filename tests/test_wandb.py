@@ -172,7 +172,7 @@ async def test_an_offline_run_logs_every_step_and_the_plots(tmp_path, tiny_codeb
     import wandb
 
     from longhorizon.common.metrics import read_metrics
-    from longhorizon.launch.local import train_in_process
+    from longhorizon.launch.launchers.local import train_in_process
     from longhorizon.launch.plot import plot_run
 
     config = load_config(REPO_ROOT / "configs" / "codebook.toml", [

@@ -489,7 +489,7 @@ def test_a_bucket_that_does_not_arrive_bit_identical_is_refused():
 
 def test_wrong_collective_settings_are_refused_before_any_process_starts(tmp_path, tiny_codebook_model, monkeypatch):
     from longhorizon.launch.checks import validate_config
-    from longhorizon.launch.local import launch_local
+    from longhorizon.launch.launchers.local import launch_local
 
     def config(*overrides):
         return load_config(
@@ -544,7 +544,7 @@ def test_codebook_learns_with_collective_weights_while_an_actor_is_killed_and_re
     from longhorizon.actor.evaluate import evaluate, greedy
     from longhorizon.actor.worker import engine_settings
     from longhorizon.common.metrics import read_metrics
-    from longhorizon.launch.local import launch_local
+    from longhorizon.launch.launchers.local import launch_local
     from longhorizon.learner.checkpoint import latest_checkpoint
 
     config = load_config(

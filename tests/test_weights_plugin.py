@@ -78,7 +78,7 @@ async def test_a_run_sends_its_versions_through_a_transport_from_outside(
     own option says."""
     from longhorizon.actor.engines.factory import build_engine
     from longhorizon.common.metrics import read_metrics
-    from longhorizon.launch.local import train_in_process
+    from longhorizon.launch.launchers.local import train_in_process
 
     scratch = tmp_path / "scratch"
     scratch.mkdir()

@@ -202,7 +202,7 @@ def run_mode(
 ) -> dict[str, Any]:
     """Train one mode with launch_local and measure it; raises RuntimeError if the run failed."""
     from longhorizon.common.metrics import read_metrics
-    from longhorizon.launch.local import launch_local
+    from longhorizon.launch.launchers.local import launch_local
 
     config = bench_config(settings, mode, output_dir, model_folder)
     if config.run_dir.exists():

@@ -41,7 +41,7 @@ from longhorizon.envs.agents import configured_agent
 
 ARMS = ("fixed-short", "fixed-long", "stepwise", "adaptive")
 ARM_COLOURS = {"fixed-short": "tab:blue", "fixed-long": "tab:red", "stepwise": "tab:green", "adaptive": "tab:purple"}
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "horizons.toml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "horizons.toml"
 # What of a checkpoint an engine does not need to play it: the optimiser and learner state.
 _TRAINING_STATE = ("state.pt", "sharded")
 _POLL_S = 0.1

@@ -19,7 +19,7 @@ two-proportion test against the SFT checkpoint's. Outputs: `summary.json`, `held
 (held-out success per phase), `oracle.jsonl`, `sft/` and `rl/` (or `rl-seed<N>/`: the runs, with
 their training curves). It prints a table, then one line of JSON.
 
-SFT and every evaluation run in a process of their own (launch/child.py), so this one holds no
+SFT and every evaluation run in a process of their own (launch/recipes/child.py), so this one holds no
 model while the RL phase's learner and actors run beside it.
 """
 
@@ -168,10 +168,10 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
     from longhorizon.actor.collect import run_collect
     from longhorizon.common.models import resolve_model_path
     from longhorizon.learner.checkpoint import latest_checkpoint
-    from longhorizon.launch.child import run_in_child
-    from longhorizon.launch.launcher import fresh_run_dir
+    from longhorizon.launch.recipes.child import run_in_child
+    from longhorizon.launch.launchers.supervise import fresh_run_dir
     from longhorizon.actor.evaluate import evaluate_model_folder
-    from longhorizon.launch.sft import run_sft
+    from longhorizon.launch.recipes.sft import run_sft
     from longhorizon.learner.sft import check_sft_config
 
     check_sft_rl_config(config)
@@ -243,7 +243,7 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
         else:
             summary["sft"] = sft_entry  # trained, not evaluated: the RL phase starts from it
     if settings.rl:
-        from longhorizon.launch.launcher import launch
+        from longhorizon.launch.launchers.supervise import launch
         from longhorizon.launch.plot import plot_run
         from longhorizon.launch.report import format_report, load_summary
 

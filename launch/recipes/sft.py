@@ -34,7 +34,7 @@ import torch
 from longhorizon.actor.evaluate import evaluate_model_folder
 from longhorizon.common.config import Config, dump_toml
 from longhorizon.common.conversations import tokenizer_fingerprint
-from longhorizon.launch.launcher import fresh_run_dir
+from longhorizon.launch.launchers.supervise import fresh_run_dir
 from longhorizon.learner.sft import (
     check_sft_config,
     load_model_for_training,

@@ -8,7 +8,7 @@ Each round r (of `rft.rounds`):
    take consecutive tasks of the split and new reset seeds, so no round replays another's episodes.
 2. keep: the episodes that succeeded (or, with `rft.min_reward`, those whose reward reaches the
    round's threshold), one copy of each conversation when `rft.deduplicate`.
-3. fine-tune: `longhorizon sft`'s run (launch/sft.py) with the settings of [sft], from the current
+3. fine-tune: `longhorizon sft`'s run (launch/recipes/sft.py) with the settings of [sft], from the current
    policy, on the episodes kept in this round and every earlier one (`rft.accumulate`) plus
    sft.data when given (an expert set, as in AgentEvol). Each round starts a fresh optimiser: its
    data is a new, larger set drawn from a new policy, and the SFT run stays the one `sft` runs.
@@ -100,8 +100,8 @@ def run_rft(config: Config, *, note: Callable[[str], None] = print, progress_str
     from longhorizon.common.conversations import record_line
     from longhorizon.common.models import resolve_model_path
     from longhorizon.common.progress import ProgressBar
-    from longhorizon.launch.launcher import fresh_run_dir
-    from longhorizon.launch.sft import run_sft
+    from longhorizon.launch.launchers.supervise import fresh_run_dir
+    from longhorizon.launch.recipes.sft import run_sft
     from longhorizon.learner.sft import check_sft_config
 
     check_rft_config(config)

@@ -4,7 +4,7 @@ The launcher connects to a running cluster (`ray.address`) and places each learn
 actor as a `ProcessHost`: a Ray actor that holds the resources [ray] asks for that role (CPUs,
 GPUs, custom resources that pin a role to some nodes) and runs the usual worker process
 (`python -m longhorizon.launch.worker ROLE`) on its node, as the local launcher runs it on this
-machine. The supervision loop is the local launcher's (launch/launcher.py), so the progress line,
+machine. The supervision loop is the local launcher's (launch/launchers/supervise.py), so the progress line,
 the restart policy and processes.json are the same; processes.json also names each process's node.
 
 Addresses come from the nodes: the learner's host picks free ports on its node's IP, and the
@@ -41,7 +41,7 @@ from pathlib import Path
 
 from longhorizon.common.config import Config, ConfigError, dump_toml
 from longhorizon.common.processes import remove_tied_folder, tied_folder
-from longhorizon.launch.launcher import SubprocessControl, prepare_run_dir, process_name, supervise
+from longhorizon.launch.launchers.supervise import SubprocessControl, prepare_run_dir, process_name, supervise
 
 RUN_STORAGES = ("auto", "shared", "node")
 INSTALL_HINT = "install it with `pip install -e '.[ray]'` (`make setup` does), on this machine and every node"

@@ -13,7 +13,7 @@ import torch
 
 from longhorizon.actor.evaluate import evaluate_model_folder
 from longhorizon.common.config import Config, dump_toml
-from longhorizon.launch.launcher import fresh_run_dir
+from longhorizon.launch.launchers.supervise import fresh_run_dir
 from longhorizon.learner.dpo import (
     check_dpo_config,
     chosen_nll,

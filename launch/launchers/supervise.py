@@ -1,6 +1,6 @@
 """What every launcher shares: ports, the run directory, the progress line, and the supervision loop.
 
-A launcher (launch/local.py on one machine, launch/ray.py on a Ray cluster) turns the config into
+A launcher (launch/launchers/local.py on one machine, launch/launchers/ray.py on a Ray cluster) turns the config into
 processes, each an object with the small interface `supervise` drives (`RoleProcess` below), and
 hands them to `supervise`. The loop is the same everywhere: start every process, print one
 progress line per learner step from `metrics.jsonl`, restart a dead actor, restart the whole
@@ -45,7 +45,7 @@ def _check_launcher_part(name: str, part: object) -> None:
 
 LAUNCHERS: Registry[Launcher] = Registry(
     "launcher", "longhorizon.launchers",
-    {"local": "longhorizon.launch.local:launch_local", "ray": "longhorizon.launch.ray:launch_ray"},
+    {"local": "longhorizon.launch.launchers.local:launch_local", "ray": "longhorizon.launch.launchers.ray:launch_ray"},
     check=_check_launcher_part,
 )
 """`run.launcher` names one: the built-ins, one registered in this process, an installed package's

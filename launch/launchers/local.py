@@ -19,7 +19,7 @@ from pathlib import Path
 
 from longhorizon.common.config import Config
 from longhorizon.launch.checks import validate_config
-from longhorizon.launch.launcher import SubprocessControl, prepare_run_dir, process_name, supervise, with_ports
+from longhorizon.launch.launchers.supervise import SubprocessControl, prepare_run_dir, process_name, supervise, with_ports
 
 
 class _Child(SubprocessControl):

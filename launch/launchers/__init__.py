@@ -1,0 +1,2 @@
+"""Launchers: how a training job's processes are started and supervised (`run.launcher`): on this
+machine (local.py) or a Ray cluster (ray.py), one interface and one supervision loop (supervise.py)."""
