@@ -18,8 +18,10 @@ episodes never see each other's changes. The browser context of an episode may o
 allowed origins of the task's sites.
 
 Observations (observation.py) start with "Goal: <intent>", then URL, tabs, the last action's error
-and the accessibility tree with element ids. Actions follow BrowserGym (actions.py). A malformed or
-failing action gives an error observation with info["invalid_action"] = True. If the browser
+and the accessibility tree with element ids. Actions follow BrowserGym (actions.py): one per step,
+or with `multiaction` several, one per line, run in order until the first that fails (BrowserGym's
+multi-action mode). A malformed or failing action gives an error observation with
+info["invalid_action"] = True; it never raises. If the browser
 crashes or hangs, step/reset raise BrowserFailure: the rollout records the episode as failed (it is
 not trained on), the pool relaunches the browser, and the next reset of this env works.
 """
@@ -33,9 +35,18 @@ from typing import Any, Mapping
 
 import trio
 
+from longhorizon.envs.agents import ActionParseError, ReactLoop, parse_react_reply
 from longhorizon.envs.base import Task
 from longhorizon.envs.tools import ToolSet
-from longhorizon.envs.web.actions import Action, ActionError, action_help, action_tools, execute, parse_action
+from longhorizon.envs.web.actions import (
+    Action,
+    ActionError,
+    action_help,
+    action_tools,
+    execute,
+    parse_action,
+    parse_actions,
+)
 from longhorizon.envs.web.browser import BrowserFailure, BrowserPool, BrowserSession, SessionOptions, shared_pool
 from longhorizon.envs.web.evaluators import evaluate
 from longhorizon.envs.web.observation import capture
@@ -49,15 +60,23 @@ You are an agent browsing the web to complete a task. Each observation shows the
 the open tabs, the error of your last action (if any) and the page as an accessibility tree: one \
 element per line, with an id in brackets for elements you can act on, e.g. [12] button 'Submit'.
 
-Actions (one per turn; ids are the numbers in brackets):
+Actions ({how_many}; ids are the numbers in brackets; x and y are pixels from the top left \
+corner of the visible part of the page):
 {actions}
 
-Reply with your reasoning and one action, in exactly this format:
+Reply with your reasoning and {reply_actions}, in exactly this format:
 Thought:
 <your reasoning>
 
 Action:
-<one action, e.g. click('12')>"""
+{action_layout}"""
+
+SINGLE_ACTION = {"how_many": "one per turn", "reply_actions": "one action", "action_layout": "<one action, e.g. click('12')>"}
+MULTI_ACTION = {
+    "how_many": "one or several per turn, one per line, run in order until one fails",
+    "reply_actions": "your actions",
+    "action_layout": "<one or several actions, one per line, e.g. fill('3', 'text') then click('12') on the next line>",
+}
 
 
 TOOL_INSTRUCTIONS = """\
@@ -97,6 +116,7 @@ class BrowserEnv:
     """One episode at a time in its own browser context; reuse the object across episodes."""
 
     prompt_format = "react"
+    MULTI_ACTION_FORMAT = "longhorizon.envs.web.env:MultiActionReactLoop"
 
     def __init__(
         self,
@@ -108,7 +128,10 @@ class BrowserEnv:
         action_timeout_s: float = 5.0,
         navigation_timeout_s: float = 20.0,
         max_observation_chars: int = 30000,
+        multiaction: bool = False,
     ) -> None:
+        if not isinstance(multiaction, bool):
+            raise ValueError(f"multiaction must be true or false, got {multiaction!r}")
         if action_timeout_s <= 0 or navigation_timeout_s <= 0:
             raise ValueError("action_timeout_s and navigation_timeout_s must be positive")
         self.name = name
@@ -117,6 +140,10 @@ class BrowserEnv:
         self._num_browsers = num_browsers
         self.session_options = SessionOptions(action_timeout_s=action_timeout_s, navigation_timeout_s=navigation_timeout_s)
         self.max_observation_chars = max_observation_chars
+        self.multiaction = multiaction
+        """Several actions in one step, one per line (BrowserGym's multi-action mode)."""
+        if multiaction:
+            self.prompt_format = self.MULTI_ACTION_FORMAT
         self._episode: Episode | None = None
         self._started_sites: set[str] = set()
         self._pristine_sites: set[str] = set()
@@ -128,7 +155,7 @@ class BrowserEnv:
         return self._pool
 
     def instructions(self) -> str:
-        return INSTRUCTIONS.format(actions=action_help())
+        return INSTRUCTIONS.format(actions=action_help(), **(MULTI_ACTION if self.multiaction else SINGLE_ACTION))
 
     def tool_set(self) -> ToolSet:
         return ToolSet(TOOL_INSTRUCTIONS, action_tools())
@@ -249,20 +276,24 @@ class BrowserEnv:
         episode.steps += 1
         try:
             try:
-                parsed = parse_action(action)
+                actions = self._parse(action)
             except ActionError as error:
                 observation = await episode.session.call(self._observe, str(error), timeout_s=10.0)
                 return observation, 0.0, False, False, {"success": False, "invalid_action": True}
-            if parsed.terminal:
-                reward, success, info = await self._score(episode, parsed.answer)
+            ending = actions.pop() if actions[-1].terminal else None
+            error, outcome = "", None
+            if actions:
+                timeout = (self.session_options.navigation_timeout_s + self.session_options.action_timeout_s) * len(actions)
+                observation, error, outcome = await episode.session.call(
+                    self._act, actions, 1 if ending else 0, timeout_s=timeout)
+            if ending is not None and not error and outcome is None:
+                reward, success, info = await self._score(episode, ending.answer)
                 episode.finished = True
-                observation = f"The episode is over. Your message to the user: {parsed.answer!r}"
+                observation = f"The episode is over. Your message to the user: {ending.answer!r}"
                 await self._close_session(episode)
                 return observation, float(reward), True, False, {
-                    "success": bool(success), "invalid_action": False, "answer": parsed.answer, **info,
+                    "success": bool(success), "invalid_action": False, "answer": ending.answer, **info,
                 }
-            timeout = self.session_options.navigation_timeout_s + self.session_options.action_timeout_s
-            observation, error, outcome = await episode.session.call(self._act, parsed, timeout_s=timeout)
         except BrowserFailure:
             episode.finished = True
             await self._close_session(episode)
@@ -295,16 +326,37 @@ class BrowserEnv:
         return await capture(session, error=error, goal=episode.goal if episode else "",
                              max_chars=self.max_observation_chars)
 
-    async def _act(self, session: BrowserSession, action: Action) -> tuple[str, str, tuple | None]:
-        """Asyncio side: run one action, then ask the subclass whether it ended the episode, then observe."""
+    def _parse(self, text: str) -> list[Action]:
+        """The step's actions; a terminal one only as the last (ActionError otherwise)."""
+        if not self.multiaction:
+            return [parse_action(text)]
+        actions = parse_actions(text)
+        for number, action in enumerate(actions[:-1], 1):
+            if action.terminal:
+                raise ActionError(f"action {number} of {len(actions)}: {action.name} ends the episode, so it can only "
+                                  "be the last action of a step; nothing was run")
+        return actions
+
+    async def _act(self, session: BrowserSession, actions: list[Action], ending: int = 0) -> tuple[str, str, tuple | None]:
+        """Asyncio side: run the actions in order, after each asking the subclass whether it ended
+        the episode; stop at the first error or the end; then observe. `ending` counts a terminal
+        action the step holds after these (for the error's count of actions not run)."""
         episode = self._episode
         assert episode is not None
-        error = ""
-        try:
-            await execute(session, action, resolve_url=lambda url: replace_placeholders(url, episode.base_urls))
-        except ActionError as action_error:
-            error = str(action_error)
-        outcome = await self._after_action(session, episode)
+        error, outcome = "", None
+        total = len(actions) + ending
+        for number, action in enumerate(actions, 1):
+            try:
+                await execute(session, action, resolve_url=lambda url: replace_placeholders(url, episode.base_urls))
+            except ActionError as action_error:
+                error = str(action_error)
+                if total > 1:
+                    left = total - number
+                    error = f"action {number} of {total}: {error}" + (
+                        f" ({left} action{'s' if left > 1 else ''} after it not run)" if left else "")
+            outcome = await self._after_action(session, episode)
+            if error or outcome is not None:
+                break
         observation = await self._observe(session, error)
         return observation, error, outcome
 
@@ -315,6 +367,26 @@ class BrowserEnv:
         episode, self._episode = self._episode, None
         if episode is not None:
             await episode.session.aclose()
+
+
+_ACTION_MARKER = re.compile(r"(?im)^\s*\**\s*action\s*\**\s*:")
+
+
+class MultiActionReactLoop(ReactLoop):
+    """The react layout with one or several actions after `Action:`, one per line (the prompt
+    format of a BrowserEnv in multi-action mode)."""
+
+    def parse_action(self, reply: str) -> str:
+        parse_react_reply(reply)  # the same checks: one marker, something after it
+        rest = _ACTION_MARKER.split(reply)[-1]
+        lines = [line.strip().strip("`*").strip() for line in rest.splitlines()]
+        # A fence's language tag ("```python") is left as a word of its own: not an action.
+        actions = [line for line in lines if line and line not in ("python", "py")]
+        return "\n".join(actions)
+
+    def error_observation(self, error: ActionParseError) -> str:
+        return (f"Invalid reply: {error}. Answer as:\nThought:\n<your reasoning>\n\n"
+                "Action:\n<one or several actions, one per line>")
 
 
 START_URL_SEPARATOR = " |AND| "

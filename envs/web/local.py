@@ -7,7 +7,7 @@ string match, state changes scored by checking the application's database or fil
 final URL). Scripted policies: "oracle" follows each task's recorded plan, "random" clicks around.
 
 Options: sites (which applications, e.g. "shop,fossil"; default all three), and BrowserEnv's
-num_browsers, action_timeout_s, navigation_timeout_s, max_observation_chars.
+num_browsers, action_timeout_s, navigation_timeout_s, max_observation_chars, multiaction.
 """
 
 from __future__ import annotations
@@ -49,13 +49,14 @@ def build_site(name: str) -> Any:
 
 
 def make_local_env(*, sites: str | Sequence[str] | None = None, num_browsers: int = 1, action_timeout_s: float = 5.0,
-                   navigation_timeout_s: float = 20.0, max_observation_chars: int = 30000) -> Any:
+                   navigation_timeout_s: float = 20.0, max_observation_chars: int = 30000,
+                   multiaction: bool = False) -> Any:
     from longhorizon.envs.web.env import BrowserEnv
 
     return BrowserEnv(
         name=ENV_NAME, sites={name: build_site(name) for name in parse_sites(sites)}, num_browsers=num_browsers,
         action_timeout_s=action_timeout_s, navigation_timeout_s=navigation_timeout_s,
-        max_observation_chars=max_observation_chars,
+        max_observation_chars=max_observation_chars, multiaction=multiaction,
     )
 
 

@@ -31,9 +31,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from longhorizon.envs.base import EnvSpec, Task
-from longhorizon.envs.web.actions import action_help
 from longhorizon.envs.web.browser import BrowserSession
-from longhorizon.envs.web.env import INSTRUCTIONS, BrowserEnv, Episode
+from longhorizon.envs.web.env import BrowserEnv, Episode
 from longhorizon.envs.web.policies import MINIWOB_SOLVERS, MiniWobOraclePolicy, RandomClickerPolicy
 
 ENV_NAME = "miniwob"
@@ -197,17 +196,19 @@ class MiniWobEnv(BrowserEnv):
         num_browsers: int = 1,
         action_timeout_s: float = 5.0,
         navigation_timeout_s: float = 20.0,
+        multiaction: bool = False,
         pool: Any = None,
     ) -> None:
         _check_options(task_names, instances_per_task, time_limit_s, reward_mode)
         super().__init__(name=ENV_NAME, sites={}, pool=pool, num_browsers=num_browsers,
-                         action_timeout_s=action_timeout_s, navigation_timeout_s=navigation_timeout_s)
+                         action_timeout_s=action_timeout_s, navigation_timeout_s=navigation_timeout_s,
+                         multiaction=multiaction)
         self.time_limit_s = float(time_limit_s)
         self.reward_mode = reward_mode
         self._server = shared_server()
 
     def instructions(self) -> str:
-        return INSTRUCTIONS.format(actions=action_help()) + INSTRUCTIONS_EXTRA
+        return super().instructions() + INSTRUCTIONS_EXTRA
 
     async def reset(self, task: Task, *, seed: int | None = None) -> tuple[str, dict]:
         data = task.data if isinstance(task.data, Mapping) else {}

@@ -201,6 +201,7 @@ class WebArenaEnv(BrowserEnv):
         action_timeout_s: float = 5.0,
         navigation_timeout_s: float = 30.0,
         max_observation_chars: int = 30000,
+        multiaction: bool = False,
         pool: Any = None,
     ) -> None:
         site_urls = _check_sites(sites)
@@ -210,6 +211,7 @@ class WebArenaEnv(BrowserEnv):
             sites={name: ExternalSite(name, url) for name, url in site_urls.items()},
             pool=pool, num_browsers=num_browsers, action_timeout_s=action_timeout_s,
             navigation_timeout_s=navigation_timeout_s, max_observation_chars=max_observation_chars,
+            multiaction=multiaction,
         )
         self.storage_state_dir = Path(storage_state_dir).expanduser() if storage_state_dir else None
         self.missing_login = missing_login
