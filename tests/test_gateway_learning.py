@@ -47,6 +47,31 @@ def _held_out_success(config, model_folder) -> float:
     return result.success_rate
 
 
+def _train_with_the_agent(config_file: Path, overrides: list[str], agent_arguments: list[str], *,
+                          timeout_s: float) -> str:
+    """`longhorizon train` and the example agent, each in a process of its own, until training
+    ends; either failing fails the test (an agent that died leaves the learner waiting). Returns
+    what the agent printed."""
+    training = subprocess.Popen(
+        [sys.executable, "-m", "longhorizon.launch.cli", "train", str(config_file), *overrides, "--no-plots"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
+    agent = subprocess.Popen([sys.executable, str(AGENT), *agent_arguments],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while training.poll() is None and time.monotonic() < deadline:
+            assert agent.poll() is None, f"the agent ended before training did:\n{agent.stdout.read()}"
+            time.sleep(1)
+        assert training.poll() == 0, training.stdout.read()
+        output, _ = agent.communicate(timeout=120)
+    finally:
+        for process in (training, agent):
+            if process.poll() is None:
+                process.kill()
+    assert agent.returncode == 0, output
+    return output
+
+
 def test_the_example_agent_imports_nothing_of_longhorizon():
     source = AGENT.read_text()
     assert "longhorizon" not in "".join(line for line in source.splitlines() if line.startswith(("import", "from")))
@@ -58,27 +83,10 @@ def test_a_black_box_agent_learns_codebook_through_the_gateway(tmp_path, tiny_co
     untrained = _held_out_success(config, tiny_codebook_model)
     assert untrained < 0.2
     with EnvServer(ServiceSettings("codebook", env_options=dict(config.env.options))) as server:
-        training = subprocess.Popen(
-            [sys.executable, "-m", "longhorizon.launch.cli", "train", str(REPO_ROOT / "configs" / "codebook.toml"),
-             *_overrides(tmp_path, tiny_codebook_model), "--no-plots"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
-        agent = subprocess.Popen(
-            [sys.executable, str(AGENT), "--env-url", server.url, "--gateway-dir", str(config.run_dir / "gateway"),
-             "--threads", "8", "--group-size", str(config.actor.group_size)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            # Either process failing ends the test (an agent that died leaves the learner waiting).
-            deadline = time.monotonic() + 900
-            while training.poll() is None and time.monotonic() < deadline:
-                assert agent.poll() is None, f"the agent ended before training did:\n{agent.stdout.read()}"
-                time.sleep(1)
-            assert training.poll() == 0, training.stdout.read()
-            output, _ = agent.communicate(timeout=120)
-        finally:
-            for process in (training, agent):
-                if process.poll() is None:
-                    process.kill()
-    assert agent.returncode == 0, output
+        _train_with_the_agent(
+            REPO_ROOT / "configs" / "codebook.toml", _overrides(tmp_path, tiny_codebook_model),
+            ["--env-url", server.url, "--gateway-dir", str(config.run_dir / "gateway"), "--threads", "8",
+             "--group-size", str(config.actor.group_size)], timeout_s=900)
     records = read_metrics(config.run_dir)
     assert records[-1].get("target_reached") or records[-1]["step"] == config.run.total_steps
     assert records[-1]["actors_seen"] == 1 and records[-1]["trajectories_trained"] > 0
@@ -106,25 +114,10 @@ def test_the_example_agent_plays_textcraft_by_its_own_tools_through_env_serve_an
     ]
     run_dir = tmp_path / "tools"
     with EnvServer(ServiceSettings("textcraft")) as server:
-        training = subprocess.Popen(
-            [sys.executable, "-m", "longhorizon.launch.cli", "train", str(REPO_ROOT / "configs" / "textcraft.toml"),
-             *overrides, "--no-plots"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
-        agent = subprocess.Popen(
-            [sys.executable, str(AGENT), "--env-url", server.url, "--gateway-dir", str(run_dir / "gateway"),
-             "--tools", "textcraft", "--threads", "2", "--group-size", "4"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            deadline = time.monotonic() + 600
-            while training.poll() is None and time.monotonic() < deadline:
-                assert agent.poll() is None, f"the agent ended before training did:\n{agent.stdout.read()}"
-                time.sleep(1)
-            assert training.poll() == 0, training.stdout.read()
-            output, _ = agent.communicate(timeout=120)
-        finally:
-            for process in (training, agent):
-                if process.poll() is None:
-                    process.kill()
-    assert agent.returncode == 0, output
+        _train_with_the_agent(
+            REPO_ROOT / "configs" / "textcraft.toml", overrides,
+            ["--env-url", server.url, "--gateway-dir", str(run_dir / "gateway"), "--tools", "textcraft",
+             "--threads", "2", "--group-size", "4"], timeout_s=600)
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
     # The oracle wins its episodes through the agent's own tools and the env service.
