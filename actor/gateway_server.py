@@ -19,7 +19,9 @@ API key (so an agent that only lets you set `api_key` can still be traced); its 
 `X-Task-Id` header or `metadata.task_id`. Sampling is the run's (`actor.sampling`), whatever a
 request asks: the learner corrects for the policy that sampled, which must be the one recorded.
 Errors have OpenAI's body `{"error": {"message", "type", "code", "param"}}` and a 4xx status; a
-bad request never ends the gateway or another session.
+bad request never ends the gateway or another session. Bodies over 32 MiB are refused with a 413.
+The serving itself (Hypercorn on trio, error bodies, the body cap) is shared with the model server
+(`actor/http_serving.py`).
 """
 
 from __future__ import annotations
@@ -44,13 +46,20 @@ from longhorizon.actor.gateway import (
     check_tools,
     reply_message,
 )
+from longhorizon.actor.http_serving import (
+    MAX_BODY_BYTES,
+    HTTPRefusal,
+    error_response,
+    listening_socket,
+    read_body,
+    serve_app,
+)
 from longhorizon.actor.worker import Actor
 from longhorizon.common.wire import Trajectory
 from longhorizon.envs.tool_calls import ToolCallFormatError, get_tool_call_format
 
 log = logging.getLogger(__name__)
 
-KEEP_ALIVE_TIMEOUT_S = 75.0
 _FINISHED_REMEMBERED = 4096  # finished session ids kept to tell "already finished" from "unknown"
 
 
@@ -212,8 +221,9 @@ def gateway_app(gateway: Gateway):
     from starlette.routing import Route
 
     async def body_of(request: Request) -> dict:
+        raw = await read_body(request, MAX_BODY_BYTES)
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise GatewayError(400, "the request body is not valid JSON", "invalid_json") from None
         if not isinstance(body, dict):
@@ -225,11 +235,12 @@ def gateway_app(gateway: Gateway):
             try:
                 return await handler(request)
             except GatewayError as error:
-                return JSONResponse(error.body(), status_code=error.status)
+                return error_response(error.status, str(error), error.code, error.kind)
+            except HTTPRefusal as refusal:
+                return refusal.response()
             except Exception as error:  # an engine failure fails this call, not the gateway
                 log.exception("gateway call failed")
-                return JSONResponse(GatewayError(500, f"{type(error).__name__}: {error}", "internal_error",
-                                                 kind="server_error").body(), status_code=500)
+                return error_response(500, f"{type(error).__name__}: {error}", "internal_error", "server_error")
         return route
 
     async def chat(request: Request):
@@ -277,16 +288,6 @@ def gateway_app(gateway: Gateway):
 async def serve_gateway(gateway: Gateway, host: str, port: int, *,
                         task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve until cancelled; `task_status.started` gets the bound address ("http://host:port")."""
-    from hypercorn.config import Config as ServerConfig
-    from hypercorn.trio import serve
-
-    server_config = ServerConfig()
-    server_config.bind = [f"{host}:{port}"]
-    server_config.accesslog = None
-    server_config.errorlog = log
-    # Longer than clients keep an idle connection (httpx: 5 s), so that the client closes it first:
-    # at equal timeouts a request sent on a connection the server is closing is lost on the way.
-    server_config.keep_alive_timeout = KEEP_ALIVE_TIMEOUT_S
 
     async def expire_sessions() -> None:
         while True:
@@ -295,11 +296,12 @@ async def serve_gateway(gateway: Gateway, host: str, port: int, *,
                 gateway.engine.end_episode(session_id)
                 log.warning("gateway session %s expired: idle past the timeout", session_id)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(expire_sessions)
-        bound = await nursery.start(lambda task_status: serve(gateway_app(gateway), server_config,
-                                                               task_status=task_status))
-        task_status.started(bound[0] if bound else f"http://{host}:{port}")
+    with listening_socket(host, port) as sock:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(expire_sessions)
+            bound = await nursery.start(lambda task_status: serve_app(gateway_app(gateway), sock,
+                                                                       task_status=task_status))
+            task_status.started(bound[0])
 
 
 class GatewayActor(Actor):

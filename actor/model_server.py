@@ -37,18 +37,24 @@ usage and no choices. The stream uses chunked transfer encoding, so the connecti
 the next request. A request refused before generation, or whose generation fails before its
 first token, gets the usual JSON error; a failure after that arrives as an `{"error": ...}` event.
 
+HTTP: a Starlette app (`model_app`) served by Hypercorn on trio (`actor/http_serving.py`, shared
+with the training gateway): the request handlers run in the event loop and wait for the
+generation thread without a thread each; bodies over 32 MiB are refused with a 413. SIGINT or
+SIGTERM stops the server gracefully: generation stops (requests under way and queued are answered
+with a 503), then the server closes its connections.
+
 Requests that arrive together are batched: one worker thread owns the model and runs every queued
 request with the same sampling settings in one forward batch. Log-probs, the sampled token's and
 the top ones alike, are those of the sampling distribution (temperature and top-p applied), like
 the `hf` engine's: tokens that top-p leaves out cannot be drawn and are not listed, so a top list
 may be shorter than asked. At temperature 0 (greedy) they are the model's own distribution, and
 the chosen token is the first of each top list. Bad requests get a 4xx JSON error in the OpenAI
-shape, `{"error": {"message", "type", "code"}}`.
+shape, `{"error": {"message", "type", "code", "param"}}`.
 
 A client that closes its connection before its reply is ready (a timeout, a cancelled agent step)
 is not generated for any more: a queued request is dropped, and its rows in a running batch end
-at the next decoding step. A waiting request checks its connection every quarter second; a stream
-also notices when a write fails. They are counted in `requests_abandoned_total`.
+at the next decoding step. The server hears of it as soon as the connection closes, whether the
+request waits for its reply or streams it. They are counted in `requests_abandoned_total`.
 """
 
 from __future__ import annotations
@@ -58,36 +64,38 @@ import json
 import logging
 import os
 import queue
-import select
-import socket
+import signal
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import trio
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from longhorizon.actor.http_serving import MAX_BODY_BYTES, HTTPRefusal, HTTPServer, error_body, read_body
+
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 32 << 20
 MAX_CHOICES = 16
 MAX_STOP_STRINGS = 4
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits: chat `top_logprobs`, legacy completions `logprobs`
 MAX_COMPLETION_LOGPROBS = 5
 
 
-class RequestError(ValueError):
+class RequestError(HTTPRefusal, ValueError):
     """A request the server refuses, with the HTTP status to answer it with (and, optionally, a
     code for the error's `code` field and more fields for the error object)."""
 
     def __init__(self, message: str, status: int = 400, code: str | None = None, details: dict | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.details = details or {}
+        super().__init__(status, message, code, details=details)
 
 
 WEIGHTS_REFUSED_CODE = "weights_refused"
@@ -114,10 +122,6 @@ class ClientGone(RuntimeError):
     nothing is sent."""
 
 
-CLIENT_CHECK_S = 0.25
-"""How often a request waiting for its reply checks that its client is still connected."""
-
-
 @dataclass
 class _Job:
     prompts: list[list[int]]
@@ -126,6 +130,9 @@ class _Job:
     steps: queue.Queue | None = None
     """For a streamed request: (prompt index, token, log-prob, top pairs) after every decoding
     step, then None once the job is done."""
+    wake: Callable[[], None] | None = None
+    """Called from the generation thread after each of a streamed job's steps and once the job is
+    done, so that whoever waits for it need not poll."""
     done: threading.Event = field(default_factory=threading.Event)
     abandoned: threading.Event = field(default_factory=threading.Event)
     """Set when the client has left: the job's rows stop at the next decoding step, and a job
@@ -289,28 +296,20 @@ class ModelServer:
     def running(self) -> bool:
         return self._worker.is_alive()
 
-    def submit(self, prompts: list[list[int]], sampling: Sampling, top_logprobs: int = 0, stream: bool = False) -> _Job:
-        """Queue one reply per prompt; the job's `done` is set when its results (or error) are in.
-        A streamed job also gets every decoding step's tokens in `steps` as they are sampled."""
-        job = _Job(prompts, sampling, top_logprobs, queue.Queue() if stream else None)
-        with self._in_flight_lock:
+    def submit(self, prompts: list[list[int]], sampling: Sampling, top_logprobs: int = 0, stream: bool = False,
+               wake: Callable[[], None] | None = None) -> _Job:
+        """Queue one reply per prompt; the job's `done` is set when its results (or error) are in:
+        the hf engine's GenerationResults (with `top_logprobs` > 0, results that also hold that
+        many top tokens per position). A streamed job also gets every decoding step's tokens in
+        `steps` as they are sampled. `wake()` is called (from the generation thread) after each
+        step and at the end. A server that is stopping takes no more jobs (`ServerStopping`)."""
+        job = _Job(prompts, sampling, top_logprobs, queue.Queue() if stream else None, wake)
+        with self._in_flight_lock:  # with stop(): a job is queued before the queue is emptied, or refused
+            if self._stopping.is_set():
+                raise ServerStopping("the server is stopping")
             self._in_flight += 1
-        self._jobs.put(job)
+            self._jobs.put(job)
         return job
-
-    def generate(self, prompts: list[list[int]], sampling: Sampling, top_logprobs: int = 0, client_gone=None) -> list:
-        """Generate one reply per prompt (blocking); returns the hf engine's GenerationResults
-        (with `top_logprobs` > 0, results that also hold that many top tokens per position).
-        `client_gone()`, when given, is asked while waiting: once true the job is abandoned and
-        `ClientGone` raised."""
-        job = self.submit(prompts, sampling, top_logprobs)
-        while not job.done.wait(None if client_gone is None else CLIENT_CHECK_S):
-            if client_gone():
-                self.abandon(job)
-                raise ClientGone("the client closed its connection")
-        if job.error is not None:
-            raise job.error
-        return job.results
 
     def abandon(self, job: _Job) -> None:
         """The job's client has left: stop generating for it (counted once)."""
@@ -338,7 +337,8 @@ class ModelServer:
         """Stop generating: the batch under way ends at its next decoding step and the requests
         still queued are answered with an error, so that the batcher thread has returned before
         the interpreter exits (a thread left inside torch then aborts the process)."""
-        self._stopping.set()
+        with self._in_flight_lock:
+            self._stopping.set()
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -361,11 +361,16 @@ class ModelServer:
 
     def _fail(self, job: _Job, error: BaseException) -> None:
         job.error = error
+        self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
         with self._in_flight_lock:
             self._in_flight -= 1
         job.done.set()
         if job.steps is not None:
             job.steps.put(None)
+        if job.wake is not None:
+            job.wake()
 
     def _run_batches(self) -> None:
         from longhorizon.actor.engines.base import GenerationRequest
@@ -429,11 +434,7 @@ class ModelServer:
                     for job in group:
                         job.error = exc
                 for job in group:
-                    with self._in_flight_lock:
-                        self._in_flight -= 1
-                    job.done.set()
-                    if job.steps is not None:
-                        job.steps.put(None)
+                    self._finish(job)
 
 
 def _step_sender(owners: list[tuple[_Job, int]]):
@@ -442,10 +443,15 @@ def _step_sender(owners: list[tuple[_Job, int]]):
     if not any(job.steps is not None for job, _ in owners):
         return None
 
+    streamed = list({id(job): job for job, _ in owners if job.steps is not None}.values())
+
     def send(tokens: list[int], logprobs: list[float], tops: list[list]) -> None:
         for row, (job, index) in enumerate(owners):
             if job.steps is not None:
                 job.steps.put((index, tokens[row], logprobs[row], tops[row][: job.top_logprobs]))
+        for job in streamed:
+            if job.wake is not None:
+                job.wake()
 
     return send
 
@@ -714,7 +720,8 @@ class EventStream:
     yields it, then `data: [DONE]`. The first chunk is awaited before the headers go out, so a
     request that fails before its first token still gets a JSON error."""
 
-    chunks: Iterator[dict]
+    chunks: AsyncIterator[dict]
+    job: _Job
 
 
 class StreamedText:
@@ -759,33 +766,63 @@ class StreamedText:
         return piece
 
 
-def _live_chunks(
-    server: ModelServer, body: dict, job: _Job, chat: bool, top: int | None, include_usage: bool,
-    whole_reply, client_gone=None,
-) -> Iterator[dict]:
-    """A streamed job's chunks (`_job_chunks`). Closed before its end, the client has left (a
-    write failed, or `client_gone()` said so while it waited): the job is abandoned."""
+class _Waker:
+    """Wakes a task of the event loop from the generation thread: `wait()` returns once
+    `__call__` has been called since the last `wait()` returned (a call is never lost)."""
+
+    def __init__(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._event = trio.Event()
+
+    def __call__(self) -> None:
+        try:
+            self._token.run_sync_soon(self._set)
+        except trio.RunFinishedError:  # the server has stopped: nobody waits any more
+            pass
+
+    def _set(self) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event = trio.Event()
+
+
+async def _job_done(job: _Job, waker: _Waker) -> list:
+    """A job's results, once the generation thread has them (its error, raised)."""
+    while not job.done.is_set():
+        await waker.wait()
+    if job.error is not None:
+        raise job.error
+    return job.results
+
+
+async def _next_step(job: _Job, waker: _Waker) -> tuple | None:
+    """A streamed job's next step, None once it is done."""
+    while True:
+        try:
+            return job.steps.get_nowait()
+        except queue.Empty:
+            await waker.wait()
+
+
+async def _live_chunks(
+    server: ModelServer, body: dict, job: _Job, waker: _Waker, chat: bool, top: int | None, include_usage: bool,
+    whole_reply,
+) -> AsyncIterator[dict]:
+    """A streamed job's chunks (`_job_chunks`). Closed before its end, the client has left: the
+    job is abandoned."""
     try:
-        yield from _job_chunks(server, body, job, chat, top, include_usage, whole_reply, client_gone)
+        async for chunk in _job_chunks(server, body, job, waker, chat, top, include_usage, whole_reply):
+            yield chunk
     finally:
         server.abandon(job)  # nothing once the job is done
 
 
-def _next_step(server: ModelServer, job: _Job, client_gone) -> tuple | None:
-    """A streamed job's next step, None once it is done; `ClientGone` once `client_gone()`
-    says so while it waits."""
-    while True:
-        try:
-            return job.steps.get(timeout=None if client_gone is None else CLIENT_CHECK_S)
-        except queue.Empty:
-            if client_gone():
-                raise ClientGone("the client closed its connection") from None
-
-
-def _job_chunks(
-    server: ModelServer, body: dict, job: _Job, chat: bool, top: int | None, include_usage: bool,
-    whole_reply, client_gone,
-) -> Iterator[dict]:
+async def _job_chunks(
+    server: ModelServer, body: dict, job: _Job, waker: _Waker, chat: bool, top: int | None, include_usage: bool,
+    whole_reply,
+) -> AsyncIterator[dict]:
     """A streamed job's chunks: one per token as the batch samples it (its text piece, log-probs
     and id), then per choice whatever text the whole reply has beyond what was sent and the finish
     reason, then the usage. `whole_reply(results)` builds the reply the request would get unstreamed;
@@ -820,7 +857,7 @@ def _job_chunks(
     texts = [StreamedText(server.tokenizer.decode, server.tokenizer.eos_token_id, stop) for _ in job.prompts]
     offsets = [0] * len(texts)
     started = False
-    while (step := _next_step(server, job, client_gone)) is not None:
+    while (step := await _next_step(job, waker)) is not None:
         if not started and chat:  # after the first step: a request that fails at once gets a JSON error
             for index in range(len(texts)):
                 yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -862,7 +899,51 @@ def _job_chunks(
 # ----------------------------------------------------------------------------- routes
 
 
-def handle_completions(server: ModelServer, body: dict, client_gone=None) -> dict | EventStream:
+async def _unless_client_leaves(server: ModelServer, job: _Job, until_gone, waiting: Callable[[], Awaitable]):
+    """`await waiting()`, unless `until_gone()` returns first (the client has closed its
+    connection): then the job is abandoned and `ClientGone` raised."""
+    if until_gone is None:
+        return await waiting()
+    gone = False
+    result = error = None
+    async with trio.open_nursery() as nursery:
+        async def watch() -> None:
+            nonlocal gone
+            await until_gone()
+            gone = True
+            nursery.cancel_scope.cancel()  # `waiting()` is cancelled
+
+        nursery.start_soon(watch)
+        try:
+            result = await waiting()
+        except Exception as exc:  # raised below: not wrapped in the nursery's exception group
+            error = exc
+        nursery.cancel_scope.cancel()
+    if gone:
+        server.abandon(job)
+        raise ClientGone("the client closed its connection")
+    if error is not None:
+        raise error
+    return result
+
+
+async def _generated(server: ModelServer, rows: list[list[int]], sampling: Sampling, top: int, until_gone) -> list:
+    """The replies to `rows` (the GenerationResults), waited for in the event loop."""
+    waker = _Waker()
+    job = server.submit(rows, sampling, top, wake=waker)
+    return await _unless_client_leaves(server, job, until_gone, lambda: _job_done(job, waker))
+
+
+def _streamed(server: ModelServer, body: dict, rows: list[list[int]], sampling: Sampling, chat: bool,
+              top: int | None, include_usage: bool, whole_reply) -> EventStream:
+    waker = _Waker()
+    job = server.submit(rows, sampling, top or 0, stream=True, wake=waker)
+    return EventStream(_live_chunks(server, body, job, waker, chat, top, include_usage, whole_reply), job)
+
+
+async def handle_completions(server: ModelServer, body: dict, until_gone=None) -> dict | EventStream:
+    """`until_gone()`, when given, returns once the client has closed its connection: its
+    generation stops (`ClientGone`). Likewise `handle_chat`."""
     _check_model(body, server)
     if body.get("echo"):
         raise RequestError("'echo' is not supported by this server")
@@ -874,18 +955,15 @@ def handle_completions(server: ModelServer, body: dict, client_gone=None) -> dic
     sampling = _sampling(body, server, max(len(p) for p in prompts))
     rows = [p for p in prompts for _ in range(n)]
     if stream:
-        job = server.submit(rows, sampling, top or 0, stream=True)
-        return EventStream(_live_chunks(
-            server, body, job, False, top, include_usage,
-            lambda results: completion_response(server, body, prompts, results, n, top), client_gone,
-        ))
-    results = server.generate(rows, sampling, top or 0, client_gone=client_gone)
+        return _streamed(server, body, rows, sampling, False, top, include_usage,
+                         lambda results: completion_response(server, body, prompts, results, n, top))
+    results = await _generated(server, rows, sampling, top or 0, until_gone)
     response = completion_response(server, body, prompts, results, n, top)
     server.metrics.count_tokens(response["usage"]["prompt_tokens"], response["usage"]["completion_tokens"])
     return response
 
 
-def handle_chat(server: ModelServer, body: dict, client_gone=None) -> dict | EventStream:
+async def handle_chat(server: ModelServer, body: dict, until_gone=None) -> dict | EventStream:
     _check_model(body, server)
     stream, include_usage = _stream_settings(body)
     messages = _messages(body)
@@ -898,12 +976,9 @@ def handle_chat(server: ModelServer, body: dict, client_gone=None) -> dict | Eve
         raise RequestError(f"the chat template cannot render these messages: {exc}") from None
     sampling = _sampling(body, server, len(prompt))
     if stream:
-        job = server.submit([prompt] * n, sampling, top or 0, stream=True)
-        return EventStream(_live_chunks(
-            server, body, job, True, top, include_usage,
-            lambda results: chat_response(server, body, prompt, results, top), client_gone,
-        ))
-    results = server.generate([prompt] * n, sampling, top or 0, client_gone=client_gone)
+        return _streamed(server, body, [prompt] * n, sampling, True, top, include_usage,
+                         lambda results: chat_response(server, body, prompt, results, top))
+    results = await _generated(server, [prompt] * n, sampling, top or 0, until_gone)
     response = chat_response(server, body, prompt, results, top)
     server.metrics.count_tokens(response["usage"]["prompt_tokens"], response["usage"]["completion_tokens"])
     return response
@@ -941,196 +1016,189 @@ def models_response(server: ModelServer) -> dict:
 # ----------------------------------------------------------------------------- HTTP
 
 
-_POST_ROUTES = {
-    "/v1/completions": handle_completions,
-    "/v1/chat/completions": handle_chat,
-    "/v1/load_weights": handle_load_weights,
-}
+_POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/load_weights")
 _GET_ROUTES = ("/v1/models", "/health", "/v1/health", "/metrics")
-_GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
-"""Routes whose handlers stop generating for a client that has left (`client_gone`)."""
 
 
-def make_handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        status = 0  # of the reply being sent, for /metrics
+def _json(payload: dict, status: int = 200) -> Response:
+    """A JSON reply. The standard encoder, as clients of this server have always read it (an
+    infinite log-prob, say, goes out as -Infinity, which Python's and JavaScript's parsers read)."""
+    return Response(json.dumps(payload).encode(), status, media_type="application/json")
 
-        def setup(self) -> None:
-            super().setup()
-            # Headers and body go out as two writes; without this, Nagle's algorithm holds the
-            # body back until the client acknowledges the headers (~40 ms per reply).
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("%s %s", self.address_string(), format % args)
+def _error(status: int, message: str, code: str | int | None = None, details: dict | None = None) -> Response:
+    return _json(error_body(status, message, code, details=details), status)
 
-        def send_response(self, code: int, message: str | None = None) -> None:
-            self.status = code
-            super().send_response(code, message)
 
-        def _send(self, status: int, data: bytes, content_type: str) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+def _event(data: str) -> bytes:
+    return f"data: {data}\n\n".encode()
 
-        def _reply(self, status: int, payload: dict) -> None:
-            self._send(status, json.dumps(payload).encode(), "application/json")
 
-        def _error(self, status: int, message: str, code: str | None = None, details: dict | None = None) -> None:
-            kind = "invalid_request_error" if status < 500 else "server_error"
-            self._reply(status, {"error": {"message": message, "type": kind, "code": code or status, **(details or {})}})
+class _NoReply:
+    """What a request whose client has left is answered with: nothing."""
 
-        def _client_gone(self) -> bool:
-            """Whether the client has closed its connection (asked while its reply is generated).
-            A readable socket with nothing to read has reached its end; one holding the client's
-            next request (HTTP/1.1 pipelining) is still open."""
+    async def __call__(self, scope, receive, send) -> None:
+        pass
+
+
+async def _until_disconnected(receive) -> None:
+    """Returns once the client has closed its connection (asked after the body is read: the
+    only message left to receive is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStreamResponse(StreamingResponse):
+    """Server-sent events, `first` and the rest of `chunks`, then `[DONE]`, in chunked transfer
+    encoding (which marks the end of the reply, so the connection can carry the next request).
+    A client that leaves mid-stream ends the response, which closes `chunks`: its generation
+    stops (`_live_chunks`)."""
+
+    def __init__(self, chunks: AsyncIterator[dict], first: dict | None) -> None:
+        self.chunks = chunks
+        # The content type is set as a header: given as the media type it would gain a charset.
+        super().__init__(self._events(first), headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+
+    async def _events(self, first: dict | None) -> AsyncIterator[bytes]:
+        try:
+            if first is not None:
+                yield _event(json.dumps(first))
+            async for chunk in self.chunks:
+                yield _event(json.dumps(chunk))
+        except Exception as exc:  # the status has gone out: the error is an event, as OpenAI's are
+            log.exception("streamed generation failed")
+            yield _event(json.dumps(error_body(500, f"{type(exc).__name__}: {exc}")))
+        yield _event("[DONE]")
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:  # at once, not when the garbage collector gets to them
+            await self.body_iterator.aclose()
+            await self.chunks.aclose()
+
+
+def model_app(server: ModelServer):
+    """The Starlette application of a model server, measured for /metrics."""
+
+    async def body_of(request: Request) -> dict:
+        raw = await read_body(request, MAX_BODY_BYTES)
+        try:
+            body = json.loads(raw or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(f"request body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise RequestError("request body must be a JSON object")
+        return body
+
+    def handled(handler):
+        async def route(request: Request):
             try:
-                poller = select.poll()  # not select(): a busy server's sockets pass fd 1023
-                poller.register(self.connection, select.POLLIN)
-                events = poller.poll(0)
-                if not events:
-                    return False
-                if events[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
-                    return True
-                return self.connection.recv(1, socket.MSG_PEEK) == b""
-            except (OSError, ValueError):  # reset, or already closed
-                return True
-
-        def _stream(self, stream: EventStream) -> None:
-            """Server-sent events in chunked transfer encoding, which marks the end of the reply
-            so the connection can carry the next request."""
-            chunks = iter(stream.chunks)
-            try:
-                first = next(chunks, None)
-            except ClientGone:  # before the first token: nobody to answer
-                self.close_connection = True
-                return
-            except Exception as exc:  # nothing is sent yet: a plain JSON error
-                log.exception("streamed generation failed")
-                self._error(500, f"{type(exc).__name__}: {exc}")
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            try:
-                try:
-                    if first is not None:
-                        self._event(json.dumps(first))
-                    for chunk in chunks:
-                        self._event(json.dumps(chunk))
-                except (BrokenPipeError, ConnectionResetError, ClientGone):
-                    raise
-                except Exception as exc:  # the status has gone out: the error is an event, as OpenAI's are
-                    log.exception("streamed generation failed")
-                    self._event(json.dumps({"error": {"message": f"{type(exc).__name__}: {exc}",
-                                                      "type": "server_error", "code": 500}}))
-                self._event("[DONE]")
-                self.wfile.write(b"0\r\n\r\n")
-            except (BrokenPipeError, ConnectionResetError, ClientGone):  # the client left mid-stream
-                self.close_connection = True
-                close = getattr(chunks, "close", None)
-                if close is not None:
-                    close()  # its generation stops (see _live_chunks)
-
-        def _event(self, data: str) -> None:
-            event = f"data: {data}\n\n".encode()
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
-
-        def _measured(self, method: str, route) -> None:
-            start = time.monotonic()
-            path = self.path.split("?", 1)[0].rstrip("/")
-            self.status = 0
-            try:
-                route(path)
-            finally:
-                # Unknown paths share one label, so scanners cannot grow the metrics without bound.
-                endpoint = path if path in _POST_ROUTES or path in _GET_ROUTES else "other"
-                server.metrics.count_request(method, endpoint, self.status, time.monotonic() - start)
-
-        def do_GET(self) -> None:
-            self._measured("GET", self._get)
-
-        def do_POST(self) -> None:
-            self._measured("POST", self._post)
-
-        def _get(self, path: str) -> None:
-            if path == "/v1/models":
-                self._reply(200, models_response(server))
-            elif path in ("/health", "/v1/health"):
-                running = server.running
-                self._reply(200 if running else 503, {
-                    "status": "ok" if running else "stopped", "model": server.served_name,
-                    "policy_version": server.policy_version, "queue_depth": server.queue_depth,
-                    "requests_in_flight": server.in_flight, "weights_refused": server.weights_refused,
-                })
-            elif path == "/metrics":
-                text = server.metrics.render(
-                    weights_refused=server.weights_refused, queue_depth=server.queue_depth,
-                    in_flight=server.in_flight, policy_version=server.policy_version,
-                )
-                self._send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
-            else:
-                self._error(404, f"no route GET {path}")
-
-        def _post(self, path: str) -> None:
-            handler = _POST_ROUTES.get(path)
-            if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-                # The body's length is unknown to this server; what follows cannot be parsed.
-                self.close_connection = True
-                self._error(411, "chunked request bodies are not accepted; send Content-Length")
-                return
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY_BYTES:
-                self.close_connection = True
-                self._error(413, f"request body over {MAX_BODY_BYTES} bytes")
-                return
-            raw = self.rfile.read(length) if length else b""
-            if handler is None:
-                self._error(404, f"no route POST {path}; routes: {', '.join(sorted(_POST_ROUTES))}")
-                return
-            try:
-                body = json.loads(raw or b"null")
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                self._error(400, f"request body is not JSON: {exc}")
-                return
-            if not isinstance(body, dict):
-                self._error(400, "request body must be a JSON object")
-                return
-            try:
-                if path in _GENERATION_ROUTES:
-                    reply = handler(server, body, client_gone=self._client_gone)
-                else:
-                    reply = handler(server, body)
-            except ClientGone:  # nobody to answer
-                self.close_connection = True
-                return
-            except RequestError as exc:
-                self._error(exc.status, str(exc), exc.code, exc.details)
-                return
+                return await handler(request)
+            except (ClientGone, ClientDisconnect):  # nobody to answer
+                return _NoReply()
+            except HTTPRefusal as exc:
+                return _error(exc.status, str(exc), exc.code, exc.details)
             except ServerStopping as exc:
-                self._error(503, str(exc))
-                return
+                return _error(503, str(exc))
             except Exception as exc:
-                log.exception("request to %s failed", path)
-                self._error(500, f"{type(exc).__name__}: {exc}")
-                return
-            if isinstance(reply, EventStream):
-                self._stream(reply)
-            else:
-                self._reply(200, reply)
+                log.exception("request to %s failed", request.url.path)
+                return _error(500, f"{type(exc).__name__}: {exc}")
+        return route
 
-    return Handler
+    def generation(handle):
+        async def route(request: Request):
+            body = await body_of(request)
+            until_gone = lambda: _until_disconnected(request.receive)  # noqa: E731
+            reply = await handle(server, body, until_gone)
+            if not isinstance(reply, EventStream):
+                return _json(reply)
+            chunks = reply.chunks
+            try:  # before the headers go out: a failure here is a plain JSON error
+                first = await _unless_client_leaves(server, reply.job, until_gone, lambda: anext(chunks, None))
+            except BaseException:
+                await chunks.aclose()
+                raise
+            return _EventStreamResponse(chunks, first)
+        return route
+
+    async def load_weights(request: Request):
+        body = await body_of(request)
+        # Loading takes seconds and must not hold up the event loop.
+        return _json(await trio.to_thread.run_sync(handle_load_weights, server, body))
+
+    async def models(request: Request):
+        return _json(models_response(server))
+
+    async def health(request: Request):
+        running = server.running
+        return _json({
+            "status": "ok" if running else "stopped", "model": server.served_name,
+            "policy_version": server.policy_version, "queue_depth": server.queue_depth,
+            "requests_in_flight": server.in_flight, "weights_refused": server.weights_refused,
+        }, 200 if running else 503)
+
+    async def metrics(request: Request):
+        text = server.metrics.render(
+            weights_refused=server.weights_refused, queue_depth=server.queue_depth,
+            in_flight=server.in_flight, policy_version=server.policy_version,
+        )
+        return Response(text.encode(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def no_route(request: Request, exc: Exception):
+        method, path = request.method, request.url.path
+        if method == "POST":
+            return _error(404, f"no route POST {path}; routes: {', '.join(sorted(_POST_ROUTES))}")
+        return _error(404, f"no route {method} {path}")
+
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", handled(generation(handle_completions)), methods=["POST"]),
+            Route("/v1/chat/completions", handled(generation(handle_chat)), methods=["POST"]),
+            Route("/v1/load_weights", handled(load_weights), methods=["POST"]),
+            Route("/v1/models", handled(models), methods=["GET"]),
+            Route("/health", handled(health), methods=["GET"]),
+            Route("/v1/health", handled(health), methods=["GET"]),
+            Route("/metrics", handled(metrics), methods=["GET"]),
+        ],
+        exception_handlers={404: no_route, 405: no_route},
+    )
+    return _measured(app, server.metrics)
 
 
-def start_http_server(server: ModelServer, host: str, port: int) -> ThreadingHTTPServer:
-    httpd = ThreadingHTTPServer((host, port), make_handler(server))
-    httpd.daemon_threads = True
-    return httpd
+def _measured(app, metrics: Metrics):
+    """`app` with every request counted in `metrics` (method, endpoint, status, seconds until the
+    reply's end; status 0 when nothing was sent) and its path taken without a trailing slash."""
+
+    async def measured(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        start = time.monotonic()
+        path = scope["path"].rstrip("/")
+        status = 0
+
+        async def send_measured(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await app({**scope, "path": path or "/"}, receive, send_measured)
+        finally:
+            # Unknown paths share one label, so scanners cannot grow the metrics without bound.
+            endpoint = path if path in _POST_ROUTES or path in _GET_ROUTES else "other"
+            metrics.count_request(scope["method"], endpoint, status, time.monotonic() - start)
+
+    return measured
+
+
+def start_http_server(server: ModelServer, host: str, port: int) -> HTTPServer:
+    """The model server's HTTP server, bound to host:port (0: a free port); `serve_forever()`
+    serves it (see `HTTPServer`)."""
+    return HTTPServer(model_app(server), host, port)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -1191,17 +1259,16 @@ def main(argv: list[str]) -> int:
     httpd = start_http_server(server, args.host, args.port)
     if args.exit_with_parent:
         _exit_with_parent(parent_pid)
-    host, port = httpd.server_address[:2]
-    base_url = f"http://{host}:{port}/v1"
+    base_url = f"{httpd.url}/v1"
     print(f"serving {server.served_name} from {model_dir} at {base_url}", flush=True)
     if args.ready_file:
         partial = Path(args.ready_file + ".partial")
         partial.write_text(base_url)
         partial.replace(args.ready_file)  # readers never see a half-written URL
     try:
-        httpd.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        # On Ctrl-C or SIGTERM generation stops first, so that the requests under way are answered
+        # (a 503) before the connections close.
+        httpd.serve_forever(stop_signals=(signal.SIGINT, signal.SIGTERM), before_stop=server.stop)
     finally:
         httpd.server_close()
         server.stop()

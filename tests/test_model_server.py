@@ -217,6 +217,74 @@ def test_openai_client_raises_bad_request_for_too_many_top_logprobs(served, clie
         client.chat.completions.create(model=served[0].served_name, messages=MESSAGES, logprobs=True, top_logprobs=21)
 
 
+def _raw_reply(base_url: str, request: bytes) -> bytes:
+    """Send raw bytes on a new connection; everything the server sends back until it closes."""
+    import socket
+    from urllib.parse import urlsplit
+
+    address = urlsplit(base_url)
+    with socket.create_connection((address.hostname, address.port), timeout=30) as connection:
+        connection.sendall(request)
+        reply = b""
+        while piece := connection.recv(65536):
+            reply += piece
+    return reply
+
+
+def test_a_body_over_the_limit_is_refused_with_a_413_before_it_is_read(served):
+    from longhorizon.actor.http_serving import MAX_BODY_BYTES
+
+    _, base_url = served
+    # Only the headers are sent: the refusal must not wait for a body of that size.
+    reply = _raw_reply(base_url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1))
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413")
+    assert json.loads(body)["error"]["message"] == f"request body over {MAX_BODY_BYTES} bytes"
+
+
+def test_a_chunked_body_is_read_and_capped_as_it_arrives(served, monkeypatch):
+    from longhorizon.actor import model_server
+
+    _, base_url = served
+    data = json.dumps({"prompt": "s0 s1", "max_tokens": 2, "temperature": 0}).encode()
+
+    def pieces():  # no length known up front: httpx sends it chunked
+        yield from (data[i:i + 7] for i in range(0, len(data), 7))
+
+    reply = httpx.post(f"{base_url}/completions", content=pieces(), headers={"Content-Type": "application/json"},
+                       timeout=60)
+    assert reply.status_code == 200 and len(reply.json()["choices"][0]["token_ids"]) >= 1
+    monkeypatch.setattr(model_server, "MAX_BODY_BYTES", len(data) - 1)
+    reply = httpx.post(f"{base_url}/completions", content=pieces(), headers={"Content-Type": "application/json"},
+                       timeout=60)
+    assert reply.status_code == 413 and reply.json()["error"]["message"] == f"request body over {len(data) - 1} bytes"
+
+
+@pytest.mark.parametrize("method, path, status, message", [
+    ("GET", "/v1/no/such/route", 404, "no route GET /v1/no/such/route"),
+    ("GET", "/v1/completions", 404, "no route GET /v1/completions"),
+    ("POST", "/health", 404, "no route POST /health; routes: /v1/chat/completions, /v1/completions, /v1/load_weights"),
+    ("POST", "/v1/completions", 400, "request body is not JSON"),
+    ("POST", "/v1/chat/completions", 400, "request body must be a JSON object"),
+])
+def test_unknown_routes_and_bodies_that_are_not_json_objects_get_json_errors(served, method, path, status, message):
+    _, base_url = served
+    root = base_url.removesuffix("/v1")
+    content = b"[1, 2]" if path == "/v1/chat/completions" else b"{not json"
+    response = httpx.request(method, f"{root}{path}", content=content if method == "POST" else None, timeout=30)
+    assert response.status_code == status and response.headers["Content-Type"] == "application/json"
+    error = response.json()["error"]
+    assert error["message"].startswith(message) and error["code"] == status
+    assert error["type"] == "invalid_request_error"
+
+
+def test_a_trailing_slash_reaches_the_route(served):
+    server, base_url = served
+    assert httpx.get(f"{base_url}/models/", timeout=30).json()["data"][0]["id"] == server.served_name
+    reply = httpx.post(f"{base_url}/completions/", json={"prompt": "s0", "max_tokens": 1}, timeout=60)
+    assert reply.status_code == 200
+
 # ----------------------------------------------------------------------------- health and metrics
 
 
@@ -529,6 +597,61 @@ def test_stopping_cuts_the_running_batch_short_and_fails_the_queued_requests(tin
     assert time.monotonic() - started < 10 and not server.running
     assert all(job.done.is_set() and isinstance(job.error, ServerStopping) for job in jobs)
     assert server.in_flight == 0
+
+
+def test_a_stop_signal_answers_the_requests_under_way_and_stops_serving(tiny_codebook_model):
+    """`serve-model` on SIGINT or SIGTERM (here SIGWINCH, harmless should the test go wrong):
+    one request is in the running batch (its model held), one waits in the queue. The queued one
+    is answered with a 503 at once; the running one with a 503 once its decoding step ends; then
+    the server stops serving and its port refuses connections."""
+    import os
+    import signal
+
+    server = ModelServer(str(tiny_codebook_model), max_batch_size=1)
+    httpd = start_http_server(server, "127.0.0.1", 0)
+    base_url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    replies, failures, signalled = {}, [], threading.Event()
+    body = {"messages": MESSAGES, "max_tokens": 60, "temperature": 0}
+
+    def ask(name: str, request: dict) -> None:
+        replies[name] = httpx.post(f"{base_url}/chat/completions", json=request, timeout=60)
+
+    with _model_held_at(server, 2, 30) as (release, calls):
+        def drive() -> None:
+            try:
+                running = threading.Thread(target=ask, args=("running", body))
+                running.start()
+                assert _wait_for(lambda: len(calls) == 2)
+                queued = threading.Thread(target=ask, args=("queued", {**body, "temperature": 0.5}))
+                queued.start()
+                assert _wait_for(lambda: server.queue_depth == 1)
+                os.kill(os.getpid(), signal.SIGWINCH)
+                signalled.set()
+                queued.join(30)
+                release.set()
+                running.join(30)
+            except BaseException as error:  # seen by the test's thread
+                failures.append(error)
+            finally:
+                release.set()
+                if not signalled.is_set():
+                    httpd.shutdown()
+
+        driver = threading.Thread(target=drive)
+        driver.start()
+        try:
+            httpd.serve_forever(stop_signals=(signal.SIGWINCH,), before_stop=server.stop)
+        finally:
+            driver.join(60)
+            httpd.server_close()
+            server.stop()
+    assert not failures, failures
+    for name in ("queued", "running"):
+        assert replies[name].status_code == 503, name
+        assert replies[name].json()["error"]["message"] == "the server is stopping"
+    assert not server.running and server.in_flight == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{base_url}/models", timeout=5)
 
 
 def test_a_cancelled_batch_ends_after_one_step(tiny_codebook_model):
