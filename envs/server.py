@@ -16,22 +16,25 @@ client. Endpoints (JSON in, JSON out):
 Success responses keep the reference's field names (`id`, `observation`, `reward`, `done`, `score`)
 so existing clients read them; extra fields (`terminated`, `truncated`, `info`, `task_id`) carry
 what our Env protocol returns. Failures, unlike the reference's, use real status codes with a body
-{"error": "..."}: 400 bad JSON / types / missing fields, 404 unknown endpoint or instance id, 405
-wrong method, 408 request not received in time, 409 stepping a finished episode, 411 a POST
-without Content-Length (or with a chunked body), 413 body too large, 429 the client address holds
-its share of instances, 431 request head too large, 503 instance table full or every connection
-busy, 504 env call timed out, 500 the env itself failed.
+{"error": "..."}: 400 bad JSON / types / missing fields, or a malformed head (an HTTP/1.1 request
+without Host, Content-Length with Transfer-Encoding, differing Content-Length fields, a folded
+header line: these also close the connection), 404 unknown endpoint or instance id, 405 wrong
+method, 408 request not received in time, 409 stepping a finished episode, 411 a POST without
+Content-Length (or with a chunked body), 413 body too large, 429 the client address holds its
+share of instances, 431 request head too large, 503 instance table full or every connection busy,
+504 env call timed out, 505 an HTTP version other than 1.0 and 1.1, 500 the env itself failed.
 
 data_idx values, instance ids and the instance limits are the service's (envs/service.py says how
 they are chosen). How it compares with the reference AgentGym services is checked by tests in
 tests/test_env_service.py and tests/test_textcraft.py.
 
-Limits against clients that hog the service (envs/http11.py): one trio task per connection, so an
-idle, trickling or cut-off connection costs no thread; a request runs only once its head and whole
-body are in, within header_timeout_s and request_timeout_s of its first byte; a connection idle
-keep_alive_timeout_s between requests is closed; beyond max_connections a new connection evicts
-the one that has waited longest without a whole request. A client that resets its connection
-mid-request costs one short log line, at most one per LOST_CLIENT_LOG_INTERVAL_S, not a traceback.
+Limits against clients that hog the service (common/http.py, which parses with h11): one trio
+task per connection, so an idle, trickling or cut-off connection costs no thread; a request runs
+only once its head and whole body are in, within header_timeout_s and request_timeout_s of its
+first byte; a connection idle keep_alive_timeout_s between requests is closed; beyond
+max_connections a new connection evicts the one that has waited longest without a whole request.
+A client that resets its connection mid-request costs one short log line, at most one per
+LOST_CLIENT_LOG_INTERVAL_S, not a traceback.
 
 Threads: EnvServer runs one trio event loop on a dedicated thread; it accepts, reads, parses, owns
 the instance table and runs every env call. One loop (not one per instance) because the envs are
@@ -54,8 +57,8 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import trio
+from longhorizon.common.http import HTTPLimits, HTTPServer, LostClientLog, Request, Response, open_listener
 from longhorizon.envs.base import SPLITS, make_env
-from longhorizon.envs.http11 import HTTPLimits, HTTPServer, LostClientLog, Request, Response, open_listener
 from longhorizon.envs.service import EnvService, ServiceError, ServiceSettings, build_task_table, task_listing
 
 log = logging.getLogger(__name__)
@@ -256,7 +259,7 @@ class EnvServer:
         )
         self.service = EnvService(settings, self.table)
         self.error_counts: dict[int, int] = {}
-        self.lost_clients = LostClientLog()
+        self.lost_clients = LostClientLog(emit=log.info)  # under this module's logger, with its other lines
         self._http: HTTPServer | None = None
         self._port: int | None = None
         self._trio_token: trio.lowlevel.TrioToken | None = None
@@ -311,7 +314,8 @@ class EnvServer:
         listener = open_listener(self.settings.host, self.settings.port)  # bind errors surface here
         self._port = listener.getsockname()[1]
         self._http = HTTPServer(
-            listener, self.answer, self.limits, count_error=self.count_error, lost_clients=self.lost_clients
+            listener, self.answer, self.limits, count_error=self.count_error, lost_clients=self.lost_clients,
+            server_name="longhorizon-env",
         )
         ready = threading.Event()
         failure: list[BaseException] = []

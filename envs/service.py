@@ -86,7 +86,7 @@ class ServiceSettings:
     """Largest request body accepted; larger ones get 413."""
     max_connections: int = 1024
     """Most connections open at once. A new one beyond it takes the place of the connection that has
-    waited longest without a whole request (envs/http11.py); only when every connection is being
+    waited longest without a whole request (common/http.py); only when every connection is being
     answered is it refused with 503."""
     keep_alive_timeout_s: float = 60.0
     """A connection idle this long between requests is closed."""

@@ -10,18 +10,10 @@ import struct
 import threading
 import time
 
+import h11
 import pytest
 import trio
-from longhorizon.envs.http11 import (
-    HTTPError,
-    HTTPLimits,
-    HTTPServer,
-    LostClientLog,
-    Response,
-    body_length,
-    open_listener,
-    parse_head,
-)
+from longhorizon.common.http import HTTPLimits, HTTPServer, LostClientLog, Response, open_listener
 from longhorizon.envs.server import EnvServer
 from longhorizon.envs.service import EnvService, ServiceError, ServiceSettings, build_task_table
 
@@ -127,7 +119,7 @@ def test_an_idle_keep_alive_outlasts_the_deadline_but_a_slow_body_gets_408():
             connection.close()
         slow = socket.create_connection(("127.0.0.1", server.port), timeout=10)
         try:
-            slow.sendall(b'POST /step HTTP/1.1\r\nContent-Length: 40\r\n\r\n{"id": 0,')
+            slow.sendall(b'POST /step HTTP/1.1\r\nHost: a\r\nContent-Length: 40\r\n\r\n{"id": 0,')
             answer = _read_until_closed(slow)  # nothing more is sent: the deadline answers
             assert answer.startswith(b"HTTP/1.1 408 ") and b"Connection: close" in answer
             assert b"did not arrive within 1.0 s" in answer
@@ -285,38 +277,160 @@ def test_the_listen_backlog_holds_a_burst_of_connections():
         idle.close()
 
 
-# ---------------------------------------------------------------- request heads (pure)
+# ---------------------------------------------------------------- request heads over the wire
 
 
-def _refusal(head: bytes) -> int:
-    with pytest.raises(HTTPError) as refused:
-        body_length(parse_head(head))
-    return refused.value.status
+def _exchange(port: int, data: bytes) -> bytes:
+    """Raw bytes sent on a fresh connection; everything the server answers until it closes."""
+    client = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        client.sendall(data)
+        return _read_until_closed(client)  # a server that kept the connection open would time out here
+    finally:
+        client.close()
 
 
-def test_request_heads_are_parsed_and_malformed_ones_refused():
-    request = parse_head(b"POST /step?id=1 HTTP/1.1\r\nHost: a\r\nContent-Length:  12 \r\nX-A: 1\r\nx-a: 2")
-    assert (request.method, request.target, request.version) == ("POST", "/step?id=1", "HTTP/1.1")
-    assert request.headers == {"host": "a", "content-length": "12", "x-a": "1, 2"}
-    assert body_length(request) == 12 and request.keep_alive()
-    assert body_length(parse_head(b"GET /health HTTP/1.1")) == 0
-    assert body_length(parse_head(b"POST /x HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 3")) == 3
-    assert not parse_head(b"GET / HTTP/1.1\r\nConnection: close").keep_alive()
-    assert not parse_head(b"GET / HTTP/1.0").keep_alive()
-    assert parse_head(b"GET / HTTP/1.0\r\nConnection: Keep-Alive").keep_alive()
-    assert _refusal(b"POST /create HTTP/1.1\r\nHost: a") == 411  # no length: cannot tell whole from cut off
-    assert _refusal(b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked") == 411
-    assert _refusal(b"POST /x HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4") == 400
-    assert _refusal(b"POST /x HTTP/1.1\r\nContent-Length: -1") == 400
-    assert _refusal(b"POST /x HTTP/1.1\r\nContent-Length: \xb2") == 400  # a digit to str.isdigit, not to HTTP
-    assert _refusal(b"GET /x HTTP/1.1\r\nHost: a\r\n folded: b") == 400
-    assert _refusal(b"GET /x HTTP/1.1\r\nBad Name: b") == 400
-    assert _refusal(b"GET /x HTTP/2.0") == 505
-    assert _refusal(b"NONSENSE") == 400
-    assert _refusal(b"GET /a b HTTP/1.1") == 400
-    with pytest.raises(HTTPError) as too_many:
-        parse_head(b"GET / HTTP/1.1" + b"\r\nX: 1" * 101, max_header_count=100)
-    assert too_many.value.status == 431
+def _answers(received: bytes) -> list[tuple[int, dict]]:
+    """Each (status, JSON body) in a stream of answers, parsed by h11 as a client would."""
+    reader = h11.Connection(h11.CLIENT)
+    reader.send(h11.Request(method="GET", target="/", headers=[("Host", "a")]))
+    reader.send(h11.EndOfMessage())
+    reader.receive_data(received)
+    answers, status, body = [], 0, b""
+    while True:
+        event = reader.next_event()
+        if isinstance(event, h11.Response):
+            status, body = event.status_code, b""
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            answers.append((status, json.loads(body) if body else {}))
+            if reader.our_state is not h11.DONE or reader.their_state is not h11.DONE:
+                break
+            reader.start_next_cycle()
+            reader.send(h11.Request(method="GET", target="/", headers=[("Host", "a")]))
+            reader.send(h11.EndOfMessage())
+        else:
+            break
+    return answers
+
+
+MALFORMED_HEADS = [
+    (b"POST /create HTTP/1.1\r\nHost: a\r\n\r\n", 411, "Content-Length"),  # no length: whole or cut off?
+    (b"POST /create HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", 411, "chunked"),
+    (b"POST /create HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\n", 411, "chunked"),
+    (b"POST /create HTTP/1.1\r\nHost: a\r\nContent-Length: -1\r\n\r\n", 400, "Content-Length"),
+    (b"POST /create HTTP/1.1\r\nHost: a\r\nContent-Length: \xb2\r\n\r\n", 400, "Content-Length"),  # a digit to str.isdigit only
+    (b"GET /health HTTP/1.1\r\nHost: a\r\nBad Name: b\r\n\r\n", 400, "header"),
+    (b"GET /health HTTP/1.1\r\nHost: a\r\nX-A: \x00\r\n\r\n", 400, "header"),
+    (b"GET /health HTTP/1.1\r\n\r\n", 400, "Host"),  # HTTP/1.1 requires Host
+    (b"GET /health HTTP/2.0\r\nHost: a\r\n\r\n", 505, "HTTP/2.0"),
+    (b"NONSENSE\r\n\r\n", 400, "request line"),
+    (b"GET /a b HTTP/1.1\r\nHost: a\r\n\r\n", 400, "request line"),
+    (b"GET /health HTTP/1.1\r\nHost: a" + b"\r\nX: 1" * 101 + b"\r\n\r\n", 431, "header fields"),
+]
+
+
+def test_malformed_heads_are_refused_with_a_reason_and_the_connection_closed():
+    with EnvServer(ServiceSettings("codebook")) as server:
+        for head, status, reason in MALFORMED_HEADS:
+            answers = _answers(_exchange(server.port, head))
+            assert [answer[0] for answer in answers] == [status], (head[:60], answers)
+            message = answers[0][1]["error"]
+            assert reason.lower() in message.lower() and "\n" not in message, (head[:60], message)
+        assert server.error_counts[400] >= 7 and server.error_counts[411] == 3
+        assert _request(server.port, "GET", "/health")[1]["instances"] == 0  # no /create above ran
+
+
+def test_well_formed_heads_are_served_as_before():
+    with EnvServer(ServiceSettings("codebook")) as server:
+        # Equal repeated Content-Length fields are one length; spaces around a value are no part of it.
+        answers = _answers(_exchange(
+            server.port,
+            b"POST /create HTTP/1.1\r\nHost: a\r\nContent-Length:  2 \r\nContent-Length: 2\r\n"
+            b"Connection: close\r\n\r\n{}",
+        ))
+        assert [status for status, _ in answers] == [200] and "observation" in answers[0][1]
+        # HTTP/1.0 is answered, then the connection closed; bare LF line ends are read like CRLF.
+        assert _answers(_exchange(server.port, b"GET /health HTTP/1.0\r\n\r\n"))[0][0] == 200
+        assert _answers(_exchange(server.port, b"GET /health HTTP/1.1\nHost: a\nConnection: close\n\n"))[0][0] == 200
+
+
+# Each smuggles a /create inside a /health request's body, by a framing one reader takes and another
+# reader (a proxy in front, say) does not. The service must refuse the carrier and run nothing else.
+SMUGGLED_CREATE = b"POST /create HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}"
+SMUGGLING_ATTEMPTS = {
+    "Content-Length and Transfer-Encoding": (
+        b"POST /close HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"0\r\n\r\n" + SMUGGLED_CREATE
+    ),
+    "Transfer-Encoding and Content-Length": (
+        b"POST /close HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nContent-Length: "
+        + str(5 + len(SMUGGLED_CREATE)).encode() + b"\r\n\r\n0\r\n\r\n" + SMUGGLED_CREATE
+    ),
+    "two different Content-Length": (
+        b"POST /close HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\nContent-Length: "
+        + str(len(SMUGGLED_CREATE)).encode() + b"\r\n\r\n" + SMUGGLED_CREATE
+    ),
+    "a folded Transfer-Encoding": (
+        b"POST /close HTTP/1.1\r\nHost: a\r\nContent-Length: " + str(5 + len(SMUGGLED_CREATE)).encode()
+        + b"\r\nTransfer-Encoding:\r\n chunked\r\n\r\n0\r\n\r\n" + SMUGGLED_CREATE
+    ),
+    "a folded Content-Length": (
+        b"POST /close HTTP/1.1\r\nHost: a\r\nX-Note: a\r\n Content-Length: 0\r\nContent-Length: "
+        + str(len(SMUGGLED_CREATE)).encode() + b"\r\n\r\n" + SMUGGLED_CREATE
+    ),
+}
+
+
+@pytest.mark.parametrize("attempt", sorted(SMUGGLING_ATTEMPTS))
+def test_request_smuggling_is_refused_with_400_and_the_smuggled_request_never_runs(attempt):
+    with EnvServer(ServiceSettings("codebook")) as server:
+        received = _exchange(server.port, SMUGGLING_ATTEMPTS[attempt])  # returns once the server closed
+        answers = _answers(received)
+        assert [status for status, _ in answers] == [400], received[:300]
+        assert received.count(b"HTTP/1.1 ") == 1 and b"Connection: close" in received
+        assert server.error_counts == {400: 1}
+        assert len(server.service.instances) == 0 and _request(server.port, "GET", "/health")[1]["instances"] == 0
+
+
+@pytest.mark.slow
+def test_a_flood_of_ten_thousand_creates_is_held_to_the_instance_limit():
+    # 10,000 /create calls pipelined over one connection in batches: the table fills to
+    # max_instances, every call beyond it gets 503 with the reason, and memory stays flat.
+    def resident_bytes() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * 4096
+
+    batch = SMUGGLED_CREATE * 250
+    with EnvServer(ServiceSettings("codebook", max_instances=64)) as server:
+        client = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        statuses: list[int] = []
+        try:
+            resident_after_first_batch = 0
+            for batch_index in range(40):
+                client.sendall(batch)
+                received = b""
+                while received.count(b"HTTP/1.1 ") < 250 or not received.endswith(b"}"):
+                    # Answers gather while this thread sleeps: the server (a thread of this process)
+                    # then runs without handing the GIL back and forth for each one.
+                    time.sleep(0.02)
+                    chunk = client.recv(1 << 20)
+                    assert chunk, "the server closed the connection mid-flood"
+                    received += chunk
+                answers = _answers(received)
+                statuses += [status for status, _ in answers]
+                refused = [body for status, body in answers if status == 503]
+                assert all("instance table is full (64 live instances)" in body["error"] for body in refused)
+                if batch_index == 0:
+                    resident_after_first_batch = resident_bytes()
+        finally:
+            client.close()
+        assert len(statuses) == 10_000
+        assert statuses.count(200) == 64 and statuses.count(503) == 10_000 - 64
+        assert len(server.service.instances) == 64
+        assert resident_bytes() - resident_after_first_batch < 20 * 1024 * 1024
+        assert _request(server.port, "GET", "/health")[1]["instances"] == 64
 
 
 def test_oversized_heads_get_431():
@@ -337,7 +451,7 @@ def test_clients_that_reset_mid_request_leave_a_short_line_and_no_traceback(capf
     with EnvServer(ServiceSettings("codebook")) as server:
         partial_requests = [
             b"POST /step HTTP/1.1\r\nHost: service\r\n",  # inside the head
-            b'POST /step HTTP/1.1\r\nContent-Length: 100\r\n\r\n{"id": 0',  # inside the body
+            b'POST /step HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\n{"id": 0',  # inside the body
         ]
         for partial in partial_requests * 2:
             client = socket.create_connection(("127.0.0.1", server.port), timeout=10)

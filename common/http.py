@@ -1,0 +1,585 @@
+"""An HTTP/1.1 server on a trio loop, parsing with h11, with limits against clients that hog it.
+
+h11 reads request lines, header fields and Content-Length bodies and writes the responses; this
+module owns the sockets and the policy around them. One task per connection, all on one trio loop:
+a connection that is idle, trickles bytes or was cut off costs a small task and a socket, never a
+thread. A request reaches the handler only once its head and its whole body are in; a body without
+Content-Length is refused (411), so a request cut off after its head can never run.
+
+Limits (HTTPLimits):
+  - header_timeout_s: from a request's first byte (from the accept, for a connection's first
+    request) until its head is complete; request_timeout_s: from the same moment until its body is
+    complete. Both count across all reads, so a client that trickles a byte a second is cut off
+    like a silent one. A late request that had begun gets 408; a connection that never sent a
+    byte is closed without a word.
+  - keep_alive_timeout_s: how long a connection may wait idle between requests.
+  - max_connections: beyond it a new connection takes the place of the connection that has waited
+    longest without a whole request: first those that never completed a request (silent or
+    trickling newcomers, oldest first), then kept-alive ones (longest idle first). Connections
+    whose request is being answered are never evicted; only when every slot holds one is a new
+    connection refused with 503. Evicting instead of refusing means junk connections cannot lock
+    out a good client: they only push each other out.
+  - max_header_bytes and max_header_count (431), max_body_bytes (413).
+
+Heads that readers could disagree on are refused with 400 and the connection closed, so no request
+can be smuggled inside another: Content-Length together with Transfer-Encoding, Content-Length
+fields that differ, and header lines folded onto the previous one (h11 would join those; we look at
+the raw head first). Every refusal has a JSON body {"error": "..."}. HTTP/1.1 requests must carry
+Host (h11 holds to the standard there); HTTP/1.0 connections close after one answer.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import re
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from email.utils import formatdate
+from http import HTTPStatus
+
+import h11
+import trio
+
+log = logging.getLogger(__name__)
+
+# The listen backlog (the kernel caps it at net.core.somaxconn): connects that arrive in a burst
+# wait here until the accept loop takes them.
+LISTEN_BACKLOG = 1024
+# An oversized body is read and thrown away up to this size so the client can read our 413 before
+# the connection closes; beyond it the connection is simply closed.
+MAX_DISCARDED_BODY_BYTES = 16 * 1024 * 1024
+READ_SIZE = 64 * 1024
+# Clients that reset their connection are logged in one line at most this often.
+LOST_CLIENT_LOG_INTERVAL_S = 10.0
+# accept() errors that mean "out of descriptors or memory for now", not a broken listener.
+_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
+# Where a head ends (h11 takes a bare LF for CRLF, so we do too) and a folded continuation line.
+_HEAD_END = re.compile(rb"\n\r?\n")
+_FOLDED_LINE = re.compile(rb"\n[ \t]")
+_BYTEARRAY_REPR = re.compile(r"bytearray\((b'.*'|b\".*\")\)")
+
+
+@dataclass(frozen=True)
+class HTTPLimits:
+    max_connections: int = 1024
+    header_timeout_s: float = 10.0
+    request_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 60.0
+    max_body_bytes: int = 1024 * 1024
+    max_header_bytes: int = 16 * 1024
+    max_header_count: int = 100
+
+
+class HTTPError(Exception):
+    """A request refused before it reaches the handler; its connection is closed after the answer."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = int(status)
+        self.message = message
+
+
+@dataclass
+class Request:
+    method: str
+    target: str
+    version: str
+    """"HTTP/1.1" or "HTTP/1.0"."""
+    headers: dict[str, str]
+    """Lower-case names; a repeated field's values joined with ", "."""
+    body: bytes = b""
+    client: str = ""
+    """The peer's address."""
+
+
+@dataclass
+class Response:
+    status: int
+    body: bytes
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def error_body(message: str) -> bytes:
+    return json.dumps({"error": message}).encode("utf-8")
+
+
+_DATE_CACHE: list = [0, ""]
+
+
+def _http_date() -> str:
+    now = int(time.time())
+    if _DATE_CACHE[0] != now:
+        _DATE_CACHE[:] = [now, formatdate(now, usegmt=True)]
+    return _DATE_CACHE[1]
+
+
+def _phrase(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode("ascii")
+    except ValueError:
+        return b""
+
+
+def response_bytes(
+    protocol: h11.Connection, status: int, body: bytes, headers: Mapping[str, str] | None = None, *,
+    close: bool = False, head_only: bool = False, server_name: str = "longhorizon",
+) -> bytes:
+    """A whole JSON response as h11 writes it on `protocol` (which then knows whether to keep alive)."""
+    fields = [
+        ("Server", server_name),
+        ("Date", _http_date()),
+        ("Content-Type", "application/json"),
+        ("Content-Length", str(len(body))),
+        *(headers or {}).items(),
+    ]
+    if close:
+        fields.append(("Connection", "close"))
+    data = protocol.send(h11.Response(status_code=int(status), headers=fields, reason=_phrase(status)))
+    if not head_only:  # a HEAD answer is the head alone, Content-Length as for a GET
+        data += protocol.send(h11.Data(data=body))
+    return data + protocol.send(h11.EndOfMessage())
+
+
+def refusal_bytes(
+    status: int, message: str, headers: Mapping[str, str] | None = None, *, server_name: str = "longhorizon",
+) -> bytes:
+    """A closing {"error": message} answer for a connection whose request never became whole."""
+    return response_bytes(
+        h11.Connection(h11.SERVER), status, error_body(message), headers, close=True, server_name=server_name
+    )
+
+
+# ---------------------------------------------------------------- lost clients
+
+
+class LostClientLog:
+    """One short log line for clients that vanish mid-request, at most one per interval.
+
+    A client that resets its connection is the client's affair, not a service fault: no traceback,
+    and a storm of them (a killed trainer's hundred connections) makes one line with a count.
+    """
+
+    def __init__(
+        self,
+        interval_s: float = LOST_CLIENT_LOG_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+        emit: Callable[[str], None] = log.info,
+    ):
+        self.interval_s = interval_s
+        self.clock = clock
+        self.emit = emit
+        self.total = 0
+        self._unreported = 0
+        self._last_line: float | None = None
+        self._lock = threading.Lock()  # tests and callers may note from other threads
+
+    def note(self, client: str, error: BaseException) -> None:
+        with self._lock:
+            self.total += 1
+            now = self.clock()
+            if self._last_line is not None and now - self._last_line < self.interval_s:
+                self._unreported += 1
+                return
+            self._last_line = now
+            unreported, self._unreported = self._unreported, 0
+        since = f" ({unreported} more since the last such line)" if unreported else ""
+        self.emit(f"client {client} went away mid-request: {type(error).__name__}{since}")
+
+
+# ---------------------------------------------------------------- connections
+
+
+def open_listener(host: str, port: int) -> socket.socket:
+    """A bound, listening, non-blocking TCP socket (IPv6 when host is an IPv6 address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+    listener.setblocking(False)
+    return listener
+
+
+def _skip_blank_lines(buffer: bytearray) -> bool:
+    """Drop blank lines before a head (some clients end a body with a stray CRLF, which h11 would
+    refuse); whether there were any."""
+    start = 0
+    while buffer.startswith(b"\r\n", start) or buffer.startswith(b"\n", start):
+        start += 2 if buffer.startswith(b"\r\n", start) else 1
+    del buffer[:start]
+    return start > 0
+
+
+class _TooSlow(Exception):
+    """A deadline of the request being read passed."""
+
+
+class _Connection:
+    __slots__ = ("begun", "busy", "client", "evicted", "proven", "scope", "sock")
+
+    def __init__(self, sock: socket.socket, client: str):
+        self.sock = sock
+        self.client = client
+        self.scope = trio.CancelScope()
+        self.busy = False
+        """A whole request is being answered: never evicted."""
+        self.begun = False
+        """Bytes of a request not yet whole have arrived (an eviction or deadline then answers)."""
+        self.proven = False
+        """At least one request was answered (evicted after the newcomers)."""
+        self.evicted = False
+
+
+def _request_of(event: h11.Request, limits: HTTPLimits) -> Request:
+    """Our Request from h11's, refusing what h11 lets through but we do not serve."""
+    version = event.http_version.decode("ascii")
+    if version not in ("1.1", "1.0"):
+        raise HTTPError(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED, f"HTTP/{version} is not supported; use HTTP/1.1")
+    if len(event.headers) > limits.max_header_count:
+        raise HTTPError(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"more than {limits.max_header_count} header fields")
+    headers: dict[str, str] = {}
+    for name, value in event.headers:
+        key, text = name.decode("ascii"), value.decode("latin-1")
+        headers[key] = f"{headers[key]}, {text}" if key in headers else text
+    method = event.method.decode("ascii")
+    if "transfer-encoding" in headers:
+        if "content-length" in headers:
+            # Two ways to delimit one body: a reader that picks the other one would see a second
+            # request where we see a body. Refuse, and close the connection.
+            raise HTTPError(HTTPStatus.BAD_REQUEST, "Content-Length and Transfer-Encoding together; send Content-Length only")
+        raise HTTPError(HTTPStatus.LENGTH_REQUIRED, "chunked bodies are not accepted; send Content-Length")
+    if "content-length" not in headers and method in _METHODS_WITH_BODY:
+        # Without the length we could not tell a whole empty body from one cut off after the head.
+        raise HTTPError(HTTPStatus.LENGTH_REQUIRED, f"{method} needs a Content-Length header")
+    return Request(method, event.target.decode("ascii"), f"HTTP/{version}", headers)
+
+
+def _refusal_of(error: h11.RemoteProtocolError) -> HTTPError:
+    """A request h11 could not read, as our refusal (the statuses the service has always answered)."""
+    message = _BYTEARRAY_REPR.sub(r"\1", str(error))  # h11 quotes the bad line as bytearray(b'...')
+    if "Transfer-Encoding" in message:
+        return HTTPError(HTTPStatus.LENGTH_REQUIRED, "chunked bodies are not accepted; send Content-Length")
+    status = error.error_status_hint if error.error_status_hint in (400, 431) else 400
+    return HTTPError(status, f"malformed request: {message[:200]}")
+
+
+class HTTPServer:
+    """Serves HTTP/1.1 on a listening socket from the current trio loop until cancelled.
+
+    `handler` turns a whole request into a Response; it runs on the connection's task, so a slow
+    handler delays only its own connection. `count_error(status)` is told of every refusal this
+    layer answers itself (400, 408, 411, 413, 431, 503, 505).
+    """
+
+    def __init__(
+        self, listener: socket.socket, handler: Handler, limits: HTTPLimits, *,
+        count_error: Callable[[int], None] = lambda status: None, lost_clients: LostClientLog | None = None,
+        server_name: str = "longhorizon",
+    ):
+        self.listener = listener
+        self.handler = handler
+        self.limits = limits
+        self.count_error = count_error
+        self.lost_clients = lost_clients or LostClientLog()
+        self.server_name = server_name
+        # Insertion order is eviction order: newcomers by accept time; answered connections are
+        # moved to the end each time they start waiting for their next request.
+        self._newcomers: OrderedDict[_Connection, None] = OrderedDict()
+        self._proven: OrderedDict[_Connection, None] = OrderedDict()
+        self.evicted = 0
+        self.refused = 0
+        self._short_of_descriptors_logged = False
+
+    def open_connections(self) -> int:
+        return len(self._newcomers) + len(self._proven)
+
+    async def serve(self) -> None:
+        async with trio.open_nursery() as nursery:
+            await self._accept_forever(nursery)
+
+    # -------------------------------------------------------- accepting
+
+    async def _accept_forever(self, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                sock, address = self.listener.accept()
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self.listener)
+                continue
+            except OSError as error:
+                if error.errno in _RESOURCE_ERRNOS:
+                    # Out of descriptors: make room as at the connection cap, and let the close land.
+                    if not self._short_of_descriptors_logged:
+                        log.warning("accept failed (%s); evicting waiting connections to make room", error)
+                        self._short_of_descriptors_logged = True
+                    self._evict_one()
+                    await trio.sleep(0.01)
+                    continue
+                if error.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
+                    continue  # the peer gave up before we took it
+                raise
+            sock.setblocking(False)
+            try:
+                # One send per response, but the client's next request should not wait on Nagle.
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+            client = str(address[0]) if isinstance(address, tuple) else str(address)
+            if self.open_connections() >= self.limits.max_connections and not self._evict_one():
+                self._refuse(sock)
+            else:
+                connection = _Connection(sock, client)
+                self._newcomers[connection] = None
+                nursery.start_soon(self._serve_connection, connection)
+            # Each accept yields, so a flood of connects cannot starve the connections being served.
+            await trio.lowlevel.checkpoint()
+
+    def _evict_one(self) -> bool:
+        """Close the connection that has waited longest without a whole request; False if none waits."""
+        for table in (self._newcomers, self._proven):
+            for connection in table:
+                if not connection.busy:
+                    del table[connection]
+                    connection.evicted = True
+                    connection.scope.cancel()
+                    self.evicted += 1
+                    return True
+        return False
+
+    def _refuse(self, sock: socket.socket) -> None:
+        self.refused += 1
+        self.count_error(HTTPStatus.SERVICE_UNAVAILABLE)
+        answer = refusal_bytes(
+            HTTPStatus.SERVICE_UNAVAILABLE, "too many open connections, all busy; retry later", {"Retry-After": "1"},
+            server_name=self.server_name,
+        )
+        try:
+            sock.send(answer)  # a fresh socket's send buffer takes it whole without waiting
+        except OSError:
+            pass
+        sock.close()
+
+    def _forget(self, connection: _Connection) -> None:
+        self._newcomers.pop(connection, None)
+        self._proven.pop(connection, None)
+
+    # -------------------------------------------------------- one connection
+
+    async def _serve_connection(self, connection: _Connection) -> None:
+        sock = connection.sock
+        answer_on_close: bytes | None = None
+        try:
+            with connection.scope:
+                answer_on_close = await self._serve_requests(connection)
+            if connection.evicted and connection.begun:
+                self.count_error(HTTPStatus.SERVICE_UNAVAILABLE)
+                answer_on_close = refusal_bytes(
+                    HTTPStatus.SERVICE_UNAVAILABLE,
+                    "the connection was closed to make room for others; send whole requests promptly",
+                    {"Retry-After": "1"}, server_name=self.server_name,
+                )
+        except (ConnectionError, TimeoutError) as error:
+            self.lost_clients.note(connection.client, error)
+        except Exception:  # a fault of ours: worth its traceback, but the service goes on
+            log.exception("connection from %s failed", connection.client)
+        finally:
+            self._forget(connection)
+            _close(sock, answer_on_close)
+
+    async def _serve_requests(self, connection: _Connection) -> bytes | None:
+        """Requests of one connection until it closes; returns a last answer to send, if any."""
+        sock, limits = connection.sock, self.limits
+        buffer = bytearray()  # bytes received and not yet handed to h11
+        started = trio.current_time()  # the first request's clock runs from the accept
+        while True:
+            _skip_blank_lines(buffer)
+            connection.begun = bool(buffer)
+            header_deadline = started + limits.header_timeout_s
+            request_deadline = started + limits.request_timeout_s
+            # A fresh h11 state machine per request: we hand it each head whole, after the checks
+            # on the raw bytes that h11 would no longer show us.
+            protocol = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
+            head_end = -1
+            try:
+                # The head.
+                searched_from = 0
+                while (found := _HEAD_END.search(buffer, searched_from)) is None:
+                    if len(buffer) > limits.max_header_bytes:
+                        raise HTTPError(
+                            HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                            f"the request head is over {limits.max_header_bytes} bytes",
+                        )
+                    searched_from = max(0, len(buffer) - 2)
+                    if not await _receive(sock, buffer, min(header_deadline, request_deadline)):
+                        return None  # the client closed; a half-sent request is dropped unrun
+                    connection.begun = True
+                    if _skip_blank_lines(buffer):
+                        searched_from = 0
+                head_end = found.start()
+                if head_end > limits.max_header_bytes:
+                    raise HTTPError(
+                        HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"the request head is over {limits.max_header_bytes} bytes"
+                    )
+                if _FOLDED_LINE.search(buffer, 0, head_end):
+                    raise HTTPError(
+                        HTTPStatus.BAD_REQUEST, "a header line folded onto the previous one; send each field on one line"
+                    )
+                protocol.receive_data(bytes(buffer))
+                del buffer[:]
+                event = protocol.next_event()
+                if not isinstance(event, h11.Request):
+                    raise HTTPError(HTTPStatus.BAD_REQUEST, "malformed request head")
+                request = _request_of(event, limits)
+                request.client = connection.client
+                length = int(request.headers.get("content-length", "0"))
+                if length > limits.max_body_bytes:
+                    return await self._refuse_body(sock, protocol, request, length, request_deadline)
+                # The body.
+                body = bytearray()
+                while True:
+                    event = protocol.next_event()
+                    if isinstance(event, h11.Data):
+                        body += event.data
+                    elif isinstance(event, h11.EndOfMessage):
+                        break
+                    elif event is h11.NEED_DATA:
+                        if protocol.they_are_waiting_for_100_continue:
+                            go_ahead = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+                            await _send_all(sock, protocol.send(go_ahead), request_deadline)
+                        chunk = bytearray()
+                        if not await _receive(sock, chunk, request_deadline):
+                            return None
+                        protocol.receive_data(bytes(chunk))
+                    else:
+                        raise HTTPError(HTTPStatus.BAD_REQUEST, "malformed request body")
+            except _TooSlow:
+                if not connection.begun:
+                    return None  # connected and said nothing: close without a word
+                self.count_error(HTTPStatus.REQUEST_TIMEOUT)
+                what = "head" if head_end < 0 else "body"
+                seconds = limits.header_timeout_s if head_end < 0 else limits.request_timeout_s
+                message = f"the request's {what} did not arrive within {min(seconds, limits.request_timeout_s)} s"
+                return refusal_bytes(HTTPStatus.REQUEST_TIMEOUT, message, server_name=self.server_name)
+            except h11.RemoteProtocolError as error:
+                refusal = _refusal_of(error)
+                self.count_error(refusal.status)
+                return refusal_bytes(refusal.status, refusal.message, server_name=self.server_name)
+            except HTTPError as error:
+                self.count_error(error.status)
+                return refusal_bytes(error.status, error.message, server_name=self.server_name)
+            request.body = bytes(body)
+            buffer += protocol.trailing_data[0]  # a pipelined next request, if any
+
+            # The answer. From here the request is whole: the connection is not evicted.
+            connection.busy, connection.begun = True, False
+            response = await self.handler(request)
+            data = response_bytes(
+                protocol, response.status, response.body, response.headers,
+                head_only=request.method == "HEAD", server_name=self.server_name,
+            )
+            # A client that does not read its answers is cut off like one that does not send.
+            await _send_all(sock, data, trio.current_time() + limits.request_timeout_s)
+            if protocol.our_state is not h11.DONE:
+                return None  # the client asked to close (or spoke HTTP/1.0)
+            connection.busy = False
+            if not connection.proven:
+                connection.proven = True
+                self._newcomers.pop(connection, None)
+            self._proven[connection] = None
+            self._proven.move_to_end(connection)
+
+            # The next request: wait for its first byte up to the keep-alive timeout.
+            if buffer:
+                await trio.lowlevel.checkpoint()  # pipelined requests still take turns with others
+            else:
+                with trio.move_on_after(limits.keep_alive_timeout_s):
+                    if not await _receive(sock, buffer, None):
+                        return None
+                if not buffer:
+                    return None  # idle too long
+            started = trio.current_time()
+
+    async def _refuse_body(
+        self, sock: socket.socket, protocol: h11.Connection, request: Request, length: int, deadline: float,
+    ) -> bytes:
+        """A 413, after reading the body away (up to a bound) so the client sees the answer, not a reset."""
+        self.count_error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+        answer = response_bytes(
+            protocol, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            error_body(f"the body is {length} bytes; the limit is {self.limits.max_body_bytes}"), close=True,
+            head_only=request.method == "HEAD", server_name=self.server_name,
+        )
+        waits_for_go_ahead = protocol.they_are_waiting_for_100_continue
+        if length <= MAX_DISCARDED_BODY_BYTES and not waits_for_go_ahead:
+            remaining = length - len(protocol.trailing_data[0])
+            scratch = bytearray()
+            try:
+                while remaining > 0:
+                    got = await _receive(sock, scratch, deadline)
+                    if not got:
+                        break
+                    remaining -= got
+                    del scratch[:]
+            except _TooSlow:
+                pass
+        return answer
+
+
+async def _receive(sock: socket.socket, buffer: bytearray, deadline: float | None) -> int:
+    """Appends what the socket has (waiting up to deadline) to buffer; 0 means the peer closed."""
+    while True:
+        try:
+            data = sock.recv(READ_SIZE)
+            break
+        except BlockingIOError:
+            pass
+        if deadline is None:
+            await trio.lowlevel.wait_readable(sock)
+            continue
+        if trio.current_time() >= deadline:
+            raise _TooSlow()
+        with trio.move_on_at(deadline):
+            await trio.lowlevel.wait_readable(sock)
+    buffer += data
+    return len(data)
+
+
+async def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            sent = sock.send(view)
+        except BlockingIOError:
+            with trio.move_on_at(deadline) as scope:
+                await trio.lowlevel.wait_writable(sock)
+            if scope.cancelled_caught:
+                raise TimeoutError("the client did not read its answer in time") from None
+            continue
+        view = view[sent:]
+
+
+def _close(sock: socket.socket, last_answer: bytes | None) -> None:
+    """Close a connection, sending a last answer first when there is one (never waiting for it)."""
+    if last_answer is not None:
+        try:
+            # Read away what the client already sent, or closing would reset the connection and
+            # could destroy the answer before the client reads it.
+            for _ in range(16):
+                if not sock.recv(READ_SIZE):
+                    break
+        except OSError:
+            pass
+        try:
+            sock.send(last_answer)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+    trio.lowlevel.notify_closing(sock)  # trio forgets the descriptor before the kernel reuses its number
+    sock.close()
