@@ -106,7 +106,7 @@ def config_reference(schema: dict[str, Any], algorithm_options: dict[str, Any],
     _option_tables(sections, "env.options",
                    "The options of the env `env.name` names, checked before any env is built: an unknown option,\n"
                    "a value of the wrong type or out of range is refused. A plug-in env declares its own in its\n"
-                   "EnvSpec's `Options`; an env that declares none (the web envs) has its option names checked\n"
+                   "EnvSpec's `Options`; an env that declares none has only its option names checked\n"
                    "against its factory.\n",
                    env_options or {})
     return "\n".join(sections)

@@ -87,7 +87,7 @@ def _takes_any_keyword(function) -> bool:
 
 
 @pytest.mark.parametrize("name", ["babyai", "codebook", "codechain", "longtail", "remote", "sciworld", "search",
-                                  "textcraft"])
+                                  "textcraft", "miniwob", "webarena", "weblocal"])
 def test_a_declared_section_is_the_factory_s_own_option_set(name):
     # The section is what users read (docs/config.md) and what is checked; the factory, the task
     # list and every policy are what run: the names and defaults must be the same everywhere.

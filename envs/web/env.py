@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import trio
+from pydantic.json_schema import SkipJsonSchema
 
+from longhorizon.common.config import Section, bounded
 from longhorizon.envs.agents import ActionParseError, ReactLoop, parse_react_reply
 from longhorizon.envs.base import Task
 from longhorizon.envs.tools import ToolSet
@@ -110,6 +112,22 @@ class Episode:
     finished: bool = False
     steps: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class BrowserOptions(Section):
+    """The options every web env takes for its browser (each web env's `Options` adds its own)."""
+
+    num_browsers: int = bounded(1, ge=1)
+    """Chromium processes shared by the env's episodes in this process."""
+    action_timeout_s: float = bounded(5.0, gt=0)
+    """Most seconds one action may take (a click waiting for its element, typing)."""
+    navigation_timeout_s: float = bounded(20.0, gt=0)
+    """Most seconds a page may take to load."""
+    multiaction: bool = False
+    """Several actions in one step, one per line, run in order until the first error
+    (BrowserGym's multi-action mode; docs/web.md)."""
+    pool: SkipJsonSchema[Any] = None
+    """A browser pool to share, from Python only (tests, benchmarks); not a config value."""
 
 
 class BrowserEnv:

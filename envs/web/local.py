@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from longhorizon.common.config import bounded
 from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.web.apps.tasks import SITE_NAMES, load_tasks
+from longhorizon.envs.web.env import BrowserOptions
 
 ENV_NAME = "weblocal"
 
@@ -50,11 +52,11 @@ def build_site(name: str) -> Any:
 
 def make_local_env(*, sites: str | Sequence[str] | None = None, num_browsers: int = 1, action_timeout_s: float = 5.0,
                    navigation_timeout_s: float = 20.0, max_observation_chars: int = 30000,
-                   multiaction: bool = False) -> Any:
+                   multiaction: bool = False, pool: Any = None) -> Any:
     from longhorizon.envs.web.env import BrowserEnv
 
     return BrowserEnv(
-        name=ENV_NAME, sites={name: build_site(name) for name in parse_sites(sites)}, num_browsers=num_browsers,
+        name=ENV_NAME, sites={name: build_site(name) for name in parse_sites(sites)}, pool=pool, num_browsers=num_browsers,
         action_timeout_s=action_timeout_s, navigation_timeout_s=navigation_timeout_s,
         max_observation_chars=max_observation_chars, multiaction=multiaction,
     )
@@ -76,6 +78,15 @@ def random_policy(**options: Any) -> Any:
     return RandomClickerPolicy(**options)
 
 
+class WebLocalOptions(BrowserOptions):
+    """weblocal: the shop, Fossil and DokuWiki applications run on this machine."""
+
+    sites: str | list[str] | None = None
+    """Which applications, e.g. "shop,fossil" or ["shop"]; none or "all": all three."""
+    max_observation_chars: int = bounded(30000, ge=1)
+    """Longest accessibility tree shown to the model; longer ones are cut."""
+
+
 # The registry (envs/base.py) finds this env here by name.
 SPEC = EnvSpec(name=ENV_NAME, factory=make_local_env, tasks=local_tasks,
-               policies={"oracle": oracle_policy, "random": random_policy}, needs=("playwright",), extra="web")
+               policies={"oracle": oracle_policy, "random": random_policy}, needs=("playwright",), extra="web", Options=WebLocalOptions)

@@ -26,13 +26,14 @@ import importlib.util
 import json
 import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import numpy as np
 
+from longhorizon.common.config import bounded
 from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.web.browser import BrowserSession
-from longhorizon.envs.web.env import BrowserEnv, Episode
+from longhorizon.envs.web.env import BrowserEnv, BrowserOptions, Episode
 from longhorizon.envs.web.policies import MINIWOB_SOLVERS, MiniWobOraclePolicy, RandomClickerPolicy
 
 ENV_NAME = "miniwob"
@@ -285,6 +286,20 @@ def _oracle_policy(**options: Any) -> MiniWobOraclePolicy:
     return MiniWobOraclePolicy()
 
 
+class MiniWobOptions(BrowserOptions):
+    """miniwob: MiniWoB++ tasks in a real Chromium, seeded as BrowserGym seeds them."""
+
+    task_names: list[str] | None = None
+    """MiniWoB++ task types to play (e.g. ["click-button", "enter-text"]); none: every supported one."""
+    instances_per_task: int = bounded(10, ge=1)
+    """Seeds per task type and split."""
+    time_limit_s: float = bounded(600.0, gt=0)
+    """The task page's own episode timer, in seconds."""
+    reward_mode: Literal["raw", "success"] = "raw"
+    """`raw`: the page's own reward (1 correct, -1 wrong or out of time, partial credit on a few
+    tasks); `success`: 1 on success, else 0."""
+
+
 # The registry (envs/base.py) finds this env here by name.
 SPEC = EnvSpec(
     name=ENV_NAME,
@@ -293,6 +308,7 @@ SPEC = EnvSpec(
     policies={"oracle": _oracle_policy, "random": _random_policy},
     needs=("playwright", "miniwob"),
     extra="web",
+    Options=MiniWobOptions,
 )
 
 ORACLE_TASKS = tuple(sorted(MINIWOB_SOLVERS))

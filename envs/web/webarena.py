@@ -33,11 +33,12 @@ import json
 import logging
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
+from longhorizon.common.config import bounded
 from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.web.browser import origin_of
-from longhorizon.envs.web.env import PLACEHOLDER, BrowserEnv, placeholder
+from longhorizon.envs.web.env import PLACEHOLDER, BrowserEnv, BrowserOptions, placeholder
 from longhorizon.envs.web.evaluators import unsupported_features
 from longhorizon.envs.web.policies import PlanOraclePolicy, RandomClickerPolicy
 
@@ -252,6 +253,27 @@ def _random(**options: Any) -> RandomClickerPolicy:
     return RandomClickerPolicy()
 
 
+class WebArenaOptions(BrowserOptions):
+    """webarena: WebArena's task configs against sites whose URLs the user gives (module docstring)."""
+
+    config: str = ""
+    """A task-config JSON file (one config or a list, such as test.raw.json) or a folder of them."""
+    sites: dict[str, str] | None = None
+    """Placeholder -> URL, e.g. {"__SHOPPING__": "http://host:7770"}; tasks needing a site without a URL are left out."""
+    storage_state_dir: str | None = None
+    """Where the login cookie files the configs name live."""
+    missing_login: Literal["error", "ignore"] = "error"
+    """A task whose login file is missing: fail at reset (`error`) or run logged out (`ignore`)."""
+    skip_unsupported: bool = True
+    """Leave out tasks whose evaluators call WebArena's Python helpers (else they score 0)."""
+    all_test: bool = False
+    """Every task in the test split (for evaluation) instead of one in five."""
+    navigation_timeout_s: float = bounded(30.0, gt=0)
+    """Most seconds a page may take to load."""
+    max_observation_chars: int = bounded(30000, ge=1)
+    """Longest accessibility tree shown to the model; longer ones are cut."""
+
+
 # The registry (envs/base.py) finds this env here by name.
 SPEC = EnvSpec(
     name=ENV_NAME,
@@ -260,4 +282,5 @@ SPEC = EnvSpec(
     policies={"oracle": _plan_oracle, "random": _random},
     needs=("playwright",),
     extra="web",
+    Options=WebArenaOptions,
 )
