@@ -39,7 +39,8 @@ first token, gets the usual JSON error; a failure after that arrives as an `{"er
 
 HTTP: a Starlette app (`model_app`) served by Hypercorn on trio (`actor/http_serving.py`, shared
 with the training gateway): the request handlers run in the event loop and wait for the
-generation thread without a thread each; bodies over 32 MiB are refused with a 413. SIGINT or
+generation thread (`actor/model_batching.py`) without a thread each; bodies over 32 MiB are
+refused with a 413. SIGINT or
 SIGTERM stops the server gracefully: generation stops (requests under way and queued are answered
 with a 503), then the server closes its connections.
 
@@ -70,7 +71,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from longhorizon.actor.http_serving import MAX_BODY_BYTES, HTTPRefusal, HTTPServer, error_body, read_body
+from longhorizon.actor.model_batching import ClientGone, Job, Metrics, ModelServer, Sampling, ServerStopping
 
 log = logging.getLogger(__name__)
 
@@ -102,358 +104,6 @@ WEIGHTS_REFUSED_CODE = "weights_refused"
 """The error `code` of a `/v1/load_weights` answer that refused weights which do not fit the
 model (status 422, the problems listed under `problems`): the `openai` engine raises
 `WeightsRefused` for it, as the engines that load weights themselves do."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Per-request sampling settings; requests with equal settings share a batch."""
-
-    max_tokens: int
-    temperature: float
-    top_p: float
-
-
-class ServerStopping(RuntimeError):
-    """A request the server could not finish because it is stopping (answered with a 503)."""
-
-
-class ClientGone(RuntimeError):
-    """The client closed its connection before its reply was ready: its generation stops and
-    nothing is sent."""
-
-
-@dataclass
-class _Job:
-    prompts: list[list[int]]
-    sampling: Sampling
-    top_logprobs: int = 0
-    steps: queue.Queue | None = None
-    """For a streamed request: (prompt index, token, log-prob, top pairs) after every decoding
-    step, then None once the job is done."""
-    wake: Callable[[], None] | None = None
-    """Called from the generation thread after each of a streamed job's steps and once the job is
-    done, so that whoever waits for it need not poll."""
-    done: threading.Event = field(default_factory=threading.Event)
-    abandoned: threading.Event = field(default_factory=threading.Event)
-    """Set when the client has left: the job's rows stop at the next decoding step, and a job
-    still queued is never generated."""
-    results: list = field(default_factory=list)
-    error: BaseException | None = None
-
-
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-METRIC_PREFIX = "longhorizon_serve_"
-
-
-def _label_value(value: str) -> str:
-    """A Prometheus label value, quoted and escaped as the text format requires."""
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-
-
-def _labels(pairs: dict[str, str]) -> str:
-    return "{" + ",".join(f"{key}={_label_value(value)}" for key, value in pairs.items()) + "}" if pairs else ""
-
-
-def _number_text(value: float) -> str:
-    return "+Inf" if value == float("inf") else repr(float(value)) if isinstance(value, float) else str(value)
-
-
-class Metrics:
-    """The server's counters and latency histogram, rendered in Prometheus text format."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.requests: dict[tuple[str, str, int], int] = {}
-        """(method, endpoint, HTTP status) -> count."""
-        self.prompt_tokens = 0
-        self.generated_tokens = 0
-        self.weight_loads = 0
-        self.abandoned = 0
-        # endpoint -> (count per bucket of LATENCY_BUCKETS_S and one over the last, sum of seconds)
-        self._latency: dict[str, tuple[list[int], float]] = {}
-
-    def count_request(self, method: str, endpoint: str, status: int, seconds: float) -> None:
-        with self._lock:
-            key = (method, endpoint, status)
-            self.requests[key] = self.requests.get(key, 0) + 1
-            buckets, total = self._latency.get(endpoint, ([0] * (len(LATENCY_BUCKETS_S) + 1), 0.0))
-            index = next((i for i, bound in enumerate(LATENCY_BUCKETS_S) if seconds <= bound), len(LATENCY_BUCKETS_S))
-            buckets[index] += 1
-            self._latency[endpoint] = (buckets, total + seconds)
-
-    def count_tokens(self, prompt_tokens: int, generated_tokens: int) -> None:
-        with self._lock:
-            self.prompt_tokens += prompt_tokens
-            self.generated_tokens += generated_tokens
-
-    def count_weight_load(self) -> None:
-        with self._lock:
-            self.weight_loads += 1
-
-    def count_abandoned(self) -> None:
-        with self._lock:
-            self.abandoned += 1
-
-    def render(self, *, weights_refused: int, queue_depth: int, in_flight: int, policy_version: int) -> str:
-        lines: list[str] = []
-
-        def family(name: str, kind: str, help_text: str, samples: list[tuple[str, dict, float]]) -> None:
-            lines.append(f"# HELP {METRIC_PREFIX}{name} {help_text}")
-            lines.append(f"# TYPE {METRIC_PREFIX}{name} {kind}")
-            for suffix, labels, value in samples:
-                lines.append(f"{METRIC_PREFIX}{name}{suffix}{_labels(labels)} {_number_text(value)}")
-
-        with self._lock:
-            requests = sorted(self.requests.items())
-            latency = sorted((endpoint, list(buckets), total) for endpoint, (buckets, total) in self._latency.items())
-            prompt_tokens, generated_tokens, weight_loads = self.prompt_tokens, self.generated_tokens, self.weight_loads
-            abandoned = self.abandoned
-        family("requests_total", "counter", "HTTP requests answered, by method, endpoint and status.",
-               [("", {"method": m, "endpoint": e, "status": str(s)}, n) for (m, e, s), n in requests])
-        family("prompt_tokens_total", "counter", "Prompt tokens of the generation requests answered.",
-               [("", {}, prompt_tokens)])
-        family("generated_tokens_total", "counter", "Tokens generated and returned to clients.",
-               [("", {}, generated_tokens)])
-        family("requests_abandoned_total", "counter",
-               "Generation requests whose client left before the reply; their generation stopped.",
-               [("", {}, abandoned)])
-        family("weight_loads_total", "counter", "Weight loads that replaced the served weights.",
-               [("", {}, weight_loads)])
-        family("weights_refused_total", "counter", "Weight loads refused because the weights did not fit the model.",
-               [("", {}, weights_refused)])
-        family("queue_depth", "gauge", "Generation requests waiting for the worker.", [("", {}, queue_depth)])
-        family("requests_in_flight", "gauge", "Generation requests waiting or being generated.",
-               [("", {}, in_flight)])
-        family("policy_version", "gauge", "Version of the weights being served.", [("", {}, policy_version)])
-        samples = []
-        for endpoint, buckets, total in latency:
-            cumulative = 0
-            for bound, count in zip((*LATENCY_BUCKETS_S, float("inf")), buckets):
-                cumulative += count
-                samples.append(("_bucket", {"endpoint": endpoint, "le": _number_text(bound)}, cumulative))
-            samples.append(("_sum", {"endpoint": endpoint}, total))
-            samples.append(("_count", {"endpoint": endpoint}, cumulative))
-        family("request_duration_seconds", "histogram", "Time from a request's arrival to the end of its reply.",
-               samples)
-        return "\n".join(lines) + "\n"
-
-
-class ModelServer:
-    """The model, its tokenizer and the batching worker, independent of HTTP."""
-
-    def __init__(
-        self,
-        model_dir: str,
-        *,
-        served_name: str = "",
-        dtype: str = "float32",
-        max_batch_size: int = 16,
-        seed: int = 0,
-        torch_threads: int = 1,
-        batch_window_s: float = 0.002,
-    ) -> None:
-        from longhorizon.actor.engines.base import EngineSettings
-        from longhorizon.actor.engines.hf import HFEngine
-
-        self.model_dir = str(model_dir)
-        self.served_name = served_name or Path(model_dir).name
-        self.engine = HFEngine(
-            EngineSettings(
-                model_path=self.model_dir, dtype=dtype, max_batch_size=max_batch_size, seed=seed,
-                torch_threads=torch_threads,
-            )
-        )
-        self.tokenizer = self.engine.tokenizer
-        self.vocab_size = int(self.engine.model.config.vocab_size)
-        self.max_positions = int(getattr(self.engine.model.config, "max_position_embeddings", 0) or 0)
-        self.max_batch_size = max(1, max_batch_size)
-        self.batch_window_s = max(0.0, batch_window_s)
-        self.weights_refused = 0
-        """Weight loads refused because the weights did not fit the model."""
-        self.metrics = Metrics()
-        self._in_flight = 0
-        self._in_flight_lock = threading.Lock()
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._stopping = threading.Event()
-        self._worker = threading.Thread(target=self._run_batches, name="serve-model-batcher", daemon=True)
-        self._worker.start()
-
-    @property
-    def policy_version(self) -> int:
-        return self.engine.policy_version
-
-    @property
-    def queue_depth(self) -> int:
-        """Requests waiting for the worker to take them into a batch."""
-        return self._jobs.qsize()
-
-    @property
-    def in_flight(self) -> int:
-        """Requests waiting or being generated."""
-        return self._in_flight
-
-    @property
-    def running(self) -> bool:
-        return self._worker.is_alive()
-
-    def submit(self, prompts: list[list[int]], sampling: Sampling, top_logprobs: int = 0, stream: bool = False,
-               wake: Callable[[], None] | None = None) -> _Job:
-        """Queue one reply per prompt; the job's `done` is set when its results (or error) are in:
-        the hf engine's GenerationResults (with `top_logprobs` > 0, results that also hold that
-        many top tokens per position). A streamed job also gets every decoding step's tokens in
-        `steps` as they are sampled. `wake()` is called (from the generation thread) after each
-        step and at the end. A server that is stopping takes no more jobs (`ServerStopping`)."""
-        job = _Job(prompts, sampling, top_logprobs, queue.Queue() if stream else None, wake)
-        with self._in_flight_lock:  # with stop(): a job is queued before the queue is emptied, or refused
-            if self._stopping.is_set():
-                raise ServerStopping("the server is stopping")
-            self._in_flight += 1
-            self._jobs.put(job)
-        return job
-
-    def abandon(self, job: _Job) -> None:
-        """The job's client has left: stop generating for it (counted once)."""
-        if not job.abandoned.is_set() and not job.done.is_set():
-            job.abandoned.set()
-            self.metrics.count_abandoned()
-
-    def load_weights(self, path: str, version: int) -> None:
-        """Load a safetensors folder in place, all or nothing: weights that do not fit the model
-        (names, shapes, dtypes, finite values) raise `WeightsRefused` before any tensor is
-        copied; they are counted (`weights_refused`) and the server keeps serving its version."""
-        from longhorizon.common.models import WeightsRefused
-        from longhorizon.common.wire import WeightsUpdate
-
-        try:
-            self.engine.update_weights(WeightsUpdate(version=version, path=path))
-            self.metrics.count_weight_load()
-        except WeightsRefused as refused:
-            self.weights_refused += 1
-            log.warning("refused weights v%d from %s, still serving v%d (%d refused so far): %s",
-                        version, path, self.policy_version, self.weights_refused, refused)
-            raise
-
-    def stop(self) -> None:
-        """Stop generating: the batch under way ends at its next decoding step and the requests
-        still queued are answered with an error, so that the batcher thread has returned before
-        the interpreter exits (a thread left inside torch then aborts the process)."""
-        with self._in_flight_lock:
-            self._stopping.set()
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                self._fail(job, ServerStopping("the server is stopping"))
-        self._jobs.put(None)
-        self._worker.join(timeout=60)
-
-    def _rows_to_end(self, owners: list[tuple[_Job, int]]):
-        """The hf engine's `cancelled` for a batch whose rows are (job, prompt index): every row
-        ends once the server stops, a row alone once its job's client has left."""
-
-        def rows() -> list[bool]:
-            stopping = self._stopping.is_set()
-            return [stopping or job.abandoned.is_set() for job, _ in owners]
-
-        return rows
-
-    def _fail(self, job: _Job, error: BaseException) -> None:
-        job.error = error
-        self._finish(job)
-
-    def _finish(self, job: _Job) -> None:
-        with self._in_flight_lock:
-            self._in_flight -= 1
-        job.done.set()
-        if job.steps is not None:
-            job.steps.put(None)
-        if job.wake is not None:
-            job.wake()
-
-    def _run_batches(self) -> None:
-        from longhorizon.actor.engines.base import GenerationRequest
-        from longhorizon.common.config import SamplingConfig
-
-        while True:
-            first = self._jobs.get()
-            if first is None:
-                return
-            if first.abandoned.is_set():  # its client left while it waited
-                self._fail(first, ClientGone("the client closed its connection"))
-                continue
-            jobs = [first]
-            rows = len(first.prompts)
-            # Requests that arrived while the last batch ran, or within the short window after
-            # the first one, join this batch: clients' requests rarely arrive in the same instant.
-            window_ends = time.monotonic() + self.batch_window_s
-            while rows < self.max_batch_size:
-                try:
-                    job = self._jobs.get(timeout=max(0.0, window_ends - time.monotonic()))
-                except queue.Empty:
-                    break
-                if job is None:
-                    self._jobs.put(None)
-                    break
-                if job.abandoned.is_set():
-                    self._fail(job, ClientGone("the client closed its connection"))
-                    continue
-                jobs.append(job)
-                rows += len(job.prompts)
-            by_sampling: dict[Sampling, list[_Job]] = {}
-            for job in jobs:
-                by_sampling.setdefault(job.sampling, []).append(job)
-            for sampling, group in by_sampling.items():
-                requests = [
-                    GenerationRequest(token_ids=prompt, episode_id=f"serve-{index}")
-                    for job in group for index, prompt in enumerate(job.prompts)
-                ]
-                try:
-                    # Only this thread generates, so setting the engine's sampling per batch is safe.
-                    self.engine.sampling = SamplingConfig(
-                        temperature=sampling.temperature, top_p=sampling.top_p, max_new_tokens=sampling.max_tokens
-                    )
-                    # The top tokens cost little, so the batch computes the most any request wants.
-                    top = max(job.top_logprobs for job in group)
-                    owners = [(job, index) for job in group for index in range(len(job.prompts))]
-                    results = []
-                    for start in range(0, len(requests), self.max_batch_size):
-                        rows = slice(start, start + self.max_batch_size)
-                        results += self.engine._generate_batch(requests[rows], top, _step_sender(owners[rows]),
-                                                               cancelled=self._rows_to_end(owners[rows]))
-                    if self._stopping.is_set():  # cut short: not an answer to give
-                        raise ServerStopping("the server is stopping")
-                    for job in group:
-                        job.results, results = results[: len(job.prompts)], results[len(job.prompts):]
-                except ServerStopping as exc:
-                    for job in group:
-                        job.error = exc
-                except Exception as exc:  # the waiting requests answer with a 500
-                    log.exception("generation failed")
-                    for job in group:
-                        job.error = exc
-                for job in group:
-                    self._finish(job)
-
-
-def _step_sender(owners: list[tuple[_Job, int]]):
-    """The hf engine's per-step callback for a batch whose rows are (job, prompt index): each
-    streamed job gets its rows' new tokens; None when no job in the batch streams."""
-    if not any(job.steps is not None for job, _ in owners):
-        return None
-
-    streamed = list({id(job): job for job, _ in owners if job.steps is not None}.values())
-
-    def send(tokens: list[int], logprobs: list[float], tops: list[list]) -> None:
-        for row, (job, index) in enumerate(owners):
-            if job.steps is not None:
-                job.steps.put((index, tokens[row], logprobs[row], tops[row][: job.top_logprobs]))
-        for job in streamed:
-            if job.wake is not None:
-                job.wake()
-
-    return send
 
 
 # ----------------------------------------------------------------------------- request parsing
@@ -721,7 +371,7 @@ class EventStream:
     request that fails before its first token still gets a JSON error."""
 
     chunks: AsyncIterator[dict]
-    job: _Job
+    job: Job
 
 
 class StreamedText:
@@ -788,7 +438,7 @@ class _Waker:
         self._event = trio.Event()
 
 
-async def _job_done(job: _Job, waker: _Waker) -> list:
+async def _job_done(job: Job, waker: _Waker) -> list:
     """A job's results, once the generation thread has them (its error, raised)."""
     while not job.done.is_set():
         await waker.wait()
@@ -797,7 +447,7 @@ async def _job_done(job: _Job, waker: _Waker) -> list:
     return job.results
 
 
-async def _next_step(job: _Job, waker: _Waker) -> tuple | None:
+async def _next_step(job: Job, waker: _Waker) -> tuple | None:
     """A streamed job's next step, None once it is done."""
     while True:
         try:
@@ -807,7 +457,7 @@ async def _next_step(job: _Job, waker: _Waker) -> tuple | None:
 
 
 async def _live_chunks(
-    server: ModelServer, body: dict, job: _Job, waker: _Waker, chat: bool, top: int | None, include_usage: bool,
+    server: ModelServer, body: dict, job: Job, waker: _Waker, chat: bool, top: int | None, include_usage: bool,
     whole_reply,
 ) -> AsyncIterator[dict]:
     """A streamed job's chunks (`_job_chunks`). Closed before its end, the client has left: the
@@ -820,7 +470,7 @@ async def _live_chunks(
 
 
 async def _job_chunks(
-    server: ModelServer, body: dict, job: _Job, waker: _Waker, chat: bool, top: int | None, include_usage: bool,
+    server: ModelServer, body: dict, job: Job, waker: _Waker, chat: bool, top: int | None, include_usage: bool,
     whole_reply,
 ) -> AsyncIterator[dict]:
     """A streamed job's chunks: one per token as the batch samples it (its text piece, log-probs
@@ -899,7 +549,7 @@ async def _job_chunks(
 # ----------------------------------------------------------------------------- routes
 
 
-async def _unless_client_leaves(server: ModelServer, job: _Job, until_gone, waiting: Callable[[], Awaitable]):
+async def _unless_client_leaves(server: ModelServer, job: Job, until_gone, waiting: Callable[[], Awaitable]):
     """`await waiting()`, unless `until_gone()` returns first (the client has closed its
     connection): then the job is abandoned and `ClientGone` raised."""
     if until_gone is None:
