@@ -429,7 +429,8 @@ class LearnerConfig(Section):
     of every generated token."""
     frozen_entropy: float = 1.0
     """entropy_scope = `frozen_groups`: a row of a group without a success gets the bonus when its
-    mean entropy per generated token (nats, the full distribution's) is below this."""
+    mean entropy per generated token (nats, the full distribution's) is below this. Refused with
+    `entropy_top_k` > 0, whose clamped entropy (at most log k) is not the full distribution's."""
     entropy_top_k: int = bounded(0, ge=0)
     """The entropy bonus (entropy_coef, or the target mode's) on each position's k likeliest tokens
     renormalised, not on the whole vocabulary: spreading the policy over the answers it nearly
