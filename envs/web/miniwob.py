@@ -10,8 +10,8 @@ the episode ends when the page says so, with reward = the raw reward (1 correct,
 of time, partial credit on a few tasks) and success = raw reward > 0. stop()/send_msg_to_user()
 ends it early with the raw reward so far (0 when the page has not scored yet).
 
-Tasks: the MiniWoB task types in TASK_NAMES that a text agent can solve through the action grammar
-(no dragging, drawing or reading pictures). A Task is one (type, seed) instance: train instances
+Tasks: the MiniWoB task types in TASK_NAMES that a text agent can solve through the action set
+(LEFT_OUT names the others and why). A Task is one (type, seed) instance: train instances
 use seeds 0.. and test instances seeds from TEST_SEED_BASE, so both splits cover every type with
 different problems. The reset seed is not used: the task names the instance, and instance seed s
 shows the same problem as BrowserGym's `reset(seed=s)` on that task (tests/test_web_miniwob_seeds.py
@@ -42,21 +42,59 @@ TEST_SEED_BASE = 1_000_000
 PAGE_SEED_END = 1_000_000
 REWARD_MODES = ("raw", "success")
 
-# MiniWoB task types a text agent can do with click / fill / select_option / press / scroll.
+# The 125 task types the miniwob package registers (BrowserGym's MiniWoB list), less LEFT_OUT: the
+# types a model can solve from the text observation with the action set (clicks, typing, keys and
+# key combinations, drags between elements, mouse actions at points).
 TASK_NAMES = (
-    "choose-list", "click-button", "click-button-sequence", "click-checkboxes", "click-checkboxes-large",
-    "click-checkboxes-soft", "click-checkboxes-transfer", "click-collapsible", "click-collapsible-2",
-    "click-dialog", "click-dialog-2", "click-link", "click-menu", "click-option", "click-scroll-list",
-    "click-tab", "click-tab-2", "click-tab-2-easy", "click-tab-2-hard", "click-tab-2-medium", "click-test",
-    "click-test-2", "click-widget", "copy-paste", "copy-paste-2", "email-inbox", "email-inbox-delete",
-    "email-inbox-forward", "email-inbox-forward-nl", "email-inbox-important", "email-inbox-noscroll",
+    "ascending-numbers", "book-flight", "book-flight-nodelay", "buy-ticket", "choose-date",
+    "choose-date-easy", "choose-date-medium", "choose-date-nodelay", "choose-list", "click-button",
+    "click-button-sequence", "click-checkboxes", "click-checkboxes-large", "click-checkboxes-soft",
+    "click-checkboxes-transfer", "click-collapsible", "click-collapsible-2", "click-collapsible-2-nodelay",
+    "click-collapsible-nodelay", "click-dialog", "click-dialog-2", "click-link", "click-menu", "click-menu-2",
+    "click-option", "click-pie", "click-pie-nodelay", "click-scroll-list", "click-tab", "click-tab-2",
+    "click-tab-2-easy", "click-tab-2-hard", "click-tab-2-medium", "click-test", "click-test-2",
+    "click-test-transfer", "click-widget", "copy-paste", "copy-paste-2", "daily-calendar", "drag-box",
+    "drag-circle", "drag-cube", "drag-items", "drag-items-grid", "drag-single-shape", "drag-sort-numbers",
+    "email-inbox", "email-inbox-delete", "email-inbox-forward", "email-inbox-forward-nl",
+    "email-inbox-forward-nl-turk", "email-inbox-important", "email-inbox-nl-turk", "email-inbox-noscroll",
     "email-inbox-reply", "email-inbox-star-reply", "enter-date", "enter-password", "enter-text",
-    "enter-text-2", "enter-text-dynamic", "enter-time", "find-word", "focus-text", "focus-text-2",
-    "form-sequence", "form-sequence-2", "form-sequence-3", "guess-number", "login-user", "login-user-popup",
-    "multi-layouts", "multi-orderings", "navigate-tree", "phone-book", "read-table", "read-table-2",
-    "search-engine", "simple-algebra", "simple-arithmetic", "social-media", "social-media-all",
-    "social-media-some", "terminal", "text-transform", "unicode-test", "use-autocomplete", "use-spinner",
+    "enter-text-2", "enter-text-dynamic", "enter-time", "find-greatest", "find-word", "focus-text",
+    "focus-text-2", "form-sequence", "form-sequence-2", "form-sequence-3", "generate-number", "guess-number",
+    "hot-cold", "login-user", "login-user-popup", "multi-layouts", "multi-orderings", "navigate-tree",
+    "odd-or-even", "order-food", "phone-book", "read-table", "read-table-2", "scroll-text", "scroll-text-2",
+    "search-engine", "sign-agreement", "simple-algebra", "simple-arithmetic", "social-media",
+    "social-media-all", "social-media-some", "stock-market", "terminal", "text-editor", "text-transform",
+    "tic-tac-toe", "unicode-test", "use-autocomplete", "use-autocomplete-nodelay", "use-slider",
+    "use-slider-2", "use-spinner",
 )
+# Registered types the env does not offer, with the reason: each needs reading a picture pixel by
+# pixel, which the text observation cannot give.
+LEFT_OUT: dict[str, str] = {
+    "bisect-angle": "the angle is drawn in an SVG picture; its lines have no text form",
+    "circle-center": "the circle is a picture; its centre has no text form",
+    "click-color": "the boxes differ only by background colour, which the tree does not show",
+    "click-shades": "the tiles differ only by colour, which the tree does not show",
+    "click-shape": "shapes, colours and sizes are SVG drawing with no text form",
+    "count-shape": "the shapes to count are SVG drawing with no text form",
+    "count-sides": "the polygon is drawn on a canvas",
+    "drag-shapes": "which shapes are triangles shows only in the SVG drawing",
+    "drag-shapes-2": "shape colours show only in the SVG drawing",
+    "draw-circle": "the marked point is a picture; drawing needs its pixel position",
+    "draw-line": "the dot is a picture; drawing needs its pixel position",
+    "find-midpoint": "the two points are a picture; the midpoint needs their pixel positions",
+    "grid-coordinate": "the grid and its points are SVG drawing; no element carries a coordinate",
+    "highlight-text": "selecting the paragraph needs a mouse drag between pixel positions the tree does not give",
+    "highlight-text-2": "selecting the paragraph needs a mouse drag between pixel positions the tree does not give",
+    "identify-shape": "the figure is an SVG picture with no text form",
+    "number-checkboxes": "the digit pattern to copy is a picture",
+    "resize-textarea": "the resize corner has no element id and the tree gives no pixel positions",
+    "right-angle": "the two points are a picture; the third needs their pixel positions",
+    "use-colorwheel": "the wheel is a picture: a colour's place on it has no text form",
+    "use-colorwheel-2": "the wheel is a picture: a colour's place on it has no text form",
+    "visual-addition": "the blocks to count are pictures",
+}
+# Pages in the package's folder that neither the package nor BrowserGym registers as tasks.
+UNREGISTERED = ("button-delay", "chase-circle", "hover-shape", "moving-items", "simon-says")
 
 INSTRUCTIONS_EXTRA = """
 
