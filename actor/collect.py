@@ -33,8 +33,13 @@ from longhorizon.common.conversations import (
     record_line,
     tokenize_conversation,
     without_trailing_observations,
+    tokenizer_fingerprint,
 )
 from longhorizon.envs.agents import configured_agent
+from longhorizon.actor.engines.factory import plan_engine
+from longhorizon.common.chat import HFChatTokenizer
+from longhorizon.common.models import ModelError, load_tokenizer, resolve_model_path
+from longhorizon.envs.base import make_env, list_tasks
 
 
 @dataclass
@@ -58,8 +63,6 @@ class CollectSummary:
 
 def make_play_engine(config: Config, engine_options: dict | None = None):
     """The config's engine, ready to play; returns (engine, model folder or "")."""
-    from longhorizon.actor.engines.factory import plan_engine
-
     engine_class, settings = plan_engine(config, "collect", engine_options=engine_options)
     return engine_class(settings), settings.model_path
 
@@ -70,10 +73,6 @@ def target_tokenizer(config: Config, model: str | None):
     `model` (a model.path value) names the model that will be trained; without it, model.path. When
     model.path is no local model (a hosted endpoint's model name) only messages are written:
     returns (None, None)."""
-    from longhorizon.common.chat import HFChatTokenizer
-    from longhorizon.common.conversations import tokenizer_fingerprint
-    from longhorizon.common.models import ModelError, load_tokenizer, resolve_model_path
-
     spec = model or config.model.path
     try:
         folder = resolve_model_path(spec, config.model.cache_dir)
@@ -102,8 +101,6 @@ async def collect_episodes(
 ) -> CollectSummary:
     """Play `episodes` episodes (task i % len(tasks), reset seed run.seed + i) and write each
     finished one to `output` as it ends (see the module docstring for the partial file)."""
-    from longhorizon.envs.base import make_env
-
     if not tasks:
         raise ValueError(f"env {config.env.name!r} has no tasks to play")
     env_options = dict(config.env.options)
@@ -194,8 +191,6 @@ def run_collect(
 
     `max_tasks` > 0 plays only that many tasks of the split, from task `first_task` on (wrapping
     round): with more episodes than tasks each task is played several times (pairs for DPO)."""
-    from longhorizon.envs.base import list_tasks
-
     output = Path(output)
     if output.suffix != ".jsonl":
         raise ValueError(f"--output must name a .jsonl file, got {str(output)!r}")

@@ -13,6 +13,9 @@ import trio
 from longhorizon.actor.engines.base import Engine
 from longhorizon.actor.rollout import EnvPool, run_episode
 from longhorizon.envs.agents import configured_agent
+from longhorizon.envs.base import list_tasks, make_env
+from longhorizon.actor.engines.factory import build_engine
+from longhorizon.actor.metrics import mean_interval, mean_pass_at_k, wilson_interval, pass_at_k
 
 if TYPE_CHECKING:
     from longhorizon.common.config import Config
@@ -47,8 +50,6 @@ async def evaluate(
     """Play the first `episodes` tasks of `split` (cycling if there are fewer) with `engine`,
     `samples_per_task` episodes of each (worth more than one only when the engine samples);
     `agent` names the agent loop (empty: the env's own prompt format)."""
-    from longhorizon.envs.base import list_tasks, make_env
-
     tasks = list_tasks(env_name, split, **env_options)
     pool = EnvPool(lambda: make_env(env_name, **env_options))
     limiter = trio.CapacityLimiter(concurrency)
@@ -94,8 +95,6 @@ def evaluate_model_folder(config: "Config", model_folder: str | Path, episodes: 
     env.eval_split, as the offline recipes and experiments report it: its first `episodes`
     tasks, `samples_per_task` episodes each, greedy at temperature 0 and sampled
     (actor.sampling's other settings) above it; a JSON-ready dict."""
-    from longhorizon.actor.engines.factory import build_engine
-
     # The engine that plays is a model engine whatever actor.engine says (a scripted oracle or an
     # endpoint played the data): the factory's `checkpoint` purpose picks it.
     if temperature > 0:
@@ -157,8 +156,6 @@ async def play_tasks(
     """`samples` episodes of every task (for Pass@k), run concurrently; one record per episode,
     each also handed to `on_episode` as it ends (a progress bar).
     `agent` names the agent loop (empty: the env's own prompt format)."""
-    from longhorizon.envs.base import make_env
-
     pool = EnvPool(lambda: make_env(env_name, **env_options))
     limiter = trio.CapacityLimiter(concurrency)
     records: list[EpisodeRecord] = []
@@ -194,7 +191,6 @@ def summarise(records: list[EpisodeRecord], samples: int, ks: list[int]) -> dict
     success, and the unbiased Pass@k for each k <= samples."""
     from collections import defaultdict
 
-    from longhorizon.actor.metrics import mean_interval, mean_pass_at_k, wilson_interval
 
     played = [r for r in records if not r.error]
     if not played:
@@ -270,7 +266,6 @@ def pass_at_k_curve(
     Only tasks with all `samples` episodes finished count (a failed episode would bias the estimator)."""
     from collections import defaultdict
 
-    from longhorizon.actor.metrics import pass_at_k
 
     bad = [k for k in ks if not 1 <= k <= samples]
     if bad:

@@ -53,7 +53,7 @@ from longhorizon.common.collective import (
     reusable_buckets,
     unpack_buckets,
 )
-from longhorizon.common.models import WeightsRefused
+from longhorizon.common.models import WeightsRefused, weights_problems
 from longhorizon.common.wire import CollectiveWeights, WeightsUpdate
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,6 @@ def folder_problems(folder: str | Path, expected: dict, *, optional=()) -> list[
 
     from safetensors import safe_open
 
-    from longhorizon.common.models import weights_problems
 
     files = _safetensors_files(folder)
     with ExitStack() as stack:

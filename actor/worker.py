@@ -32,6 +32,7 @@ from longhorizon.common.wire import (
     ActorStats, CollectiveWeights, Heartbeat, Hello, HorizonUpdate, Stop, Trajectory, WeightsUpdate,
 )
 from longhorizon.envs.agents import configured_agent
+from longhorizon.envs.base import list_tasks, make_env
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,6 @@ class _Counters:
 
 class Actor:
     def __init__(self, config: Config, actor_index: int, endpoints, engine: Engine) -> None:
-        from longhorizon.envs.base import list_tasks, make_env
-
         self.config = config
         self.actor_index = actor_index
         self.actor_id = f"actor-{actor_index}"

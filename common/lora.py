@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from longhorizon.common.models import check_weights, tensor_specs
 
 LORA_KEYS = ("rank", "alpha", "target_modules", "dropout")
 
@@ -135,8 +136,6 @@ LORA_HINT = "learner and actor must use the same learner.lora"
 def check_adapters_for(model, tensors: dict) -> None:
     """Raise `WeightsRefused` unless `tensors` hold exactly the LoRA-wrapped model's adapters, each
     of its shape (set by its base layer and the rank), a float dtype and finite values."""
-    from longhorizon.common.models import check_weights, tensor_specs
-
     check_weights(tensors, tensor_specs(adapter_state_dict(model)), subject="adapter update", hint=LORA_HINT)
 
 

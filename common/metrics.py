@@ -21,6 +21,7 @@ import os
 import sys
 import uuid
 from pathlib import Path
+from longhorizon.common.config import config_to_dict
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,6 @@ def start_wandb(config, run_dir: Path) -> WandbLog:
     """Start (or resume) the run's W&B run and log the resolved config."""
     import wandb
 
-    from longhorizon.common.config import config_to_dict
 
     settings = config.logging.wandb
     run_dir = Path(run_dir)

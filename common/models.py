@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 
 from longhorizon.common.paths import user_cache
+from longhorizon.common.collective import copy_into
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +364,6 @@ def load_state_into(model, state: dict, *, checked: bool = False) -> None:
         check_state_for(model, state)
     import torch
 
-    from longhorizon.common.collective import copy_into
 
     # One copy per tensor, straight into the parameter (a tied one once, under the name the
     # update uses); between CPU tensors of one dtype a memcpy on this thread (`copy_into`: torch's

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 from longhorizon.common.config import ConfigError, Section, check_section
 from longhorizon.common.plugins import PluginError, Registry
+from longhorizon.envs.agents import parse_action
 
 SPLITS = ("train", "test")
 
@@ -293,8 +294,6 @@ def make_policy(env_name: str, policy_name: str, **options: Any) -> ScriptedPoli
 
 def action_from_reply(reply: str, prompt_format: str) -> str:
     """The action inside a reply, read exactly as the actor reads it (one parser for both)."""
-    from longhorizon.envs.agents import parse_action
-
     return parse_action(reply, prompt_format)
 
 

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import trio
 
 from longhorizon.envs.base import SPLITS, env_names, list_tasks, make_env
+from longhorizon.envs.service import build_task_table
 
 QUIT_WORDS = ("quit", "exit")
 
@@ -85,8 +86,6 @@ def play(
 def task_by_data_idx(env_name: str, data_idx: int, options: dict):
     """The task `env serve` numbers `data_idx` (the reference's own numbering where the env has
     one: BabyAI, SciWorld, TextCraft; otherwise train then test)."""
-    from longhorizon.envs.service import build_task_table
-
     table = build_task_table(env_name, options)
     task = table.by_data_idx.get(data_idx)
     if task is None:

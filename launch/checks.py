@@ -12,19 +12,23 @@ wrong config fails once, with a one-line message, instead of crashing every proc
 from __future__ import annotations
 
 from longhorizon.common.config import Config, ConfigError
+from longhorizon.actor.engines.base import EngineError, capabilities_of, check_engine_settings, engine_class
+from longhorizon.actor.engines.factory import engine_settings
+from longhorizon.envs.base import get_env_spec, list_tasks
+from longhorizon.common.plugins import PluginError
+from longhorizon.learner.weights import publisher_class, transport_options
+from longhorizon.learner.curriculum import make_schedule
+from longhorizon.common.models import ModelError, resolve_device, resolve_model_path
+from longhorizon.actor.worker import actor_driver
+from longhorizon.common.auth import auth_mechanism
+from longhorizon.envs.agents import AgentLoopError, configured_agent, get_agent_loop
+from longhorizon.common.lora import LoraError, check_targets_of_model_folder, lora_settings
 
 
 def validate_config(config: Config) -> None:
     """Cheap checks before any process starts, so a wrong name fails once with a clear message
     instead of crashing every actor in a restart loop. A key's own range is checked on loading
     (common/config.py); these are the choices, the parts and the rules across keys."""
-    from longhorizon.actor.engines.base import EngineError, capabilities_of, check_engine_settings, engine_class
-    from longhorizon.actor.engines.factory import engine_settings
-    from longhorizon.envs.base import get_env_spec, list_tasks
-    from longhorizon.common.plugins import PluginError
-    from longhorizon.learner.weights import publisher_class, transport_options
-    from longhorizon.learner.curriculum import make_schedule
-    from longhorizon.common.models import ModelError, resolve_device
     from longhorizon.learner.worker import check_sampling_for_training
 
     def require(condition: bool, message: str) -> None:
@@ -71,14 +75,11 @@ def validate_config(config: Config) -> None:
         raise ConfigError(str(error)) from None
     get_env_spec(config.env.name)
     if config.actor.agent:
-        from longhorizon.envs.agents import AgentLoopError, get_agent_loop
-
         try:
             get_agent_loop(config.actor.agent)
         except AgentLoopError as error:
             raise ConfigError(f"actor.agent: {error}") from None
     check_agent_options(config)
-    from longhorizon.actor.worker import actor_driver
 
     try:
         driver = actor_driver(config.actor.driver)
@@ -103,7 +104,6 @@ def validate_config(config: Config) -> None:
         raise ConfigError(f"[horizon]: {error}") from None
     # Transport security: CurveZMQ beyond loopback, the run's secret on loopback, unless
     # transport.insecure (common/auth.py).
-    from longhorizon.common.auth import auth_mechanism
 
     auth_mechanism(config.transport)
 
@@ -155,9 +155,6 @@ def _check_lora(config: Config, capabilities, publisher) -> None:
     """learner.lora: its keys, that the engine takes adapters the way the transport sends them, and
     that each target names modules of the model (checked on the architecture alone, without loading
     weights)."""
-    from longhorizon.common.models import resolve_model_path
-    from longhorizon.common.lora import LoraError, check_targets_of_model_folder, lora_settings
-
     try:
         settings = lora_settings(config.learner.lora)
         if settings is None:
@@ -181,9 +178,6 @@ def _check_lora(config: Config, capabilities, publisher) -> None:
 def check_agent_options(config: Config) -> None:
     """`actor.agent_options` against the loop's declared options, and, for a loop that plays an
     env by its tools, an env class that offers some (ConfigError)."""
-    from longhorizon.envs.agents import configured_agent, get_agent_loop
-    from longhorizon.envs.base import get_env_spec
-
     configured_agent(config.actor.agent, config.actor.agent_options)
     if not config.actor.agent:
         return

@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from longhorizon.actor.engines.base import engine_options_schemas
+from longhorizon.common.config import config_schema
+from longhorizon.envs.agents import agent_options_schemas
+from longhorizon.envs.base import env_options_schemas
+from longhorizon.learner.weights import weights_options_schemas
 
 _BOUNDS = (("minimum", ">= {}"), ("exclusiveMinimum", "> {}"), ("maximum", "<= {}"), ("exclusiveMaximum", "< {}"))
 
@@ -126,12 +131,7 @@ def _option_tables(sections: list[str], key: str, about: str, by_part: dict[str,
 def full_schema() -> dict[str, Any]:
     """The JSON schema of the config (`longhorizon config schema`), with each built-in part's
     declared options beside it: algorithms, engines, weights transports, agent loops and envs."""
-    from longhorizon.actor.engines.base import engine_options_schemas
-    from longhorizon.common.config import config_schema
-    from longhorizon.envs.agents import agent_options_schemas
-    from longhorizon.envs.base import env_options_schemas
     from longhorizon.learner.algorithms import options_schemas
-    from longhorizon.learner.weights import weights_options_schemas
 
     return {**config_schema(), "algorithm_options": options_schemas(), "engine_options": engine_options_schemas(),
             "weights_options": weights_options_schemas(), "agent_options": agent_options_schemas(),

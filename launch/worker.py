@@ -28,8 +28,15 @@ import sys
 
 import trio
 
-from longhorizon.common.config import Config, load_config
+from longhorizon.common.config import Config, load_config, ConfigError
 from longhorizon.common.processes import die_with_parent
+from longhorizon.common.auth import RunSecret, credentials_for_process
+from longhorizon.common.transport import zmq_actor_endpoints, zmq_learner_endpoints
+from longhorizon.common.codec import DEFAULT_LIMITS, WEIGHTS_LIMITS
+from longhorizon.learner.distributed import ranks_from_environment, RanksError
+from longhorizon.actor.worker import run_actor, ActorRefused, SyncVersionRefused
+from longhorizon.common.memory import keep_freed_message_memory
+from longhorizon.launch.launchers.supervise import EXIT_DO_NOT_RESTART
 
 
 def transport_addresses(config: Config) -> dict[str, str]:
@@ -74,9 +81,6 @@ async def _main(role: str, config: Config, index: int, credentials=None) -> int:
 async def _run_role(role: str, config: Config, index: int, credentials=None) -> None:
     import dataclasses
 
-    from longhorizon.common.auth import RunSecret
-    from longhorizon.common.transport import zmq_actor_endpoints, zmq_learner_endpoints
-    from longhorizon.common.codec import DEFAULT_LIMITS, WEIGHTS_LIMITS
 
     addresses = transport_addresses(config)
     transport = config.transport
@@ -86,7 +90,6 @@ async def _run_role(role: str, config: Config, index: int, credentials=None) -> 
     else:
         auth = {"curve": credentials}
     if role == "learner":
-        from longhorizon.learner.distributed import ranks_from_environment
         from longhorizon.learner.worker import run_learner, run_learner_rank
 
         ranks = ranks_from_environment(config.learner.num_ranks)
@@ -108,8 +111,6 @@ async def _run_role(role: str, config: Config, index: int, credentials=None) -> 
         finally:
             endpoints.close()
     else:
-        from longhorizon.actor.worker import run_actor
-
         endpoints = zmq_actor_endpoints(
             f"actor-{index}",
             **addresses,
@@ -163,13 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
     )
-    from longhorizon.common.config import ConfigError
 
     try:
         config = load_config(args.config, [*args.overrides, *(["run.resume=true"] if args.resume else [])])
     except ConfigError as error:
         parser.exit(2, f"longhorizon-worker: error: {error}\n")
-    from longhorizon.common.auth import credentials_for_process
 
     try:
         # CurveZMQ keys and the run's secret leave the environment here, before this process
@@ -179,11 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.exit(2, f"longhorizon-worker: error: {error}\n")
     if config.transport.keep_freed_memory:
-        from longhorizon.common.memory import keep_freed_message_memory
-
         keep_freed_message_memory()
-    from longhorizon.actor.worker import ActorRefused, SyncVersionRefused
-    from longhorizon.learner.distributed import RanksError
     from longhorizon.learner.worker import NonfiniteUpdatesError
 
     try:
@@ -197,7 +192,6 @@ def main(argv: list[str] | None = None) -> int:
         if final is None:
             raise
         logging.getLogger(__name__).error("%s", final)
-        from longhorizon.launch.launchers.supervise import EXIT_DO_NOT_RESTART
 
         return EXIT_DO_NOT_RESTART
 

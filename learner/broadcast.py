@@ -13,6 +13,7 @@ import torch
 
 from longhorizon.common.wire import HorizonUpdate
 from longhorizon.learner.curriculum import HorizonState
+from longhorizon.learner.weights import PublisherContext, build_publisher
 
 
 def unique_state_dict(model) -> dict[str, torch.Tensor]:
@@ -31,8 +32,6 @@ def unique_state_dict(model) -> dict[str, torch.Tensor]:
 def make_weights_update(model, version: int, transport: str, weights_dir: Path | None = None):
     """The message `transport` builds for `version` from a model, or from its tensors as
     `unique_state_dict` names them (a sharded learner gathers them first)."""
-    from longhorizon.learner.weights import PublisherContext, build_publisher
-
     state = dict(model) if isinstance(model, dict) else unique_state_dict(model)
     return build_publisher(transport, PublisherContext(weights_dir=weights_dir)).build(state, version)
 

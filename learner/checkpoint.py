@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from longhorizon.learner.curriculum import HorizonState
+from longhorizon.common.models import load_state_into
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -156,8 +157,6 @@ def _load_model_folder(trainer, path: Path) -> None:
 
     full = load_file(path / "model.safetensors")
     if not trainer.ranks.distributed:
-        from longhorizon.common.models import load_state_into
-
         load_state_into(trainer.model, full)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -195,7 +194,6 @@ def load_checkpoint(path: Path, *, trainer) -> dict:
     else:
         from safetensors.torch import load_file
 
-        from longhorizon.common.models import load_state_into
 
         load_state_into(trainer.model, load_file(path / "model.safetensors"))
         trainer.optimizer.load_state_dict(state["optimizer"])

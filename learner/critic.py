@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from longhorizon.learner.losses import aggregate
+from longhorizon.common.models import load_causal_lm, resolve_model_path
 
 CRITIC_CHOICES = "shared, or a model folder for a separate critic"
 
@@ -66,8 +68,6 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, mean: float, std: float | N
 def value_loss(values, old_values, returns, mask, *, value_clip: float, aggregation: str = "token"):
     """PPO's clipped value loss: 0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-c) - R)^2),
     aggregated over counted tokens like the policy loss; `value_clip` <= 0 turns the clip off."""
-    from longhorizon.learner.losses import aggregate
-
     unclipped = (values - returns) ** 2
     if value_clip > 0:
         clipped_values = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
@@ -100,7 +100,6 @@ def build_value_model(policy_model, critic: str, dtype: str = "float32") -> Valu
     """The critic `learner.critic` names, around `policy_model`."""
     if critic == "shared":
         return ValueModel(policy_model.get_decoder(), policy_model.config.hidden_size)
-    from longhorizon.common.models import load_causal_lm, resolve_model_path
 
     separate = load_causal_lm(resolve_model_path(critic), dtype)
     return ValueModel(separate.get_decoder(), separate.config.hidden_size)

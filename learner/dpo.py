@@ -35,6 +35,7 @@ from longhorizon.learner.sft import (
     conversation_example,
 )
 from longhorizon.learner.logprobs import Example
+from longhorizon.learner.scoring import usable_members
 
 
 @dataclass
@@ -48,8 +49,6 @@ class PreferencePair:
 def pairs_from_groups(groups) -> list[PreferencePair]:
     """One pair per group whose usable members' rewards differ: its best against its worst
     (the first of equals, so the choice is deterministic)."""
-    from longhorizon.learner.scoring import usable_members
-
     pairs = []
     for group in groups:
         members = usable_members(group)

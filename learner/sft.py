@@ -22,6 +22,8 @@ from longhorizon.common.conversations import (
 )
 from longhorizon.learner.logprobs import Example
 from longhorizon.learner.shared_prefix import plan_group_micro_batches, plan_micro_batches
+from longhorizon.common.chat import HFChatTokenizer
+from longhorizon.common.models import load_causal_lm, load_tokenizer, resolve_device, resolve_model_path
 
 # Files that make a checkpoint a self-contained model folder besides the weights and config (the
 # same set the RL checkpoints copy): the tokenizer, its chat template, the tiny models' marker.
@@ -216,9 +218,6 @@ def save_model_folder(
 def load_model_for_training(config: Config):
     """model.path, loaded where [learner] says, with torch's threads and seed set: returns
     (model folder, Hugging Face tokenizer, chat tokenizer, model, device)."""
-    from longhorizon.common.chat import HFChatTokenizer
-    from longhorizon.common.models import load_causal_lm, load_tokenizer, resolve_device, resolve_model_path
-
     model_folder = resolve_model_path(config.model.path, config.model.cache_dir)
     hf_tokenizer = load_tokenizer(model_folder)
     torch.set_num_threads(max(1, config.learner.torch_threads))

@@ -46,6 +46,8 @@ from longhorizon.learner.optimiser import apply_update, learning_rate_at
 from longhorizon.learner.scoring import FlatShare, ScoredBatch
 from longhorizon.learner.prefix_probe import probe_shared_prefix
 from longhorizon.learner.shared_prefix import plan_group_micro_batches, plan_micro_batches, sharing_units
+from longhorizon.learner.broadcast import unique_state_dict
+from longhorizon.common.lora import apply_lora, lora_settings, merged_from_peft_state, adapter_name
 
 
 def score_groups(groups, config: LearnerConfig | None = None) -> ScoredBatch:
@@ -106,9 +108,6 @@ class Trainer:
         reference_model=None,
         ranks: Ranks | None = None,
     ) -> None:
-        from longhorizon.learner.broadcast import unique_state_dict
-        from longhorizon.common.lora import apply_lora, lora_settings
-
         self.config = config
         self.ranks = ranks or Ranks.single()
         # Names of the parameters a model folder holds: a tied output layer is stored once.
@@ -258,8 +257,6 @@ class Trainer:
         With several ranks this gathers the shards, a collective every rank must enter; rank 0
         gets the tensors (on the CPU) and the other ranks an empty dict.
         """
-        from longhorizon.learner.broadcast import unique_state_dict
-
         if not self.ranks.distributed:
             if self.lora is None:
                 return unique_state_dict(self.model)
@@ -275,8 +272,6 @@ class Trainer:
             prefix = "model."
             state = {name[len(prefix):]: tensor for name, tensor in gathered.items() if name.startswith(prefix)}
         if self.lora is not None:
-            from longhorizon.common.lora import merged_from_peft_state
-
             state = merged_from_peft_state(state, self.lora.scale)
         return {name: state[name] for name in self.exported_names}
 
@@ -511,8 +506,6 @@ class Trainer:
         """What the actors need of the policy after an update: the adapters alone with LoRA, else
         the whole model (a collective with several ranks, as `full_state_dict`)."""
         if self.lora is not None:
-            from longhorizon.common.lora import adapter_name
-
             # As `adapter_state_dict` names them; with several ranks each adapter is gathered, one
             # tensor at a time, in the same order on every rank.
             adapters = {}

@@ -50,6 +50,7 @@ from longhorizon.common.collective import (
     plan_buckets,
 )
 from longhorizon.common.wire import CollectiveWeights
+from longhorizon.common.transport import is_loopback_host
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,6 @@ def check_collective_settings(config, backend_setting: str, learner_device: str)
     asked of its capabilities (learner/weights)."""
     import torch.distributed as dist
 
-    from longhorizon.common.transport import is_loopback_host
 
     if not dist.is_available():
         raise ValueError(

@@ -26,13 +26,22 @@ from longhorizon.learner.broadcast import horizon_update
 from longhorizon.learner.buffer import GroupBuffer, staleness
 from longhorizon.learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from longhorizon.learner.curriculum import AdaptiveState, make_schedule
-from longhorizon.learner.distributed import Ranks
+from longhorizon.learner.distributed import (
+    Ranks,
+    destroy_process_group,
+    init_process_group,
+    rank_device,
+    receive_command,
+    scatter_objects,
+    send_command,
+)
 from longhorizon.learner.episode_log import open_episode_log
 from longhorizon.learner.peers import PeerTable
 from longhorizon.learner.samples import sample_lengths
 from longhorizon.learner.scoring import ScoredBatch
 from longhorizon.learner.trainer import Trainer
 from longhorizon.learner.weights import PublisherContext, build_publisher
+from longhorizon.common.models import resolve_model_path, load_causal_lm, load_tokenizer, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +147,6 @@ class Learner:
     ) -> None:
         import torch
 
-        from longhorizon.common.models import load_causal_lm, load_tokenizer, resolve_device
-        from longhorizon.learner.distributed import init_process_group, rank_device
 
         check_sampling_for_training(config)
         torch.set_num_threads(max(1, config.learner.torch_threads))
@@ -613,8 +620,6 @@ class Learner:
         """Rank 0: name the collective work that follows, so every rank enters it (a no-op with
         one rank)."""
         if self.ranks.distributed and self.ranks.is_main:
-            from longhorizon.learner.distributed import send_command
-
             send_command(command, payload)
             self.last_rank_command = time.monotonic()
 
@@ -624,7 +629,6 @@ class Learner:
         share of the denominator)."""
         if not self.ranks.distributed:
             return self.trainer.step(scored.examples, scored.flat)
-        from longhorizon.learner.distributed import scatter_objects
 
         self._command_ranks("step")
         shares = self.trainer.deal_examples(scored.examples)
@@ -647,8 +651,6 @@ class Learner:
 
     def follow_main_rank(self) -> None:
         """A rank other than 0: take part in the collective work rank 0 names, until it says stop."""
-        from longhorizon.learner.distributed import receive_command, scatter_objects
-
         while True:
             command, payload = receive_command()
             if command == "step":
@@ -863,7 +865,6 @@ def _only_cancellation(error: BaseException) -> bool:
 def _model_folder(config: Config, model_path: str | None) -> str:
     if model_path is not None:
         return model_path
-    from longhorizon.common.models import resolve_model_path
 
     return str(resolve_model_path(config.model.path, config.model.cache_dir))
 
@@ -872,8 +873,6 @@ async def run_learner(
     config: Config, endpoints, *, model_path: str | None = None, ranks: Ranks | None = None,
 ) -> Learner:
     """Rank 0 (or the only rank): train with the actors over `endpoints`."""
-    from longhorizon.learner.distributed import destroy_process_group
-
     model_path = _model_folder(config, model_path)
     learner = await trio.to_thread.run_sync(Learner, config, endpoints, config.run_dir, model_path, ranks)
     try:
@@ -885,8 +884,6 @@ async def run_learner(
 
 def run_learner_rank(config: Config, ranks: Ranks, *, model_path: str | None = None) -> None:
     """A rank other than 0: no sockets; hold a shard and follow rank 0 until it says stop."""
-    from longhorizon.learner.distributed import destroy_process_group
-
     learner = Learner(config, None, config.run_dir, _model_folder(config, model_path), ranks)
     try:
         learner.follow_main_rank()

@@ -23,6 +23,7 @@ from longhorizon.actor.engines.base import (
     engine_class,
 )
 from longhorizon.common.config import Config
+from longhorizon.common.models import ModelError, require_model_folder, resolve_model_path
 
 PURPOSES = ("train", "eval", "collect", "checkpoint")
 
@@ -62,8 +63,6 @@ def plan_engine(
     engine_options: dict | None = None, greedy: bool = False,
 ) -> tuple[type, EngineSettings]:
     """The engine class and the settings `build_engine` would start it with."""
-    from longhorizon.common.models import ModelError, require_model_folder, resolve_model_path
-
     if purpose not in PURPOSES:
         raise ValueError(f"unknown engine purpose {purpose!r}; valid: {', '.join(PURPOSES)}")
     name = config.actor.engine

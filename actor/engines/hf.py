@@ -29,7 +29,9 @@ from longhorizon.actor.engines.base import (
 )
 from longhorizon.common.chat import HFChatTokenizer
 from longhorizon.common.config import Section
-from longhorizon.common.models import check_state_for, load_state_into
+from longhorizon.common.models import check_state_for, load_state_into, load_causal_lm, load_tokenizer, resolve_device
+from longhorizon.common.lora import apply_lora, lora_settings, check_adapters_for, load_adapters
+from longhorizon.actor.weights import WeightsReceiver
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,6 @@ class HFEngine:
     def __init__(self, settings: EngineSettings) -> None:
         import torch
 
-        from longhorizon.common.models import load_causal_lm, load_tokenizer, resolve_device
 
         self.device = resolve_device(engine_options(HFEngine, settings.engine_options).device)
         torch.set_num_threads(max(1, settings.torch_threads))
@@ -76,7 +77,6 @@ class HFEngine:
         self.settings = settings
         self.sampling = settings.sampling
         self.model = load_causal_lm(settings.model_path, settings.dtype).to(self.device).eval()
-        from longhorizon.common.lora import apply_lora, lora_settings
 
         # With learner.lora the updates are adapters: the model gets the learner's LoRA layers
         # (a zero update until the first weights arrive).
@@ -90,7 +90,6 @@ class HFEngine:
         self.policy_version = 0
         self.max_batch_size = max(1, settings.max_batch_size)
         self._model_lock = threading.Lock()
-        from longhorizon.actor.weights import WeightsReceiver
 
         self._weights = WeightsReceiver(self.device)  # every transport's end in this process
         self._pending: list[_Slot] = []
@@ -230,8 +229,6 @@ class HFEngine:
         checked whole while generation goes on with the old weights, then swapped in between
         batches. An update that does not fit the model raises `WeightsRefused` before any tensor
         is copied, and the engine keeps its version."""
-        from longhorizon.common.lora import check_adapters_for, load_adapters
-
         state = self._weights.receive(update)
         if self.lora is not None:
             check_adapters_for(self.model, state)

@@ -49,8 +49,11 @@ from longhorizon.actor.engines.base import (
     tokens_through_stop_string,
 )
 from longhorizon.common.config import Section, bounded, check_section
-from longhorizon.common.models import WeightsRefused
+from longhorizon.common.models import WeightsRefused, load_tokenizer
 from longhorizon.common.processes import stop_process
+from longhorizon.actor.model_server import WEIGHTS_REFUSED_CODE
+from longhorizon.common.chat import ByteChatTokenizer, HFChatTokenizer
+from longhorizon.actor.weights import WeightsReceiver
 
 log = logging.getLogger(__name__)
 
@@ -357,12 +360,8 @@ class OpenAIEngine:
     # ------------------------------------------------------------------ setup
 
     def _make_tokenizer(self):
-        from longhorizon.common.chat import ByteChatTokenizer, HFChatTokenizer
-
         folder = self.options.tokenizer_path or self.settings.model_path
         if folder and Path(folder).is_dir():
-            from longhorizon.common.models import load_tokenizer
-
             return HFChatTokenizer(load_tokenizer(folder))
         if self.options.mode == "completions":
             raise EngineError(
@@ -553,7 +552,6 @@ class OpenAIEngine:
         """Inline tensors go to a local safetensors folder the (local) server can read."""
         from safetensors.torch import save_file
 
-        from longhorizon.actor.weights import WeightsReceiver
 
         if self._weights_folder is None:
             self._weights_folder = tempfile.TemporaryDirectory(prefix="longhorizon-weights-")
@@ -586,8 +584,6 @@ class OpenAIEngine:
 def _refused_problems(response) -> list[str]:
     """The problems a `/v1/load_weights` answer lists when the server refused weights that do not
     fit its model (`longhorizon serve-model`'s 422 with code `weights_refused`), else none."""
-    from longhorizon.actor.model_server import WEIGHTS_REFUSED_CODE
-
     if response.status_code != 422:
         return []
     try:

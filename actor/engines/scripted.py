@@ -25,6 +25,8 @@ from longhorizon.actor.engines.base import (
     reject_engine_options,
 )
 from longhorizon.common.chat import ByteChatTokenizer
+from longhorizon.envs.agents import configured_agent, episode_loop, get_agent_loop, ActionParseError, react_reasoning
+from longhorizon.envs.base import get_env_spec
 
 
 class ScriptedEngine:
@@ -41,8 +43,6 @@ class ScriptedEngine:
     @classmethod
     def check_settings(cls, settings: EngineSettings) -> None:
         """The env must have the scripted policy asked for (ValueError)."""
-        from longhorizon.envs.base import get_env_spec
-
         policies = get_env_spec(settings.env_name).policies
         if settings.scripted_policy not in policies:
             raise ValueError(
@@ -51,8 +51,6 @@ class ScriptedEngine:
             )
 
     def __init__(self, settings: EngineSettings) -> None:
-        from longhorizon.envs.base import get_env_spec
-
         reject_engine_options("scripted", settings)
         self.settings = settings
         self.tokenizer = ByteChatTokenizer()
@@ -90,8 +88,6 @@ class ScriptedEngine:
         )
 
     def _as_tool_call(self, reply: str) -> str:
-        from longhorizon.envs.agents import ActionParseError, react_reasoning
-
         try:
             action = self._env_loop.parse_action(reply)
         except ActionParseError:  # a random policy's garbled reply stays garbled
@@ -116,8 +112,6 @@ def _tool_translation(settings: EngineSettings, tokenizer: Any) -> tuple[Any, An
     by tool calls, else (None, None)."""
     if not settings.agent:
         return None, None
-    from longhorizon.envs.agents import configured_agent, episode_loop, get_agent_loop
-    from longhorizon.envs.base import get_env_spec
 
     loop = configured_agent(settings.agent, settings.agent_options)
     if isinstance(loop, str):

@@ -64,9 +64,10 @@ from longhorizon.common.chat import HFChatTokenizer
 from longhorizon.common.collective import CollectiveError
 from longhorizon.common.config import Section, bounded
 from longhorizon.common.lora import LORA_HINT, adapter_specs, lora_settings, merge_adapters, target_weights_of_model_folder
-from longhorizon.common.models import WeightsRefused, check_weights
+from longhorizon.common.models import WeightsRefused, check_weights, weights_problems, load_tokenizer
 from longhorizon.common.processes import remove_tied_folder, tied_folder
 from longhorizon.common.wire import CollectiveWeights
+from longhorizon.actor.weights import CollectiveReceiver, WeightsReceiver, folder_problems
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +164,6 @@ class WorkerExtension:
         The engine loop waits meanwhile, but the weights in use are untouched: requests in flight
         resume with them. Returns the number of tensors received.
         """
-        from longhorizon.actor.weights import CollectiveReceiver
-
         receiver = getattr(self, "_longhorizon_receiver", None)
         if receiver is None:
             receiver = self._longhorizon_receiver = CollectiveReceiver(getattr(self, "device", "cpu"))
@@ -178,7 +177,6 @@ class WorkerExtension:
         weights in use are never touched by it. Returns the problems (none: it may be loaded)."""
         import torch
 
-        from longhorizon.common.models import weights_problems
 
         received = getattr(self, "_longhorizon_received", None)
         if received is None:
@@ -314,10 +312,8 @@ class VLLMEngine:
         load_format, max_model_len, kv_cache_gib = options.load_format, options.max_model_len, options.kv_cache_gib
         enforce_eager = options.enforce_eager
         import_vllm()
-        from longhorizon.common.models import load_tokenizer
 
         self.settings = settings
-        from longhorizon.actor.weights import WeightsReceiver
 
         self._weights = WeightsReceiver()  # inline and path messages, read in this process
         self.sampling = settings.sampling
@@ -487,8 +483,6 @@ class VLLMEngine:
             self._run_blocking(self._reload_on_loop(int(update.version), "longhorizon_load_received_weights"))
             return
         if getattr(update, "path", None):
-            from longhorizon.actor.weights import folder_problems
-
             folder = Path(update.path)
             problems = folder_problems(folder, self._expected, optional=self._optional)
             if problems:

@@ -22,6 +22,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from longhorizon.launch.bench.tables import Column, print_table
+from longhorizon.common.config import config_from_dict
+from longhorizon.common.models import build_tiny_model, load_tokenizer
+from longhorizon.common.metrics import read_metrics
+from longhorizon.launch.launchers.local import launch_local
+from longhorizon.envs.toy.longtail import LengthDistribution
 
 MODES = ("async", "sync")
 TARGET_SPEEDUP = 2.0
@@ -97,15 +102,12 @@ class AsyncVsSyncSettings:
             raise ValueError(f"max-staleness must be >= 0, got {self.max_staleness}")
         if self.rollout_slots not in ("group", "episode"):
             raise ValueError(f"rollout-slots must be group or episode, got {self.rollout_slots!r}")
-        from longhorizon.envs.toy.longtail import LengthDistribution
 
         LengthDistribution(short_turns=self.short_turns, long_turns=self.long_turns, long_fraction=self.long_fraction)
 
 
 def bench_config(settings: AsyncVsSyncSettings, mode: str, output_dir: Path, model_folder: Path):
     """The full run config of one mode; the two modes' configs differ in run.mode and run.name only."""
-    from longhorizon.common.config import config_from_dict
-
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     horizon_cap = max(settings.short_turns[1], settings.long_turns[1])
@@ -186,8 +188,6 @@ def steady_state(records: list[dict], group_size: int) -> dict[str, float]:
 
 def build_bench_model(folder: Path) -> Path:
     """A tiny random model whose vocabulary covers every byte-tokenizer id the actors send."""
-    from longhorizon.common.models import build_tiny_model, load_tokenizer
-
     if not (folder / "config.json").is_file():
         build_tiny_model(folder, words=_TINY_MODEL_WORDS, **_TINY_MODEL_SHAPE)
     vocab_size = len(load_tokenizer(folder))
@@ -201,9 +201,6 @@ def run_mode(
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
     """Train one mode with launch_local and measure it; raises RuntimeError if the run failed."""
-    from longhorizon.common.metrics import read_metrics
-    from longhorizon.launch.launchers.local import launch_local
-
     config = bench_config(settings, mode, output_dir, model_folder)
     if config.run_dir.exists():
         shutil.rmtree(config.run_dir)  # metrics.jsonl is appended to; a stale one would mix runs

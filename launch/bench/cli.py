@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from longhorizon.common.args import positive_int
-from longhorizon.launch.bench import async_vs_sync
+from longhorizon.launch.bench import async_vs_sync, transport, envs, sciworld
 from longhorizon.launch.bench.tables import BenchStopped, parsed, run_as_command
 
 BENCHMARKS = ("transport", "async-vs-sync", "envs", "sciworld-memory", "all")
@@ -45,8 +45,6 @@ STANDALONE_BENCHMARKS = {
 
 
 def _run_transport(args: argparse.Namespace) -> dict[str, Any]:
-    from longhorizon.launch.bench import transport
-
     result = transport.bench_transport(
         trajectory_bytes=args.trajectory_bytes,
         messages=args.transport_messages,
@@ -140,8 +138,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_envs(args: argparse.Namespace) -> dict[str, Any]:
-    from longhorizon.launch.bench import envs
-
     result = envs.bench_env_steps(tuple(args.envs or envs.DEFAULT_ENVS), seconds=args.env_seconds)
     envs.print_report(result)
     return result
@@ -167,8 +163,6 @@ def run(argv: list[str]) -> dict[str, Any]:
         results["async_vs_sync"] = result
         async_vs_sync.print_report(result)
     if args.name == "sciworld-memory":
-        from longhorizon.launch.bench import sciworld
-
         results["sciworld_memory"] = sciworld.bench_sciworld_memory(args.episodes)
         sciworld.print_report(results["sciworld_memory"])
     if args.name in ("envs", "all"):

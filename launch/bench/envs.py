@@ -18,13 +18,15 @@ import trio
 
 from longhorizon.envs.agents import ActionParseError, parse_action
 from longhorizon.launch.bench.tables import Column, print_table
+from longhorizon.envs.base import make_policy, list_tasks, make_env
+from longhorizon.envs.remote import RemoteEnv
+from longhorizon.envs.server import EnvServer
+from longhorizon.envs.service import ServiceSettings
 
 DEFAULT_ENVS = ("codebook", "textcraft", "babyai")
 
 
 async def _play(make_env, env_name: str, tasks: list, *, seconds: float, max_turns: int, seed: int) -> dict:
-    from longhorizon.envs.base import make_policy
-
     env = make_env()
     rng = random.Random(seed)
     steps = resets = 0
@@ -58,11 +60,6 @@ async def _play(make_env, env_name: str, tasks: list, *, seconds: float, max_tur
 
 def bench_env_steps(env_names=DEFAULT_ENVS, *, seconds: float = 5.0, max_turns: int = 20, seed: int = 0) -> dict:
     """Steps/s (env calls only, resets included in the time) per env, in-process and over HTTP."""
-    from longhorizon.envs.base import list_tasks, make_env
-    from longhorizon.envs.remote import RemoteEnv
-    from longhorizon.envs.server import EnvServer
-    from longhorizon.envs.service import ServiceSettings
-
     result: dict[str, Any] = {"seconds_per_run": seconds}
     for name in env_names:
         tasks = list_tasks(name, "train")

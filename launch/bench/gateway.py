@@ -22,6 +22,12 @@ from typing import Any
 
 from longhorizon.common.args import positive_int
 from longhorizon.launch.bench.tables import Column, parsed, print_table, run_as_command
+from longhorizon.actor.engines.base import GenerationRequest, EngineSettings, make_engine
+from longhorizon.actor.gateway import ChatRenderer, GatewaySettings, SessionBook
+from longhorizon.actor.gateway_server import Gateway, serve_gateway
+from longhorizon.common.config import SamplingConfig
+from longhorizon.common.models import DEFAULT_MODEL, resolve_model_path
+from longhorizon.envs.tool_calls import get_tool_call_format
 
 PROG = "longhorizon bench gateway"
 _TOPICS = ["the sea", "bread", "a lighthouse", "owls", "rain", "chess", "a market", "trains"]
@@ -44,7 +50,6 @@ def _messages(session: int) -> list[dict]:
 async def _direct(engine, renderer, sessions: int, calls: int) -> list[float]:
     import trio
 
-    from longhorizon.actor.engines.base import GenerationRequest
 
     latencies: list[float] = []
 
@@ -95,12 +100,6 @@ def run(argv: list[str]) -> dict[str, Any]:
     counts = [int(part) for part in args.sessions.split(",") if part.strip()]
     import trio
 
-    from longhorizon.actor.engines.base import EngineSettings, make_engine
-    from longhorizon.actor.gateway import ChatRenderer, GatewaySettings, SessionBook
-    from longhorizon.actor.gateway_server import Gateway, serve_gateway
-    from longhorizon.common.config import SamplingConfig
-    from longhorizon.common.models import DEFAULT_MODEL, resolve_model_path
-    from longhorizon.envs.tool_calls import get_tool_call_format
 
     model = resolve_model_path(args.model or DEFAULT_MODEL)
     engine = make_engine("hf", EngineSettings(

@@ -31,6 +31,17 @@ from typing import Any
 
 from longhorizon.launch.bench.memory import GIB, memory_use
 from longhorizon.launch.bench.tables import BenchStopped, Column, parsed, print_table, run_as_command
+from longhorizon.common.models import load_tokenizer, load_causal_lm, resolve_model_path
+from longhorizon.actor.engines.base import (
+    GenerationRequest,
+    capabilities_of,
+    engine_class,
+    make_engine,
+    EngineSettings,
+    EngineError,
+    engine_names,
+)
+from longhorizon.common.config import SamplingConfig
 
 PROG = "longhorizon bench generation"
 
@@ -66,7 +77,6 @@ def write_shaped_model_folder(shape: str, folder: Path, tokenizer_from: Path) ->
     """
     if shape not in MODEL_SHAPES:
         raise ValueError(f"unknown model shape {shape!r}; available: {', '.join(sorted(MODEL_SHAPES))}")
-    from longhorizon.common.models import load_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(tokenizer_from)
@@ -112,7 +122,6 @@ def _prompts(engine, count: int, offset: int = 0) -> list[list[int]]:
 async def _generate_batch(engine, prompts: list[list[int]], tag: str, offset: int = 0):
     import trio
 
-    from longhorizon.actor.engines.base import GenerationRequest
 
     results = [None] * len(prompts)
     conversations = _messages(len(prompts), offset)  # text engines (scripted) act on the messages
@@ -131,15 +140,12 @@ async def _generate_batch(engine, prompts: list[list[int]], tag: str, offset: in
 def _plays_model(name: str) -> bool:
     """Whether the engine plays a language model: scripted policies have no weights to update,
     no model path to resolve and no log-probs to compare with the learner's."""
-    from longhorizon.actor.engines.base import capabilities_of, engine_class
-
     return capabilities_of(engine_class(name)).uses_model
 
 
 def _make_engine(name: str, settings, load_format: str):
     import dataclasses
 
-    from longhorizon.actor.engines.base import make_engine
 
     if load_format != "auto":
         if name != "vllm":
@@ -170,8 +176,6 @@ def bench_engine(name: str, args: argparse.Namespace, model_path: str) -> dict[s
     """Start one engine, measure it, close it; returns its figures."""
     import trio
 
-    from longhorizon.actor.engines.base import EngineSettings
-    from longhorizon.common.config import SamplingConfig
 
     sampling = SamplingConfig(temperature=args.temperature, top_p=1.0, max_new_tokens=args.new_tokens)
     settings = EngineSettings(
@@ -211,8 +215,6 @@ def bench_engine(name: str, args: argparse.Namespace, model_path: str) -> dict[s
         if not _plays_model(name) or args.load_format == "dummy":
             result["logprob_mismatch"] = None
         else:
-            from longhorizon.common.models import load_causal_lm
-
             learner = load_causal_lm(model_path, args.dtype).eval()
             learner_rows = _learner_logprobs(learner, prompts, results, args.temperature if args.temperature > 0 else 1.0)
             result["logprob_mismatch"] = logprob_mismatch([r.logprobs for r in results], learner_rows)
@@ -221,11 +223,8 @@ def bench_engine(name: str, args: argparse.Namespace, model_path: str) -> dict[s
 
 def _time_updates(engine, name: str, args: argparse.Namespace, model_path: str) -> dict[str, float | None]:
     """Median seconds of update_weights per transport; None where the engine cannot reload."""
-    from longhorizon.actor.engines.base import EngineError
-
     if args.updates < 1 or args.load_format == "dummy" or not _plays_model(name) or not model_path:
         return {"inline": None, "path": None}
-    from longhorizon.common.models import load_causal_lm
     from longhorizon.learner.broadcast import make_weights_update
 
     model = load_causal_lm(model_path, args.dtype)
@@ -325,8 +324,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> None:
-    from longhorizon.actor.engines.base import engine_names
-
     engines = args.engines or ["hf"]
     unknown = [name for name in engines if name not in engine_names()]
     if unknown:
@@ -343,8 +340,6 @@ def run(argv: list[str]) -> dict[str, Any]:
     """Measure as the options say, print the tables, return the settings and each engine's figures."""
     args = parsed(build_parser(), argv, check=_check)
     args.engines = args.engines or ["hf"]
-    from longhorizon.actor.engines.base import EngineError
-    from longhorizon.common.models import resolve_model_path
 
     scratch = None
     try:

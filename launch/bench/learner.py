@@ -49,6 +49,10 @@ from typing import Any
 from longhorizon.common.args import parse_args
 from longhorizon.launch.bench.memory import MIB, PeakRss
 from longhorizon.launch.bench.tables import BenchStopped, Column, parsed, print_table, run_as_command
+from longhorizon.common.config import LearnerConfig
+from longhorizon.common.models import load_causal_lm, resolve_device, resolve_model_path
+from longhorizon.learner import distributed
+from longhorizon.learner.distributed import exit_without_teardown, STORE_FILE_VARIABLE
 
 PROG = "longhorizon bench learner"
 
@@ -76,8 +80,6 @@ def _switches(text: str) -> list[bool]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from longhorizon.common.config import LearnerConfig
-
     defaults = LearnerConfig()
     parser = argparse.ArgumentParser(prog="longhorizon bench learner", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model folder or name (default %(default)s)")
@@ -175,9 +177,6 @@ def measure(args: argparse.Namespace, kind: str, shared_prefix: bool = False) ->
     not) in this process (one rank)."""
     import torch
 
-    from longhorizon.common.config import LearnerConfig
-    from longhorizon.common.models import load_causal_lm, resolve_device, resolve_model_path
-    from longhorizon.learner import distributed
     from longhorizon.learner.logprobs import pad_examples
     from longhorizon.learner.shared_prefix import computed_tokens, plan_group_micro_batches, plan_micro_batches
     from longhorizon.learner.trainer import Trainer
@@ -321,8 +320,6 @@ def main(argv: list[str]) -> int:
     if args.one is not None:  # a process the benchmark started: one measurement, as JSON
         print(json.dumps(measure(args, args.one, args.one_shared)))
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from longhorizon.learner.distributed import exit_without_teardown
-
             exit_without_teardown(0)  # a rank: see there why
         return 0
     return run_as_command(PROG, run, argv)
@@ -361,7 +358,6 @@ def _run_ranks(shared: list[str], kind: str, rank_count: int) -> dict[str, Any]:
     the loopback interface); rank 0's timings, the largest peak memory of any rank."""
     import tempfile
 
-    from longhorizon.learner.distributed import STORE_FILE_VARIABLE
 
     command = [sys.executable, "-m", "longhorizon.launch.bench.learner", *shared, "--one", kind]
     with tempfile.TemporaryDirectory(prefix="bench-learner-") as scratch:

@@ -23,18 +23,17 @@ import trio
 
 from longhorizon.launch.bench.memory import MIB, memory_use
 from longhorizon.launch.bench.tables import Column, print_json, print_table
+from longhorizon.envs.base import (
+    action_from_reply,
+    list_tasks,
+    make_env,
+    make_policy,
+    )
+from longhorizon.envs.sciworld.policies import shared_reference
 
 
 async def _run(episodes: int, steps_per_episode: int, recycle_after_episodes: int, sample_every: int,
                task_names: Sequence[str] | None, seed: int, time_limit_s: float | None) -> dict[str, Any]:
-    from longhorizon.envs.base import (
-        action_from_reply,
-        list_tasks,
-        make_env,
-        make_policy,
-    )
-    from longhorizon.envs.sciworld.policies import shared_reference
-
     options = {"task_names": task_names, "recycle_after_episodes": recycle_after_episodes}
     tasks = list_tasks("sciworld", "train", **options)
     env = make_env("sciworld", **options)

@@ -31,6 +31,11 @@ import trio
 
 from longhorizon.launch.bench.memory import MIB, PeakRss, memory_use
 from longhorizon.launch.bench.tables import Column, parsed, print_table, run_as_command
+from longhorizon.envs.search.retriever import BM25Retriever, build_bm25_index
+from longhorizon.envs.base import action_from_reply, make_env, make_policy, list_tasks
+from longhorizon.envs.search.builtin import CORPUS_FILE, write_builtin
+from longhorizon.envs.search.data import load_qa, resolve_data
+from longhorizon.envs.search.recall import recall_at_k
 
 PROG = "longhorizon bench search"
 
@@ -52,8 +57,6 @@ def _latency(search: Callable[[list[str], int], Any], queries: Sequence[str], k:
 
 def _serve(corpus_path: str, index_dir: str, queries: list[str], k: int) -> dict[str, Any]:
     """In a fresh process (as an actor would): open the index, time the queries, report memory."""
-    from longhorizon.envs.search.retriever import BM25Retriever
-
     before_open = memory_use().rss_bytes
     started = time.perf_counter()
     retriever = BM25Retriever(corpus_path, index_dir)
@@ -77,8 +80,6 @@ def _serve_in_fresh_process(corpus_path: Path, index_dir: Path, queries: list[st
 
 
 def _build(corpus_path: Path, index_dir: Path) -> dict[str, Any]:
-    from longhorizon.envs.search.retriever import build_bm25_index
-
     with PeakRss() as build_memory:
         started = time.perf_counter()
         meta = build_bm25_index(corpus_path, index_dir)
@@ -89,8 +90,6 @@ def _build(corpus_path: Path, index_dir: Path) -> dict[str, Any]:
 
 
 async def _oracle_steps(tasks: list, seconds_cap: float) -> dict[str, float]:
-    from longhorizon.envs.base import action_from_reply, make_env, make_policy
-
     env = make_env("search")
     calls = successes = episodes = 0
     env_seconds = 0.0
@@ -121,11 +120,6 @@ async def _oracle_steps(tasks: list, seconds_cap: float) -> dict[str, float]:
 
 def bench_builtin(query_count: int, seconds_cap: float) -> dict[str, Any]:
     """Figures on the built-in corpus; the index is built from scratch in a temporary folder."""
-    from longhorizon.envs.search.builtin import CORPUS_FILE, write_builtin
-    from longhorizon.envs.search.data import load_qa, resolve_data
-    from longhorizon.envs.search.recall import recall_at_k
-    from longhorizon.envs.search.retriever import BM25Retriever
-
     result: dict[str, Any] = {}
     scratch = Path(tempfile.mkdtemp(prefix="bench-search-"))
     try:
@@ -144,7 +138,6 @@ def bench_builtin(query_count: int, seconds_cap: float) -> dict[str, Any]:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     # Env speed on the cached built-in data (what an actor uses).
-    from longhorizon.envs.base import list_tasks
 
     resolve_data("builtin", None, None, None)
     result["env"] = trio.run(_oracle_steps, list_tasks("search", "test"), seconds_cap)

@@ -22,6 +22,10 @@ import trio
 
 from longhorizon.launch.bench.memory import MIB, memory_use
 from longhorizon.launch.bench.tables import BenchStopped, Column, parsed, print_table, run_as_command
+from longhorizon.envs.web.policies import parse_nodes
+from longhorizon.envs.base import list_tasks
+from longhorizon.envs.web.browser import BrowserPool
+from longhorizon.envs.web.miniwob import MiniWobEnv
 
 PROG = "longhorizon bench web"
 
@@ -35,8 +39,6 @@ def _memory_mib(pids: list[int]) -> tuple[float, float]:
 
 
 def _checkbox(observation: str) -> str:
-    from longhorizon.envs.web.policies import parse_nodes
-
     boxes = [node.bid for node in parse_nodes(observation) if node.role == "checkbox"]
     if not boxes:
         raise RuntimeError(f"the {TASK} page shows no checkbox:\n{observation[:500]}")
@@ -44,10 +46,6 @@ def _checkbox(observation: str) -> str:
 
 
 async def _bench(contexts: list[int], seconds: float, resets: int, steps: int, browsers: int) -> dict[str, Any]:
-    from longhorizon.envs.base import list_tasks
-    from longhorizon.envs.web.browser import BrowserPool
-    from longhorizon.envs.web.miniwob import MiniWobEnv
-
     pool = BrowserPool(browsers)
     result: dict[str, Any] = {"task": TASK, "browsers": browsers, "seconds_per_run": seconds}
     try:

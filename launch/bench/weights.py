@@ -62,9 +62,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from longhorizon.common.args import positive_int
+from longhorizon.common.args import positive_int, parse_args
 from longhorizon.launch.bench.memory import peak_rss_bytes, reset_peak_rss
 from longhorizon.launch.bench.tables import BenchStopped, Column, parsed, print_table, run_as_command
+from longhorizon.common.models import load_causal_lm, resolve_model_path, load_state_into
+from longhorizon.learner.weights import MESSAGE_FORMS, TRANSPORTS, PublisherContext, build_publisher, publisher_class
+from longhorizon.actor.weights import WeightsReceiver
+from longhorizon.common.transport import ZmqSubscriber, ZmqPublisher
+from longhorizon.common.wire import CollectiveWeights, HorizonUpdate, WeightsUpdate
+from longhorizon.common.processes import die_with_parent, remove_tied_folder, tied_folder
+from longhorizon.common.memory import keep_freed_message_memory
+from longhorizon.common.collective import copy_into
 
 PROG = "longhorizon bench weights"
 
@@ -201,8 +209,6 @@ class Payload:
 def build_source(payload: Payload):
     """The sender's side of a payload: a model (as loaded for training) or a StateDictSource."""
     if payload.kind == "model":
-        from longhorizon.common.models import load_causal_lm
-
         return load_causal_lm(payload.folder).eval()
     return StateDictSource(make_synthetic_state(synthetic_shapes(payload.synthetic_params)))
 
@@ -214,7 +220,6 @@ class ModelTarget:
     def __init__(self, folder: str) -> None:
         import torch
 
-        from longhorizon.common.models import load_causal_lm
 
         self.model = load_causal_lm(folder).eval()
         with torch.no_grad():
@@ -222,8 +227,6 @@ class ModelTarget:
                 parameter.zero_()
 
     def load(self, update, receiver) -> None:
-        from longhorizon.common.models import load_state_into
-
         load_state_into(self.model, receiver.receive(update))
 
     def state(self) -> dict[str, Any]:
@@ -244,8 +247,6 @@ class TensorsTarget:
         }
 
     def load(self, update, receiver) -> None:
-        from longhorizon.common.wire import WeightsUpdate
-
         received = update.tensors if isinstance(update, WeightsUpdate) else None
         if received is None:
             self._copy_in(receiver.receive(update))
@@ -260,8 +261,6 @@ class TensorsTarget:
             self._copy_in(receiver.receive(one))
 
     def _copy_in(self, state: dict[str, Any]) -> None:
-        from longhorizon.common.collective import copy_into
-
         unknown = set(state) - set(self.tensors)
         if unknown:
             raise ValueError(f"unexpected tensors in the update: {sorted(unknown)[:5]}")
@@ -290,14 +289,10 @@ _BENCH_PEER = "bench-receiver"
 
 def transport_names() -> list[str]:
     """What `--transports` accepts: every transport the registry knows (plug-ins too)."""
-    from longhorizon.learner.weights import TRANSPORTS
-
     return TRANSPORTS.names()
 
 
 def default_transports() -> tuple[str, ...]:
-    from longhorizon.learner.weights import MESSAGE_FORMS, TRANSPORTS
-
     builtins = TRANSPORTS.builtin_names()
     return tuple(sorted(builtins, key=lambda name: MESSAGE_FORMS.index(name) if name in MESSAGE_FORMS else 99))
 
@@ -320,7 +315,6 @@ class BenchSender:
     def __init__(self, transport: str, zmq_publisher, weights_dir: Path, timeout_s: float) -> None:
         import trio
 
-        from longhorizon.learner.weights import PublisherContext, build_publisher, publisher_class
 
         self.zmq_publisher = zmq_publisher
 
@@ -368,9 +362,6 @@ async def _receiver_main(address: str, threads: int) -> None:
     import trio
     import zmq
 
-    from longhorizon.actor.weights import WeightsReceiver
-    from longhorizon.common.transport import ZmqSubscriber
-    from longhorizon.common.wire import CollectiveWeights, HorizonUpdate, WeightsUpdate
 
     torch.set_num_threads(threads)
     # One receiver for every run, as an engine holds one (a collective's group is kept in it).
@@ -435,10 +426,7 @@ def _receive_raw_frames(context, command: dict[str, Any]) -> None:
 
 
 def run_receiver(address: str, threads: int, parent_pid: int) -> int:
-    from longhorizon.common.processes import die_with_parent
-
     die_with_parent(parent_pid=parent_pid)  # a receiver never outlives the benchmark
-    from longhorizon.common.memory import keep_freed_message_memory
 
     keep_freed_message_memory()
     import trio
@@ -617,8 +605,6 @@ def run_transport(
 ) -> dict[str, Any]:
     """Warm-up and timed updates of one payload over one transport; the receiver's tensors are
     compared with the source's after the last."""
-    from longhorizon.common.processes import remove_tied_folder, tied_folder
-
     updates = settings.warmup + settings.repeats
     receiver.command("prepare", payload=payload.as_dict(), transport=transport_name, updates=updates)
     receiver.expect("prepared", settings.timeout_s)
@@ -684,10 +670,6 @@ def bench_weights(
     import torch
     import trio
     import zmq
-
-    from longhorizon.common.memory import keep_freed_message_memory
-    from longhorizon.common.transport import ZmqPublisher
-    from longhorizon.common.wire import HorizonUpdate
     from longhorizon.learner.broadcast import unique_state_dict
 
     known = transport_names()
@@ -851,8 +833,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _settings_from(args: argparse.Namespace) -> Settings:
     payloads = []
     if not args.no_model:
-        from longhorizon.common.models import resolve_model_path
-
         folder = resolve_model_path(args.model, args.model_cache)
         payloads.append(Payload(kind="model", label=Path(args.model).name, folder=str(folder)))
     if args.synthetic_params > 0:
@@ -896,8 +876,6 @@ def run(argv: list[str]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    from longhorizon.common.args import parse_args
-
     args = parse_args(build_parser(), argv)
     if isinstance(args, int):  # --help, or a usage error argparse has printed
         return args

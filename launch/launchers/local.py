@@ -20,6 +20,11 @@ from pathlib import Path
 from longhorizon.common.config import Config
 from longhorizon.launch.checks import validate_config
 from longhorizon.launch.launchers.supervise import SubprocessControl, prepare_run_dir, process_name, supervise, with_ports
+from longhorizon.learner.distributed import STORE_FILE_VARIABLE
+from longhorizon.common.models import resolve_model_path
+from longhorizon.common.auth import auth_environments
+from longhorizon.actor.worker import run_actor
+from longhorizon.common.transport import InProcessNetwork
 
 
 class _Child(SubprocessControl):
@@ -69,8 +74,6 @@ class _Child(SubprocessControl):
 def _learner_ranks(config: Config, config_path: Path, run_dir: Path) -> list[_Child]:
     """The learner's processes: one, or `learner.num_ranks` ranks that find rank 0 through
     torch.distributed's environment variables (as torchrun would set them)."""
-    from longhorizon.learner.distributed import STORE_FILE_VARIABLE
-
     num_ranks = config.learner.num_ranks
     if num_ranks == 1:
         return [_Child("learner", 0, config_path, run_dir / "logs" / "learner.log")]
@@ -97,8 +100,6 @@ def _remove_ranks_store(run_dir: Path) -> None:
 
 def launch_local(config: Config, *, progress=print) -> int:
     """Run a training job in processes; returns the exit code (0 when training finished)."""
-    from longhorizon.common.models import resolve_model_path
-
     validate_config(config)
     config = with_ports(config)
     # Convert or build the model once here, not in every process at the same time; a model that
@@ -115,7 +116,6 @@ def launch_local(config: Config, *, progress=print) -> int:
     children = [*learner_ranks, *actors]
     # This run's CurveZMQ keys or secret (common/auth.py), in each process's environment only
     # (never in a file).
-    from longhorizon.common.auth import auth_environments
 
     credentials_by_role = auth_environments(config.transport)
     for child in children:
@@ -139,8 +139,6 @@ async def train_in_process(config: Config, *, model_path: str | None = None, eng
     """Learner and actors as trio tasks in this process over the in-process transport."""
     import trio
 
-    from longhorizon.actor.worker import run_actor
-    from longhorizon.common.transport import InProcessNetwork
     from longhorizon.learner.worker import run_learner
 
     validate_config(config)

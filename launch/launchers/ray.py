@@ -42,6 +42,11 @@ from pathlib import Path
 from longhorizon.common.config import Config, ConfigError, dump_toml
 from longhorizon.common.processes import remove_tied_folder, tied_folder
 from longhorizon.launch.launchers.supervise import SubprocessControl, prepare_run_dir, process_name, supervise
+from longhorizon.learner.weights import publisher_class
+from longhorizon.common.auth import auth_environments, auth_mechanism
+from longhorizon.common.models import resolve_model_path
+from longhorizon.launch.checks import validate_config
+from longhorizon.learner.distributed import STORE_FILE_VARIABLE
 
 RUN_STORAGES = ("auto", "shared", "node")
 INSTALL_HINT = "install it with `pip install -e '.[ray]'` (`make setup` does), on this machine and every node"
@@ -596,8 +601,6 @@ class Placement:
 
     def rank_environments(self) -> list[dict[str, str]]:
         """torch.distributed's variables for each learner rank (none for a single rank)."""
-        from longhorizon.learner.distributed import STORE_FILE_VARIABLE
-
         num_ranks = self.config.learner.num_ranks
         if num_ranks == 1:
             return [{}]
@@ -663,8 +666,6 @@ class RunCopier:
 
 def _weights_need_shared_storage(config: Config) -> bool:
     """Whether the weights transport has the actors read what the learner writes to its disk."""
-    from longhorizon.learner.weights import publisher_class
-
     return publisher_class(config.learner.weights_transport).shared_filesystem
 
 
@@ -725,10 +726,6 @@ def _push_run(ray, host, run_dir: Path) -> int:
 
 def launch_ray(config: Config, *, progress=print) -> int:
     """Run a training job on the Ray cluster at `ray.address`; returns the exit code as launch_local."""
-    from longhorizon.common.auth import auth_environments, auth_mechanism
-    from longhorizon.common.models import resolve_model_path
-    from longhorizon.launch.checks import validate_config
-
     check_ray_settings(config)
     ray = import_ray()
     validate_config(_driver_view(config))

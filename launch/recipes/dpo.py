@@ -28,16 +28,15 @@ from longhorizon.learner.logprobs import (
     chunked_logprobs_match, pad_examples, token_logprobs, use_gradient_checkpointing,
 )
 from longhorizon.learner.optimiser import OfflineSettings, run_offline_steps
+from longhorizon.common.conversations import tokenizer_fingerprint
+from longhorizon.common.metrics import MetricsWriter
+from longhorizon.common.progress import ProgressBar
+from longhorizon.learner.checkpoint import checkpoint_dir
 
 
 def run_dpo(config: Config, *, note: Callable[[str], None] = print, progress_stream=None) -> dict:
     """Check everything, compute the reference, train, checkpoint, evaluate; returns the summary
     (also written to `<run dir>/dpo_summary.json`)."""
-    from longhorizon.common.conversations import tokenizer_fingerprint
-    from longhorizon.common.metrics import MetricsWriter
-    from longhorizon.common.progress import ProgressBar
-    from longhorizon.learner.checkpoint import checkpoint_dir
-
     check_dpo_config(config)
     dpo, learner = config.dpo, config.learner
     model_folder, hf_tokenizer, chat_tokenizer, model, device = load_model_for_training(config)

@@ -17,6 +17,16 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from longhorizon.actor.engines.factory import plan_engine
+from longhorizon.actor.evaluate import play_tasks, pass_at_k_curve, summarise, default_ks
+from longhorizon.envs.agents import configured_agent
+from longhorizon.common.args import key_value_options, parse_args
+from longhorizon.common.config import load_config, ConfigError
+from longhorizon.common.progress import ProgressBar
+from longhorizon.envs.base import list_tasks
+from longhorizon.launch import plot_eval
+from longhorizon.actor.engines.base import EngineError
+from longhorizon.common.models import ModelError
 
 SWEEPS = ("horizon", "pass-at-k")
 
@@ -60,8 +70,6 @@ def make_eval_engine(config, checkpoint: str | Path | None = None, engine_option
     `engine_options` add to (and override) actor.engine_options; the engine checks them.
     `announce(model path)` is called once the plan is checked, before the engine starts (tens of
     seconds for vLLM or a large model), so that a user is not left waiting in silence."""
-    from longhorizon.actor.engines.factory import plan_engine
-
     engine_class, settings = plan_engine(
         config, "eval", model_path=str(checkpoint) if checkpoint else None, engine_options=dict(engine_options or {}),
     )
@@ -70,9 +78,6 @@ def make_eval_engine(config, checkpoint: str | Path | None = None, engine_option
 
 
 async def _play(engine, config, tasks, *, samples: int, horizon_cap: int, on_episode=lambda record: None):
-    from longhorizon.actor.evaluate import play_tasks
-    from longhorizon.envs.agents import configured_agent
-
     return await play_tasks(
         engine, config.env.name, dict(config.env.options), tasks, samples=samples, horizon_cap=horizon_cap,
         max_new_tokens=config.actor.sampling.max_new_tokens, max_context_tokens=config.actor.max_context_tokens,
@@ -115,8 +120,6 @@ class EvalRequest:
     def checked(self) -> EvalRequest:
         """This request with the pass-at-k sweep's default values filled in; ValueError naming
         the option that does not fit."""
-        from longhorizon.actor.evaluate import default_ks
-
         for name in ("tasks", "samples", "bootstrap"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -142,8 +145,6 @@ class EvalRequest:
 
 def request_from_args(args: argparse.Namespace) -> EvalRequest:
     """The command line's options as an EvalRequest."""
-    from longhorizon.common.args import key_value_options
-
     return EvalRequest(
         checkpoint=args.checkpoint, tasks=args.tasks, samples=args.samples, ks=tuple(_int_list(args.k, "--k")),
         horizon=args.horizon, sweep=args.sweep,
@@ -154,8 +155,6 @@ def request_from_args(args: argparse.Namespace) -> EvalRequest:
 
 def run_eval(args: argparse.Namespace) -> dict:
     """`longhorizon eval`'s evaluation: evaluate_config on the command line's config and options."""
-    from longhorizon.common.config import load_config
-
     return evaluate_config(load_config(args.config, args.overrides), request_from_args(args))
 
 
@@ -164,9 +163,6 @@ def evaluate_config(config, request: EvalRequest, *, status=None) -> dict:
     `status(line)` receives the line that says the engine is starting (default: stderr)."""
     import trio
 
-    from longhorizon.actor.evaluate import pass_at_k_curve, summarise
-    from longhorizon.common.progress import ProgressBar
-    from longhorizon.envs.base import list_tasks
 
     request = request.checked()
     if status is None:
@@ -249,8 +245,6 @@ def print_summary(summary: dict, samples: int) -> None:
 
 def write_outputs(document: dict, output_dir: Path) -> list[Path]:
     """The JSON document, the episodes, and for a sweep its table and plot."""
-    from longhorizon.launch import plot_eval
-
     output_dir.mkdir(parents=True, exist_ok=True)
     records = document.pop("_records")
     sweep = document.get("sweep")
@@ -268,11 +262,6 @@ def write_outputs(document: dict, output_dir: Path) -> list[Path]:
 
 
 def main(argv: list[str]) -> int:
-    from longhorizon.actor.engines.base import EngineError
-    from longhorizon.common.config import ConfigError
-    from longhorizon.common.models import ModelError
-
-    from longhorizon.common.args import parse_args
 
     args = parse_args(build_parser(), argv)
     if isinstance(args, int):  # --help, or a usage error argparse has printed
@@ -286,8 +275,6 @@ def main(argv: list[str]) -> int:
     if sweep is None:
         print_summary(document, args.samples)
     else:
-        from longhorizon.launch import plot_eval
-
         print(f"{document['env']} {document['split']}: {document['tasks']} tasks x {args.samples} samples, "
               f"{sweep} sweep")
         print(plot_eval.horizon_table(document) if sweep == "horizon" else plot_eval.pass_at_k_table(document), end="")
@@ -296,8 +283,6 @@ def main(argv: list[str]) -> int:
         if warning:
             print(warning)
     if sweep is not None or args.output_dir:
-        from longhorizon.common.config import load_config
-
         output_dir = Path(args.output_dir) if args.output_dir else _default_output_dir(
             load_config(args.config, args.overrides), args.checkpoint)
         written = write_outputs(document, output_dir)

@@ -37,6 +37,9 @@ from pathlib import Path
 
 from longhorizon.common.args import parse_args, positive_int
 from longhorizon.common.processes import stop_process
+from longhorizon.common.config import load_config
+from longhorizon.common.metrics import read_metrics
+from longhorizon.launch.checks import validate_config
 
 LAST_STEPS = 10
 """Steps at the end of a run over which a freeze is judged."""
@@ -232,10 +235,6 @@ def _check_overrides(overrides: Sequence[str]) -> None:
 
 def run_experiment(settings: Settings, progress=print) -> dict:
     """Train every seed in turn, judge each run; write freezes.json and return its document."""
-    from longhorizon.common.config import load_config
-    from longhorizon.common.metrics import read_metrics
-    from longhorizon.launch.checks import validate_config
-
     if settings.runs < 1:
         raise ValueError(f"--runs must be at least 1, got {settings.runs}")
     _check_overrides(settings.overrides)

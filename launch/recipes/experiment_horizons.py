@@ -38,6 +38,13 @@ from typing import Sequence
 
 from longhorizon.common.processes import stop_process
 from longhorizon.envs.agents import configured_agent
+from longhorizon.envs.base import list_tasks
+from longhorizon.common.metrics import read_metrics
+from longhorizon.actor.engines.factory import build_engine
+from longhorizon.actor.evaluate import play_tasks
+from longhorizon.common.config import load_config
+from longhorizon.common.models import build_tiny_model
+from longhorizon.envs.toy.codechain import vocabulary
 
 ARMS = ("fixed-short", "fixed-long", "stepwise", "adaptive")
 ARM_COLOURS = {"fixed-short": "tab:blue", "fixed-long": "tab:red", "stepwise": "tab:green", "adaptive": "tab:purple"}
@@ -159,8 +166,6 @@ class Plan:
 
 
 def make_plan(config, budget_turns: int) -> Plan:
-    from longhorizon.envs.base import list_tasks
-
     stages = tuple(config.horizon.stages)
     if len(stages) < 2:
         raise ValueError(f"the horizon experiment needs at least two horizon.stages (short and long), got {list(stages)}")
@@ -194,8 +199,6 @@ def train_to_budget(config_path: Path, overrides: list[str], run_dir: Path, mode
     """Run `longhorizon train` until its turns reach the budget, copying the checkpoint of the
     first step past each evaluation target into models_dir/step_N. Returns the run's accounting;
     `progress` hears of each tenth of the budget reached."""
-    from longhorizon.common.metrics import read_metrics
-
     tenths_said = 0
 
     targets = budget_targets(budget_turns, points)
@@ -261,9 +264,6 @@ def evaluate_model(config, model_folder: Path, cap: int) -> dict:
     """Greedy play of every held-out task once at `cap`: success overall, on easy and on hard tasks."""
     import trio
 
-    from longhorizon.actor.engines.factory import build_engine
-    from longhorizon.actor.evaluate import play_tasks
-    from longhorizon.envs.base import list_tasks
 
     engine = build_engine(config, "checkpoint", model_path=str(model_folder), greedy=True)
     tasks = list_tasks(config.env.name, config.env.eval_split, **config.env.options)
@@ -361,10 +361,6 @@ def plot_curves(summary: dict, budget_turns: float, path: Path, title: str) -> P
 
 def run_experiment(settings: Settings, progress=print) -> dict:
     """Train and evaluate every arm and seed; write curves.json and horizons.png; return the document."""
-    from longhorizon.common.config import load_config
-    from longhorizon.common.models import build_tiny_model
-    from longhorizon.envs.toy.codechain import vocabulary
-
     for arm in settings.arms:
         if arm not in ARMS:
             raise ValueError(f"unknown arm {arm!r}; valid arms: {', '.join(ARMS)}")

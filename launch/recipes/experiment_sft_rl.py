@@ -33,12 +33,21 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from longhorizon.common.config import Config, ConfigError, dump_toml
+from longhorizon.common.config import Config, ConfigError, dump_toml, load_config
+from longhorizon.envs.base import list_tasks, get_env_spec
+from longhorizon.common.models import ModelError, require_model_folder, resolve_model_path
+from longhorizon.actor.engines.base import EngineError, engine_class
+from longhorizon.actor.engines.factory import plays_local_weights
+from longhorizon.actor.metrics import wilson_interval, two_proportion_test
+from longhorizon.actor.collect import run_collect
+from longhorizon.launch.recipes.child import run_in_child
+from longhorizon.launch.launchers.supervise import fresh_run_dir, launch
+from longhorizon.actor.evaluate import evaluate_model_folder
+from longhorizon.launch.plot import plot_run
+from longhorizon.launch.report import format_report, load_summary
 
 def held_out_overlap(config: Config) -> list[str]:
     """The eval-split task ids whose task data is also a train-split task's (a leak), sorted."""
-    from longhorizon.envs.base import list_tasks
-
     def key(task) -> str:
         return json.dumps(dict(task.data), sort_keys=True, default=str)
 
@@ -66,8 +75,6 @@ def check_sft_rl_config(config: Config) -> None:
     if any(not isinstance(seed, int) or isinstance(seed, bool) for seed in seeds) or len(set(seeds)) != len(seeds):
         raise ConfigError(f"sft_rl.rl_seeds must be distinct integers, got {seeds!r}")
     if settings.sft_checkpoint:
-        from longhorizon.common.models import ModelError, require_model_folder
-
         try:
             require_model_folder(settings.sft_checkpoint)
         except ModelError as error:
@@ -80,9 +87,6 @@ def check_sft_rl_config(config: Config) -> None:
         raise ConfigError(f"{len(leaked)} task(s) of env.eval_split {config.env.eval_split!r} are also in "
                           f"env.train_split {config.env.train_split!r} (first: {leaked[0]}): choose disjoint splits")
     if settings.rl:
-        from longhorizon.actor.engines.base import EngineError, engine_class
-        from longhorizon.actor.engines.factory import plays_local_weights
-
         try:
             trains_a_model = plays_local_weights(engine_class(config.actor.engine))
         except EngineError as error:
@@ -91,8 +95,6 @@ def check_sft_rl_config(config: Config) -> None:
             raise ConfigError(f"the RL phase trains a model: set actor.engine to an engine that samples from a "
                               f"local model and takes its weight updates (got {config.actor.engine!r})")
     if settings.oracle_episodes and not settings.sft_checkpoint:
-        from longhorizon.envs.base import get_env_spec
-
         policies = get_env_spec(config.env.name).policies
         if settings.oracle_policy not in policies:
             raise ConfigError(f"env {config.env.name!r} has no scripted policy {settings.oracle_policy!r} for "
@@ -101,8 +103,6 @@ def check_sft_rl_config(config: Config) -> None:
 
 def wilson_entry(evaluation: dict) -> dict:
     """An evaluation (evaluate_model_folder's dict) with its successes and 95% Wilson interval added."""
-    from longhorizon.actor.metrics import wilson_interval
-
     played = evaluation["episodes"] - evaluation["failed_episodes"]
     successes = round(evaluation["success_rate"] * played)
     low, high = wilson_interval(successes, played)
@@ -112,8 +112,6 @@ def wilson_entry(evaluation: dict) -> dict:
 def pooled_entry(entries: list[dict]) -> dict:
     """Several runs' evaluations of the same tasks as one: episodes, successes and times summed,
     the Wilson interval of the pooled rate."""
-    from longhorizon.actor.metrics import wilson_interval
-
     played = sum(entry["played"] for entry in entries)
     successes = sum(entry["successes"] for entry in entries)
     low, high = wilson_interval(successes, played)
@@ -147,8 +145,6 @@ def against_sft(summary: dict) -> dict:
     """Each RL result (every run, and the pooled one) against the SFT checkpoint at its best
     decoding (`best_sft`): the pooled two-proportion test (`two_proportion_test`) and the SFT phase
     it was tested against, keyed by phase."""
-    from longhorizon.actor.metrics import two_proportion_test
-
     baseline = best_sft(summary)
     if baseline is None:
         return {}
@@ -165,12 +161,7 @@ def _phase_config(config: Config, run_dir: Path, name: str, **sections) -> Confi
 
 def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_stream=None) -> dict:
     """Every phase; returns the summary (also written to `<run dir>/summary.json`)."""
-    from longhorizon.actor.collect import run_collect
-    from longhorizon.common.models import resolve_model_path
     from longhorizon.learner.checkpoint import latest_checkpoint
-    from longhorizon.launch.recipes.child import run_in_child
-    from longhorizon.launch.launchers.supervise import fresh_run_dir
-    from longhorizon.actor.evaluate import evaluate_model_folder
     from longhorizon.launch.recipes.sft import run_sft
     from longhorizon.learner.sft import check_sft_config
 
@@ -243,10 +234,6 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
         else:
             summary["sft"] = sft_entry  # trained, not evaluated: the RL phase starts from it
     if settings.rl:
-        from longhorizon.launch.launchers.supervise import launch
-        from longhorizon.launch.plot import plot_run
-        from longhorizon.launch.report import format_report, load_summary
-
         seeds = settings.rl_seeds or [config.run.seed]
         names = [f"rl-seed{seed}" for seed in seeds] if settings.rl_seeds else ["rl"]
         for seed, name in zip(seeds, names):
@@ -342,8 +329,6 @@ def plot_held_out(summary: dict, path: Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from longhorizon.common.config import load_config
-
     parser = argparse.ArgumentParser(
         prog="longhorizon experiment sft-rl",
         description="The base model, after SFT on oracle play, after RL from there: held-out success of each "

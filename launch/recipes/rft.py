@@ -26,6 +26,13 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from longhorizon.common.config import Config, ConfigError, RFTConfig, dump_toml
+from longhorizon.actor.engines.base import EngineError, engine_class
+from longhorizon.actor.engines.factory import plays_local_weights
+from longhorizon.actor.collect import run_collect
+from longhorizon.common.conversations import record_line
+from longhorizon.common.models import resolve_model_path
+from longhorizon.common.progress import ProgressBar
+from longhorizon.launch.launchers.supervise import fresh_run_dir
 
 def keep_episodes(records: Sequence[dict], *, min_reward: float | None, deduplicate: bool) -> list[dict]:
     """The records (conversation-file lines) to fine-tune on: those whose `success` is true, or
@@ -59,8 +66,6 @@ def round_min_reward(min_reward: float | list | None, round_index: int) -> float
 def check_rft_config(config: Config) -> None:
     """Values of [rft] that cannot work, as errors naming the key and the fix."""
     rft: RFTConfig = config.rft
-    from longhorizon.actor.engines.base import EngineError, engine_class
-    from longhorizon.actor.engines.factory import plays_local_weights
 
     try:
         engine_cls = engine_class(config.actor.engine)
@@ -96,11 +101,6 @@ def _round_config(config: Config, *, policy: str, run_dir: Path, round_index: in
 
 def run_rft(config: Config, *, note: Callable[[str], None] = print, progress_stream=None) -> dict:
     """All rounds; returns the summary (also written to `<run dir>/rft_summary.json`)."""
-    from longhorizon.actor.collect import run_collect
-    from longhorizon.common.conversations import record_line
-    from longhorizon.common.models import resolve_model_path
-    from longhorizon.common.progress import ProgressBar
-    from longhorizon.launch.launchers.supervise import fresh_run_dir
     from longhorizon.launch.recipes.sft import run_sft
     from longhorizon.learner.sft import check_sft_config
 

@@ -50,15 +50,14 @@ from longhorizon.learner.logprobs import (
 from longhorizon.learner.prefix_probe import probe_shared_prefix
 from longhorizon.learner.shared_prefix import computed_tokens
 from longhorizon.learner.optimiser import OfflineSettings, run_offline_steps
+from longhorizon.common.metrics import MetricsWriter
+from longhorizon.common.progress import ProgressBar
+from longhorizon.learner.checkpoint import checkpoint_dir
 
 
 def run_sft(config: Config, *, note: Callable[[str], None] = print, progress_stream=None) -> dict:
     """Check everything, train, checkpoint, evaluate; returns the summary (also written to
     `<run dir>/sft_summary.json`)."""
-    from longhorizon.common.metrics import MetricsWriter
-    from longhorizon.common.progress import ProgressBar
-    from longhorizon.learner.checkpoint import checkpoint_dir
-
     check_sft_config(config)
     sft, learner = config.sft, config.learner
     model_folder, hf_tokenizer, chat_tokenizer, model, device = load_model_for_training(config)

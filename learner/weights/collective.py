@@ -9,6 +9,7 @@ from typing import Any, Literal, Mapping
 
 from longhorizon.common.config import Section, bounded
 from longhorizon.learner.weights import WeightsPublisher, transport_options
+from longhorizon.learner.weight_sync import check_collective_settings, CollectiveSender, resolve_backend
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +44,12 @@ class CollectivePublisher(WeightsPublisher):
 
     @classmethod
     def check(cls, config, learner_device, engine_capabilities) -> None:
-        from longhorizon.learner.weight_sync import check_collective_settings
-
         super().check(config, learner_device, engine_capabilities)
         options = transport_options(cls, config.learner.weights_options, config.learner.weights_transport)
         check_collective_settings(config, options.backend, learner_device)
 
     def _sender(self):
         if self.sender is None:
-            from longhorizon.learner.weight_sync import CollectiveSender, resolve_backend
-
             options, announce = self.options, self.context.announce
             if announce is None:
                 raise ValueError("the collective transport needs a control channel to announce updates on")
