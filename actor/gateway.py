@@ -39,6 +39,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from longhorizon.common.chat import TokenRecord
 from longhorizon.common.codec import pack_arrays
 from longhorizon.common.wire import Trajectory
 from longhorizon.envs.tool_calls import ToolCall, ToolCallFormat, ToolCallParseError, to_openai, tool_call_from_object
@@ -199,8 +200,8 @@ class ChatRenderer:
         return parsed.content, parsed.calls
 
 
-@dataclass
-class Session:
+@dataclass(kw_only=True)
+class Session(TokenRecord):
     """One agent episode: its calls' tokens, as one conversation per segment."""
 
     session_id: str
@@ -210,10 +211,6 @@ class Session:
     horizon_cap: int
     created: float = field(default_factory=time.monotonic)
     last_active: float = field(default_factory=time.monotonic)
-    token_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    behaviour_logprobs: list[float] = field(default_factory=list)
-    policy_versions: list[int] = field(default_factory=list)
     first_prompt_length: int = 0
     segment_start: int = 0
     windows: list[tuple[int, int, int]] = field(default_factory=list)
@@ -231,13 +228,6 @@ class Session:
     finished: bool = False
     busy: bool = False
     """A call of the session is being answered: another one, or its reward, must wait for it."""
-
-    def append(self, token_ids: Sequence[int], *, generated: bool, logprobs: Sequence[float] = (),
-               version: int = -1) -> None:
-        self.token_ids.extend(int(t) for t in token_ids)
-        self.loss_mask.extend([int(generated)] * len(token_ids))
-        self.behaviour_logprobs.extend([float(lp) for lp in logprobs] if generated else [0.0] * len(token_ids))
-        self.policy_versions.extend([version] * len(token_ids) if generated else [-1] * len(token_ids))
 
 
 @dataclass
@@ -350,7 +340,7 @@ class SessionBook:
                reply_message: dict, seconds: float) -> None:
         """A call's prompt and sampled reply, added to the session's record."""
         if continues:
-            session.append(prompt[len(session.token_ids) - session.segment_start:], generated=False)
+            session.append_tokens(prompt[len(session.token_ids) - session.segment_start:], generated=False)
         else:
             if session.calls:
                 session.history_breaks += 1
@@ -358,10 +348,10 @@ class SessionBook:
             session.segment_start = len(session.token_ids)
             if not session.calls:
                 session.first_prompt_length = len(prompt)
-            session.append(prompt, generated=False)
+            session.append_tokens(prompt, generated=False)
         reply_start = len(session.token_ids)
-        session.append(generation.token_ids, generated=True, logprobs=generation.logprobs,
-                       version=generation.policy_version)
+        session.append_tokens(generation.token_ids, generated=True, logprobs=generation.logprobs,
+                              policy_version=generation.policy_version)
         session.windows.append((session.segment_start, reply_start, len(session.token_ids)))
         session.last_messages = [*messages, reply_message]
         session.last_stopped_on_eos = bool(generation.stopped_on_eos)

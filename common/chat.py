@@ -162,39 +162,18 @@ class ConversationView:
     out (the view is the first prompt joined to token_ids[window_start:])."""
 
 
-@dataclass
-class TokenConversation:
-    """A conversation held as tokens (what the model saw and wrote) and as messages (for text).
+@dataclass(kw_only=True)
+class TokenRecord:
+    """Tokens as a trajectory carries them: each id, whether the model generated it (the loss
+    mask), and for a generated one its behaviour log-prob and the weights version that wrote it
+    (0.0 and -1 for the others)."""
 
-    Laid out as the first prompt, then one piece per turn: the model's reply followed by the
-    template tokens of the observation after it, ending with the next assistant prompt.
-    """
-
-    tokenizer: ChatTokenizer
-    messages: list[dict]
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     behaviour_logprobs: list[float] = field(default_factory=list)
     policy_versions: list[int] = field(default_factory=list)
-    prompt_length: int = 0
-    prompt_messages: int = 0
-    """Messages in the first prompt (system and first observation)."""
-    turn_starts: list[int] = field(default_factory=list)
-    """Where each turn (a reply and the observation after it) begins in token_ids."""
 
-    @classmethod
-    def start(cls, tokenizer: ChatTokenizer, messages: Sequence[dict],
-              tools: Sequence[dict] | None = None) -> "TokenConversation":
-        """The first prompt; `tools` are rendered by the chat template (tokenizers that take none
-        are called without them)."""
-        conversation = cls(tokenizer=tokenizer, messages=[dict(m) for m in messages])
-        prompt = tokenizer.prompt_tokens(messages, tools=tools) if tools else tokenizer.prompt_tokens(messages)
-        conversation._append(prompt, generated=False)
-        conversation.prompt_length = len(conversation.token_ids)
-        conversation.prompt_messages = len(conversation.messages)
-        return conversation
-
-    def _append(
+    def append_tokens(
         self,
         token_ids: Sequence[int],
         *,
@@ -214,17 +193,46 @@ class TokenConversation:
             self.behaviour_logprobs.extend([0.0] * count)
             self.policy_versions.extend([-1] * count)
 
+
+@dataclass(kw_only=True)
+class TokenConversation(TokenRecord):
+    """A conversation held as tokens (what the model saw and wrote) and as messages (for text).
+
+    Laid out as the first prompt, then one piece per turn: the model's reply followed by the
+    template tokens of the observation after it, ending with the next assistant prompt.
+    """
+
+    tokenizer: ChatTokenizer
+    messages: list[dict]
+    prompt_length: int = 0
+    prompt_messages: int = 0
+    """Messages in the first prompt (system and first observation)."""
+    turn_starts: list[int] = field(default_factory=list)
+    """Where each turn (a reply and the observation after it) begins in token_ids."""
+
+    @classmethod
+    def start(cls, tokenizer: ChatTokenizer, messages: Sequence[dict],
+              tools: Sequence[dict] | None = None) -> "TokenConversation":
+        """The first prompt; `tools` are rendered by the chat template (tokenizers that take none
+        are called without them)."""
+        conversation = cls(tokenizer=tokenizer, messages=[dict(m) for m in messages])
+        prompt = tokenizer.prompt_tokens(messages, tools=tools) if tools else tokenizer.prompt_tokens(messages)
+        conversation.append_tokens(prompt, generated=False)
+        conversation.prompt_length = len(conversation.token_ids)
+        conversation.prompt_messages = len(conversation.messages)
+        return conversation
+
     def add_generation(
         self, token_ids: Sequence[int], logprobs: Sequence[float], policy_version: int, text: str
     ) -> None:
         """Append the model's turn exactly as sampled, tagged with the weights version that wrote it."""
         self.turn_starts.append(len(self.token_ids))
-        self._append(token_ids, generated=True, logprobs=logprobs, policy_version=policy_version)
+        self.append_tokens(token_ids, generated=True, logprobs=logprobs, policy_version=policy_version)
         self.messages.append({"role": "assistant", "content": text})
 
     def add_observation(self, observation: str, *, stopped_on_eos: bool) -> None:
         """Append the environment's reply as template tokens (never trained on)."""
-        self._append(self.tokenizer.continuation_tokens(observation, stopped_on_eos=stopped_on_eos), generated=False)
+        self.append_tokens(self.tokenizer.continuation_tokens(observation, stopped_on_eos=stopped_on_eos), generated=False)
         self.messages.append({"role": "user", "content": observation})
 
     def __len__(self) -> int:
