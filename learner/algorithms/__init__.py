@@ -21,6 +21,7 @@ from longhorizon.learner.algorithms.base import (
     SymmetricClipOptions,
     check_clip_range,
 )
+from longhorizon.common.config import ConfigError
 
 __all__ = [
     "ALGORITHMS",
@@ -97,8 +98,6 @@ def with_resolved_options(config):
     """`config` (a whole Config) with `learner.algorithm_options` holding every key of the chosen
     algorithm's options, defaults filled in: what `longhorizon config show` prints. A bad
     algorithm setting is a ConfigError naming the key."""
-    from longhorizon.common.config import ConfigError
-
     try:
         options = make_algorithm(config.learner).options
     except AlgorithmError as error:
