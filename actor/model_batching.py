@@ -16,6 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from longhorizon.actor.engines.base import EngineSettings, GenerationRequest
+from longhorizon.actor.engines.hf import HFEngine
+from longhorizon.common.config import SamplingConfig
+from longhorizon.common.models import WeightsRefused
+from longhorizon.common.wire import WeightsUpdate
+
 log = logging.getLogger(__name__)
 
 
@@ -169,9 +175,6 @@ class ModelServer:
         torch_threads: int = 1,
         batch_window_s: float = 0.002,
     ) -> None:
-        from longhorizon.actor.engines.base import EngineSettings
-        from longhorizon.actor.engines.hf import HFEngine
-
         self.model_dir = str(model_dir)
         self.served_name = served_name or Path(model_dir).name
         self.engine = HFEngine(
@@ -238,9 +241,6 @@ class ModelServer:
         """Load a safetensors folder in place, all or nothing: weights that do not fit the model
         (names, shapes, dtypes, finite values) raise `WeightsRefused` before any tensor is
         copied; they are counted (`weights_refused`) and the server keeps serving its version."""
-        from longhorizon.common.models import WeightsRefused
-        from longhorizon.common.wire import WeightsUpdate
-
         try:
             self.engine.update_weights(WeightsUpdate(version=version, path=path))
             self.metrics.count_weight_load()
@@ -290,9 +290,6 @@ class ModelServer:
             job.wake()
 
     def _run_batches(self) -> None:
-        from longhorizon.actor.engines.base import GenerationRequest
-        from longhorizon.common.config import SamplingConfig
-
         while True:
             first = self._jobs.get()
             if first is None:

@@ -81,8 +81,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from longhorizon.actor.engines.base import tokens_through_stop_string
 from longhorizon.actor.http_serving import MAX_BODY_BYTES, HTTPRefusal, HTTPServer, error_body, read_body
 from longhorizon.actor.model_batching import ClientGone, Job, Metrics, ModelServer, Sampling, ServerStopping
+from longhorizon.common.args import parse_args
+from longhorizon.common.models import ModelError, WeightsRefused, resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -239,8 +242,6 @@ def _cut_at_stop(server: ModelServer, token_ids: list[int], logprobs: list[float
     """Shorten a reply at the first stop string: (tokens, logprobs, text, stopped). The text ends
     before the stop string, as OpenAI-compatible servers return it; the tokens include the one
     that completed it."""
-    from longhorizon.actor.engines.base import tokens_through_stop_string
-
     count = tokens_through_stop_string(server.tokenizer.decode, token_ids, stop)
     if count is None:
         return token_ids, logprobs, server.tokenizer.decode(token_ids), False
@@ -643,8 +644,6 @@ def handle_load_weights(server: ModelServer, body: dict) -> dict:
         # that cannot take weights at all.
         raise RequestError(f"no such folder on the server: {path} (the server must see the actor's files)", 400)
     version = _integer(body, "version", server.policy_version + 1, 0, 1 << 62)
-    from longhorizon.common.models import WeightsRefused
-
     try:
         server.load_weights(path, version)
     except WeightsRefused as refused:
@@ -887,16 +886,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from longhorizon.common.args import parse_args
-
     args = parse_args(build_parser(), argv)
     if isinstance(args, int):  # --help, or a usage error argparse has printed
         return args
     # Read now: if the parent dies while the model loads, getppid() would already name init.
     parent_pid = os.getppid()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from longhorizon.common.models import ModelError, resolve_model_path
-
     try:
         model_dir = resolve_model_path(args.model_dir, args.cache_dir)
     except ModelError as exc:
