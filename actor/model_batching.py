@@ -16,6 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prometheus_client import generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
 from longhorizon.actor.engines.base import EngineSettings, GenerationRequest
 from longhorizon.actor.engines.hf import HFEngine
 from longhorizon.common.config import SamplingConfig
@@ -68,21 +71,8 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 METRIC_PREFIX = "longhorizon_serve_"
 
 
-def _label_value(value: str) -> str:
-    """A Prometheus label value, quoted and escaped as the text format requires."""
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-
-
-def _labels(pairs: dict[str, str]) -> str:
-    return "{" + ",".join(f"{key}={_label_value(value)}" for key, value in pairs.items()) + "}" if pairs else ""
-
-
-def _number_text(value: float) -> str:
-    return "+Inf" if value == float("inf") else repr(float(value)) if isinstance(value, float) else str(value)
-
-
 class Metrics:
-    """The server's counters and latency histogram, rendered in Prometheus text format."""
+    """The server's counters and latency histogram, rendered in Prometheus text format by prometheus_client."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -118,47 +108,57 @@ class Metrics:
             self.abandoned += 1
 
     def render(self, *, weights_refused: int, queue_depth: int, in_flight: int, policy_version: int) -> str:
-        lines: list[str] = []
-
-        def family(name: str, kind: str, help_text: str, samples: list[tuple[str, dict, float]]) -> None:
-            lines.append(f"# HELP {METRIC_PREFIX}{name} {help_text}")
-            lines.append(f"# TYPE {METRIC_PREFIX}{name} {kind}")
-            for suffix, labels, value in samples:
-                lines.append(f"{METRIC_PREFIX}{name}{suffix}{_labels(labels)} {_number_text(value)}")
-
+        """The Prometheus text exposition of every figure (prometheus_client writes it)."""
         with self._lock:
             requests = sorted(self.requests.items())
             latency = sorted((endpoint, list(buckets), total) for endpoint, (buckets, total) in self._latency.items())
             prompt_tokens, generated_tokens, weight_loads = self.prompt_tokens, self.generated_tokens, self.weight_loads
             abandoned = self.abandoned
-        family("requests_total", "counter", "HTTP requests answered, by method, endpoint and status.",
-               [("", {"method": m, "endpoint": e, "status": str(s)}, n) for (m, e, s), n in requests])
-        family("prompt_tokens_total", "counter", "Prompt tokens of the generation requests answered.",
-               [("", {}, prompt_tokens)])
-        family("generated_tokens_total", "counter", "Tokens generated and returned to clients.",
-               [("", {}, generated_tokens)])
-        family("requests_abandoned_total", "counter",
-               "Generation requests whose client left before the reply; their generation stopped.",
-               [("", {}, abandoned)])
-        family("weight_loads_total", "counter", "Weight loads that replaced the served weights.",
-               [("", {}, weight_loads)])
-        family("weights_refused_total", "counter", "Weight loads refused because the weights did not fit the model.",
-               [("", {}, weights_refused)])
-        family("queue_depth", "gauge", "Generation requests waiting for the worker.", [("", {}, queue_depth)])
-        family("requests_in_flight", "gauge", "Generation requests waiting or being generated.",
-               [("", {}, in_flight)])
-        family("policy_version", "gauge", "Version of the weights being served.", [("", {}, policy_version)])
-        samples = []
+
+        def counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(METRIC_PREFIX + name, help_text, value=value)
+
+        def gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(METRIC_PREFIX + name, help_text, value=value)
+
+        by_request = CounterMetricFamily(METRIC_PREFIX + "requests", "HTTP requests answered, by method, endpoint and status.",
+                                         labels=["method", "endpoint", "status"])
+        for (method, endpoint, status), count in requests:
+            by_request.add_metric([method, endpoint, str(status)], count)
+        durations = HistogramMetricFamily(METRIC_PREFIX + "request_duration_seconds",
+                                          "Time from a request's arrival to the end of its reply.", labels=["endpoint"])
         for endpoint, buckets, total in latency:
-            cumulative = 0
+            cumulative, points = 0, []
             for bound, count in zip((*LATENCY_BUCKETS_S, float("inf")), buckets):
                 cumulative += count
-                samples.append(("_bucket", {"endpoint": endpoint, "le": _number_text(bound)}, cumulative))
-            samples.append(("_sum", {"endpoint": endpoint}, total))
-            samples.append(("_count", {"endpoint": endpoint}, cumulative))
-        family("request_duration_seconds", "histogram", "Time from a request's arrival to the end of its reply.",
-               samples)
-        return "\n".join(lines) + "\n"
+                points.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            durations.add_metric([endpoint], points, sum_value=total)
+        families = [
+            by_request,
+            counter("prompt_tokens", "Prompt tokens of the generation requests answered.", prompt_tokens),
+            counter("generated_tokens", "Tokens generated and returned to clients.", generated_tokens),
+            counter("requests_abandoned", "Generation requests whose client left before the reply; their generation "
+                    "stopped.", abandoned),
+            counter("weight_loads", "Weight loads that replaced the served weights.", weight_loads),
+            counter("weights_refused", "Weight loads refused because the weights did not fit the model.",
+                    weights_refused),
+            gauge("queue_depth", "Generation requests waiting for the worker.", queue_depth),
+            gauge("requests_in_flight", "Generation requests waiting or being generated.", in_flight),
+            gauge("policy_version", "Version of the weights being served.", policy_version),
+            durations,
+        ]
+        return generate_latest(_Snapshot(families)).decode()
+
+
+class _Snapshot(Collector):
+    """One rendering's figures as a collector, so prometheus_client writes the exposition: the
+    counts live in `Metrics` (updated under its lock by the HTTP and generation threads)."""
+
+    def __init__(self, families: list) -> None:
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)
 
 
 class ModelServer:
