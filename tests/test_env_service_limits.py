@@ -356,6 +356,39 @@ def test_well_formed_heads_are_served_as_before():
         assert _answers(_exchange(server.port, b"GET /health HTTP/1.1\nHost: a\nConnection: close\n\n"))[0][0] == 200
 
 
+def test_bodies_that_are_not_utf8_or_carry_lone_surrogates_are_answered_and_lose_nothing():
+    """Bytes that are no UTF-8 are a 400 naming the JSON problem, on a connection that stays
+    usable; an action holding a lone surrogate (valid JSON, `\\udcff`) is played as the text it
+    is, an action the env cannot read, and its answer is JSON a strict client decodes."""
+    with EnvServer(ServiceSettings("codebook")) as server:
+        status, created = _request(server.port, "POST", "/create", {})
+        assert status == 200
+        not_utf8 = b'{"id": ' + str(created["id"]).encode() + b', "action": "\xff\xfe"}'
+        for body in (b"\xff\xfe\xfd", not_utf8):
+            connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            try:
+                connection.request("POST", "/step", body=body)
+                response = connection.getresponse()
+                answer = json.loads(response.read())
+                assert response.status == 400 and "not valid JSON" in answer["error"], answer
+                assert _health_on(connection) == 200  # the same connection serves on
+            finally:
+                connection.close()
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        try:
+            body = '{"id": %d, "action": "a1\\udcff"}' % created["id"]
+            connection.request("POST", "/step", body=body.encode("ascii"))
+            response = connection.getresponse()
+            raw = response.read()
+        finally:
+            connection.close()
+        assert response.status == 200
+        answer = json.loads(raw.decode("utf-8"))  # strict: no surrogate made it into the bytes raw
+        assert isinstance(answer["observation"], str)
+        assert _request(server.port, "GET", "/health")[1]["instances"] == 1
+        assert 500 not in server.error_counts
+
+
 # Each smuggles a /create inside a /health request's body, by a framing one reader takes and another
 # reader (a proxy in front, say) does not. The service must refuse the carrier and run nothing else.
 SMUGGLED_CREATE = b"POST /create HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}"
