@@ -19,6 +19,7 @@ import zmq
 from longhorizon.common.config import load_config
 from longhorizon.common.metrics import read_metrics
 from longhorizon.common.models import build_tiny_model
+from longhorizon.learner.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -149,19 +150,34 @@ def test_sync_mode_trains_only_on_the_current_version(tmp_path, byte_model):
 
 
 def test_a_killed_learner_is_restarted_and_actors_follow_it_back_then_ctrl_c_stops_every_process(tmp_path, byte_model):
-    """Killed before its first checkpoint, the learner restarts from the start (a checkpoint's
-    step would race with the kill); the actors, several versions ahead, must follow it back or
-    every trajectory they send would be refused as made by the future. Then, in the same run (a
-    run costs its processes' start-up), Ctrl-C: started as a script's background job is (SIGINT
-    inherited as ignored, which Python keeps), the launcher must still stop on SIGINT, and stop
-    every process, however many signals follow the first."""
+    """Killed after a checkpoint that held trajectories (groups still filling), and two versions
+    past it, the learner restarts from that checkpoint: what it held is counted lost, the steps
+    after it are trained again and recorded once, and the actors, two versions ahead, must follow
+    it back or every trajectory they send would be refused as made by the future. Then, in the
+    same run (a run costs its processes' start-up), Ctrl-C: started as a script's background job
+    is (SIGINT inherited as ignored, which Python keeps), the launcher must still stop on SIGINT,
+    and stop every process, however many signals follow the first."""
     run_dir = tmp_path / "learner-restart"
-    process = _start(_overrides(tmp_path, byte_model, "learner-restart", 1000, ["learner.checkpoint_every=1000"]),
+    process = _start(_overrides(tmp_path, byte_model, "learner-restart", 1000, ["learner.checkpoint_every=4"]),
                      preexec_fn=_ignore_interrupts)
+    held_at_checkpoint = {}
+
+    def past_a_checkpoint_that_held_trajectories() -> bool:
+        checkpoint, records = latest_checkpoint(run_dir), read_metrics(run_dir)
+        if checkpoint is None or not records:
+            return False
+        saved = records[int(checkpoint.name.removeprefix("step_")) - 1]
+        # Two versions on, and not within a step of the next checkpoint (every 4 steps), so the
+        # kill cannot meet one being written.
+        if saved["trajectories_held"] > 0 and records[-1]["version"] >= saved["version"] + 2 \
+                and records[-1]["step"] < saved["step"] + 3:
+            held_at_checkpoint.update(saved)
+            return True
+        return False
+
     try:
-        # Killed once it has made 3 versions, so the actors hold one the restarted learner has not
-        # made yet (at cap 2, the first steps' groups are often all reward 0: no update, no version).
-        _wait_for_step(run_dir, 3, process, key="version")
+        _wait_until(past_a_checkpoint_that_held_trajectories, process, "two versions past a checkpoint holding "
+                    "trajectories", timeout=300)
         first_pids = _all_pids(run_dir)
         # Something of the learner's in its temporary folder, which a SIGKILL leaves behind.
         killed_scratch = _temporary_folder(first_pids["learner"])
@@ -190,12 +206,14 @@ def test_a_killed_learner_is_restarted_and_actors_follow_it_back_then_ctrl_c_sto
     # The user is told where the checkpoint written on the way out is, and how to go on from it.
     assert f"stopped; the latest checkpoint is {run_dir / 'checkpoints'}/step_" in output
     records = read_metrics(run_dir)
-    # Steps after the (here: absent) checkpoint were trained again and recorded once.
+    # Steps after the checkpoint were trained again and recorded once.
     assert [r["step"] for r in records] == list(range(1, records[-1]["step"] + 1)) and len(records) >= 16
     assert [r["version"] for r in records] == versions_after_each_step(records)
-    # Every trajectory accepted is accounted for across the restart (what the killed learner
-    # held at its checkpoint, none here, counts as lost on restart).
+    # Every trajectory accepted is accounted for across the restart: what the killed learner held
+    # at its checkpoint counts as lost on restart (at least what its step's record held; more may
+    # have arrived while the checkpoint was written).
     last = records[-1]
+    assert last["trajectories_lost_on_restart"] >= held_at_checkpoint["trajectories_held"] > 0, last
     assert last["trajectories_accepted"] == (
         last["trajectories_trained"] + last["trajectories_dropped_with_group"] + last["trajectories_held"]
         + last["trajectories_lost_on_restart"]
