@@ -201,16 +201,17 @@ def test_soak_data_accounting_checks_both_identities():
 
 
 @pytest.mark.slow
-def test_a_short_soak_kills_actors_accounts_for_every_trajectory_and_leaves_nothing(tmp_path):
+def test_a_short_soak_kills_actors_and_the_learner_accounts_for_every_trajectory_and_leaves_nothing(tmp_path):
     from longhorizon.launch.bench.soak import build_parser, run_soak
 
     args = build_parser().parse_args([
-        # 18 s on the soak's clock (it starts at the first step): kills at about 6 and 12 s.
-        "--minutes", "0.3", "--kill-every-s", "6", "--sample-every-s", "1", "--warmup-s", "4",
-        "--output-dir", str(tmp_path),
+        # 30 s on the soak's clock (it starts at the first step): actors killed at about 6, 12, 18
+        # and 24 s, the learner at 10 s (its restart from the checkpoint takes the next seconds).
+        "--minutes", "0.5", "--kill-every-s", "6", "--kill-learner-every-s", "10", "--sample-every-s", "1",
+        "--warmup-s", "4", "--output-dir", str(tmp_path), "learner.checkpoint_every=5",
     ])
     result = run_soak(args)
-    assert result["kills"] >= 2
+    assert result["kills"] >= 2 and result["learner_kills"] >= 1
     assert result["steps"] > 0
     assert result["data"]["received_adds_up"] and result["data"]["accepted_adds_up"]
     assert result["data"]["received"] > 0

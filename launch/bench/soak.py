@@ -1,8 +1,10 @@
-"""`longhorizon bench soak`: a long training run with actors killed now and then; memory and data.
+"""`longhorizon bench soak`: a long training run with actors (and the learner) killed now and then; memory and data.
 
 It starts `longhorizon train CONFIG` (the codebook config by default, run.total_steps set so the
 run outlasts the soak). From the learner's first step on (start-up is not part of the soak), it
-kills a random actor with SIGKILL every `--kill-every-s` seconds (the launcher restarts it) and
+kills a random actor with SIGKILL every `--kill-every-s` seconds (the launcher restarts it), the
+learner every `--kill-learner-every-s` seconds if asked (the launcher restarts it from its latest
+checkpoint, written every 200 steps then; it restarts a learner at most 3 times in a run), and
 samples the resident memory of every process of the run every `--sample-every-s` seconds. After
 `--minutes` it stops the run with SIGTERM and reports:
 
@@ -17,7 +19,7 @@ samples the resident memory of every process of the run every `--sample-every-s`
 - that no process of the run is left once the launcher has exited.
 
 Run: `longhorizon bench soak --minutes 60 --kill-every-s 120` (a table for people, then one line of
-JSON). A run directory under `--output-dir` (default: a temporary folder) keeps the logs.
+JSON); `--kill-learner-every-s 600` kills the learner too. A run directory under `--output-dir` (default: a temporary folder) keeps the logs.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import Any
 from longhorizon.common.metrics import read_metrics
 from longhorizon.common.processes import stop_process
 from longhorizon.launch.bench.memory import MIB, memory_use
+from longhorizon.launch.launchers.supervise import MAX_LEARNER_RESTARTS
 from longhorizon.launch.bench.tables import BenchStopped, Column, parsed, print_table, run_as_command
 
 PROG = "longhorizon bench soak"
@@ -60,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--minutes", type=float, default=60.0, help="length of the soak (default %(default)s)")
     parser.add_argument("--kill-every-s", type=float, default=120.0,
                         help="SIGKILL a random actor this often; 0 never (default %(default)s)")
+    parser.add_argument("--kill-learner-every-s", type=float, default=0.0,
+                        help="SIGKILL the learner this often (at most 3 times: the launcher's limit of learner "
+                             "restarts); 0 never (default %(default)s)")
     parser.add_argument("--sample-every-s", type=float, default=10.0, help="memory sampling interval (default %(default)s)")
     parser.add_argument("--warmup-s", type=float, default=120.0,
                         help="a process's memory is compared from this long after it started (default %(default)s)")
@@ -126,11 +132,13 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     command = [
         sys.executable, "-m", "longhorizon.launch.cli", "train", args.config,
         f"run.output_dir={str(output)!r}", "run.name='soak'", "run.total_steps=100000000",
-        "learner.checkpoint_every=1000", *args.overrides, "--no-plots",
+        # A killed learner resumes from its latest checkpoint: a recent one when the learner is killed.
+        f"learner.checkpoint_every={200 if args.kill_learner_every_s > 0 else 1000}", *args.overrides, "--no-plots",
     ]
     output.mkdir(parents=True, exist_ok=True)
     print(f"soak: {args.config} for {args.minutes:g} min from its first learner step, "
           + (f"an actor killed every {args.kill_every_s:g} s" if args.kill_every_s > 0 else "no actor killed")
+          + (f", the learner every {args.kill_learner_every_s:g} s" if args.kill_learner_every_s > 0 else "")
           + f"; the run is in {run_dir} (its console in {output / 'launcher.log'})"
           + ("" if args.output_dir else ", removed at the end"), flush=True)
     launcher_log = (output / "launcher.log").open("w")
@@ -139,7 +147,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
     first_seen: dict[int, float] = {}
     every_pid: set[int] = set()
-    kills = 0
+    kills = learner_kills = 0
     rng = random.Random(0)
     # The soak's clock starts at the learner's first step: start-up (model build, imports) is
     # not part of it and takes very different times on a loaded machine.
@@ -159,6 +167,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     print("soak: the learner made its first step; the clock starts", flush=True)
     next_kill = started + args.kill_every_s if args.kill_every_s > 0 else float("inf")
+    next_learner_kill = started + args.kill_learner_every_s if args.kill_learner_every_s > 0 else float("inf")
     next_report = started + 60
     try:
         while time.monotonic() - started < args.minutes * 60:
@@ -179,9 +188,14 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
                 os.kill(rng.choice(actors), signal.SIGKILL)
                 kills += 1
                 next_kill = now + args.kill_every_s
+            if now >= next_learner_kill and "learner" in processes and learner_kills < MAX_LEARNER_RESTARTS:
+                os.kill(processes["learner"], signal.SIGKILL)
+                learner_kills += 1
+                next_learner_kill = now + args.kill_learner_every_s
             if now >= next_report:
                 next_report = now + 60
-                print(f"  {(now - started) / 60:5.1f} min: {kills} actors killed", flush=True)
+                print(f"  {(now - started) / 60:5.1f} min: {kills} actors killed, the learner {learner_kills} times",
+                      flush=True)
             time.sleep(args.sample_every_s)
     except KeyboardInterrupt:  # Ctrl-C: stop, and report what the minutes so far measured
         print(f"soak: interrupted after {(time.monotonic() - started) / 60:.1f} min; stopping the run and "
@@ -199,7 +213,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     if not args.output_dir:  # a temporary folder: the figures below are all that is kept
         shutil.rmtree(output, ignore_errors=True)
     return {
-        "minutes": min(args.minutes, minutes), "kills": kills, "steps": records[-1]["step"] if records else 0,
+        "minutes": min(args.minutes, minutes), "kills": kills, "learner_kills": learner_kills, "steps": records[-1]["step"] if records else 0,
         "memory": memory_growth(samples, args.warmup_s),
         "data": data_accounting(records[-1]) if records else {},
         "left_behind": left_behind, "run_dir": str(run_dir) if args.output_dir else None,
@@ -208,7 +222,8 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_report(result: dict[str, Any]) -> None:
     """A table for people and the data's account (the command prints the result as JSON after them)."""
-    print(f"soak: {result['minutes']:.0f} min, {result['steps']} learner steps, {result['kills']} actors killed")
+    print(f"soak: {result['minutes']:.0f} min, {result['steps']} learner steps, {result['kills']} actors killed, "
+          f"the learner {result['learner_kills']} times")
     print_table(
         [Column("process", 10), Column("pid", 8), Column("from s", 7, ".0f"), Column("to s", 7, ".0f"),
          Column("RSS start MB", 13, ".0f"), Column("RSS end MB", 11, ".0f"), Column("growth", 8)],
@@ -227,8 +242,10 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.minutes <= 0 or args.sample_every_s <= 0 or args.warmup_s < 0 or args.kill_every_s < 0:
-        raise ValueError("--minutes and --sample-every-s must be positive, --warmup-s and --kill-every-s not negative")
+    if args.minutes <= 0 or args.sample_every_s <= 0 or args.warmup_s < 0 or args.kill_every_s < 0 \
+            or args.kill_learner_every_s < 0:
+        raise ValueError("--minutes and --sample-every-s must be positive, --warmup-s, --kill-every-s and "
+                         "--kill-learner-every-s not negative")
 
 
 def run(argv: list[str]) -> dict[str, Any]:

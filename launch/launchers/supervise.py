@@ -52,7 +52,7 @@ LAUNCHERS: Registry[Launcher] = Registry(
 entry point in the `longhorizon.launchers` group, or a dotted path."""
 
 _MAX_RESTARTS_PER_ACTOR = 20
-_MAX_LEARNER_RESTARTS = 3
+MAX_LEARNER_RESTARTS = 3
 _MIN_SECONDS_BETWEEN_STARTS = 2.0
 EXIT_DO_NOT_RESTART = 3
 """A learner's exit code for a failure a restart from the checkpoint would only repeat (too many
@@ -409,7 +409,7 @@ def supervise(
                 progress(note)
             learner_code = _learner_exit_code(learner_ranks)
             if learner_code is not None:
-                if learner_code == 0 or learner.restarts >= _MAX_LEARNER_RESTARTS:
+                if learner_code == 0 or learner.restarts >= MAX_LEARNER_RESTARTS:
                     break
                 if learner_code == EXIT_DO_NOT_RESTART:
                     progress("the learner stopped on an error a restart would repeat; not restarting it "
@@ -419,7 +419,7 @@ def supervise(
                 cause = last_error(learner_log)
                 progress(
                     f"the learner exited with code {learner_code}{f' ({cause})' if cause else ''}; restarting "
-                    f"it from its latest checkpoint ({learner.restarts}/{_MAX_LEARNER_RESTARTS})"
+                    f"it from its latest checkpoint ({learner.restarts}/{MAX_LEARNER_RESTARTS})"
                 )
                 # Ranks live and die together: the others cannot go on without the lost one.
                 _stop_all(learner_ranks)
