@@ -34,7 +34,8 @@ from longhorizon.common.config import bounded
 from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.web.browser import BrowserSession
 from longhorizon.envs.web.env import BrowserEnv, BrowserOptions, Episode
-from longhorizon.envs.web.policies import MINIWOB_SOLVERS, MiniWobOraclePolicy, RandomClickerPolicy
+from longhorizon.envs.web.miniwob_oracles import SOLVERS, MiniWobOraclePolicy
+from longhorizon.envs.web.policies import RandomClickerPolicy
 
 ENV_NAME = "miniwob"
 TEST_SEED_BASE = 1_000_000
@@ -349,5 +350,5 @@ SPEC = EnvSpec(
     Options=MiniWobOptions,
 )
 
-ORACLE_TASKS = tuple(sorted(MINIWOB_SOLVERS))
+ORACLE_TASKS = tuple(sorted(SOLVERS))
 """The task types MiniWobOraclePolicy solves."""

@@ -270,28 +270,3 @@ MINIWOB_SOLVERS: dict[str, MiniWobSolver] = {
     "click-dialog": _solve_click_dialog,
     "click-checkboxes": _solve_click_checkboxes,
 }
-
-
-class MiniWobOraclePolicy:
-    """Solves the MiniWoB tasks in MINIWOB_SOLVERS from the instruction and the page tree."""
-
-    def __init__(self, **_env_options: Any) -> None:
-        self._solver: MiniWobSolver | None = None
-        self._step = 0
-        self._goal = ""
-
-    def reset(self, task: Task, first_observation: str, rng: random.Random) -> None:
-        name = str(task.data.get("task", "")) if isinstance(task.data, Mapping) else ""
-        self._solver = MINIWOB_SOLVERS.get(name)
-        if self._solver is None:
-            raise ValueError(f"no MiniWoB oracle for {name!r}; tasks with one: {', '.join(sorted(MINIWOB_SOLVERS))}")
-        self._goal = goal_of(first_observation)
-        self._step = 0
-
-    def act(self, observation: str) -> str:
-        assert self._solver is not None, "call reset() first"
-        action = self._solver(self._goal, parse_nodes(observation), self._step)
-        self._step += 1
-        if action is None:
-            return react_reply("Nothing left to do.", "stop()")
-        return react_reply("Follow the instruction.", action)
