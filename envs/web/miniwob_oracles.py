@@ -596,6 +596,74 @@ def _social_media_all(page: Page) -> str | None:
     return sequence(page, page.memory["plan"])
 
 
+def _table(page: Page) -> dict[str, str]:
+    """The table's rows as label -> value (each row: a label cell, then its value cell)."""
+    cells = page.role("cell")
+    return {label.name: value.name for label, value in zip(cells[::2], cells[1::2])}
+
+
+def _read_table(page: Page) -> str | None:
+    # 'Enter the value of Gender into the text field and press Submit.'
+    label = re.match(r"Enter the value of (.+) into the text field", page.goal).group(1)
+    return sequence(page, [fill(page.role("textbox")[0], _table(page)[label]), submit(page)])
+
+
+def _read_table_2(page: Page) -> str | None:
+    # Each field's label ('Gender:') is the line before it.
+    if "plan" not in page.memory:
+        table = _table(page)
+        plan, label = [], None
+        for line in page.observation.splitlines():
+            text = re.match(r"^\s*StaticText '(.+):'$", line)
+            field_match = re.match(r"^\s*\[(\d+)\] textbox", line)
+            if text:
+                label = text.group(1)
+            elif field_match and label in table:
+                plan.append(f"fill({field_match.group(1)!r}, {table[label]!r})")
+                label = None
+        page.memory["plan"] = [*plan, submit(page)]
+    return sequence(page, page.memory["plan"])
+
+
+def _navigate_tree(page: Page) -> str | None:
+    # Click the entry once it shows; else open the next closed folder (the handle before its name).
+    if page.memory.get("pressed"):
+        return None
+    name = quoted(page.goal)[-1]
+    for node in page.nodes:
+        if node.role in ("listitem", "generic") and node.text == name:
+            return _press_once(page, click(node))
+    opened: list[str] = page.memory.setdefault("opened", [])
+    for index, node in enumerate(page.nodes[:-1]):
+        following = page.nodes[index + 1]
+        if node.role == "generic" and not node.text and following.role == "generic" and following.text \
+                and following.bid not in opened:
+            opened.append(following.bid)
+            return click(node)
+    return None
+
+
+def _terminal(page: Page) -> str | None:
+    # List the files (ls), then remove one with the wanted extension (or none): rm NAME.
+    terminal = page.role("textbox")[0]
+    if page.step == 0:
+        return click(terminal)
+    if page.step == 1:
+        return "keyboard_type('ls')"
+    if page.step == 2:
+        return "keyboard_press('Enter')"
+    if page.step == 3:
+        texts = page.texts
+        listing = texts[len(texts) - 1 - texts[::-1].index("ls") + 1].split()
+        extension = re.search(r"extension \.(\S+)$", page.goal)
+        if extension is not None:
+            chosen = next(name for name in listing if name.endswith("." + extension.group(1)))
+        else:
+            chosen = next(name for name in listing if "." not in name)
+        return f"keyboard_type({'rm ' + chosen!r})"
+    return "keyboard_press('Enter')" if page.step == 4 else None
+
+
 SOLVERS: dict[str, Solver] = {
     "click-test-2": _click_named_button,
     "click-test-transfer": _click_named_button,
@@ -654,6 +722,10 @@ SOLVERS: dict[str, Solver] = {
     "email-inbox-star-reply": _email_inbox,
     "social-media-all": _social_media_all,
     "social-media-some": _social_media_all,
+    "read-table": _read_table,
+    "read-table-2": _read_table_2,
+    "navigate-tree": _navigate_tree,
+    "terminal": _terminal,
 }
 
 
@@ -724,17 +796,13 @@ WITHOUT_ORACLE: dict[str, str] = {
                             "or leave the action implicit, so no reading is always right"),
     "form-sequence": "not scripted yet: setting the slider needs key presses on its handle, read back each step",
     "hot-cold": "the hot spot is found only by moving the mouse over pixel positions and reading the hint",
-    "navigate-tree": "not scripted yet: it needs a tree search that opens folders",
     "order-food": _LATER,
     "phone-book": _LATER,
-    "read-table": "not scripted yet: the table's cells have to be paired with the form's labels",
-    "read-table-2": "not scripted yet: the table's cells have to be paired with the form's labels",
     "search-engine": _LATER,
     "social-media": ("half its actions are in a post's 'more' menu, which did not open on a click in our trials, "
                      "so only Reply, Retweet and Like could be scripted"),
     "stock-market": ("the price changes every 0.1 s, faster than a step's round trip, so a scripted buy is a race "
                      "(5 of 8 seeds in a trial)"),
-    "terminal": "not scripted yet: it needs a shell session (ls, then rm of the file named by the goal)",
     "text-editor": "not scripted yet: the toolbar buttons have no names; styling needs selections by keys",
     "tic-tac-toe": "not scripted yet: it needs a game player that reads the board from the cells",
     "use-slider": "not scripted yet: setting the slider needs key presses on its handle, read back each step",
