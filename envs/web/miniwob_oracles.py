@@ -664,6 +664,83 @@ def _terminal(page: Page) -> str | None:
     return "keyboard_press('Enter')" if page.step == 4 else None
 
 
+_RESULTS_PER_PAGE = 3
+
+
+def _search_engine(page: Page) -> str | None:
+    # Search, go to the page holding the nth result (three to a page), click it.
+    wanted = ordinal(" ".join(page.texts))
+    page_number, position = divmod(wanted, _RESULTS_PER_PAGE)
+    if page.step == 0:
+        return fill(page.role("textbox")[0], quoted(page.goal)[0])
+    if page.step == 1:
+        return click(page.named("button", "Search"))
+    if page.memory.get("pressed"):
+        return None
+    if page_number and not page.memory.get("paged"):
+        page.memory["paged"] = True
+        return click(page.named("link", str(page_number + 1)))
+    results = [node for node in page.role("link") if not re.fullmatch(r"\d+|[<>]", node.name)]
+    return _press_once(page, click(results[position]))
+
+
+def _sliders(page: Page) -> list[tuple[Node, int]]:
+    """(slider, the value shown right after it) for each slider: a nameless generic then a number."""
+    found = []
+    lines = page.observation.splitlines()
+    by_bid = {node.bid: node for node in page.nodes}
+    for index, line in enumerate(lines[:-1]):
+        slider = re.match(r"^\s*\[(\d+)\] generic$", line)
+        value = re.match(r"^\s*StaticText '(-?\d+)'$", lines[index + 1])
+        if slider and value:
+            found.append((by_bid[slider.group(1)], int(value.group(1))))
+    return found
+
+
+def _set_sliders(page: Page, targets: list[int]) -> str | None:
+    """One key at a time on each slider in turn: a click focuses its handle, then Page keys while
+    far off (learning how far one goes), arrow keys near, until every value is right."""
+    sliders = _sliders(page)
+    for index, ((slider, value), target) in enumerate(zip(sliders, targets)):
+        if value == target:
+            continue
+        state = page.memory.setdefault(index, {"focused": False, "page": None, "last": None})
+        if not state["focused"]:
+            state["focused"] = True
+            return click(slider)
+        if state["last"] is not None and state["page"] is None:
+            state["page"] = max(abs(value - state["last"]), 1)
+        distance = target - value
+        use_page = abs(distance) >= (state["page"] or 4) and (state["page"] or 0) != 1
+        state["last"] = value if use_page and state["page"] is None else state["last"]
+        key = ("PageUp" if distance > 0 else "PageDown") if use_page else ("ArrowRight" if distance > 0 else "ArrowLeft")
+        return f"keyboard_press({key!r})"
+    return None
+
+
+def _use_slider(page: Page) -> str | None:
+    # 'Select -94 with the slider and hit Submit.' / 'Set the sliders to the combination [17,15,11] and submit.'
+    if page.memory.get("pressed"):
+        return None
+    single = re.match(r"Select (-?\d+) with the slider", page.goal)
+    targets = [int(single.group(1))] if single else [int(number) for number in re.search(r"\[([-\d,]+)\]", page.goal).group(1).split(",")]
+    return _set_sliders(page, targets) or _press_once(page, submit(page))
+
+
+def _form_sequence(page: Page) -> str | None:
+    # 'Select 7 with the slider, click the 3rd checkbox, then hit Submit.'
+    if page.memory.get("pressed"):
+        return None
+    target = int(re.match(r"Select (-?\d+) with the slider", page.goal).group(1))
+    action = _set_sliders(page, [target])
+    if action is not None:
+        return action
+    if not page.memory.get("checked"):
+        page.memory["checked"] = True
+        return click(page.role("checkbox")[ordinal(page.goal)])
+    return _press_once(page, submit(page))
+
+
 SOLVERS: dict[str, Solver] = {
     "click-test-2": _click_named_button,
     "click-test-transfer": _click_named_button,
@@ -726,6 +803,10 @@ SOLVERS: dict[str, Solver] = {
     "read-table-2": _read_table_2,
     "navigate-tree": _navigate_tree,
     "terminal": _terminal,
+    "search-engine": _search_engine,
+    "use-slider": _use_slider,
+    "use-slider-2": _use_slider,
+    "form-sequence": _form_sequence,
 }
 
 
@@ -794,18 +875,14 @@ WITHOUT_ORACLE: dict[str, str] = {
                                     "('Find the email from DEST and forward it to NAME'), so no reading is always right"),
     "email-inbox-nl-turk": ("the crowd-written instructions sometimes name the two people the wrong way round "
                             "or leave the action implicit, so no reading is always right"),
-    "form-sequence": "not scripted yet: setting the slider needs key presses on its handle, read back each step",
     "hot-cold": "the hot spot is found only by moving the mouse over pixel positions and reading the hint",
     "order-food": _LATER,
     "phone-book": _LATER,
-    "search-engine": _LATER,
     "social-media": ("half its actions are in a post's 'more' menu, which did not open on a click in our trials, "
                      "so only Reply, Retweet and Like could be scripted"),
     "stock-market": ("the price changes every 0.1 s, faster than a step's round trip, so a scripted buy is a race "
                      "(5 of 8 seeds in a trial)"),
     "text-editor": "not scripted yet: the toolbar buttons have no names; styling needs selections by keys",
     "tic-tac-toe": "not scripted yet: it needs a game player that reads the board from the cells",
-    "use-slider": "not scripted yet: setting the slider needs key presses on its handle, read back each step",
-    "use-slider-2": "not scripted yet: setting the sliders needs key presses on their handles, read back each step",
 }
 """Offered task types with no solver here, and why."""
