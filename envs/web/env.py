@@ -18,7 +18,10 @@ episodes never see each other's changes. The browser context of an episode may o
 allowed origins of the task's sites.
 
 Observations (observation.py) start with "Goal: <intent>", then URL, tabs, the last action's error
-and the accessibility tree with element ids. Actions follow BrowserGym (actions.py): one per step,
+and the accessibility tree with element ids. `observation_modes` adds visual forms to the info of
+reset and step: "screenshot" (info["screenshot"], PNG bytes of the viewport at `screenshot_size`)
+and "som" (info["som"], the same with element ids drawn at their boxes, and info["som_marks"]);
+leaving out "text" leaves the tree out of the observation. Only the forms asked for are computed. Actions follow BrowserGym (actions.py): one per step,
 or with `multiaction` several, one per line, run in order until the first that fails (BrowserGym's
 multi-action mode). A malformed or failing action gives an error observation with
 info["invalid_action"] = True; it never raises. If the browser
@@ -31,7 +34,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import trio
 from pydantic.json_schema import SkipJsonSchema
@@ -51,7 +54,7 @@ from longhorizon.envs.web.actions import (
 )
 from longhorizon.envs.web.browser import BrowserFailure, BrowserPool, BrowserSession, SessionOptions, shared_pool
 from longhorizon.envs.web.evaluators import evaluate
-from longhorizon.envs.web.observation import capture
+from longhorizon.envs.web.observation import DEFAULT_SCREENSHOT_SIZE, ObservationForms, capture, fit_viewport
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +150,8 @@ class BrowserEnv:
         navigation_timeout_s: float = 20.0,
         max_observation_chars: int = 30000,
         multiaction: bool = False,
+        observation_modes: Sequence[str] = ("text",),
+        screenshot_size: Sequence[int] = DEFAULT_SCREENSHOT_SIZE,
     ) -> None:
         if not isinstance(multiaction, bool):
             raise ValueError(f"multiaction must be true or false, got {multiaction!r}")
@@ -162,6 +167,8 @@ class BrowserEnv:
         """Several actions in one step, one per line (BrowserGym's multi-action mode)."""
         if multiaction:
             self.prompt_format = self.MULTI_ACTION_FORMAT
+        self.observation_forms = ObservationForms()
+        self.configure_observation(observation_modes, screenshot_size)
         self._episode: Episode | None = None
         self._started_sites: set[str] = set()
         self._pristine_sites: set[str] = set()
@@ -171,6 +178,16 @@ class BrowserEnv:
         if self._pool is None:
             self._pool = shared_pool(self._num_browsers)
         return self._pool
+
+    def configure_observation(self, observation_modes: Sequence[str], screenshot_size: Sequence[int]) -> None:
+        """Which observation forms to compute from the next observation on (ValueError if bad)."""
+        forms = ObservationForms.checked(observation_modes, screenshot_size)
+        if "som" in forms.modes:
+            import importlib.util
+
+            if importlib.util.find_spec("PIL") is None:
+                raise ValueError("the 'som' observation mode draws with Pillow: pip install pillow")
+        self.observation_forms = forms
 
     def instructions(self) -> str:
         return INSTRUCTIONS.format(actions=action_help(), **(MULTI_ACTION if self.multiaction else SINGLE_ACTION))
@@ -272,10 +289,12 @@ class BrowserEnv:
             episode = Episode(task=task, config=config, session=session, goal=goal, base_urls=base_urls)
             self._episode = episode
             try:
-                await session.call(_goto, start_url, timeout_s=options.navigation_timeout_s)
+                forms = self.observation_forms
+                await session.call(_goto, start_url, forms.screenshot_size if forms.visual else None,
+                                   timeout_s=options.navigation_timeout_s)
                 await self._on_loaded(episode, seed)
-                observation = await session.call(self._observe, "", timeout_s=options.navigation_timeout_s)
-                return observation, {"success": False, "invalid_action": False}
+                observation, visuals = await session.call(self._observe, "", timeout_s=options.navigation_timeout_s)
+                return observation, {"success": False, "invalid_action": False, **visuals}
             except BrowserFailure:
                 await self._end_episode()
                 if attempt == 1:
@@ -296,13 +315,13 @@ class BrowserEnv:
             try:
                 actions = self._parse(action)
             except ActionError as error:
-                observation = await episode.session.call(self._observe, str(error), timeout_s=10.0)
-                return observation, 0.0, False, False, {"success": False, "invalid_action": True}
+                observation, visuals = await episode.session.call(self._observe, str(error), timeout_s=10.0)
+                return observation, 0.0, False, False, {"success": False, "invalid_action": True, **visuals}
             ending = actions.pop() if actions[-1].terminal else None
-            error, outcome = "", None
+            error, outcome, visuals = "", None, {}
             if actions:
                 timeout = (self.session_options.navigation_timeout_s + self.session_options.action_timeout_s) * len(actions)
-                observation, error, outcome = await episode.session.call(
+                observation, visuals, error, outcome = await episode.session.call(
                     self._act, actions, 1 if ending else 0, timeout_s=timeout)
             if ending is not None and not error and outcome is None:
                 reward, success, info = await self._score(episode, ending.answer)
@@ -321,9 +340,9 @@ class BrowserEnv:
             episode.finished = True
             await self._close_session(episode)
             return observation, float(reward), True, False, {
-                "success": bool(success), "invalid_action": bool(error), **info,
+                "success": bool(success), "invalid_action": bool(error), **info, **visuals,
             }
-        return observation, 0.0, False, False, {"success": False, "invalid_action": bool(error)}
+        return observation, 0.0, False, False, {"success": False, "invalid_action": bool(error), **visuals}
 
     async def close(self) -> None:
         await self._end_episode()
@@ -338,11 +357,11 @@ class BrowserEnv:
 
     # -- internals ---------------------------------------------------------------------------------
 
-    async def _observe(self, session: BrowserSession, error: str) -> str:
-        """Asyncio side: the observation of the current page."""
+    async def _observe(self, session: BrowserSession, error: str) -> tuple[str, dict[str, Any]]:
+        """Asyncio side: the observation of the current page, and its visual forms as info entries."""
         episode = self._episode
         return await capture(session, error=error, goal=episode.goal if episode else "",
-                             max_chars=self.max_observation_chars)
+                             max_chars=self.max_observation_chars, forms=self.observation_forms)
 
     def _parse(self, text: str) -> list[Action]:
         """The step's actions; a terminal one only as the last (ActionError otherwise)."""
@@ -355,7 +374,8 @@ class BrowserEnv:
                                   "be the last action of a step; nothing was run")
         return actions
 
-    async def _act(self, session: BrowserSession, actions: list[Action], ending: int = 0) -> tuple[str, str, tuple | None]:
+    async def _act(self, session: BrowserSession, actions: list[Action],
+                   ending: int = 0) -> tuple[str, dict[str, Any], str, tuple | None]:
         """Asyncio side: run the actions in order, after each asking the subclass whether it ended
         the episode; stop at the first error or the end; then observe. `ending` counts a terminal
         action the step holds after these (for the error's count of actions not run)."""
@@ -375,8 +395,8 @@ class BrowserEnv:
             outcome = await self._after_action(session, episode)
             if error or outcome is not None:
                 break
-        observation = await self._observe(session, error)
-        return observation, error, outcome
+        observation, visuals = await self._observe(session, error)
+        return observation, visuals, error, outcome
 
     async def _close_session(self, episode: Episode) -> None:
         await episode.session.aclose()
@@ -411,12 +431,15 @@ START_URL_SEPARATOR = " |AND| "
 """WebArena's way to open several tabs at the start: "URL1 |AND| URL2" (the first tab is active)."""
 
 
-async def _goto(session: BrowserSession, start_url: str) -> None:
-    """Asyncio side: load the start URL(s), one tab each, and make the first tab active."""
+async def _goto(session: BrowserSession, start_url: str, viewport: tuple[int, int] | None = None) -> None:
+    """Asyncio side: load the start URL(s), one tab each, and make the first tab active; with a
+    viewport (screenshot runs) each page loads at that size, as the agent will see it."""
     from playwright.async_api import Error as PlaywrightError
 
     for index, url in enumerate(part.strip() for part in start_url.split(START_URL_SEPARATOR)):
         page = await session.ensure_page() if index == 0 else await session.context.new_page()
+        if viewport is not None:
+            await fit_viewport(page, viewport)
         try:
             await page.goto(url, wait_until="load")
         except PlaywrightError as error:

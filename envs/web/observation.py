@@ -17,12 +17,20 @@ snapshot's backend node ids. The format follows BrowserGym:
 
 Two spaces of indent per depth; `[bid]` on nodes an agent can act on or that carry a name; role,
 then the name in single quotes (backslash and quote escaped), then properties.
+
+Besides the text, `capture` computes the visual forms a run asks for (OBSERVATION_MODES): a PNG
+screenshot of the viewport, and a set-of-marks copy of it with the bid of every interactive element
+of the tree drawn at its box (marks.py). Nothing visual is computed unless asked for.
 """
 
 from __future__ import annotations
 
+import base64
 import re
-from typing import Any, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from longhorizon.envs.web.marks import draw_marks
 
 BID_ATTRIBUTE = "data-bid"
 
@@ -98,8 +106,13 @@ def render_tree(
     bid_of_backend_node: Mapping[int, str],
     clickable_backend_nodes: Iterable[int] = (),
     root_bid: str | None = None,
+    interactive_bids: list[str] | None = None,
 ) -> list[str]:
-    """The tree's lines from CDP accessibility nodes (a pure function, tested on hand-built nodes)."""
+    """The tree's lines from CDP accessibility nodes (a pure function, tested on hand-built nodes).
+
+    `interactive_bids`, when given, receives in tree order the bids shown on nodes an agent acts on
+    (an interactive role, or a click handler): the elements a set-of-marks image marks.
+    """
     by_id = {node["nodeId"]: node for node in nodes}
     clickable = set(clickable_backend_nodes)
     roots = [node for node in nodes if not node.get("parentId") or node.get("parentId") not in by_id]
@@ -125,6 +138,8 @@ def render_tree(
             wants_bid = role in INTERACTIVE_ROLES or bool(name) or backend in clickable or role == "RootWebArea"
             if bid is not None and wants_bid and role != "StaticText":
                 parts.append(f"[{bid}]")
+                if interactive_bids is not None and (role in INTERACTIVE_ROLES or backend in clickable):
+                    interactive_bids.append(bid)
             parts.append(role or "generic")
             if name:
                 parts.append(quote(name))
@@ -202,8 +217,9 @@ def format_observation(
     return text
 
 
-async def capture_tree(session: Any, page: Any) -> list[str]:
-    """The tree lines of one tab (runs on the browser's asyncio thread)."""
+async def capture_tree(session: Any, page: Any, interactive_bids: list[str] | None = None) -> list[str]:
+    """The tree lines of one tab (runs on the browser's asyncio thread); `interactive_bids` as in
+    render_tree."""
     last_error: Exception | None = None
     for _ in range(3):
         try:
@@ -221,16 +237,125 @@ async def capture_tree(session: Any, page: Any) -> list[str]:
                 pass
             continue
         bid_of, clickable, root_bid = bids_from_snapshot(snapshot)
-        return render_tree(tree.get("nodes") or [], bid_of, clickable, root_bid)
+        if interactive_bids is not None:
+            interactive_bids.clear()  # a retried capture starts over
+        return render_tree(tree.get("nodes") or [], bid_of, clickable, root_bid, interactive_bids)
     raise RuntimeError(f"could not read the page: {last_error}")
 
 
-async def capture(session: Any, *, error: str = "", goal: str = "", max_chars: int = 0) -> str:
-    """The observation text of a browser session's current state (asyncio thread)."""
+OBSERVATION_MODES = ("text", "screenshot", "som")
+"""The observation forms a web env can compute: the accessibility tree in the observation text,
+a PNG screenshot of the viewport (info["screenshot"]), and the set-of-marks image with its marks
+(info["som"], info["som_marks"])."""
+
+DEFAULT_SCREENSHOT_SIZE = (1280, 720)
+"""BrowserGym's viewport, and the pool's: width, height in CSS pixels."""
+
+
+@dataclass(frozen=True)
+class ObservationForms:
+    """Which observation forms an env computes, and the viewport size of its screenshots."""
+
+    modes: tuple[str, ...] = ("text",)
+    screenshot_size: tuple[int, int] = DEFAULT_SCREENSHOT_SIZE
+
+    @classmethod
+    def checked(cls, modes: Sequence[str], screenshot_size: Sequence[int]) -> "ObservationForms":
+        """The forms from option values; ValueError in one line for a bad value."""
+        if isinstance(modes, str) or not isinstance(modes, Sequence) or not modes:
+            raise ValueError(f"observation_modes must be a non-empty list of {list(OBSERVATION_MODES)}, got {modes!r}")
+        unknown = [mode for mode in modes if mode not in OBSERVATION_MODES]
+        if unknown:
+            raise ValueError(f"unknown observation mode(s) {unknown}; valid modes: {', '.join(OBSERVATION_MODES)}")
+        if (isinstance(screenshot_size, str) or not isinstance(screenshot_size, Sequence) or len(screenshot_size) != 2
+                or not all(isinstance(side, int) and not isinstance(side, bool) and 64 <= side <= 4096
+                           for side in screenshot_size)):
+            raise ValueError(f"screenshot_size must be [width, height], whole pixels from 64 to 4096, got {screenshot_size!r}")
+        return cls(tuple(dict.fromkeys(modes)), (screenshot_size[0], screenshot_size[1]))
+
+    @property
+    def visual(self) -> bool:
+        return "screenshot" in self.modes or "som" in self.modes
+
+
+TEXT_ONLY = ObservationForms()
+
+# Each asked-for element's box in viewport CSS pixels, clipped to the viewport; elements without a
+# visible area there are left out. Looks inside shadow roots too, as MARK_ELEMENTS_JS numbers them.
+MARK_BOXES_JS = """
+(bids) => {
+  const attribute = %r;
+  const wanted = new Set(bids), found = new Map();
+  const visit = (root) => {
+    for (const element of root.querySelectorAll('*')) {
+      const bid = element.getAttribute(attribute);
+      if (bid !== null && wanted.has(bid) && !found.has(bid)) found.set(bid, element);
+      if (element.shadowRoot) visit(element.shadowRoot);
+    }
+  };
+  visit(document);
+  const width = window.innerWidth, height = window.innerHeight;
+  const boxes = [];
+  for (const bid of bids) {
+    const element = found.get(bid);
+    if (!element) continue;
+    const rect = element.getBoundingClientRect();
+    const left = Math.max(0, rect.left), top = Math.max(0, rect.top);
+    const right = Math.min(width, rect.right), bottom = Math.min(height, rect.bottom);
+    if (right - left < 1 || bottom - top < 1) continue;
+    boxes.push({bid, x: Math.round(left), y: Math.round(top),
+                width: Math.round(right - left), height: Math.round(bottom - top)});
+  }
+  return boxes;
+}
+""" % BID_ATTRIBUTE
+
+
+async def fit_viewport(page: Any, size: tuple[int, int]) -> None:
+    """Give a tab the screenshot size as its viewport (a tab opened later starts at the pool's)."""
+    width, height = size
+    current = page.viewport_size or {}
+    if current.get("width") != width or current.get("height") != height:
+        await page.set_viewport_size({"width": width, "height": height})
+
+
+async def screenshot_png(session: Any, page: Any) -> bytes:
+    """The viewport as PNG bytes, from CDP: nothing is injected into the page (Playwright's own
+    screenshot adds a style to hide the caret), and the image is what the page shows now."""
+    cdp = await session.cdp(page)
+    shot = await cdp.send("Page.captureScreenshot", {"format": "png"})
+    return base64.b64decode(shot["data"])
+
+
+async def capture(
+    session: Any,
+    *,
+    error: str = "",
+    goal: str = "",
+    max_chars: int = 0,
+    forms: ObservationForms = TEXT_ONLY,
+) -> tuple[str, dict[str, Any]]:
+    """The observation text of a browser session's current state, and the visual forms asked for as
+    info entries ("screenshot", "som", "som_marks"; none in text-only mode). Asyncio thread."""
     # One tab for the tree and the header: a tab that opens meanwhile shows in the next observation.
     page = await session.ensure_page()
+    visuals: dict[str, Any] = {}
+    if forms.visual:
+        await fit_viewport(page, forms.screenshot_size)
     active, tabs = session.active, list(session.pages)
-    tree_lines = await capture_tree(session, page)
+    wants_marks = "som" in forms.modes
+    interactive_bids: list[str] | None = [] if wants_marks else None
+    # Set-of-marks draws the tree's ids, so it reads the tree even when the text leaves it out.
+    tree_lines = await capture_tree(session, page, interactive_bids) if "text" in forms.modes or wants_marks else []
+    shown_lines = tree_lines if "text" in forms.modes else []
+    if forms.visual:
+        marks = await page.evaluate(MARK_BOXES_JS, interactive_bids) if wants_marks else []
+        png = await screenshot_png(session, page)
+        if "screenshot" in forms.modes:
+            visuals["screenshot"] = png
+        if wants_marks:
+            visuals["som"] = draw_marks(png, marks)
+            visuals["som_marks"] = marks
     url = page.url
     titles = []
     for tab in tabs:
@@ -239,7 +364,8 @@ async def capture(session: Any, *, error: str = "", goal: str = "", max_chars: i
         except Exception:
             titles.append("")
     dialogs, session.dialogs = session.dialogs, []
-    return format_observation(
-        url=url, tab_titles=titles, active_tab=active, tree_lines=tree_lines,
+    text = format_observation(
+        url=url, tab_titles=titles, active_tab=active, tree_lines=shown_lines,
         error=error, goal=goal, dialogs=dialogs, max_chars=max_chars,
     )
+    return text, visuals

@@ -5,9 +5,11 @@ each figure includes what an episode really pays: a fresh browser context per re
 load, and per step the action, the settle wait and the accessibility-tree observation. A step
 toggles a checkbox of the click-checkboxes task (the episode never ends). Memory is the growth of
 the browser processes' resident (RSS) and proportional (PSS, shared pages split between
-processes) set sizes per extra live context.
+processes) set sizes per extra live context. `--modes text,screenshot,som` times reset and step
+again with each visual form computed besides the text (the screenshot; the set-of-marks image).
 
-Run: `longhorizon bench web [--contexts 1,2,4,8] [--seconds 5] [--resets 10] [--steps 30] [--browsers 1]`
+Run: `longhorizon bench web [--contexts 1,2,4,8] [--seconds 5] [--resets 10] [--steps 30] [--browsers 1]
+[--modes text,screenshot,som]`
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from longhorizon.envs.web.policies import parse_nodes
 from longhorizon.envs.base import list_tasks
 from longhorizon.envs.web.browser import BrowserPool
 from longhorizon.envs.web.miniwob import MiniWobEnv
+from longhorizon.envs.web.observation import DEFAULT_SCREENSHOT_SIZE
 
 PROG = "longhorizon bench web"
 
 TASK = "click-checkboxes"
+MODES = {"text": ["text"], "screenshot": ["text", "screenshot"], "som": ["text", "som"]}
+"""What each benchmarked mode computes: the visual forms always come with the text."""
 
 
 def _memory_mib(pids: list[int]) -> tuple[float, float]:
@@ -45,7 +50,8 @@ def _checkbox(observation: str) -> str:
     return boxes[0]
 
 
-async def _bench(contexts: list[int], seconds: float, resets: int, steps: int, browsers: int) -> dict[str, Any]:
+async def _bench(contexts: list[int], seconds: float, resets: int, steps: int, browsers: int,
+                 modes: list[str]) -> dict[str, Any]:
     pool = BrowserPool(browsers)
     result: dict[str, Any] = {"task": TASK, "browsers": browsers, "seconds_per_run": seconds}
     try:
@@ -56,22 +62,28 @@ async def _bench(contexts: list[int], seconds: float, resets: int, steps: int, b
         result["idle_browser_rss_mib"], result["idle_browser_pss_mib"] = idle_rss / browsers, idle_pss / browsers
 
         tasks = list_tasks("miniwob", "train", task_names=[TASK], instances_per_task=max(resets, 1))
-        env = MiniWobEnv(task_names=[TASK], pool=pool)
-        reset_times, step_times = [], []
-        for task in tasks[:resets]:
-            started = time.perf_counter()
-            observation, _ = await env.reset(task)
-            reset_times.append(time.perf_counter() - started)
-        box = _checkbox(observation)
-        for _ in range(steps):
-            started = time.perf_counter()
-            await env.step(f"click({box!r})")
-            step_times.append(time.perf_counter() - started)
-        await env.close()
-        result["reset_ms_median"] = 1000 * statistics.median(reset_times)
-        result["reset_ms_mean"] = 1000 * statistics.fmean(reset_times)
-        result["step_ms_median"] = 1000 * statistics.median(step_times)
-        result["step_ms_p90"] = 1000 * sorted(step_times)[int(0.9 * (len(step_times) - 1))]
+        result["modes"] = []
+        for mode in ["text", *[mode for mode in modes if mode != "text"]]:  # text first: the top-level figures
+            env = MiniWobEnv(task_names=[TASK], pool=pool)
+            env.configure_observation(MODES[mode], DEFAULT_SCREENSHOT_SIZE)
+            reset_times, step_times = [], []
+            for task in tasks[:resets]:
+                started = time.perf_counter()
+                observation, _ = await env.reset(task)
+                reset_times.append(time.perf_counter() - started)
+            box = _checkbox(observation)
+            for _ in range(steps):
+                started = time.perf_counter()
+                await env.step(f"click({box!r})")
+                step_times.append(time.perf_counter() - started)
+            await env.close()
+            result["modes"].append({
+                "mode": mode, "reset_ms_median": 1000 * statistics.median(reset_times),
+                "reset_ms_mean": 1000 * statistics.fmean(reset_times),
+                "step_ms_median": 1000 * statistics.median(step_times),
+                "step_ms_p90": 1000 * sorted(step_times)[int(0.9 * (len(step_times) - 1))],
+            })
+        result.update({key: value for key, value in result["modes"][0].items() if key != "mode"})
 
         result["parallel"] = []
         for count in contexts:
@@ -114,6 +126,10 @@ def print_report(result: dict[str, Any]) -> None:
           f" PSS {result['idle_browser_pss_mib']:.0f} MiB)")
     print(f"  reset (new context) {result['reset_ms_median']:8.0f} ms median, {result['reset_ms_mean']:.0f} ms mean")
     print(f"  step (click + tree) {result['step_ms_median']:8.0f} ms median, {result['step_ms_p90']:.0f} ms p90")
+    if len(result["modes"]) > 1:
+        print_table([Column("mode", 10), Column("reset ms", 9, ".0f"), Column("step ms", 8, ".0f"), Column("step p90", 9, ".0f")],
+                    [[row["mode"], row["reset_ms_median"], row["step_ms_median"], row["step_ms_p90"]] for row in result["modes"]],
+                    indent="  ")
     print_table(
         [Column("contexts", 8), Column("steps/s", 9, ".1f"), Column("RSS/context MiB", 16, ".1f"),
          Column("PSS/context MiB", 16, ".1f")],
@@ -131,6 +147,9 @@ def _check(args: argparse.Namespace) -> None:
     contexts = _contexts(args.contexts)  # a ValueError names a part that is not a number
     if not contexts or min(contexts) < 1 or min(args.seconds, args.resets, args.steps, args.browsers) <= 0:
         raise ValueError("contexts, seconds, resets, steps and browsers must be positive")
+    unknown = [mode for mode in args.modes.split(",") if mode not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {unknown}; valid modes: {', '.join(MODES)}")
 
 
 def run(argv: list[str]) -> dict[str, Any]:
@@ -141,9 +160,11 @@ def run(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--resets", type=int, default=10, help="resets timed (each a new task instance)")
     parser.add_argument("--steps", type=int, default=30, help="steps timed one after another in one context")
     parser.add_argument("--browsers", type=int, default=1, help="Chromium processes in the pool")
+    parser.add_argument("--modes", default="text", help="observation modes timed, of text,screenshot,som")
     args = parsed(parser, argv, check=_check)
     try:
-        result = trio.run(_bench, _contexts(args.contexts), args.seconds, args.resets, args.steps, args.browsers)
+        result = trio.run(_bench, _contexts(args.contexts), args.seconds, args.resets, args.steps, args.browsers,
+                          args.modes.split(","))
     except RuntimeError as error:
         raise BenchStopped(1, str(error)) from error
     print_report(result)
