@@ -58,3 +58,62 @@ async def test_reset_gives_browsergym_instruction_for_each_task_and_seed():
     finally:
         await env.close()
         pool.close()
+
+
+def _browsergym_instructions(cases: list[tuple[str, int]]) -> list[str]:
+    """Replays BrowserGym's MiniWoB start-up (as tests/data/make_miniwob_seeds.py does) in its own
+    browser, with its 500x320 viewport: the instruction it shows for each (task, seed)."""
+    from playwright.sync_api import sync_playwright
+
+    from longhorizon.envs.web.browser import CHROMIUM_ARGS, DEFAULT_CHROMIUM
+    from longhorizon.envs.web.miniwob import StaticServer, miniwob_html_dir
+
+    server = StaticServer(miniwob_html_dir())
+    instructions = []
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=DEFAULT_CHROMIUM, args=list(CHROMIUM_ARGS))
+            try:
+                page = browser.new_page(viewport={"width": 500, "height": 320})
+                for task, seed in cases:
+                    page.goto(f"{server.url}/miniwob/{task}.html")
+                    number = int(np.random.RandomState(seed).randint(0, 1_000_000))
+                    page.evaluate(f"Math.seedrandom({number}); core.EPISODE_MAX_TIME = 1000000; core.startEpisodeReal();")
+                    page.wait_for_function("() => WOB_TASK_READY")
+                    utterance = page.evaluate("() => core.getUtterance()")
+                    if isinstance(utterance, dict):
+                        utterance = utterance["utterance"]
+                    instructions.append(" ".join(str(utterance).split()))
+            finally:
+                browser.close()
+    finally:
+        server.stop()
+    return instructions
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+async def test_types_beyond_the_recorded_ones_give_browsergym_instruction_too():
+    import trio
+
+    from longhorizon.envs.web.miniwob import TASK_NAMES
+
+    recorded = {record["task"] for record in FIXTURE}
+    # One seed a type, a train seed and a test seed in turn, keeps the run to a few minutes.
+    names = [name for name in TASK_NAMES if name not in recorded and name != "focus-text"]
+    cases = [(name, (0, 1_000_000)[index % 2]) for index, name in enumerate(names)]
+    want = await trio.to_thread.run_sync(_browsergym_instructions, cases)
+    pool = BrowserPool(1)
+    env = make_env("miniwob", task_names=sorted({name for name, _ in cases}), pool=pool)
+    try:
+        got = []
+        for name, seed in cases:
+            task = Task(env_name="miniwob", task_id=f"seed-{name}-{seed}", split="train", category=name,
+                        data={"task": name, "seed": seed})
+            observation, _ = await env.reset(task)
+            got.append(observation.splitlines()[0].removeprefix("Goal: "))
+        mismatched = [(case, mine, theirs) for case, mine, theirs in zip(cases, got, want) if mine != theirs]
+        assert not mismatched, mismatched
+    finally:
+        await env.close()
+        pool.close()
