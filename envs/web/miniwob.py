@@ -15,7 +15,8 @@ Tasks: the MiniWoB task types in TASK_NAMES that a text agent can solve through 
 use seeds 0.. and test instances seeds from TEST_SEED_BASE, so both splits cover every type with
 different problems. The reset seed is not used: the task names the instance, and instance seed s
 shows the same problem as BrowserGym's `reset(seed=s)` on that task (tests/test_web_miniwob_seeds.py
-checks recorded instructions).
+checks recorded instructions, and a replay of BrowserGym's start-up for the types not recorded).
+The scripted oracle (policy "oracle") is in miniwob_oracles.py.
 """
 
 from __future__ import annotations
