@@ -817,6 +817,10 @@ def _type_name(annotation: Any) -> str:
 def _choices(annotation: Any) -> str:
     """The words a key of `Literal[...]` type (or `bool | Literal[...]`) may take, as an error
     names them; "" for any other type."""
+    origin = get_origin(annotation)
+    if origin is not None and origin not in (Literal, Union, types.UnionType):  # a list of them: each one
+        inner = _choices(get_args(annotation)[0]) if get_args(annotation) else ""
+        return f"a list, each {inner}" if inner else ""
     members = get_args(annotation) if getattr(annotation, "__origin__", None) is not Literal else (annotation,)
     words: list[str] = []
     for member in members:

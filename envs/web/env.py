@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import trio
 from pydantic.json_schema import SkipJsonSchema
@@ -129,6 +129,13 @@ class BrowserOptions(Section):
     multiaction: bool = False
     """Several actions in one step, one per line, run in order until the first error
     (BrowserGym's multi-action mode; docs/web.md)."""
+    observation_modes: Sequence[Literal["text", "screenshot", "som"]] = ("text",)
+    """What each observation holds: `text` (the accessibility tree with element ids, as the model
+    reads it), `screenshot` (info["screenshot"]: PNG of the viewport), `som` (info["som"]: the
+    screenshot with each interactive element's id drawn at its box; info["som_marks"]). Only
+    what is named is computed (docs/web.md)."""
+    screenshot_size: Sequence[int] = DEFAULT_SCREENSHOT_SIZE
+    """[width, height] of the viewport in pixels when a screenshot form is on."""
     pool: SkipJsonSchema[Any] = None
     """A browser pool to share, from Python only (tests, benchmarks); not a config value."""
 

@@ -17,7 +17,8 @@ from typing import Any, Sequence
 from longhorizon.common.config import bounded
 from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.web.apps.tasks import SITE_NAMES, load_tasks
-from longhorizon.envs.web.env import BrowserOptions, BrowserEnv
+from longhorizon.envs.web.env import BrowserEnv, BrowserOptions
+from longhorizon.envs.web.observation import DEFAULT_SCREENSHOT_SIZE
 from longhorizon.envs.web.apps.fossil import FossilSite
 from longhorizon.envs.web.apps.dokuwiki import DokuWikiSite
 from longhorizon.envs.web.apps.shop import ShopSite
@@ -50,11 +51,13 @@ def build_site(name: str) -> Any:
 
 def make_local_env(*, sites: str | Sequence[str] | None = None, num_browsers: int = 1, action_timeout_s: float = 5.0,
                    navigation_timeout_s: float = 20.0, max_observation_chars: int = 30000,
-                   multiaction: bool = False, pool: Any = None) -> Any:
+                   multiaction: bool = False, observation_modes: Sequence[str] = ("text",),
+                   screenshot_size: Sequence[int] = DEFAULT_SCREENSHOT_SIZE, pool: Any = None) -> Any:
     return BrowserEnv(
         name=ENV_NAME, sites={name: build_site(name) for name in parse_sites(sites)}, pool=pool, num_browsers=num_browsers,
         action_timeout_s=action_timeout_s, navigation_timeout_s=navigation_timeout_s,
         max_observation_chars=max_observation_chars, multiaction=multiaction,
+        observation_modes=observation_modes, screenshot_size=screenshot_size,
     )
 
 

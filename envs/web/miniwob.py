@@ -27,7 +27,7 @@ import importlib.util
 import json
 import threading
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from longhorizon.common.config import bounded
 from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.web.browser import BrowserSession
 from longhorizon.envs.web.env import BrowserEnv, BrowserOptions, Episode
+from longhorizon.envs.web.observation import DEFAULT_SCREENSHOT_SIZE
 from longhorizon.envs.web.miniwob_oracles import SOLVERS, MiniWobOraclePolicy
 from longhorizon.envs.web.policies import RandomClickerPolicy
 
@@ -238,12 +239,14 @@ class MiniWobEnv(BrowserEnv):
         action_timeout_s: float = 5.0,
         navigation_timeout_s: float = 20.0,
         multiaction: bool = False,
+        observation_modes: Sequence[str] = ("text",),
+        screenshot_size: Sequence[int] = DEFAULT_SCREENSHOT_SIZE,
         pool: Any = None,
     ) -> None:
         _check_options(task_names, instances_per_task, time_limit_s, reward_mode)
         super().__init__(name=ENV_NAME, sites={}, pool=pool, num_browsers=num_browsers,
                          action_timeout_s=action_timeout_s, navigation_timeout_s=navigation_timeout_s,
-                         multiaction=multiaction)
+                         multiaction=multiaction, observation_modes=observation_modes, screenshot_size=screenshot_size)
         self.time_limit_s = float(time_limit_s)
         self.reward_mode = reward_mode
         self._server = shared_server()

@@ -33,12 +33,13 @@ import json
 import logging
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence
 
 from longhorizon.common.config import bounded
 from longhorizon.envs.base import EnvSpec, Task
 from longhorizon.envs.web.browser import origin_of
 from longhorizon.envs.web.env import PLACEHOLDER, BrowserEnv, BrowserOptions, placeholder
+from longhorizon.envs.web.observation import DEFAULT_SCREENSHOT_SIZE
 from longhorizon.envs.web.evaluators import unsupported_features
 from longhorizon.envs.web.policies import PlanOraclePolicy, RandomClickerPolicy
 
@@ -203,6 +204,8 @@ class WebArenaEnv(BrowserEnv):
         navigation_timeout_s: float = 30.0,
         max_observation_chars: int = 30000,
         multiaction: bool = False,
+        observation_modes: Sequence[str] = ("text",),
+        screenshot_size: Sequence[int] = DEFAULT_SCREENSHOT_SIZE,
         pool: Any = None,
     ) -> None:
         site_urls = _check_sites(sites)
@@ -212,7 +215,7 @@ class WebArenaEnv(BrowserEnv):
             sites={name: ExternalSite(name, url) for name, url in site_urls.items()},
             pool=pool, num_browsers=num_browsers, action_timeout_s=action_timeout_s,
             navigation_timeout_s=navigation_timeout_s, max_observation_chars=max_observation_chars,
-            multiaction=multiaction,
+            multiaction=multiaction, observation_modes=observation_modes, screenshot_size=screenshot_size,
         )
         self.storage_state_dir = Path(storage_state_dir).expanduser() if storage_state_dir else None
         self.missing_login = missing_login
