@@ -13,6 +13,9 @@ tokenizes the messages again itself.
 
 The file is written as episodes end, to `<output>.partial`, and renamed when all are done: an
 interrupted collection leaves the partial file and never a truncated file under the final name.
+Lines are written in episode order (an episode that ends early waits for those before it), so the
+same config and seed write the same file however the episodes interleave: a trainer that shuffles
+with its own seed then sees the same batches.
 """
 
 from __future__ import annotations
@@ -116,6 +119,19 @@ async def collect_episodes(
         return text + (f", {counts['skipped']} unsuccessful left out" if only_successful else "")
 
     with partial.open("w", encoding="utf-8") as file:
+        finished: dict[int, str | None] = {}  # episode index -> its line (None: not written)
+        next_to_write = 0
+
+        def write_in_order(index: int, line: str | None) -> None:
+            nonlocal next_to_write
+            finished[index] = line
+            while next_to_write in finished:
+                ready = finished.pop(next_to_write)
+                if ready is not None:
+                    file.write(ready)
+                    counts["written"] += 1
+                next_to_write += 1
+            file.flush()
 
         async def one(index: int) -> None:
             nonlocal first_error
@@ -134,6 +150,7 @@ async def collect_episodes(
                 pool.release(env, broken=bool(result.error))
             counts["done"] += 1
             counts["successful"] += int(result.success)
+            line = None
             if result.error or result.conversation is None:
                 counts["failed"] += 1
                 first_error = first_error or f"task {task.task_id}: {result.error}"
@@ -149,9 +166,8 @@ async def collect_episodes(
                     terminated=result.terminated, truncated=result.truncated, engine=engine_label,
                     episode=index, seed=seed,
                 )
-                file.write(record_line(record))
-                file.flush()
-                counts["written"] += 1
+                line = record_line(record)
+            write_in_order(index, line)
             on_progress(counts["done"], detail())
 
         try:

@@ -5,8 +5,9 @@ import json
 from pathlib import Path
 
 import pytest
+import trio
 
-from longhorizon.actor.collect import run_collect
+from longhorizon.actor.collect import make_play_engine, run_collect
 from longhorizon.common.chat import HFChatTokenizer
 from longhorizon.common.config import load_config
 from longhorizon.common.conversations import (
@@ -56,6 +57,29 @@ def test_oracle_play_is_written_with_the_model_tokens(tmp_path, tiny_codebook_mo
         replies = [m["content"] for m in line["messages"] if m["role"] == "assistant"]
         assert trained == [t for reply in replies for t in tokenizer.encode(reply) + [tokenizer.eos_token_id]]
     assert len(read_conversations(output)) == 12  # the reader accepts what collect writes
+
+
+def test_the_file_is_in_episode_order_however_the_episodes_end(tmp_path, tiny_codebook_model):
+    """Early episodes made to end last (their replies wait longer) are still written first, so
+    the same seed writes the same file and a trainer shuffling it with its seed sees the same batches;
+    episodes left out keep their place empty."""
+    config = _config(tmp_path, tiny_codebook_model, "actor.scripted_policy='random'",
+                     "env.options={num_turns = 1, num_symbols = 2, num_actions = 2}")
+    engine, _ = make_play_engine(config)
+
+    class EarlyEpisodesEndLast:
+        async def generate(self, request):
+            await trio.sleep(0.02 * (12 - int(request.episode_id.split("-")[1])))
+            return await engine.generate(request)
+
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+    summary = run_collect(config, output=tmp_path / "ordered.jsonl", episodes=12, only_successful=True,
+                          engine=EarlyEpisodesEndLast())
+    lines = [json.loads(line) for line in (tmp_path / "ordered.jsonl").read_text().splitlines()]
+    episodes = [line["episode"] for line in lines]
+    assert 0 < summary.written == len(lines) < 12 and episodes == sorted(episodes)
 
 
 def test_scripted_play_counts_the_context_in_the_model_tokens(tmp_path, default_model_path):
