@@ -177,3 +177,9 @@ def test_bench_web_prints_a_table_then_json(capsys):
     assert [row["contexts"] for row in result["parallel"]] == [1, 2]
     assert all(row["steps_per_s"] > 0 and row["pss_per_context_mib"] > 0 for row in result["parallel"])
     assert result["launch_s"] > 0 and result["step_ms_median"] > 0 and result["reset_ms_median"] > 0
+    # Each observation mode's time and memory: a screenshot costs a PNG per observation.
+    assert main(["--contexts", "1", "--seconds", "0.2", "--resets", "1", "--steps", "2",
+                 "--modes", "text,screenshot"]) == 0
+    modes = {row["mode"]: row for row in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["modes"]}
+    assert modes["text"]["context_pss_mib"] > 0 and modes["screenshot"]["context_pss_mib"] > 0
+    assert modes["screenshot"]["observation_kib"] > modes["text"]["observation_kib"] + 1

@@ -6,7 +6,8 @@ load, and per step the action, the settle wait and the accessibility-tree observ
 toggles a checkbox of the click-checkboxes task (the episode never ends). Memory is the growth of
 the browser processes' resident (RSS) and proportional (PSS, shared pages split between
 processes) set sizes per extra live context. `--modes text,screenshot,som` times reset and step
-again with each visual form computed besides the text (the screenshot; the set-of-marks image).
+again with each visual form computed besides the text (the screenshot; the set-of-marks image),
+and gives each mode's browser memory with its one context live and the size of one observation.
 
 Run: `longhorizon bench web [--contexts 1,2,4,8] [--seconds 5] [--resets 10] [--steps 30] [--browsers 1]
 [--modes text,screenshot,som]`
@@ -69,19 +70,25 @@ async def _bench(contexts: list[int], seconds: float, resets: int, steps: int, b
             reset_times, step_times = [], []
             for task in tasks[:resets]:
                 started = time.perf_counter()
-                observation, _ = await env.reset(task)
+                observation, info = await env.reset(task)
                 reset_times.append(time.perf_counter() - started)
             box = _checkbox(observation)
             for _ in range(steps):
                 started = time.perf_counter()
-                await env.step(f"click({box!r})")
+                observation, _, _, _, info = await env.step(f"click({box!r})")
                 step_times.append(time.perf_counter() - started)
+            # Memory with the mode's one context live: the browser's share above its idle figure,
+            # and what one observation carries (its text and images).
+            _, live_pss = _memory_mib(pool.browser_pids())
             await env.close()
+            images = sum(len(info[key]) for key in ("screenshot", "som") if key in info)
             result["modes"].append({
                 "mode": mode, "reset_ms_median": 1000 * statistics.median(reset_times),
                 "reset_ms_mean": 1000 * statistics.fmean(reset_times),
                 "step_ms_median": 1000 * statistics.median(step_times),
                 "step_ms_p90": 1000 * sorted(step_times)[int(0.9 * (len(step_times) - 1))],
+                "context_pss_mib": live_pss - idle_pss,
+                "observation_kib": (len(observation.encode()) + images) / 1024,
             })
         result.update({key: value for key, value in result["modes"][0].items() if key != "mode"})
 
@@ -127,8 +134,10 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"  reset (new context) {result['reset_ms_median']:8.0f} ms median, {result['reset_ms_mean']:.0f} ms mean")
     print(f"  step (click + tree) {result['step_ms_median']:8.0f} ms median, {result['step_ms_p90']:.0f} ms p90")
     if len(result["modes"]) > 1:
-        print_table([Column("mode", 10), Column("reset ms", 9, ".0f"), Column("step ms", 8, ".0f"), Column("step p90", 9, ".0f")],
-                    [[row["mode"], row["reset_ms_median"], row["step_ms_median"], row["step_ms_p90"]] for row in result["modes"]],
+        print_table([Column("mode", 10), Column("reset ms", 9, ".0f"), Column("step ms", 8, ".0f"), Column("step p90", 9, ".0f"),
+                     Column("context PSS MiB", 16, ".1f"), Column("observation KiB", 16, ".1f")],
+                    [[row["mode"], row["reset_ms_median"], row["step_ms_median"], row["step_ms_p90"],
+                      row["context_pss_mib"], row["observation_kib"]] for row in result["modes"]],
                     indent="  ")
     print_table(
         [Column("contexts", 8), Column("steps/s", 9, ".1f"), Column("RSS/context MiB", 16, ".1f"),
