@@ -107,7 +107,8 @@ class RunConfig(Section):
     """Continue from the latest checkpoint in the run directory if there is one."""
     launcher: str = "local"
     """Where the processes run: `local` (all on this machine), `ray` (placed on a Ray cluster
-    with the resources of [ray]; docs/cluster.md), or a launcher a plug-in registers (the
+    with the resources of [ray]; docs/cluster.md), `torchrun` (the learner's ranks under torchrun,
+    on one node or several, as [torchrun] says; docs/cluster.md), or a launcher a plug-in registers (the
     `longhorizon.launchers` entry-point group, or a dotted path `package.module:function`)."""
     keep_checkpoints: int = bounded(3, ge=1)
     """Checkpoints kept in `<run_dir>/checkpoints/`: the newest N (at least 1); older ones are
@@ -712,6 +713,24 @@ class RayConfig(Section):
     resources that could not be found."""
 
 
+class TorchrunConfig(Section):
+    """`run.launcher = "torchrun"`: the learner's ranks started by torchrun, which restarts them,
+    on this machine or on each node of an allocation; the actors run on node 0 (docs/cluster.md)."""
+
+    num_nodes: int = bounded(1, ge=1)
+    """Machines the learner's ranks spread over, `learner.num_ranks / num_nodes` on each. With
+    several, the same command runs on every node, each with its own `node_rank`."""
+    node_rank: int = bounded(0, ge=0)
+    """This machine's place among the nodes, 0 to num_nodes - 1 (SLURM: $SLURM_NODEID). Node 0 holds
+    rank 0, the actors and the progress line; the others run only their ranks."""
+    rendezvous_endpoint: str = ""
+    """HOST:PORT on node 0 where the nodes' torchrun meet, the same on every node; needed with
+    several nodes. Empty on one node: the ranks meet on a free port of 127.0.0.1."""
+    max_restarts: int = bounded(3, ge=0)
+    """How often torchrun starts the learner's ranks again after one of them died, each time from
+    the latest checkpoint; past that the run ends with the learner's failure."""
+
+
 class WandbConfig(Section):
     enabled: bool = False
     """Also log every metric record, the resolved config and the end-of-run plots to Weights &
@@ -744,6 +763,7 @@ class Config(Section):
     horizon: HorizonConfig = Field(default_factory=HorizonConfig)
     transport: TransportConfig = Field(default_factory=TransportConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    torchrun: TorchrunConfig = Field(default_factory=TorchrunConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     rft: RFTConfig = Field(default_factory=RFTConfig)

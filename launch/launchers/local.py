@@ -27,7 +27,10 @@ from longhorizon.actor.worker import run_actor
 from longhorizon.common.transport import InProcessNetwork
 
 
-class _Child(SubprocessControl):
+class WorkerProcess(SubprocessControl):
+    """One worker process (`python -m longhorizon.launch.worker ROLE`) on this machine, its output
+    appended to its log."""
+
     def __init__(
         self, role: str, index: int, config_path: Path, log_path: Path, *, env: dict[str, str] | None = None,
     ) -> None:
@@ -44,13 +47,15 @@ class _Child(SubprocessControl):
     def name(self) -> str:
         return process_name(self.role, self.index)
 
-    def start(self, *, resume: bool = False) -> None:
+    def command(self, *, resume: bool) -> list[str]:
         command = [
             sys.executable, "-m", "longhorizon.launch.worker", self.role,
             "--config", str(self.config_path), "--index", str(self.index),
         ]
-        if resume:
-            command.append("--resume")
+        return [*command, "--resume"] if resume else command
+
+    def start(self, *, resume: bool = False) -> None:
+        command = self.command(resume=resume)
         self.started_at = time.monotonic()
         environment = {**os.environ, **self.env, **self.scratch_environment(self.name)}
         log_file = self.log_path.open("ab")
@@ -71,12 +76,12 @@ class _Child(SubprocessControl):
         return {"pid": self.process.pid if self.process else None, "restarts": self.restarts}
 
 
-def _learner_ranks(config: Config, config_path: Path, run_dir: Path) -> list[_Child]:
+def _learner_ranks(config: Config, config_path: Path, run_dir: Path) -> list[WorkerProcess]:
     """The learner's processes: one, or `learner.num_ranks` ranks that find rank 0 through
     torch.distributed's environment variables (as torchrun would set them)."""
     num_ranks = config.learner.num_ranks
     if num_ranks == 1:
-        return [_Child("learner", 0, config_path, run_dir / "logs" / "learner.log")]
+        return [WorkerProcess("learner", 0, config_path, run_dir / "logs" / "learner.log")]
     # On one machine the ranks meet through a file and gloo talks over the loopback interface:
     # nothing of the learner's process group listens beyond this machine.
     rendezvous = {
@@ -84,12 +89,20 @@ def _learner_ranks(config: Config, config_path: Path, run_dir: Path) -> list[_Ch
         "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(num_ranks),
     }
     return [
-        _Child(
+        WorkerProcess(
             "learner", rank, config_path,
             run_dir / "logs" / ("learner.log" if rank == 0 else f"learner-rank{rank}.log"),
             env={**rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)},
         )
         for rank in range(num_ranks)
+    ]
+
+
+def actor_processes(config: Config, config_path: Path, run_dir: Path, env: dict[str, str]) -> list[WorkerProcess]:
+    """The run's actors, each with `env` (the actors' credentials) added to its environment."""
+    return [
+        WorkerProcess("actor", index, config_path, run_dir / "logs" / f"actor-{index}.log", env=env)
+        for index in range(config.actor.num_actors)
     ]
 
 
@@ -108,18 +121,13 @@ def launch_local(config: Config, *, progress=print) -> int:
     run_dir = prepare_run_dir(config, progress=progress)
     config_path = run_dir / "config.toml"
     _remove_ranks_store(run_dir)
-    learner_ranks = _learner_ranks(config, config_path, run_dir)
-    actors = [
-        _Child("actor", index, config_path, run_dir / "logs" / f"actor-{index}.log")
-        for index in range(config.actor.num_actors)
-    ]
-    children = [*learner_ranks, *actors]
     # This run's CurveZMQ keys or secret (common/auth.py), in each process's environment only
     # (never in a file).
-
     credentials_by_role = auth_environments(config.transport)
-    for child in children:
-        child.env.update(credentials_by_role[child.role])
+    learner_ranks = _learner_ranks(config, config_path, run_dir)
+    for rank in learner_ranks:
+        rank.env.update(credentials_by_role["learner"])
+    actors = actor_processes(config, config_path, run_dir, credentials_by_role["actor"])
     progress(f"run directory: {run_dir}  (logs in {run_dir / 'logs'})")
     ranks_text = "" if len(learner_ranks) == 1 else f" of {len(learner_ranks)} ranks"
     progress(

@@ -1,6 +1,7 @@
 """What every launcher shares: ports, the run directory, the progress line, and the supervision loop.
 
-A launcher (launch/launchers/local.py on one machine, launch/launchers/ray.py on a Ray cluster) turns the config into
+A launcher (launch/launchers/local.py on one machine, launch/launchers/torchrun.py with the
+learner's ranks under torchrun, launch/launchers/ray.py on a Ray cluster) turns the config into
 processes, each an object with the small interface `supervise` drives (`RoleProcess` below), and
 hands them to `supervise`. The loop is the same everywhere: start every process, print one
 progress line per learner step from `metrics.jsonl`, restart a dead actor, restart the whole
@@ -45,7 +46,8 @@ def _check_launcher_part(name: str, part: object) -> None:
 
 LAUNCHERS: Registry[Launcher] = Registry(
     "launcher", "longhorizon.launchers",
-    {"local": "longhorizon.launch.launchers.local:launch_local", "ray": "longhorizon.launch.launchers.ray:launch_ray"},
+    {"local": "longhorizon.launch.launchers.local:launch_local", "ray": "longhorizon.launch.launchers.ray:launch_ray",
+     "torchrun": "longhorizon.launch.launchers.torchrun:launch_torchrun"},
     check=_check_launcher_part,
 )
 """`run.launcher` names one: the built-ins, one registered in this process, an installed package's
@@ -373,13 +375,16 @@ def supervise(
     progress=print,
     before_learner_restart: Callable[[], None] = lambda: None,
     collect: Callable[..., None] = lambda final=False: None,
+    learner_restarts: int = MAX_LEARNER_RESTARTS,
 ) -> int:
     """Start the processes and watch them until the learner finishes; returns the exit code (0
     when training finished, 130 on Ctrl-C, 143 on SIGTERM, else the learner's failing code).
 
     `before_learner_restart` runs between stopping a failed learner's ranks and starting them
     again; `collect(final=False)` brings what the processes wrote elsewhere (logs, metrics,
-    checkpoints) into `run_dir`, and with final=True everything that is left."""
+    checkpoints) into `run_dir`, and with final=True everything that is left. `learner_restarts`
+    is how often the loop starts a failed learner again: 0 where the learner's process restarts
+    its ranks itself (torchrun)."""
     children = [*learner_ranks, *actors]
     learner = learner_ranks[0]
     metrics = MetricsFollower(run_dir)
@@ -409,7 +414,7 @@ def supervise(
                 progress(note)
             learner_code = _learner_exit_code(learner_ranks)
             if learner_code is not None:
-                if learner_code == 0 or learner.restarts >= MAX_LEARNER_RESTARTS:
+                if learner_code == 0 or learner.restarts >= learner_restarts:
                     break
                 if learner_code == EXIT_DO_NOT_RESTART:
                     progress("the learner stopped on an error a restart would repeat; not restarting it "
@@ -419,7 +424,7 @@ def supervise(
                 cause = last_error(learner_log)
                 progress(
                     f"the learner exited with code {learner_code}{f' ({cause})' if cause else ''}; restarting "
-                    f"it from its latest checkpoint ({learner.restarts}/{MAX_LEARNER_RESTARTS})"
+                    f"it from its latest checkpoint ({learner.restarts}/{learner_restarts})"
                 )
                 # Ranks live and die together: the others cannot go on without the lost one.
                 _stop_all(learner_ranks)
