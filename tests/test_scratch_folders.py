@@ -98,3 +98,39 @@ def test_the_scratch_folder_goes_when_its_parent_is_killed_too():
                 pass
         host.stdin.close()
         host.stdout.close()
+
+
+# A worker whose own child stays in its process group and outlives it, as vLLM's engine
+# processes outlive an actor killed with SIGKILL.
+SPAWNER = r"""
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(child.pid, flush=True)
+child.wait()
+"""
+
+
+def test_what_a_killed_worker_left_in_its_process_group_is_ended_with_it():
+    worker = SubprocessControl()
+    for restart in (False, True):
+        worker.process = subprocess.Popen([sys.executable, "-c", SPAWNER], stdout=subprocess.PIPE, text=True,
+                                          start_new_session=True,
+                                          env={**os.environ, **worker.scratch_environment("actor-0")})
+        child = int(worker.process.stdout.readline())
+        worker.process.stdout.close()
+        os.kill(worker.process.pid, signal.SIGKILL)
+        worker.process.wait()
+        assert _state(child) not in (None, "Z")  # orphaned, still running
+        if restart:  # the launcher's next start ends it
+            worker.scratch_environment("actor-0")
+        else:  # as does the launcher's wait for the worker
+            assert worker.wait(timeout=30)
+        _wait_until(lambda: _state(child) in (None, "Z"), "the orphan ended")
+    worker.wait(timeout=30)
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None

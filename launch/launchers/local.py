@@ -70,6 +70,7 @@ class WorkerProcess(SubprocessControl):
         return None if self.process is None else self.process.poll()
 
     def give_up(self) -> None:
+        self.end_leftovers()
         self.process = None
 
     def describe(self) -> dict:

@@ -137,9 +137,26 @@ class SubprocessControl:
     def scratch_environment(self, name: str) -> dict[str, str]:
         """A new scratch folder for the worker about to start (the last one's deleted); the
         variables that make it the worker's temporary folder."""
+        self.end_leftovers()
         self.remove_scratch()
         self.scratch_dir = Path(tied_folder(f"longhorizon-{name}-tmp-"))
         return {"TMPDIR": str(self.scratch_dir)}
+
+    def end_leftovers(self) -> None:
+        """SIGKILL what an ended worker left running in its process group.
+
+        Workers start in sessions of their own, so the group holds the worker and whatever it
+        started without a session of its own: vLLM's engine and model processes, which outlive
+        an actor killed with SIGKILL (or by the kernel's OOM killer) with the model's memory and
+        a shared-memory segment. Linux keeps a process group's id from being reused while the
+        group has members, so the signal reaches only what the worker left."""
+        process = self.process
+        if process is None or process.returncode is None:
+            return
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # nothing left
 
     def remove_scratch(self) -> None:
         """Delete the scratch folder of a worker that has ended."""
@@ -167,6 +184,7 @@ class SubprocessControl:
                 self.process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 return False
+            self.end_leftovers()
         self.remove_scratch()
         return True
 
