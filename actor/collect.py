@@ -145,7 +145,7 @@ async def collect_episodes(
                     max_new_tokens=config.actor.sampling.max_new_tokens, seed=seed,
                     episode_id=f"collect-{index}", invalid_reply_reward=config.actor.invalid_reply_reward,
                     env_call_timeout_s=config.actor.env_call_timeout_s, agent=configured_agent(config.actor.agent, config.actor.agent_options),
-                    history_turns=config.actor.history_turns,
+                    history_turns=config.actor.history_turns, history_summary=config.actor.history_summary,
                 )
                 pool.release(env, broken=bool(result.error))
             counts["done"] += 1

@@ -45,6 +45,7 @@ async def evaluate(
     seed: int = 0,
     agent: str = "",
     history_turns: int = 0,
+    history_summary: bool = False,
     samples_per_task: int = 1,
 ) -> EvalResult:
     """Play the first `episodes` tasks of `split` (cycling if there are fewer) with `engine`,
@@ -65,6 +66,7 @@ async def evaluate(
                 env, engine, task, horizon_cap=horizon_cap,
                 max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens,
                 seed=seed + number, episode_id=f"eval-{number}", agent=agent, history_turns=history_turns,
+                history_summary=history_summary,
             )
             pool.release(env, broken=bool(result.error))
             results.append(result)
@@ -109,7 +111,7 @@ def evaluate_model_folder(config: "Config", model_folder: str | Path, episodes: 
                 horizon_cap=max(config.horizon.stages), max_new_tokens=config.actor.sampling.max_new_tokens,
                 max_context_tokens=config.actor.max_context_tokens, seed=config.run.seed,
                 agent=configured_agent(config.actor.agent, config.actor.agent_options),
-                history_turns=config.actor.history_turns,
+                history_turns=config.actor.history_turns, history_summary=config.actor.history_summary,
                 samples_per_task=samples_per_task,
             )
         finally:
@@ -151,6 +153,7 @@ async def play_tasks(
     concurrency: int = 32,
     agent: str = "",
     history_turns: int = 0,
+    history_summary: bool = False,
     on_episode: Callable[[EpisodeRecord], None] = lambda record: None,
 ) -> list[EpisodeRecord]:
     """`samples` episodes of every task (for Pass@k), run concurrently; one record per episode,
@@ -166,7 +169,7 @@ async def play_tasks(
             result = await run_episode(
                 env, engine, task, horizon_cap=horizon_cap, max_context_tokens=max_context_tokens,
                 max_new_tokens=max_new_tokens, seed=0, episode_id=f"eval-{task.task_id}-{sample}",
-                agent=agent, history_turns=history_turns,
+                agent=agent, history_turns=history_turns, history_summary=history_summary,
             )
             pool.release(env, broken=bool(result.error))
             record = EpisodeRecord(

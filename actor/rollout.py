@@ -63,6 +63,17 @@ def _view(loop: AgentLoop, conversation: TokenConversation, history_turns: int):
     return conversation.last_turns_view(history_turns) if history_turns else loop.model_view(conversation)
 
 
+def with_summary(observation: str, env) -> str:
+    """The observation followed by the env's summary of the episode so far (`env.summary()`)."""
+    if not hasattr(env, "summary"):
+        raise TypeError(f"actor.history_summary: env {getattr(env, 'name', '?')!r} gives no summary of an episode "
+                        "(it has no summary() method)")
+    summary = env.summary()
+    if not isinstance(summary, str):
+        raise TypeError(f"env {getattr(env, 'name', '?')!r}: summary() must return text, got {type(summary).__name__}")
+    return f"{observation}\n\n{summary}" if summary else observation
+
+
 def _context_length(conversation: TokenConversation, view) -> int:
     """The context the learner will score the next reply in: the view when it leaves turns out
     (its turn then trains as a sample of its own), else the whole conversation."""
@@ -83,12 +94,15 @@ async def run_episode(
     env_call_timeout_s: float = DEFAULT_ENV_CALL_TIMEOUT_S,
     agent: AgentLoop | str = "",
     history_turns: int = 0,
+    history_summary: bool = False,
 ) -> EpisodeResult:
     """Play one episode. Env and engine failures are reported in `error`, never raised; an env
     reset or step that takes longer than `env_call_timeout_s` fails the episode (a hung browser
     or simulator must not hold an episode slot for ever). `agent` is the agent loop or its name
     ("": the one the env's prompt_format names); `history_turns` > 0 shows the model the first
-    prompt and only the last that many turns (actor.history_turns), whatever the loop shows."""
+    prompt and only the last that many turns (actor.history_turns), whatever the loop shows;
+    `history_summary` adds the env's summary of the episode so far to each observation after the
+    first (actor.history_summary), so what the left-out turns did stays in view."""
     episode_id = episode_id or uuid.uuid4().hex
     result = EpisodeResult(conversation=None)
 
@@ -156,6 +170,8 @@ async def run_episode(
             if result.num_turns >= horizon_cap:
                 result.truncated, result.cut_by = True, "horizon"
                 break
+            if history_summary:
+                observation = with_summary(observation, env)
             conversation.add_observation(observation, stopped_on_eos=generation.stopped_on_eos)
             view = _view(loop, conversation, history_turns)
             if _context_length(conversation, view) + max_new_tokens > max_context_tokens:
@@ -322,6 +338,7 @@ async def run_group_member(
     env_call_timeout_s: float = DEFAULT_ENV_CALL_TIMEOUT_S,
     agent: AgentLoop | str = "",
     history_turns: int = 0,
+    history_summary: bool = False,
     with_messages: bool = False,
 ) -> Trajectory:
     """Run member `member` of a group (its episode id is `<group_id>-<member>`) and hand its
@@ -341,6 +358,7 @@ async def run_group_member(
         env_call_timeout_s=env_call_timeout_s,
         agent=agent,
         history_turns=history_turns,
+        history_summary=history_summary,
     )
     env_pool.release(env, broken=bool(result.error))
     trajectory = to_trajectory(

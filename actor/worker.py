@@ -262,6 +262,7 @@ class Actor:
             seed=self.rng.randrange(2**31),
             agent=configured_agent(self.config.actor.agent, self.config.actor.agent_options),
             history_turns=self.config.actor.history_turns,
+            history_summary=self.config.actor.history_summary,
             on_trajectory=self._send,
             invalid_reply_reward=self.config.actor.invalid_reply_reward,
             env_call_timeout_s=self.config.actor.env_call_timeout_s,

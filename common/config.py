@@ -180,6 +180,11 @@ class ActorConfig(Section):
     a sample of its own, in the context it was sampled in (the episode's advantage shared by its
     samples), so an episode may outgrow max_context_tokens while each turn's context stays inside
     it."""
+    history_summary: bool = False
+    """With history_turns > 0: each observation after the first is followed by the env's summary
+    of the episode so far (its `summary()`; TextCraft's is the inventory), so what the turns left
+    out of the view did stays in it. The summary is part of the observation, in the trajectory and
+    in what the learner trains on. Envs without a summary() refuse it."""
     engine_options: dict = Field(default_factory=dict)
     """Settings of the chosen engine, which checks them (vllm: load_format, gpu_memory_utilization,
     ...; openai: base_url, api_key_env, model, mode, ...; see docs/actor-types.md)."""

@@ -62,6 +62,10 @@ class Env(Protocol):
 
     async def close(self) -> None: ...
 
+    # Optional: `summary(self) -> str`, a short account of the episode so far (the state the task
+    # needs, such as TextCraft's inventory), which actor.history_summary adds to each observation
+    # for a model shown only the last turns. Not part of the protocol's isinstance check.
+
 
 @runtime_checkable
 class ScriptedPolicy(Protocol):

@@ -205,3 +205,39 @@ async def test_a_windowed_history_outlives_the_context_budget_and_each_turn_trai
         assert mask.tolist() == [0.0] * len(context) + [1.0] * len(reply)
     # Without windowing the trajectory is one sample.
     assert to_trajectory(whole, actor_id="a", task=task, group_id="g", group_size=1, horizon_cap=6).sample_windows == []
+
+
+async def test_with_a_history_summary_each_observation_ends_with_the_envs_account_of_the_episode():
+    """TextCraft's summary is its inventory: with the last turn only in view, the model still sees
+    what the earlier turns gathered, and the trajectory holds exactly what it saw."""
+    task = list_tasks("textcraft", "test", min_depth=2, max_depth=2)[0]
+    env, engine = make_env("textcraft", min_depth=2, max_depth=2), _scripted("textcraft", min_depth=2, max_depth=2)
+    settings = dict(horizon_cap=20, max_context_tokens=100_000, max_new_tokens=256, seed=0, history_turns=1)
+    result = await run_episode(env, engine, task, history_summary=True, **settings)
+    assert result.success and result.num_turns >= 3 and result.windowed
+    observations = [m["content"] for m in result.conversation.messages if m["role"] == "user"][1:]
+    assert len(observations) == result.num_turns - 1  # the last step's observation ends the episode
+    for observation in observations:
+        observation, summary = observation.rsplit("\n\n", 1)
+        assert summary.startswith("Inventory: ") and summary not in observation
+    # The inventory grows with what was gathered: the last summary names more than the first.
+    assert len(observations[-1].rsplit("\n\n", 1)[1]) > len(observations[0].rsplit("\n\n", 1)[1])
+    plain = await run_episode(make_env("textcraft", min_depth=2, max_depth=2), engine, task, **settings)
+    assert [m["content"] for m in plain.conversation.messages if m["role"] == "user"][1:] == \
+        [observation.rsplit("\n\n", 1)[0] for observation in observations]
+
+    # An env without a summary fails the episode with a message that names the key.
+    codebook = await run_episode(make_env("codebook"), _scripted("codebook"), list_tasks("codebook", "test")[0],
+                                 history_summary=True, **settings)
+    assert "actor.history_summary: env 'codebook' gives no summary" in codebook.error
+
+
+def test_a_history_summary_is_checked_before_a_run_starts():
+    from longhorizon.common.config import ConfigError, load_config
+    from longhorizon.launch.checks import validate_config
+
+    validate_config(load_config("textcraft", ["actor.history_turns=2", "actor.history_summary=true"]))
+    with pytest.raises(ConfigError, match="set actor.history_turns > 0 as well"):
+        validate_config(load_config("textcraft", ["actor.history_summary=true"]))
+    with pytest.raises(ConfigError, match="env 'codebook' gives no summary of an episode"):
+        validate_config(load_config("codebook", ["actor.history_turns=2", "actor.history_summary=true"]))

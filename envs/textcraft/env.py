@@ -261,6 +261,10 @@ class TextCraftEnv:
         self._finished = success
         return observation, 1.0 if success else 0.0, success, False, {"success": success, "invalid_action": False}
 
+    def summary(self) -> str:
+        """What the episode has left the agent with: its inventory (actor.history_summary)."""
+        return self._inventory_text()
+
     async def close(self) -> None:
         self._goal = None
         self._inventory = {}

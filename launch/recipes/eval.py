@@ -82,7 +82,8 @@ async def _play(engine, config, tasks, *, samples: int, horizon_cap: int, on_epi
         engine, config.env.name, dict(config.env.options), tasks, samples=samples, horizon_cap=horizon_cap,
         max_new_tokens=config.actor.sampling.max_new_tokens, max_context_tokens=config.actor.max_context_tokens,
         agent=configured_agent(config.actor.agent, config.actor.agent_options),
-        history_turns=config.actor.history_turns, on_episode=on_episode,
+        history_turns=config.actor.history_turns, history_summary=config.actor.history_summary,
+        on_episode=on_episode,
     )
 
 
