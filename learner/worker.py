@@ -183,6 +183,7 @@ class Learner:
         self.nonfinite = NonfiniteSteps(config.learner.max_nonfinite_steps)
         # Seconds trained before this process started (a resumed run's clock continues).
         self.elapsed_before = 0.0
+        self._reports_at_checkpoint: dict[tuple, int] = {}
         if config.run.resume:
             checkpoint = latest_checkpoint(self.run_dir)
             if checkpoint is not None:
@@ -209,6 +210,7 @@ class Learner:
         self._wrong_senders = RateLimitedLog("learner refused a trajectory", log=log)
         self.last_rank_command = time.monotonic()
         self.peers = PeerTable(config.learner.peer_timeout_s, self.counters)
+        self.peers.episodes_reported.update(self._reports_at_checkpoint)
         self.latest_weights = None
         self.last_weights_broadcast = -math.inf
         self._publish_lock = trio.Lock()
@@ -233,6 +235,12 @@ class Learner:
                 log.info("%d trajectories held at the checkpoint are lost (trajectories_lost_on_restart)", lost)
             self.buffer.refused_fields.update(saved.get("buffer_refused_fields", {}))
             self.elapsed_before = float(saved.get("elapsed_s", 0.0))
+            # Each actor process's last report of episodes sent, so the total a restarted learner
+            # reports keeps what actors told its predecessor (a live actor's next report replaces
+            # its own entry).
+            self._reports_at_checkpoint = {
+                (peer, tuple(incarnation) if incarnation else None): int(count)
+                for peer, incarnation, count in saved.get("episodes_reported", [])}
             if saved.get("horizon_schedule") and self.schedule.kind == "adaptive":
                 # The same stage, with the same window of figures, as when the checkpoint was taken.
                 state = dict(saved["horizon_schedule"])
@@ -248,7 +256,9 @@ class Learner:
         learner["control_rejected_messages"] = self._rejected("control")
         learner["auth_refused"] = int(self.counters.get("auth_refused", 0)) + int(getattr(self.endpoints, "auth_refused", 0))
         saved = {"learner": learner, "buffer": dict(self.buffer.counters),
-                 "buffer_refused_fields": dict(self.buffer.refused_fields), "elapsed_s": self._elapsed()}
+                 "buffer_refused_fields": dict(self.buffer.refused_fields), "elapsed_s": self._elapsed(),
+                 "episodes_reported": [[peer, list(incarnation) if incarnation else None, count]
+                                       for (peer, incarnation), count in self.peers.episodes_reported.items()]}
         if self.schedule.kind == "adaptive":
             saved["horizon_schedule"] = dataclasses.asdict(self.schedule.state)
         return saved

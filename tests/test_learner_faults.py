@@ -268,6 +268,7 @@ async def test_resume_restores_counters_and_clock_and_cuts_later_records(tmp_pat
     first.step, first.version = 3, 3
     first.buffer.counters["duplicates"] = 7
     first.counters["actors_lost"] = 2
+    first.peers.episodes_reported.update({("actor-0", ("host", 11)): 40, ("actor-0", ("host", 12)): 5})
     first.elapsed_before = 100.0
     await trio.to_thread.run_sync(first._checkpoint)
     for step in range(1, 6):
@@ -279,6 +280,9 @@ async def test_resume_restores_counters_and_clock_and_cuts_later_records(tmp_pat
     assert (second.step, second.version) == (3, 3)
     assert second.buffer.counters["duplicates"] == 7
     assert second.counters["actors_lost"] == 2
+    # What the actors reported to the first process still counts (a soak compares it with what
+    # the learner received, which the checkpoint keeps too).
+    assert second.peers.episodes_reported_total() == 45
     assert second.elapsed_before >= 100.0
     assert second._elapsed() >= 100.0
     assert [record["step"] for record in read_metrics(config.run_dir)] == [1, 2, 3]
