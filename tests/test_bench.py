@@ -216,6 +216,8 @@ def test_a_short_soak_kills_actors_and_the_learner_accounts_for_every_trajectory
     assert result["data"]["received_adds_up"] and result["data"]["accepted_adds_up"]
     assert result["data"]["received"] > 0
     assert result["left_behind"] == []
+    # Every worker's scratch folder was seen, and deleted by the launcher, killed workers' too.
+    assert result["scratch_folders"] >= 3 and result["folders_left_behind"] == []
     assert any(row["role"] == "learner" for row in result["memory"])
 
 

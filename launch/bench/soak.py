@@ -147,6 +147,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
     first_seen: dict[int, float] = {}
     every_pid: set[int] = set()
+    scratch_folders: set[str] = set()  # each worker's TMPDIR, which the launcher must delete
     kills = learner_kills = 0
     rng = random.Random(0)
     # The soak's clock starts at the learner's first step: start-up (model build, imports) is
@@ -177,6 +178,8 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             now = time.monotonic()
             processes = _run_processes(run_dir)
             for name, pid in processes.items():
+                if pid not in every_pid:
+                    scratch_folders.update(_scratch_folder(pid))
                 every_pid.add(pid)
                 first_seen.setdefault(pid, now)
                 rss = _rss_mb(pid)
@@ -209,6 +212,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     while any(_rss_mb(pid) is not None for pid in every_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     left_behind = sorted(pid for pid in every_pid if _rss_mb(pid) is not None)
+    folders_left_behind = sorted(folder for folder in scratch_folders if os.path.exists(folder))
     records = read_metrics(run_dir)
     if not args.output_dir:  # a temporary folder: the figures below are all that is kept
         shutil.rmtree(output, ignore_errors=True)
@@ -216,8 +220,18 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         "minutes": min(args.minutes, minutes), "kills": kills, "learner_kills": learner_kills, "steps": records[-1]["step"] if records else 0,
         "memory": memory_growth(samples, args.warmup_s),
         "data": data_accounting(records[-1]) if records else {},
-        "left_behind": left_behind, "run_dir": str(run_dir) if args.output_dir else None,
+        "left_behind": left_behind, "scratch_folders": len(scratch_folders),
+        "folders_left_behind": folders_left_behind, "run_dir": str(run_dir) if args.output_dir else None,
     }
+
+
+def _scratch_folder(pid: int) -> list[str]:
+    """The TMPDIR the launcher gave worker `pid` (its scratch folder), if it can be read."""
+    try:
+        environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
+    return [entry[len(b"TMPDIR="):].decode() for entry in environment if entry.startswith(b"TMPDIR=")]
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -238,7 +252,8 @@ def print_report(result: dict[str, Any]) -> None:
               f"{data['lost_on_restart']} lost on restart "
               f"({'adds up' if data['accepted_adds_up'] else 'DOES NOT ADD UP'}); actors reported "
               f"{data['actor_episodes_reported']} sent")
-    print(f"processes left behind: {len(result['left_behind'])}")
+    print(f"processes left behind: {len(result['left_behind'])}; scratch folders left behind: "
+          f"{len(result['folders_left_behind'])} of {result['scratch_folders']}")
 
 
 def _check(args: argparse.Namespace) -> None:
