@@ -78,7 +78,7 @@ from typing import Any
 import trio
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from longhorizon.actor.engines.base import tokens_through_stop_string
@@ -417,22 +417,64 @@ class StreamedText:
         return piece
 
 
+class _Wakeups:
+    """The wakes of one event loop's tasks from the generation thread, delivered by one call into
+    the loop for all of those that pile up before it runs. A batch step wakes every request it
+    streams to, and each call into the loop is a write to trio's wake-up socket that hands the
+    interpreter lock to the loop; with one call per step instead of one per request, the
+    generation thread gives the lock up once per step."""
+
+    _per_loop = trio.lowlevel.RunVar("model_server_wakeups")
+
+    def __init__(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._lock = threading.Lock()
+        self._pending: list[_Waker] = []
+
+    @classmethod
+    def of_this_loop(cls) -> _Wakeups:
+        try:
+            return cls._per_loop.get()
+        except LookupError:
+            wakeups = cls()
+            cls._per_loop.set(wakeups)
+            return wakeups
+
+    def add(self, waker: _Waker) -> None:
+        """Called from any thread: `waker` is set at the loop's next turn."""
+        with self._lock:
+            if waker._pending:
+                return
+            waker._pending = True
+            call_loop = not self._pending  # otherwise a delivery is already on its way
+            self._pending.append(waker)
+        if call_loop:
+            try:
+                self._token.run_sync_soon(self._deliver)
+            except trio.RunFinishedError:  # the server has stopped: nobody waits any more
+                pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            for waker in pending:
+                waker._pending = False
+        for waker in pending:
+            waker._event.set()
+
+
 class _Waker:
     """Wakes a task of the event loop from the generation thread: `wait()` returns once
     `__call__` has been called since the last `wait()` returned (a call is never lost)."""
 
     def __init__(self) -> None:
-        self._token = trio.lowlevel.current_trio_token()
+        self._wakeups = _Wakeups.of_this_loop()
         self._event = trio.Event()
+        self._pending = False
+        """Whether a wake is on its way to the loop (guarded by the `_Wakeups` lock)."""
 
     def __call__(self) -> None:
-        try:
-            self._token.run_sync_soon(self._set)
-        except trio.RunFinishedError:  # the server has stopped: nobody waits any more
-            pass
-
-    def _set(self) -> None:
-        self._event.set()
+        self._wakeups.add(self)
 
     async def wait(self) -> None:
         await self._event.wait()
@@ -697,34 +739,60 @@ async def _until_disconnected(receive) -> None:
         pass
 
 
-class _EventStreamResponse(StreamingResponse):
+class _EventStreamResponse:
     """Server-sent events, `first` and the rest of `chunks`, then `[DONE]`, in chunked transfer
     encoding (which marks the end of the reply, so the connection can carry the next request).
     A client that leaves mid-stream ends the response, which closes `chunks`: its generation
-    stops (`_live_chunks`)."""
+    stops (`_live_chunks`).
 
-    def __init__(self, chunks: AsyncIterator[dict], first: dict | None) -> None:
+    A plain ASGI response rather than Starlette's StreamingResponse: every event costs a trip
+    through the server's send path, so the events that are ready together (the loop got to a
+    stream after several of its tokens, or the reply's last chunks) go out in one body message;
+    one that would have to wait for the next token never holds back those before it."""
+
+    _headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+    def __init__(self, chunks: AsyncIterator[dict], first: dict | None, job: Job) -> None:
         self.chunks = chunks
-        # The content type is set as a header: given as the media type it would gain a charset.
-        super().__init__(self._events(first), headers={"Content-Type": "text/event-stream",
-                                                       "Cache-Control": "no-cache"})
+        self.first = first
+        self.job = job
 
-    async def _events(self, first: dict | None) -> AsyncIterator[bytes]:
+    def _next_waits(self) -> bool:
+        """Whether the next chunk waits for the generation thread (its steps so far all taken)."""
+        steps = self.job.steps
+        return not self.job.done.is_set() and steps is not None and steps.empty()
+
+    async def _events(self, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self._headers})
+        ready: list[bytes] = []
         try:
-            if first is not None:
-                yield _event(json.dumps(first))
-            async for chunk in self.chunks:
-                yield _event(json.dumps(chunk))
+            if self.first is not None:
+                ready.append(_event(json.dumps(self.first)))
+            while True:
+                if ready and self._next_waits():
+                    await send({"type": "http.response.body", "body": b"".join(ready), "more_body": True})
+                    ready = []
+                chunk = await anext(self.chunks, None)
+                if chunk is None:
+                    break
+                ready.append(_event(json.dumps(chunk)))
         except Exception as exc:  # the status has gone out: the error is an event, as OpenAI's are
             log.exception("streamed generation failed")
-            yield _event(json.dumps(error_body(500, f"{type(exc).__name__}: {exc}")))
-        yield _event("[DONE]")
+            ready.append(_event(json.dumps(error_body(500, f"{type(exc).__name__}: {exc}"))))
+        ready.append(_event("[DONE]"))
+        await send({"type": "http.response.body", "body": b"".join(ready), "more_body": False})
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, send)
-        finally:  # at once, not when the garbage collector gets to them
-            await self.body_iterator.aclose()
+            async with trio.open_nursery() as nursery:
+                async def stream() -> None:
+                    await self._events(send)
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(stream)
+                await _until_disconnected(receive)  # the client left: the stream is cut short
+                nursery.cancel_scope.cancel()
+        finally:  # at once, not when the garbage collector gets to it
             await self.chunks.aclose()
 
 
@@ -769,7 +837,7 @@ def model_app(server: ModelServer):
             except BaseException:
                 await chunks.aclose()
                 raise
-            return _EventStreamResponse(chunks, first)
+            return _EventStreamResponse(chunks, first, reply.job)
         return route
 
     async def load_weights(request: Request):
