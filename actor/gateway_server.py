@@ -348,9 +348,14 @@ class GatewayActor(Actor):
         gateway_config = self.config.gateway
         port = gateway_config.port + self.actor_index if gateway_config.port else 0
         self._gateway = self.gateway()
-        async with trio.open_nursery() as nursery:
-            address = await nursery.start(serve_gateway, self._gateway, gateway_config.host, port)
-            folder = self.config.run_dir / "gateway"
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"{self.actor_id}.json").write_text(json.dumps({"actor_id": self.actor_id, "url": f"{address}/v1"}))
-            log.info("%s: gateway serving on %s/v1", self.actor_id, address)
+        address_file = self.config.run_dir / "gateway" / f"{self.actor_id}.json"
+        try:
+            async with trio.open_nursery() as nursery:
+                address = await nursery.start(serve_gateway, self._gateway, gateway_config.host, port)
+                address_file.parent.mkdir(parents=True, exist_ok=True)
+                address_file.write_text(json.dumps({"actor_id": self.actor_id, "url": f"{address}/v1"}))
+                log.info("%s: gateway serving on %s/v1", self.actor_id, address)
+        finally:
+            # Gone with the server: an agent that finds no file for its address knows training
+            # has ended, rather than waiting to see whether the address comes back.
+            address_file.unlink(missing_ok=True)

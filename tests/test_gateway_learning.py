@@ -62,13 +62,19 @@ def _train_with_the_agent(config_file: Path, overrides: list[str], agent_argumen
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
     agent = subprocess.Popen([sys.executable, str(AGENT), *agent_arguments],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = None
     try:
         deadline = time.monotonic() + timeout_s
         while training.poll() is None and time.monotonic() < deadline:
-            assert agent.poll() is None, f"the agent ended before training did:\n{agent.stdout.read()}"
+            if output is None and agent.poll() is not None:
+                output = agent.stdout.read()
+                # Before the launcher returns only once the gateway has stopped (its actor is
+                # done while the learner writes its last checkpoint).
+                assert "the gateway has stopped" in output, f"the agent ended before training did:\n{output}"
             time.sleep(1)
         assert training.poll() == 0, training.stdout.read()
-        output, _ = agent.communicate(timeout=120)
+        if output is None:
+            output, _ = agent.communicate(timeout=120)
     finally:
         for process in (training, agent):
             if process.poll() is None:
@@ -119,10 +125,13 @@ def test_the_example_agent_plays_textcraft_by_its_own_tools_through_env_serve_an
     ]
     run_dir = tmp_path / "tools"
     with EnvServer(ServiceSettings("textcraft")) as server:
-        _train_with_the_agent(
+        output = _train_with_the_agent(
             REPO_ROOT / "configs" / "textcraft.toml", overrides,
             ["--env-url", server.url, "--gateway-dir", str(run_dir / "gateway"), "--tools", "textcraft",
              "--threads", "2", "--group-size", "4"], timeout_s=600)
+    # The gateway's address file goes with it, which tells the agent at once that training ended.
+    assert not list((run_dir / "gateway").glob("*.json"))
+    assert "the gateway has stopped (its address file is gone)" in output
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
     # The oracle wins its episodes through the agent's own tools and the env service.

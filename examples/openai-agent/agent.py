@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import os
 import random
 import sys
 import threading
@@ -61,21 +62,24 @@ class GatewayGone(Exception):
     """The model endpoint stopped answering: training has ended."""
 
 
-def gateway_urls(folder: str, wait_s: float) -> list[str]:
-    """The gateways' addresses, from the files each actor writes when it starts serving."""
+def gateway_urls(folder: str, wait_s: float) -> dict[str, str]:
+    """The gateways' addresses, from the files each actor writes when it starts serving (and
+    deletes when it stops): {url: its file}."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        urls = [json.load(open(path))["url"] for path in sorted(glob.glob(f"{folder}/actor-*.json"))]
+        urls = {json.load(open(path))["url"]: path for path in sorted(glob.glob(f"{folder}/actor-*.json"))}
         if urls:
             return urls
         time.sleep(0.5)
     raise SystemExit(f"no gateway address appeared in {folder} within {wait_s:.0f}s")
 
 
-def chat(client: openai.OpenAI, session: str, task: str, messages: list[dict], tools: list[dict] | None):
+def chat(client: openai.OpenAI, session: str, task: str, messages: list[dict], tools: list[dict] | None,
+         ended=lambda: False):
     """One model call; None when the gateway refuses it (the episode is over: horizon or context).
     A connection that fails is tried again for a while (a server may close an idle keep-alive
-    connection as the client reuses it); one that keeps failing means training has ended."""
+    connection as the client reuses it); one that keeps failing, or `ended()` (the gateway's
+    address file is gone), means training has ended."""
     unreachable_since = None
     for attempt in range(600):
         try:
@@ -92,6 +96,8 @@ def chat(client: openai.OpenAI, session: str, task: str, messages: list[dict], t
                 raise
             time.sleep(0.5)
         except openai.APIConnectionError as error:
+            if ended():
+                raise GatewayGone("the gateway has stopped (its address file is gone)") from None
             unreachable_since = unreachable_since or time.monotonic()
             if time.monotonic() - unreachable_since > 10:
                 raise GatewayGone(f"no answer for 10 s ({error})") from None
@@ -100,7 +106,7 @@ def chat(client: openai.OpenAI, session: str, task: str, messages: list[dict], t
 
 
 def play_episode(client, env: httpx.Client, rewards: httpx.Client | None, base_url: str, task: dict,
-                 tools: list[dict] | None, system: str) -> float:
+                 tools: list[dict] | None, system: str, ended=lambda: False) -> float:
     """One episode of `task`, as one gateway session; returns its reward."""
     session = uuid.uuid4().hex
     created = env.post("/create", json={"data_idx": task["data_idx"]}).raise_for_status().json()
@@ -108,7 +114,7 @@ def play_episode(client, env: httpx.Client, rewards: httpx.Client | None, base_u
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": observation}]
     try:
         while True:
-            reply = chat(client, session, task["task_id"], messages, tools)
+            reply = chat(client, session, task["task_id"], messages, tools, ended)
             if reply is None:
                 break
             message = reply.choices[0].message
@@ -134,11 +140,11 @@ def play_episode(client, env: httpx.Client, rewards: httpx.Client | None, base_u
         env.post("/close", json={"id": instance})
     if rewards is not None:
         post_reward(rewards, f"{base_url}/sessions/{session}/reward",
-                    {"reward": total, "success": success, "truncated": truncated})
+                    {"reward": total, "success": success, "truncated": truncated}, ended)
     return total
 
 
-def post_reward(rewards: httpx.Client, url: str, body: dict) -> None:
+def post_reward(rewards: httpx.Client, url: str, body: dict, ended=lambda: False) -> None:
     """Post an episode's reward, trying a failed connection again for a while; a 409 says an
     earlier try arrived (the session has ended)."""
     unreachable_since = None
@@ -146,6 +152,8 @@ def post_reward(rewards: httpx.Client, url: str, body: dict) -> None:
         try:
             response = rewards.post(url, json=body)
         except httpx.TransportError as error:
+            if ended():
+                raise GatewayGone("the gateway has stopped (its address file is gone)") from None
             unreachable_since = unreachable_since or time.monotonic()
             if time.monotonic() - unreachable_since > 10:
                 raise GatewayGone(f"no answer for 10 s ({error!r})") from None
@@ -170,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    urls = gateway_urls(args.gateway_dir, args.wait) if args.gateway_dir else [args.base_url]
+    address_files = gateway_urls(args.gateway_dir, args.wait) if args.gateway_dir else {}
+    urls = list(address_files) or [args.base_url]
     tools = TEXTCRAFT_TOOLS if args.tools == "textcraft" else None
     with httpx.Client(base_url=args.env_url, timeout=60) as setup:
         info = setup.get("/info").raise_for_status().json()
@@ -194,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def member(base_url: str, task: dict) -> None:
         try:
-            play_episode(clients[base_url], env, rewards, base_url, task, tools, system)
+            address_file = address_files.get(base_url)
+            ended = (lambda: not os.path.exists(address_file)) if address_file else (lambda: False)
+            play_episode(clients[base_url], env, rewards, base_url, task, tools, system, ended)
         except GatewayGone as gone:
             if not stop.is_set():
                 print(f"the gateway stopped answering: {gone}", file=sys.stderr, flush=True)
