@@ -667,3 +667,21 @@ def test_a_cancelled_batch_ends_after_one_step(tiny_codebook_model):
         assert [len(result.token_ids) for result in cut] == [1, 1]
     finally:
         server.stop()
+
+
+def test_the_model_server_bench_measures_a_running_server(served, capsys):
+    import json
+    import os
+
+    from longhorizon.launch.bench.cli import main as bench
+
+    base_url = served[1].removesuffix("/v1")
+    arguments = ["model-server", "--server", f"here={base_url}", "--pid", f"here={os.getpid()}",
+                 "--seconds", "0.3", "--rounds", "1", "--tokens", "4"]
+    assert bench(arguments) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert sorted(result["cases"]) == ["plain x1", "plain x16", "streamed x1", "streamed x16"]
+    for case in result["cases"].values():
+        (run,) = case["here"]
+        assert run["requests_per_s"] > 0 and run["server_cpu_ms_per_request"] > 0
+    assert bench(["model-server", "--server", "http://127.0.0.1:1"]) == 2  # no LABEL=

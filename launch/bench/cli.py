@@ -7,8 +7,8 @@ NAME is one of:
 - `envs`: env steps per second in-process and through the HTTP env service (envs.py).
 - `sciworld-memory`: JVM and Python memory over many SciWorld episodes (sciworld.py).
 - `all`: transport, async-vs-sync and envs, one after the other; the last line is the JSON of all.
-- `search`, `web`, `generation`, `learner`, `weights`, `soak`, `env-service`, `peak-memory`, `gateway`:
-  benchmarks with their own options, in their own modules (`longhorizon bench NAME --help`).
+- `search`, `web`, `generation`, `learner`, `weights`, `soak`, `env-service`, `peak-memory`, `gateway`,
+  `model-server`: benchmarks with their own options, in their own modules (`longhorizon bench NAME --help`).
 
 Run: `longhorizon bench async-vs-sync [--steps N] [--token-latency-ms MS] [--actors N] ...`
 (`--help` lists the options). A default async-vs-sync run takes under two minutes on 2 CPU cores.
@@ -38,6 +38,7 @@ STANDALONE_BENCHMARKS = {
     "env-service": "longhorizon.launch.bench.env_service",
     "peak-memory": "longhorizon.launch.bench.peak_memory",
     "gateway": "longhorizon.launch.bench.gateway",
+    "model-server": "longhorizon.launch.bench.model_server",
 }
 """Benchmarks with their own module and options: `longhorizon bench NAME ...` calls the module's
 `main(argv)`, which prints a table for people and, last, one line of JSON; the Python API calls its

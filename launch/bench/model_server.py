@@ -12,7 +12,7 @@ thread, are taken as the generation side (the batching thread and torch's worker
 left is the serving side, the event loop or the per-connection threads, whichever the server has.
 Where wall time moves with the load of the machine, that figure moves much less.
 
-Run: `python -m longhorizon.launch.bench.model_server --server old=http://127.0.0.1:8721 \\
+Run: `longhorizon bench model-server --server old=http://127.0.0.1:8721 \\
 --server new=http://127.0.0.1:8722 --pid old=PID1 --pid new=PID2`
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 
 from longhorizon.launch.bench.tables import BenchStopped, Column, parsed, print_table, run_as_command
 
-PROG = "python -m longhorizon.launch.bench.model_server"
+PROG = "longhorizon bench model-server"
 
 CASES = (("streamed", 1), ("streamed", 16), ("plain", 1), ("plain", 16))
 
