@@ -206,6 +206,8 @@ class Actor:
                     episodes_done=self.counters.episodes,
                     time=time.time(),
                     refused_version=self.counters.newest_refused_version,
+                    pid=os.getpid(),
+                    hostname=socket.gethostname(),
                 )
             )
             if time.monotonic() - last_stats >= 5 * self.config.actor.heartbeat_s:

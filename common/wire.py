@@ -197,7 +197,8 @@ class Heartbeat:
     """Periodic sign of life from an actor; silence means it hangs or died."""
 
     TYPE_TAG: ClassVar[str] = "heartbeat"
-    SCHEMA_VERSION: ClassVar[int] = 2
+    # 3: pid and hostname added.
+    SCHEMA_VERSION: ClassVar[int] = 3
 
     actor_id: str
     # Weights the actor currently samples with: shows how far behind it runs.
@@ -209,6 +210,10 @@ class Heartbeat:
     # The newest weights version the actor's engine refused (-1: none): the learner does not send
     # that version again, since it would be refused again.
     refused_version: int = -1
+    # The actor process (as in its Hello): a learner restarted since that Hello still knows whose
+    # count of episodes this is.
+    pid: int = 0
+    hostname: str = ""
 
 
 @dataclass

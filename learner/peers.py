@@ -53,6 +53,8 @@ class PeerTable:
         elif isinstance(message, Heartbeat):
             info["version"] = message.policy_version
             info["refused_version"] = message.refused_version
+            if message.pid:  # a learner restarted after the actor's Hello learns it here
+                info["incarnation"] = (message.hostname, message.pid)
             self.episodes_reported[(peer, info.get("incarnation"))] = message.episodes_done
             info.pop("lost", None)
         elif isinstance(message, ActorStats):

@@ -73,3 +73,13 @@ def test_the_waiting_note_says_why_no_actor_is_live():
     assert peers.describe_live() == "a, b"
     clock.now += 31.0
     assert peers.describe_live() == "none (2 gone silent; see logs/actor-*.log)"
+
+
+def test_a_restarted_learner_counts_a_live_actors_episodes_once():
+    """A learner restored from a checkpoint holds each actor process's last report; a live actor
+    says no Hello to the new learner, and its heartbeats (which name its process) replace its
+    entry rather than adding a second one."""
+    peers = PeerTable(timeout_s=30.0, counters=Counter(), clock=FakeClock())
+    peers.episodes_reported.update({("a", ("host", 1)): 40, ("a", ("host", 0)): 5})  # the old process before it
+    peers.heard_from("a", Heartbeat(actor_id="a", policy_version=0, episodes_done=52, time=0.0, pid=1, hostname="host"))
+    assert peers.episodes_reported_total() == 57
