@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 import trio
 
 from longhorizon.common.processes import stop_process
-from longhorizon.launch.bench.tables import BenchStopped, Column, parsed, print_table, run_as_command
+from longhorizon.launch.bench.tables import BenchStopped, Column, parsed, print_table, run_as_command, load_average
 
 PROG = "longhorizon bench env-service"
 
@@ -323,18 +323,10 @@ def _address(url: str) -> tuple[str, int]:
     return parts.hostname, parts.port
 
 
-def _load_average() -> list[float]:
-    try:
-        with open("/proc/loadavg") as loadavg:
-            return [float(value) for value in loadavg.read().split()[:3]]
-    except OSError:
-        return []
-
-
 async def _bench(servers: dict[str, str], settings: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "servers": servers, "seconds_per_run": settings.seconds, "rounds": settings.rounds,
-        "junk": settings.junk, "attack_seconds": settings.attack_seconds, "load_average_before": _load_average(),
+        "junk": settings.junk, "attack_seconds": settings.attack_seconds, "load_average_before": load_average(),
     }
     for clients in (1, 8):
         for label in servers:
@@ -359,7 +351,7 @@ async def _bench(servers: dict[str, str], settings: argparse.Namespace) -> dict[
             host, port = _address(url)
             result[f"{label}_attack"] = await _under_attack(host, port, settings)
             await trio.sleep(settings.recover_seconds)  # the junk's connections drain before the next server
-    result["load_average_after"] = _load_average()
+    result["load_average_after"] = load_average()
     return result
 
 

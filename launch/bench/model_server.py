@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any
 
-from longhorizon.launch.bench.tables import BenchStopped, Column, parsed, print_table, run_as_command
+from longhorizon.launch.bench.tables import BenchStopped, Column, parsed, print_table, run_as_command, load_average
 
 PROG = "longhorizon bench model-server"
 
@@ -135,14 +135,6 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--seconds, --rounds and --tokens must be positive")
 
 
-def _load_average() -> list[float]:
-    try:
-        with open("/proc/loadavg") as loadavg:
-            return [float(value) for value in loadavg.read().split()[:3]]
-    except OSError:
-        return []
-
-
 def print_report(result: dict) -> None:
     print(f"chats of {result['tokens']} tokens at most, {result['seconds_per_run']:.0f} s per run, "
           f"{result['rounds']} rounds (median, then every round)")
@@ -170,7 +162,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--tokens", type=int, default=32, help="max_tokens of each chat (default %(default)s)")
     args = parsed(parser, argv, check=_check)
     result: dict[str, Any] = {"servers": args.servers, "seconds_per_run": args.seconds, "rounds": args.rounds,
-                              "tokens": args.tokens, "load_average_before": _load_average(), "cases": {}}
+                              "tokens": args.tokens, "load_average_before": load_average(), "cases": {}}
     try:
         for kind, clients in CASES:
             case = f"{kind} x{clients}"
@@ -182,7 +174,7 @@ def run(argv: list[str]) -> dict[str, Any]:
             result["cases"][case] = figures
     except (RuntimeError, OSError) as error:
         raise BenchStopped(1, str(error)) from error
-    result["load_average_after"] = _load_average()
+    result["load_average_after"] = load_average()
     print_report(result)
     return result
 

@@ -81,3 +81,13 @@ def print_table(columns: Sequence[Column], rows: Iterable[Sequence[Any]], *, sep
 def print_json(result: Any) -> None:
     """The result as one line of JSON (keys sorted): the last line of every benchmark's output."""
     print(json.dumps(result, sort_keys=True))
+
+
+def load_average() -> list[float]:
+    """The machine's 1, 5 and 15-minute load averages ([] where /proc/loadavg cannot be read):
+    printed beside figures measured on a shared machine."""
+    try:
+        with open("/proc/loadavg") as loadavg:
+            return [float(value) for value in loadavg.read().split()[:3]]
+    except OSError:
+        return []
