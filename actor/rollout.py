@@ -20,7 +20,7 @@ import trio
 
 from longhorizon.envs.agents import ActionParseError, AgentLoop, agent_loop_for, episode_loop
 from longhorizon.actor.engines.base import Engine, GenerationRequest
-from longhorizon.common.chat import TokenConversation
+from longhorizon.common.chat import NO_IMAGE_PROCESSOR, TokenConversation, takes_images
 from longhorizon.common.codec import pack_arrays
 from longhorizon.common.wire import CHAT_ROLES, Trajectory
 
@@ -74,6 +74,23 @@ def with_summary(observation: str, env) -> str:
     return f"{observation}\n\n{summary}" if summary else observation
 
 
+OBSERVATION_IMAGE_KEYS = ("screenshot", "som")
+"""What `observation_image` may name: the env's info key of the image to show with each observation
+(the web env's screenshot, or its set-of-marks copy with element ids drawn at their boxes)."""
+
+
+def observation_image_of(info: dict, key: str, env) -> list[bytes]:
+    """The image the env's `info[key]` holds, as the list an observation carries ([] without `key`)."""
+    if not key:
+        return []
+    image = info.get(key) if isinstance(info, dict) else None
+    if not isinstance(image, (bytes, bytearray)) or not image:
+        raise ValueError(
+            f"observation_image = {key!r}: env {getattr(env, 'name', '?')!r} gave no image in info[{key!r}] "
+            f"(the web env computes it with env.options observation including {key!r})")
+    return [bytes(image)]
+
+
 def _context_length(conversation: TokenConversation, view) -> int:
     """The context the learner will score the next reply in: the view when it leaves turns out
     (its turn then trains as a sample of its own), else the whole conversation."""
@@ -95,6 +112,7 @@ async def run_episode(
     agent: AgentLoop | str = "",
     history_turns: int = 0,
     history_summary: bool = False,
+    observation_image: str = "",
 ) -> EpisodeResult:
     """Play one episode. Env and engine failures are reported in `error`, never raised; an env
     reset or step that takes longer than `env_call_timeout_s` fails the episode (a hung browser
@@ -102,7 +120,11 @@ async def run_episode(
     ("": the one the env's prompt_format names); `history_turns` > 0 shows the model the first
     prompt and only the last that many turns (actor.history_turns), whatever the loop shows;
     `history_summary` adds the env's summary of the episode so far to each observation after the
-    first (actor.history_summary), so what the left-out turns did stays in view."""
+    first (actor.history_summary), so what the left-out turns did stays in view.
+    `observation_image` ("screenshot" or "som") shows the model the env's image of that name
+    (`info[observation_image]`) with every observation the env gives, before its text: the engine's
+    model must take images (a vision-language model's folder). Every image of the turns in view
+    stays in the context (`history_turns` bounds them with the turns)."""
     episode_id = episode_id or uuid.uuid4().hex
     result = EpisodeResult(conversation=None)
 
@@ -112,6 +134,11 @@ async def run_episode(
         raise TimeoutError(f"env {what} on task {getattr(task, 'task_id', '?')} took over {env_call_timeout_s:g}s")
 
     try:
+        if observation_image and observation_image not in OBSERVATION_IMAGE_KEYS:
+            raise ValueError(f"observation_image must be one of {', '.join(OBSERVATION_IMAGE_KEYS)} "
+                             f"or empty, got {observation_image!r}")
+        if observation_image and not takes_images(engine.tokenizer):
+            raise ValueError(f"observation_image = {observation_image!r}: {NO_IMAGE_PROCESSOR}")
         started = time.perf_counter()
         observation, info = await env_call("reset", env.reset, task, seed=seed)
         result.env_seconds += time.perf_counter() - started
@@ -119,8 +146,11 @@ async def run_episode(
         prompt_tools = getattr(loop, "prompt_tools", lambda: None)()
         stop_strings = (loop.stop_strings(env) if hasattr(loop, "stop_strings")
                         else tuple(getattr(env, "stop_strings", ())))
-        conversation = TokenConversation.start(
-            engine.tokenizer, loop.first_messages(env.instructions(), observation), tools=prompt_tools)
+        first_messages = loop.first_messages(env.instructions(), observation)
+        images = observation_image_of(info, observation_image, env)
+        if images:  # the first observation's image goes with the last message, which holds it
+            first_messages = [*first_messages[:-1], {**first_messages[-1], "images": images}]
+        conversation = TokenConversation.start(engine.tokenizer, first_messages, tools=prompt_tools)
         result.conversation = conversation
         if len(conversation) + max_new_tokens > max_context_tokens:
             # Nothing the model could write would fit; the learner would refuse it as too long.
@@ -141,6 +171,7 @@ async def run_episode(
                     messages=view.messages,
                     task=task,
                     stop_strings=stop_strings,
+                    images=list(view.images),
                 )
             )
             result.generation_seconds += time.perf_counter() - started
@@ -149,6 +180,7 @@ async def run_episode(
             )
             result.windows.append((view.window_start, reply_start, len(conversation)))
             result.num_turns += 1
+            images = []  # a reply the env could not read leaves the page, and so the image, as it was
             try:
                 action = loop.parse_action(generation.text)
             except ActionParseError as exc:
@@ -162,6 +194,8 @@ async def run_episode(
                 if hasattr(loop, "env_observation"):
                     observation = loop.env_observation(observation)
                 result.success = bool(info.get("success", False))
+                if not (terminated or truncated):
+                    images = observation_image_of(info, observation_image, env)
             result.turn_rewards.append(float(reward))
             if terminated or truncated:
                 result.terminated, result.truncated = bool(terminated), bool(truncated)
@@ -172,7 +206,7 @@ async def run_episode(
                 break
             if history_summary:
                 observation = with_summary(observation, env)
-            conversation.add_observation(observation, stopped_on_eos=generation.stopped_on_eos)
+            conversation.add_observation(observation, stopped_on_eos=generation.stopped_on_eos, images=images)
             view = _view(loop, conversation, history_turns)
             if _context_length(conversation, view) + max_new_tokens > max_context_tokens:
                 result.truncated, result.cut_by = True, "context"  # the next turn would not fit
@@ -213,6 +247,7 @@ def to_trajectory(
         arrays = pack_arrays(result.conversation.arrays())
         prompt_length = result.conversation.prompt_length
         text = result.conversation.text()
+        images, image_offsets = list(result.conversation.images), list(result.conversation.image_offsets)
     else:  # the episode failed before its first prompt was built
         arrays = {
             "token_ids": np.zeros(0, np.int32),
@@ -222,6 +257,7 @@ def to_trajectory(
         }
         prompt_length = 0
         text = ""
+        images, image_offsets = [], []
     return Trajectory(
         trajectory_id=uuid.uuid4().hex,
         actor_id=actor_id,
@@ -249,6 +285,8 @@ def to_trajectory(
         messages=messages,
         sample_windows=[index for window in result.windows for index in window] if result.windowed else [],
         cut_by=result.cut_by,
+        images=images,
+        image_offsets=image_offsets,
     )
 
 
@@ -339,6 +377,7 @@ async def run_group_member(
     agent: AgentLoop | str = "",
     history_turns: int = 0,
     history_summary: bool = False,
+    observation_image: str = "",
     with_messages: bool = False,
 ) -> Trajectory:
     """Run member `member` of a group (its episode id is `<group_id>-<member>`) and hand its
@@ -359,6 +398,7 @@ async def run_group_member(
         agent=agent,
         history_turns=history_turns,
         history_summary=history_summary,
+        observation_image=observation_image,
     )
     env_pool.release(env, broken=bool(result.error))
     trajectory = to_trajectory(

@@ -2,16 +2,50 @@
 
 The actor keeps the exact token ids its model generated; environment observations are appended
 as chat-template tokens with loss mask 0. The model's own tokens are never decoded and
-re-tokenised, so what the learner trains on is exactly what the actor sampled.
+re-tokenised, so what the learner trains on is exactly what the actor sampled. For a
+vision-language model, observations may carry images: the processor writes their tokens into the
+conversation, and the images themselves travel beside the tokens (`HFVisionChatTokenizer`).
 """
 
 from __future__ import annotations
 
 import functools
+import io
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import numpy as np
+
+
+def decode_image(data: bytes):
+    """An image's bytes (PNG, JPEG: what the env gives) as an RGB PIL image; ValueError in one line
+    for bytes that are not an image."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValueError(f"an image must be bytes (PNG or JPEG), got {type(data).__name__}")
+    try:
+        with Image.open(io.BytesIO(bytes(data))) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError) as error:
+        raise ValueError(f"{len(data)} bytes that are not a readable image: {error}") from None
+
+
+# What an image processor returns beside the pixels that the model's forward pass does not take.
+_IMAGE_PROCESSOR_EXTRAS = ("rows", "cols", "image_sizes_original")
+
+
+def image_model_inputs(processor, images: list[bytes], dtype=None) -> dict:
+    """The model's image inputs (pixel_values and what goes with them) for `images` in the order
+    their tokens appear in a batch, row after row: the actor's engine and the learner both build
+    them here, so the learner scores the sampled tokens with exactly the pixels they were sampled
+    with. `dtype`: the floating tensors' (the model's)."""
+    decoded = [decode_image(data) for data in images]
+    features = processor.image_processor(images=decoded, return_tensors="pt")
+    inputs = {name: value for name, value in features.items() if name not in _IMAGE_PROCESSOR_EXTRAS}
+    if dtype is not None:
+        inputs = {name: value.to(dtype) if value.is_floating_point() else value for name, value in inputs.items()}
+    return inputs
 
 
 class ChatTokenizer(Protocol):
@@ -113,6 +147,74 @@ class HFChatTokenizer:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
 
+class HFVisionChatTokenizer(HFChatTokenizer):
+    """A vision-language model's processor adapted to `ChatTokenizer`: a user message may carry
+    images (`message["images"]`, PNG or JPEG bytes, shown before its text), which the chat template
+    writes as the processor's image placeholder and the processor expands into the model's image
+    tokens. The tokens stay the conversation's record; the images travel beside them, in order."""
+
+    takes_images = True
+
+    def __init__(self, processor) -> None:
+        tokenizer = processor.tokenizer
+        if getattr(tokenizer, "chat_template", None) is None:
+            # A VLM folder often keeps its chat template with the processor alone.
+            tokenizer.chat_template = getattr(processor, "chat_template", None)
+        self.processor = processor
+        super().__init__(tokenizer)
+
+    @staticmethod
+    def _as_parts(messages: Sequence[dict]) -> list[dict]:
+        """Messages with content as a list of parts (images first, then the text), the form VLM
+        chat templates expect."""
+        parted = []
+        for message in messages:
+            content = message["content"]
+            if isinstance(content, str):
+                content = [{"type": "image"} for _ in message.get("images", ())] + [{"type": "text", "text": content}]
+            parted.append({"role": message["role"], "content": content})
+        return parted
+
+    def _render(self, messages: Sequence[dict], add_generation_prompt: bool, tools: Sequence[dict] | None = None) -> str:
+        return super()._render(self._as_parts(messages), add_generation_prompt, tools)
+
+    def _tokens(self, text: str, images: Sequence[bytes]) -> list[int]:
+        pictures = [decode_image(data) for data in images]
+        encoded = self.processor(text=[text], images=[pictures] if pictures else None, add_special_tokens=False)
+        return [int(i) for i in encoded["input_ids"][0]]
+
+    def prompt_tokens(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        if tools and not self.renders_tools:
+            raise ValueError("the model's chat template renders no tools: describe them in a message instead")
+        images = [image for message in messages for image in message.get("images", ())]
+        return self._tokens(self._render(messages, add_generation_prompt=True, tools=tools), images)
+
+    def continuation_tokens(self, observation: str, *, stopped_on_eos: bool, images: Sequence[bytes] = ()) -> list[int]:
+        if not images:
+            return super().continuation_tokens(observation, stopped_on_eos=stopped_on_eos)
+        # The observation's turn as the template writes it with its images, found as the text
+        # pieces are: the rendering of one more user turn after a closed assistant turn.
+        base = [{"role": "user", "content": self._PROBE_USER}, {"role": "assistant", "content": self._PROBE_ASSISTANT}]
+        closed = self._render(base, add_generation_prompt=False)
+        extended = self._render(
+            base + [{"role": "user", "content": observation, "images": list(images)}], add_generation_prompt=True)
+        ids = self._tokens(self._after_eos + extended[len(closed):], images)
+        return ids if stopped_on_eos else [self.eos_token_id] + ids
+
+    def image_inputs(self, images: Sequence[bytes], dtype=None) -> dict:
+        """The model's image inputs for `images` (common.models.image_model_inputs)."""
+        return image_model_inputs(self.processor, list(images), dtype)
+
+
+def takes_images(tokenizer) -> bool:
+    """Whether a chat tokenizer can put images in a conversation (a VLM's processor)."""
+    return bool(getattr(tokenizer, "takes_images", False))
+
+
+NO_IMAGE_PROCESSOR = ("the model cannot be shown images: its folder has no image processor "
+                      "(use a vision-language model's folder, with its processor files)")
+
+
 class ByteChatTokenizer:
     """UTF-8 bytes as tokens plus three specials: no model needed (scripted engines, benchmarks)."""
 
@@ -160,6 +262,8 @@ class ConversationView:
     """Where, in the conversation's tokens, the turns shown begin after the first prompt: at or
     before the prompt's end the view is the whole history; past it, the turns before were left
     out (the view is the first prompt joined to token_ids[window_start:])."""
+    images: list[bytes] = field(default_factory=list)
+    """The images in token_ids, in the order their tokens appear (a vision-language model's)."""
 
 
 @dataclass(kw_only=True)
@@ -209,13 +313,24 @@ class TokenConversation(TokenRecord):
     """Messages in the first prompt (system and first observation)."""
     turn_starts: list[int] = field(default_factory=list)
     """Where each turn (a reply and the observation after it) begins in token_ids."""
+    images: list[bytes] = field(default_factory=list)
+    """Images shown to the model, in the order of their tokens (for a vision-language model)."""
+    image_offsets: list[int] = field(default_factory=list)
+    """Where the piece that holds each image begins in token_ids (0: the first prompt; else the
+    observation's piece after a reply), so a view or a turn's sample keeps the images of the
+    pieces it keeps."""
 
     @classmethod
     def start(cls, tokenizer: ChatTokenizer, messages: Sequence[dict],
               tools: Sequence[dict] | None = None) -> "TokenConversation":
         """The first prompt; `tools` are rendered by the chat template (tokenizers that take none
         are called without them)."""
+        prompt_images = [image for message in messages for image in message.get("images", ())]
+        if prompt_images and not takes_images(tokenizer):
+            raise ValueError(NO_IMAGE_PROCESSOR)
         conversation = cls(tokenizer=tokenizer, messages=[dict(m) for m in messages])
+        conversation.images = list(prompt_images)
+        conversation.image_offsets = [0] * len(prompt_images)
         prompt = tokenizer.prompt_tokens(messages, tools=tools) if tools else tokenizer.prompt_tokens(messages)
         conversation.append_tokens(prompt, generated=False)
         conversation.prompt_length = len(conversation.token_ids)
@@ -230,17 +345,29 @@ class TokenConversation(TokenRecord):
         self.append_tokens(token_ids, generated=True, logprobs=logprobs, policy_version=policy_version)
         self.messages.append({"role": "assistant", "content": text})
 
-    def add_observation(self, observation: str, *, stopped_on_eos: bool) -> None:
-        """Append the environment's reply as template tokens (never trained on)."""
-        self.append_tokens(self.tokenizer.continuation_tokens(observation, stopped_on_eos=stopped_on_eos), generated=False)
-        self.messages.append({"role": "user", "content": observation})
+    def add_observation(self, observation: str, *, stopped_on_eos: bool, images: Sequence[bytes] = ()) -> None:
+        """Append the environment's reply as template tokens (never trained on), with `images`
+        (PNG or JPEG bytes: a screenshot) shown before its text."""
+        if not images:
+            self.append_tokens(self.tokenizer.continuation_tokens(observation, stopped_on_eos=stopped_on_eos),
+                               generated=False)
+            self.messages.append({"role": "user", "content": observation})
+            return
+        if not takes_images(self.tokenizer):
+            raise ValueError(NO_IMAGE_PROCESSOR)
+        piece_start = len(self.token_ids)
+        tokens = self.tokenizer.continuation_tokens(observation, stopped_on_eos=stopped_on_eos, images=images)
+        self.append_tokens(tokens, generated=False)
+        self.messages.append({"role": "user", "content": observation, "images": list(images)})
+        self.images.extend(images)
+        self.image_offsets.extend([piece_start] * len(images))
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     def full_view(self) -> ConversationView:
         """Everything so far: what the model sees by default."""
-        return ConversationView(self.token_ids, self.messages, self.prompt_length)
+        return ConversationView(self.token_ids, self.messages, self.prompt_length, list(self.images))
 
     def last_turns_view(self, turns: int) -> ConversationView:
         """The first prompt and only the last `turns` turns (older replies and observations left
@@ -254,7 +381,15 @@ class TokenConversation(TokenRecord):
         token_ids = self.token_ids[: self.prompt_length] + self.token_ids[self.turn_starts[first_kept]:]
         # Every turn before the kept ones is complete: its reply and its observation.
         messages = self.messages[: self.prompt_messages] + self.messages[self.prompt_messages + 2 * first_kept:]
-        return ConversationView(token_ids, messages, self.turn_starts[first_kept])
+        window_start = self.turn_starts[first_kept]
+        return ConversationView(token_ids, messages, window_start,
+                                self.images_between(self.prompt_length, window_start, len(self.token_ids)))
+
+    def images_between(self, prompt_length: int, start: int, end: int) -> list[bytes]:
+        """The images of the first prompt and of the pieces in [start, end): those of a view, or of
+        a turn's sample, that joins the first prompt to token_ids[start:end]."""
+        return [image for image, offset in zip(self.images, self.image_offsets)
+                if offset < prompt_length or start <= offset < end]
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {

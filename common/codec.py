@@ -113,6 +113,7 @@ _KIND_BY_ANNOTATION: dict[Any, str] = {
     list[float]: "float_list",
     list[int]: "int_list",
     list[str]: "str_list",
+    list[bytes]: "bytes_list",
     np.ndarray: "array",
     dict[str, np.ndarray] | None: "tensors",
     str | None: "optional_str",
@@ -210,6 +211,11 @@ def _check_trajectory(values: dict[str, Any], limits: WireLimits | None) -> None
         _fail(f"Trajectory has {length} tokens, more than the limit {limits.max_tokens}")
     if not 0 <= values["prompt_length"] <= length:
         _fail(f"Trajectory.prompt_length {values['prompt_length']} is outside 0..{length}")
+    offsets = values["image_offsets"]
+    if len(offsets) != len(values["images"]):
+        _fail(f"Trajectory has {len(values['images'])} images but {len(offsets)} image_offsets")
+    if any(not 0 <= offset < length for offset in offsets) or any(a > b for a, b in zip(offsets, offsets[1:])):
+        _fail(f"Trajectory.image_offsets must rise from 0 and stay below its {length} tokens")
 
 
 def _check_token_contents(values: dict[str, Any]) -> None:
@@ -444,6 +450,17 @@ def _normalise_str_list(spec: _FieldSpec, value: Any) -> list[str]:
     return list(value)
 
 
+def _normalise_bytes_list(spec: _FieldSpec, value: Any) -> list[bytes]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        _fail(f"{spec.where} must be a list of bytes, got {type(value).__name__}")
+    items = []
+    for index, item in enumerate(value):
+        if not isinstance(item, (bytes, bytearray, memoryview)):
+            _fail(f"{spec.where}[{index}] must be bytes, got {type(item).__name__}")
+        items.append(bytes(item))
+    return items
+
+
 def _chat_messages(where: str, value: Any, limits: WireLimits | None) -> list[dict[str, str]] | None:
     """None, or chat messages checked (the same rules both ways; sizes only against `limits`):
     a list of maps with exactly the keys role (one of CHAT_ROLES) and content (a string)."""
@@ -501,6 +518,7 @@ _NORMALISERS: dict[str, Callable[[_FieldSpec, Any], Any]] = {
     "float_list": _normalise_float_list,
     "int_list": _normalise_int_list,
     "str_list": _normalise_str_list,
+    "bytes_list": _normalise_bytes_list,
     "array": _normalise_array,
     "tensors": _normalise_tensors,
 }
@@ -784,6 +802,14 @@ def _decode_str_list(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: W
     return [_decode_str(f"{spec.where}[{index}]", item, limits.max_string_chars) for index, item in enumerate(items)]
 
 
+def _decode_bytes_list(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits) -> list[bytes]:
+    items = _decode_list(spec, raw, limits)
+    for index, item in enumerate(items):
+        if not isinstance(item, bytes):
+            _fail(f"{spec.where}[{index}] must be bytes, got {type(item).__name__}")
+    return items
+
+
 def _decode_chat(spec: _FieldSpec, raw: Any, cursor: _FrameCursor, limits: WireLimits) -> list[dict[str, str]] | None:
     return _chat_messages(spec.where, raw, limits)
 
@@ -820,6 +846,7 @@ _DECODERS: dict[str, Callable[[_FieldSpec, Any, _FrameCursor, WireLimits], Any]]
     "float_list": _decode_float_list,
     "int_list": _decode_int_list,
     "str_list": _decode_str_list,
+    "bytes_list": _decode_bytes_list,
     "array": _decode_array_field,
     "tensors": _decode_tensors,
 }

@@ -243,7 +243,65 @@ def load_causal_lm(folder: str | Path, dtype: str = "float32"):
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
         if torch_dtype is None:
             raise ModelError(f"model.dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        if is_vision_language_folder(folder):
+            # A vision-language model (SmolVLM, Qwen2-VL, ...): the same causal LM over text, with
+            # an image encoder whose features take the place of the image tokens.
+            from transformers import AutoModelForImageTextToText
+
+            return AutoModelForImageTextToText.from_pretrained(folder, dtype=torch_dtype)
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+
+
+def is_vision_language_folder(folder: str | Path) -> bool:
+    """Whether the model folder holds a vision-language model (its config.json has a vision part)."""
+    config_file = Path(folder) / "config.json"
+    if not config_file.is_file():
+        return False
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "vision_config" in config
+
+
+def image_token_ids(config) -> tuple[int, ...]:
+    """The token ids a vision-language model's config reserves for image (and video) features: the
+    model replaces each with a feature, so a policy must never write one (the engine suppresses them
+    and the learner scores without them). () for a text model."""
+    names = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+    found = {getattr(config, name, None) for name in names}
+    return tuple(sorted(int(token) for token in found if isinstance(token, int) and token >= 0))
+
+
+IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+"""Files of a model folder that describe its image processor (transformers writes one of them)."""
+
+
+def load_processor(folder: str | Path):
+    """The model folder's processor (image processor and tokenizer together), or None for a folder
+    without an image processor: a text model, or a vision model saved without its processor."""
+    folder = Path(folder)
+    if not any((folder / name).is_file() for name in IMAGE_PROCESSOR_FILES):
+        return None
+    with _LOAD_LOCK:
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(folder)
+    if getattr(processor, "image_processor", None) is None:
+        return None
+    return processor
+
+
+def require_processor(folder: str | Path):
+    """The model folder's processor, or a one-line ModelError when it has no image processor, which
+    a run that shows the model images needs."""
+    processor = load_processor(folder)
+    if processor is None:
+        raise ModelError(
+            f"images were asked for, but the model folder {folder} has no image processor "
+            f"(none of {', '.join(IMAGE_PROCESSOR_FILES)}): use a vision-language model's folder"
+        )
+    return processor
 
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"

@@ -38,8 +38,9 @@ class Trajectory:
     """One finished episode: everything the learner needs to use it in an update."""
 
     TYPE_TAG: ClassVar[str] = "trajectory"
-    # 2: invalid_actions added. 3: messages added. 4: sample_windows, cut_by added.
-    SCHEMA_VERSION: ClassVar[int] = 4
+    # 2: invalid_actions added. 3: messages added. 4: sample_windows, cut_by added. 5: images,
+    # image_offsets added.
+    SCHEMA_VERSION: ClassVar[int] = 5
 
     # Unique per episode, so the learner can drop a trajectory that arrives twice.
     trajectory_id: str
@@ -102,6 +103,13 @@ class Trajectory:
     # Why a truncated episode stopped: "env" (its own limit), "horizon" (the turn cap) or "context"
     # (the next turn would not have fit actor.max_context_tokens); "" when it was not cut.
     cut_by: str = ""
+    # A vision-language policy's images (PNG or JPEG bytes: the screenshots its observations showed),
+    # in the order of their tokens in token_ids; the learner gives them to the model again to score
+    # the tokens as they were sampled. Empty for text.
+    images: list[bytes] = field(default_factory=list)
+    # Where the piece of token_ids that shows each image begins (0: the first prompt; else the
+    # observation after a reply), so a turn's sample (sample_windows) takes the images it shows.
+    image_offsets: list[int] = field(default_factory=list)
 
 
 @dataclass(kw_only=True, eq=False)

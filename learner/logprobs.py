@@ -9,6 +9,7 @@ when asked, so the whole batch's logits never exist at once).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -37,6 +38,9 @@ class Example:
     # learner.step_credit: each token's advantage (its episode's plus its turn's), one per token
     # id; None: `advantage` for every token.
     token_advantages: np.ndarray | None = None
+    # The images its tokens show (PNG or JPEG bytes, in the order of their tokens), for a
+    # vision-language policy: the model sees them again when it scores the tokens. Empty: text.
+    images: tuple[bytes, ...] = ()
 
 
 @dataclass
@@ -53,6 +57,9 @@ class PaddedBatch:
     # 0: each row is encoded on its own.
     prefix_length: int = 0
     group_failed: torch.Tensor | None = None  # [B], 1.0 where no member of the row's group succeeded
+    # A vision-language model's image inputs (pixel_values, ...) for every row's images, row after
+    # row; None for text.
+    image_inputs: dict[str, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -62,12 +69,21 @@ class PaddedBatch:
             self.input_ids, self.attention_mask, self.loss_mask, self.behaviour_logprobs, self.advantages,
             self.token_rewards,
         )), prefix_length=self.prefix_length,
-            group_failed=None if self.group_failed is None else self.group_failed.to(device))
+            group_failed=None if self.group_failed is None else self.group_failed.to(device),
+            image_inputs=None if self.image_inputs is None else {
+                name: value.to(device) for name, value in self.image_inputs.items()})
 
 
-def pad_examples(examples: list[Example], pad_token_id: int, prefix_length: int = 0) -> PaddedBatch:
+def pad_examples(examples: list[Example], pad_token_id: int, prefix_length: int = 0,
+                 image_inputs: Callable[[list[bytes]], dict] | None = None) -> PaddedBatch:
     """The examples as one right-padded batch, aligned on the predicted tokens; with
-    `prefix_length`, its first tokens, which every example must share, are encoded once."""
+    `prefix_length`, its first tokens, which every example must share, are encoded once. Examples
+    with images need `image_inputs` (images -> the model's image inputs: a VLM's processor)."""
+    batch_images = [image for example in examples for image in example.images]
+    if batch_images and image_inputs is None:
+        raise ValueError("examples with images need the model's image processor to be scored")
+    if batch_images and prefix_length:
+        raise ValueError("a shared prefix is encoded without images: examples with images cannot share one")
     longest = max(len(e.token_ids) for e in examples)
     count = len(examples)
     input_ids = torch.full((count, longest), pad_token_id, dtype=torch.long)
@@ -103,12 +119,12 @@ def pad_examples(examples: list[Example], pad_token_id: int, prefix_length: int 
                              f"with at least one token after it (shortest {shortest})")
     group_failed = torch.tensor([float(e.group_failed) for e in examples], dtype=torch.float32)
     return PaddedBatch(input_ids, attention_mask, loss_mask[:, 1:], behaviour[:, 1:], advantages, token_rewards,
-                       prefix_length, group_failed)
+                       prefix_length, group_failed, image_inputs(batch_images) if batch_images else None)
 
 
 def token_logprobs(
     model, batch: PaddedBatch, temperature: float = 1.0, chunk_tokens: int = 0, with_entropy: bool = False,
-    entropy_top_k: int = 0,
+    entropy_top_k: int = 0, suppressed_tokens: Sequence[int] = (),
 ):
     """Log-prob of each next token under `model` at the sampling temperature: [B, L-1]; with
     `with_entropy`, (log-probs, entropy of each position's next-token distribution: the whole
@@ -121,8 +137,18 @@ def token_logprobs(
     vocabulary of 49k, 4,096 positions of fp32 logits are 0.8 GB, and the backward pass keeps
     several copies). The model must split into a decoder and an output layer (`split_output_layer`).
     A batch with a `prefix_length` runs that shared prefix once (learner/shared_prefix.py).
+
+    A vision-language model's batch (`image_inputs`, or `suppressed_tokens`: the image tokens its
+    engine never samples) runs the whole model, with those tokens' probability taken out as the
+    engine's sampler takes it out.
     """
     targets = batch.input_ids[:, 1:]
+    if batch.image_inputs is not None or suppressed_tokens:
+        # The whole model: its image encoder puts the images' features on their tokens (the
+        # decoder alone, or a prefix encoded once, would see the placeholders instead).
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       **(batch.image_inputs or {})).logits[:, :-1]
+        return logprobs_from_logits(logits, targets, temperature, with_entropy, entropy_top_k, suppressed_tokens)
     parts = split_output_layer(model) if chunk_tokens > 0 else None
     if batch.prefix_length:
         if parts is None:
@@ -177,11 +203,14 @@ def _output_logprobs(output_layer, hidden: torch.Tensor, targets: torch.Tensor, 
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool = False,
-                         entropy_top_k: int = 0):
+                         entropy_top_k: int = 0, suppressed_tokens: Sequence[int] = ()):
     """Log-prob of each target under `logits` divided by the temperature; with `with_entropy`, also
     each position's entropy: the whole distribution's, or with `entropy_top_k` > 0 the clamped one
     (`clamped_entropy`)."""
     logits = logits.float()
+    if suppressed_tokens:  # the lowest finite value, not -inf: the entropy's p * logit stays 0
+        logits = logits.index_fill(-1, torch.as_tensor(list(suppressed_tokens), device=logits.device),
+                                   torch.finfo(logits.dtype).min)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     normaliser = torch.logsumexp(logits, dim=-1)

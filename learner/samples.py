@@ -5,7 +5,8 @@ A trajectory's `sample_windows` hold three indices into its tokens per turn: whe
 model was shown begin (window_start), and its reply (reply_start, reply_end). Turn k's sample is
 the first prompt, token_ids[:prompt_length], joined to token_ids[window_start:reply_end], with
 loss on its reply alone; every generated token is in exactly one reply. A trajectory without
-windows is one sample, itself.
+windows is one sample, itself. A vision-language trajectory's images go with the pieces that show
+them (`images_of`).
 """
 
 from __future__ import annotations
@@ -68,3 +69,18 @@ def reply_mask(loss_mask: np.ndarray, prompt_length: int, window: tuple[int, int
     mask = cut(loss_mask, prompt_length, start, reply_end).astype(np.float32)
     mask[: len(mask) - (reply_end - reply_start)] = 0.0
     return mask
+
+
+def images_of(trajectory, window: tuple[int, int, int] | None = None) -> tuple[bytes, ...]:
+    """The images a training sequence of the trajectory shows, in the order of their tokens: all
+    of them (no window), or those of the first prompt and of the pieces inside a turn's window
+    (an image belongs to the piece that begins at its offset, Trajectory.image_offsets)."""
+    images = list(getattr(trajectory, "images", None) or [])
+    if window is None:
+        return tuple(images)
+    prompt_length, (start, _, end) = int(trajectory.prompt_length), window
+    offsets = list(trajectory.image_offsets)
+    if start <= prompt_length:  # the whole history up to `end` (as `cut` takes it)
+        return tuple(image for image, offset in zip(images, offsets) if offset < end)
+    return tuple(image for image, offset in zip(images, offsets)
+                 if offset < prompt_length or start <= offset < end)

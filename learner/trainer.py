@@ -48,6 +48,8 @@ from longhorizon.learner.prefix_probe import probe_shared_prefix
 from longhorizon.learner.shared_prefix import plan_group_micro_batches, plan_micro_batches, sharing_units
 from longhorizon.learner.broadcast import unique_state_dict
 from longhorizon.common.lora import apply_lora, lora_settings, merged_from_peft_state, adapter_name
+from longhorizon.common.chat import image_model_inputs
+from longhorizon.common.models import image_token_ids, require_processor
 
 
 def score_groups(groups, config: LearnerConfig | None = None) -> ScoredBatch:
@@ -74,15 +76,18 @@ class PolicyLogprobs(torch.nn.Module):
     forward method.
     """
 
-    def __init__(self, model, temperature: float, chunk_tokens: int, entropy_top_k: int = 0) -> None:
+    def __init__(self, model, temperature: float, chunk_tokens: int, entropy_top_k: int = 0,
+                 suppressed_tokens: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.model = model
         self.temperature = temperature
         self.chunk_tokens = chunk_tokens
         self.entropy_top_k = entropy_top_k
+        self.suppressed_tokens = tuple(suppressed_tokens)
 
     def forward(self, batch: PaddedBatch, with_entropy: bool = False):
-        return token_logprobs(self.model, batch, self.temperature, self.chunk_tokens, with_entropy, self.entropy_top_k)
+        return token_logprobs(self.model, batch, self.temperature, self.chunk_tokens, with_entropy, self.entropy_top_k,
+                              self.suppressed_tokens)
 
 
 def idle_micro_batch(pad_token_id: int, device, shared: bool = False) -> PaddedBatch:
@@ -107,8 +112,13 @@ class Trainer:
         pad_token_id: int = 0,
         reference_model=None,
         ranks: Ranks | None = None,
+        processor=None,
     ) -> None:
         self.config = config
+        # A vision-language policy's processor: examples with images are scored with their pixels.
+        # Loaded from the model's folder on the first such example when not given.
+        self.processor = processor
+        self._model_folder = str(getattr(model, "name_or_path", "") or "")
         self.ranks = ranks or Ranks.single()
         # Names of the parameters a model folder holds: a tied output layer is stored once.
         self.exported_names = list(unique_state_dict(model))
@@ -144,7 +154,10 @@ class Trainer:
             )
             self.chunk_tokens = 0
         self.shared_prefix = self._shared_prefix_usable(model)
-        self.policy = PolicyLogprobs(model, self.temperature, self.chunk_tokens, self.entropy.entropy_top_k)
+        # A vision-language policy's image tokens: its engine never samples them (common/models.py).
+        self.suppressed_tokens = image_token_ids(getattr(base_model, "config", None))
+        self.policy = PolicyLogprobs(model, self.temperature, self.chunk_tokens, self.entropy.entropy_top_k,
+                                     self.suppressed_tokens)
         # An algorithm with a learned critic brings its value model: a submodule of the policy
         # wrapper, trained by the same optimiser and saved in the same sharded checkpoint, so the
         # critic resumes with the policy.
@@ -153,7 +166,8 @@ class Trainer:
             self.value_model = self.value_model.to(self.device)
             self.policy.value_model = self.value_model
         self.reference = (
-            PolicyLogprobs(reference_model, self.temperature, self.chunk_tokens) if reference_model is not None else None
+            PolicyLogprobs(reference_model, self.temperature, self.chunk_tokens, suppressed_tokens=self.suppressed_tokens)
+            if reference_model is not None else None
         )
         if self.ranks.distributed:
             # Each rank keeps a shard of the parameters, gradients and optimiser state; the
@@ -202,15 +216,25 @@ class Trainer:
         shares = distributed.split_by_tokens([load for _, load in units], self.ranks.world_size)
         return [[examples[i] for i in sorted(i for unit in share for i in units[unit][0])] for share in shares]
 
+    def _image_inputs(self, images: list[bytes]) -> dict:
+        """The model's image inputs for a micro-batch's images, as the actor's engine built them."""
+        if self.processor is None:
+            if not self._model_folder:
+                raise ValueError("examples with images need the model's processor: pass Trainer(processor=...)")
+            self.processor = require_processor(self._model_folder)
+        return image_model_inputs(self.processor, images)
+
     def _micro_batches(self, examples: list[Example]) -> list[PaddedBatch]:
         config = self.config
-        if self.shared_prefix:
+        with_images = any(example.images for example in examples)
+        if self.shared_prefix and not with_images:  # a shared prefix is encoded without the images
             # One group's members per micro-batch, their common prefix encoded once.
             plan = plan_group_micro_batches(examples, config.micro_batch_size, config.max_tokens_per_micro_batch)
         else:
             plan = [(chunk, 0) for chunk in plan_micro_batches(
                 examples, config.micro_batch_size, config.max_tokens_per_micro_batch)]
-        micro_batches = [pad_examples(chunk, self.pad_token_id, prefix).to(self.device)
+        image_inputs = self._image_inputs if with_images else None
+        micro_batches = [pad_examples(chunk, self.pad_token_id, prefix, image_inputs).to(self.device)
                          for chunk, prefix in plan] if examples else []
         if self.ranks.distributed:
             # FSDP2 gathers a layer's parameters at each call and reduces its gradients after each

@@ -86,6 +86,9 @@ class GenerationRequest:
     stop_strings: tuple[str, ...] = ()
     """The turn ends with the first of these in the reply (kept in it), e.g. the search env's
     "</search>": what a model writes after its tool call would otherwise be trained on."""
+    images: list[bytes] = field(default_factory=list)
+    """Images shown in `token_ids` (PNG or JPEG bytes), in the order of their tokens: the
+    screenshots of the observations in view, for a vision-language model. Empty for text."""
 
 
 @dataclass

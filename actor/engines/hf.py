@@ -27,9 +27,12 @@ from longhorizon.actor.engines.base import (
     engine_options,
     tokens_through_stop_string,
 )
-from longhorizon.common.chat import HFChatTokenizer
+from longhorizon.common.chat import NO_IMAGE_PROCESSOR, HFChatTokenizer, HFVisionChatTokenizer, takes_images
 from longhorizon.common.config import Section
-from longhorizon.common.models import check_state_for, load_state_into, load_causal_lm, load_tokenizer, resolve_device
+from longhorizon.common.models import (
+    check_state_for, image_token_ids, is_vision_language_folder, load_causal_lm, load_processor, load_state_into, load_tokenizer,
+    resolve_device,
+)
 from longhorizon.common.lora import apply_lora, lora_settings, check_adapters_for, load_adapters
 from longhorizon.actor.weights import WeightsReceiver
 
@@ -83,7 +86,12 @@ class HFEngine:
         self.lora = lora_settings(settings.lora)
         if self.lora is not None:
             self.model = apply_lora(self.model, self.lora).eval()
-        self.tokenizer = HFChatTokenizer(load_tokenizer(settings.model_path))
+        # A vision-language model's folder brings its processor: its conversations may hold images.
+        processor = load_processor(settings.model_path) if is_vision_language_folder(settings.model_path) else None
+        self.tokenizer = (HFVisionChatTokenizer(processor) if processor is not None
+                          else HFChatTokenizer(load_tokenizer(settings.model_path)))
+        # An image token written by the policy would have no image behind it: never sampled.
+        self.suppressed_tokens = list(image_token_ids(self.model.config))
         self.pad_token_id = self.tokenizer.tokenizer.pad_token_id
         if self.pad_token_id is None:
             self.pad_token_id = self.tokenizer.eos_token_id
@@ -165,6 +173,7 @@ class HFEngine:
             pad_token_id=self.pad_token_id,
             output_scores=True,
             return_dict_in_generate=True,
+            suppress_tokens=self.suppressed_tokens or None,
         )
         # Rows with stop strings stop generating once they have one (saving the tokens a model
         # writes after its tool call); the cut below is what makes each reply end there.
@@ -176,6 +185,15 @@ class HFEngine:
         if cancelled is not None:
             criteria.append(_WhenCancelled(cancelled))
         stop_arguments = {"stopping_criteria": StoppingCriteriaList(criteria)} if criteria else {}
+        # Every row's images in one list, row after row: the model puts their features on the
+        # image tokens in that order. Text-only batches pass nothing.
+        batch_images = [image for request in requests for image in request.images]
+        image_arguments = {}
+        if batch_images:
+            if not takes_images(self.tokenizer):
+                raise ValueError(NO_IMAGE_PROCESSOR)
+            image_arguments = {name: value.to(self.device) for name, value in
+                               self.tokenizer.image_inputs(batch_images, self.model.dtype).items()}
         with self._model_lock, torch.inference_mode():
             version = self.policy_version
             output = self.model.generate(
@@ -183,6 +201,7 @@ class HFEngine:
                 attention_mask=attention_mask.to(self.device),
                 generation_config=generation_config,
                 **stop_arguments,
+                **image_arguments,
             )
         new_tokens = output.sequences[:, longest:]
         # Scores are the processed logits the sampler drew from (temperature, top-p applied), so

@@ -1,0 +1,257 @@
+"""Vision-language policies: a tiny random Idefics3 model (tests/vlm_models.py) shown images by the
+hf engine, screenshots attached to observations by the agent loop, carried on the wire, and scored
+by the learner with the same pixels, so its log-probs of the sampled tokens are the engine's."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vlm_models import build_tiny_vlm, png_image  # noqa: E402
+
+from longhorizon.actor.engines.base import EngineSettings, GenerationRequest, make_engine  # noqa: E402
+from longhorizon.actor.rollout import run_episode, to_trajectory  # noqa: E402
+from longhorizon.common.chat import TokenConversation, image_model_inputs  # noqa: E402
+from longhorizon.common.codec import decode, encode  # noqa: E402
+from longhorizon.common.config import LearnerConfig, SamplingConfig  # noqa: E402
+from longhorizon.common.models import (  # noqa: E402
+    ModelError,
+    image_token_ids,
+    load_causal_lm,
+    load_processor,
+    require_processor,
+)
+from longhorizon.learner.logprobs import Example, pad_examples, token_logprobs  # noqa: E402
+from longhorizon.learner.samples import cut, images_of, reply_mask, windows_of  # noqa: E402
+from longhorizon.learner.trainer import Trainer  # noqa: E402
+
+RED, BLUE, GREEN = png_image((200, 20, 20)), png_image((20, 20, 200)), png_image((20, 160, 40))
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> Path:
+    return build_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-vlm")
+
+
+def _engine(folder, **sampling):
+    settings = EngineSettings(
+        model_path=str(folder), sampling=SamplingConfig(**{"max_new_tokens": 5, "temperature": 1.0, **sampling}),
+        max_batch_size=8, seed=3,
+    )
+    return make_engine("hf", settings)
+
+
+def _example(prompt: list[int], result, images) -> Example:
+    tokens = prompt + result.token_ids
+    mask = [0] * len(prompt) + [1] * len(result.token_ids)
+    logprobs = [0.0] * len(prompt) + result.logprobs
+    return Example(np.array(tokens), np.array(mask, np.float32), np.array(logprobs, np.float32), 0.0,
+                   images=tuple(images))
+
+
+def _largest_difference(model, processor, examples, pad_token_id) -> float:
+    batch = pad_examples(examples, pad_token_id, image_inputs=lambda images: image_model_inputs(processor, images))
+    with torch.no_grad():
+        learner = token_logprobs(model, batch, suppressed_tokens=image_token_ids(model.config))
+    generated = batch.loss_mask > 0
+    return (learner[generated] - batch.behaviour_logprobs[generated]).abs().max().item()
+
+
+def test_a_vision_language_folder_loads_with_its_processor_and_a_text_folder_has_none(tiny_vlm, tiny_codebook_model):
+    model = load_causal_lm(tiny_vlm)
+    assert type(model).__name__ == "Idefics3ForConditionalGeneration"
+    assert load_processor(tiny_vlm) is not None
+    assert load_processor(tiny_codebook_model) is None
+    with pytest.raises(ModelError, match="has no image processor") as error:
+        require_processor(tiny_codebook_model)
+    assert "\n" not in str(error.value)
+
+
+async def test_the_learner_scores_the_engines_image_turns_as_the_engine_sampled_them(tiny_vlm):
+    engine = _engine(tiny_vlm)
+    tokenizer = engine.tokenizer
+    # Rows with one image, two images and none share a batch: the model places each row's image
+    # features on that row's image tokens, in order.
+    cases = [
+        [{"role": "user", "content": "click the red button", "images": [RED]}],
+        [{"role": "user", "content": "page", "images": [BLUE]},
+         {"role": "assistant", "content": "click"},
+         {"role": "user", "content": "the blue page", "images": [GREEN]}],
+        [{"role": "user", "content": "type done"}],
+        [{"role": "user", "content": "click the red button", "images": [BLUE]}],
+    ]
+    prompts = [tokenizer.prompt_tokens(messages) for messages in cases]
+    images = [[image for message in messages for image in message.get("images", ())] for messages in cases]
+    image_token = tokenizer.processor.image_token_id
+    assert [prompt.count(image_token) for prompt in prompts] == [4, 8, 0, 4]
+    results = [None] * len(cases)
+
+    async def one(index):
+        results[index] = await engine.generate(GenerationRequest(
+            token_ids=prompts[index], episode_id=str(index), images=images[index]))
+
+    async with trio.open_nursery() as nursery:
+        for index in range(len(cases)):
+            nursery.start_soon(one, index)
+
+    model, processor = load_causal_lm(tiny_vlm), load_processor(tiny_vlm)
+    examples = [_example(prompt, result, row_images) for prompt, result, row_images in zip(prompts, results, images)]
+    difference = _largest_difference(model, processor, examples, tokenizer.tokenizer.pad_token_id)
+    print(f"largest |learner - engine| log-prob on the tiny VLM: {difference:.2e}")
+    assert difference < 1e-4, difference
+    # The images matter: scored with the other colour, the same tokens get other log-probs.
+    swapped = [_example(prompts[0], results[0], [BLUE])]
+    assert _largest_difference(model, processor, swapped, tokenizer.tokenizer.pad_token_id) > 1e-3
+
+
+async def test_a_text_model_asked_for_images_says_so_in_one_line(tiny_codebook_model):
+    engine = _engine(tiny_codebook_model)
+    with pytest.raises(ValueError, match="no image processor") as error:
+        await engine.generate(GenerationRequest(token_ids=[1, 2, 3], episode_id="a", images=[RED]))
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="no image processor"):
+        TokenConversation.start(engine.tokenizer, [{"role": "user", "content": "s0", "images": [RED]}])
+
+
+def test_bad_image_bytes_are_refused_in_one_line(tiny_vlm):
+    with pytest.raises(ValueError, match="not a readable image") as error:
+        image_model_inputs(load_processor(tiny_vlm), [b"not a png"])
+    assert "\n" not in str(error.value)
+
+
+@dataclass
+class _Task:
+    task_id: str = "colours-0"
+    env_name: str = "colours"
+
+
+class ColourScreens:
+    """A toy env with a screen: each step shows the next colour's image in info["screenshot"]
+    (and the set-of-marks key too), as the web env does in its screenshot modes."""
+
+    name = "colours"
+    prompt_format = "bare"
+    SCREENS = [RED, BLUE, GREEN, RED, BLUE, GREEN]
+
+    def __init__(self, turns: int = 4) -> None:
+        self.turns, self.step_count = turns, 0
+
+    def instructions(self) -> str:
+        return "click the button"
+
+    def _info(self) -> dict:
+        screen = self.SCREENS[self.step_count % len(self.SCREENS)]
+        return {"screenshot": screen, "som": screen, "success": False}
+
+    async def reset(self, task, *, seed=None):
+        self.step_count = 0
+        return "the page", self._info()
+
+    async def step(self, action):
+        self.step_count += 1
+        done = self.step_count >= self.turns
+        return "the page", 1.0 if done else 0.0, done, False, self._info()
+
+    async def close(self):
+        pass
+
+
+class _RecordingEngine:
+    """The hf engine, keeping each request it was given."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.tokenizer, self.requests = engine, engine.tokenizer, []
+
+    async def generate(self, request):
+        self.requests.append(request)
+        return await self.engine.generate(request)
+
+    def end_episode(self, episode_id):
+        pass
+
+
+@pytest.mark.parametrize("history_turns", [0, 2])
+async def test_screenshots_ride_with_observations_over_the_wire_to_the_learners_samples(tiny_vlm, history_turns):
+    engine = _RecordingEngine(_engine(tiny_vlm, max_new_tokens=3))
+    result = await run_episode(
+        ColourScreens(turns=5), engine, _Task(), horizon_cap=6, max_context_tokens=2000, max_new_tokens=3,
+        seed=0, history_turns=history_turns, observation_image="screenshot",
+    )
+    assert result.error == "" and result.terminated
+    trajectory = decode(encode(to_trajectory(result, actor_id="a", task=_Task(), group_id="g", group_size=1,
+                                             horizon_cap=6)))
+    # The first screen, then one per observation the env stepped to before the end (none after an
+    # unreadable reply: the page did not change).
+    steps = result.num_turns - result.invalid_actions
+    assert steps == 5 and len(trajectory.images) == 1 + steps - 1 == len(trajectory.image_offsets)
+    assert trajectory.images == ColourScreens.SCREENS[:5] and trajectory.image_offsets[0] == 0
+    assert trajectory.image_offsets == sorted(trajectory.image_offsets)
+    image_token = engine.tokenizer.processor.image_token_id
+    assert int(np.sum(np.asarray(trajectory.token_ids) == image_token)) == 4 * len(trajectory.images)
+
+    # Each request showed the model exactly the images its tokens hold, and the learner's sample
+    # of that turn takes the same ones.
+    windows = windows_of(trajectory) or [None] * len(engine.requests)
+    assert bool(windows_of(trajectory)) == bool(history_turns)
+    model, processor = load_causal_lm(tiny_vlm), load_processor(tiny_vlm)
+    prompt_length = int(trajectory.prompt_length)
+    examples = []
+    for request, window in zip(engine.requests, windows):
+        assert request.token_ids.count(image_token) == 4 * len(request.images)
+        if window is None:
+            continue
+        assert list(images_of(trajectory, window)) == request.images
+        start, _, end = window
+        examples.append(Example(
+            cut(trajectory.token_ids, prompt_length, start, end).astype(np.int64),
+            reply_mask(trajectory.loss_mask, prompt_length, window),
+            cut(trajectory.behaviour_logprobs, prompt_length, start, end).astype(np.float32), 0.0,
+            images=images_of(trajectory, window)))
+    if history_turns:
+        assert any(len(r.images) < len(trajectory.images) for r in engine.requests)  # old screens left out
+    else:
+        assert engine.requests[-1].images == trajectory.images
+        examples = [Example(np.asarray(trajectory.token_ids, np.int64), np.asarray(trajectory.loss_mask, np.float32),
+                            np.asarray(trajectory.behaviour_logprobs, np.float32), 0.0,
+                            images=images_of(trajectory))]
+    difference = _largest_difference(model, processor, examples, engine.tokenizer.tokenizer.pad_token_id)
+    assert difference < 1e-4, difference
+
+
+async def test_an_episode_with_screenshots_on_a_text_model_fails_with_the_reason(tiny_codebook_model):
+    engine = _engine(tiny_codebook_model)
+    result = await run_episode(ColourScreens(), engine, _Task(), horizon_cap=2, max_context_tokens=500,
+                               max_new_tokens=3, observation_image="screenshot")
+    assert "no image processor" in result.error and "\n" not in result.error
+
+
+def test_the_trainer_updates_a_vision_language_policy_on_image_examples(tiny_vlm):
+    model = load_causal_lm(tiny_vlm)
+    processor = load_processor(tiny_vlm)
+    from longhorizon.common.chat import HFVisionChatTokenizer
+
+    tokenizer = HFVisionChatTokenizer(processor)
+    examples = []
+    for advantage, image in ((1.0, RED), (-1.0, BLUE)):
+        prompt = tokenizer.prompt_tokens([{"role": "user", "content": "click the button", "images": [image]}])
+        reply = tokenizer.encode("click red")
+        tokens = prompt + reply
+        examples.append(Example(
+            np.array(tokens), np.array([0] * len(prompt) + [1] * len(reply), np.float32),
+            np.array([0.0] * len(prompt) + [-2.0] * len(reply), np.float32), advantage, group=0, images=(image,)))
+    # The processor comes from the model's own folder when the trainer is not given one.
+    trainer = Trainer(model, LearnerConfig(learning_rate=1e-2), pad_token_id=tokenizer.tokenizer.pad_token_id)
+    vision_before = {name: p.detach().clone() for name, p in model.named_parameters() if "vision" in name}
+    metrics = trainer.step(examples)
+    assert np.isfinite(metrics["loss"])
+    changed = [name for name, p in model.named_parameters() if "vision" in name
+               and not torch.equal(p.detach(), vision_before[name])]
+    assert changed, "the image encoder got no gradient: the images were not in the forward pass"
