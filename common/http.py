@@ -1,12 +1,12 @@
-"""An HTTP/1.1 server on a trio loop, parsing with h11, with limits against clients that hog it.
+"""An HTTP/1.1 server on a trio loop, parsing with httptools, with limits against clients that hog it.
 
-h11 reads request lines and header fields and writes the responses; this module owns the sockets
-and the policy around them, and counts a body off its buffer by the Content-Length h11 has checked
-(h11's state machine is the largest part of this layer's cost per request, so the body's bytes
-skip it). One task per connection, all on one trio loop: a connection that is idle, trickles bytes
-or was cut off costs a small task and a socket, never a thread. A request reaches the handler only
-once its head and its whole body are in; a body without Content-Length is refused (411), so a
-request cut off after its head can never run.
+httptools (bindings to llhttp, the parser of Node.js) reads request lines and header fields; this
+module owns the sockets and the policy around them, counts a body off its buffer by the
+Content-Length the parser has checked, and writes the answers (a status line and five fields). One
+task per connection, all on one trio loop: a connection that is idle, trickles bytes or was cut off
+costs a small task and a socket, never a thread. A request reaches the handler only once its head
+and its whole body are in; a body without Content-Length is refused (411), so a request cut off
+after its head can never run.
 
 Limits (HTTPLimits):
   - header_timeout_s: from a request's first byte (from the accept, for a connection's first
@@ -24,10 +24,11 @@ Limits (HTTPLimits):
   - max_header_bytes and max_header_count (431), max_body_bytes (413).
 
 Heads that readers could disagree on are refused with 400 and the connection closed, so no request
-can be smuggled inside another: Content-Length together with Transfer-Encoding, Content-Length
-fields that differ, and header lines folded onto the previous one (h11 would join those; we look at
-the raw head first). Every refusal has a JSON body {"error": "..."}. HTTP/1.1 requests must carry
-Host (h11 holds to the standard there); HTTP/1.0 connections close after one answer.
+can be smuggled inside another: Content-Length together with Transfer-Encoding, a repeated
+Content-Length (even with equal values, as llhttp refuses it), header lines folded onto the
+previous one (we look at the raw head first), and lines ended by a bare LF. Every refusal has a
+JSON body {"error": "..."}. HTTP/1.1 requests must carry Host; HTTP/1.0 connections close after
+one answer.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 from email.utils import formatdate
 from http import HTTPStatus
 
-import h11
+import httptools
 import trio
 
 log = logging.getLogger(__name__)
@@ -62,10 +63,10 @@ LOST_CLIENT_LOG_INTERVAL_S = 10.0
 # accept() errors that mean "out of descriptors or memory for now", not a broken listener.
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
-# Where a head ends (h11 takes a bare LF for CRLF, so we do too) and a folded continuation line.
+# Where a head ends and a folded continuation line. A head whose lines end in a bare LF is found
+# too, so that its client gets the parser's 400 at once rather than a 408 at the deadline.
 _HEAD_END = re.compile(rb"\n\r?\n")
 _FOLDED_LINE = re.compile(rb"\n[ \t]")
-_BYTEARRAY_REPR = re.compile(r"bytearray\((b'.*'|b\".*\")\)")
 
 
 @dataclass(frozen=True)
@@ -126,33 +127,39 @@ def _http_date() -> bytes:
 
 
 _PHRASES = {int(status): status.phrase.encode("ascii") for status in HTTPStatus}
-_JSON_TYPE = (b"Content-Type", b"application/json")
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 def response_bytes(
-    protocol: h11.Connection, status: int, body: bytes, headers: Mapping[str, str] | None = None, *,
+    status: int, body: bytes, headers: Mapping[str, str] | None = None, *,
     close: bool = False, head_only: bool = False, server_name: str = "longhorizon",
 ) -> bytes:
-    """A whole JSON response as h11 writes it on `protocol` (which then knows whether to keep alive)."""
-    fields = [(b"Server", server_name), (b"Date", _http_date()), _JSON_TYPE, (b"Content-Length", b"%d" % len(body))]
-    if headers:
-        fields += headers.items()
-    if close:
-        fields.append((b"Connection", b"close"))
+    """A whole JSON response; with `close` it says the connection closes after it. A HEAD answer
+    (`head_only`) is the head alone, its Content-Length that of the body a GET would get."""
     status = int(status)
-    data = protocol.send(h11.Response(status_code=status, headers=fields, reason=_PHRASES.get(status, b"")))
-    if not head_only:  # a HEAD answer is the head alone, Content-Length as for a GET
-        data += protocol.send(h11.Data(data=body))
-    return data + protocol.send(h11.EndOfMessage())
+    head = [
+        b"HTTP/1.1 %d %s\r\nServer: %s\r\nDate: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+        % (status, _PHRASES.get(status, b""), server_name.encode("ascii"), _http_date(), len(body))
+    ]
+    if headers:
+        for name, value in headers.items():
+            line = f"{name}: {value}\r\n"
+            if "\n" in line[:-2] or "\r" in line[:-2]:  # a field may not start another
+                raise ValueError(f"response header {name!r} holds a line break")
+            head.append(line.encode("latin-1"))
+    if close:
+        head.append(b"Connection: close\r\n")
+    head.append(b"\r\n")
+    if not head_only:
+        head.append(body)
+    return b"".join(head)
 
 
 def refusal_bytes(
     status: int, message: str, headers: Mapping[str, str] | None = None, *, server_name: str = "longhorizon",
 ) -> bytes:
     """A closing {"error": message} answer for a connection whose request never became whole."""
-    return response_bytes(
-        h11.Connection(h11.SERVER), status, error_body(message), headers, close=True, server_name=server_name
-    )
+    return response_bytes(status, error_body(message), headers, close=True, server_name=server_name)
 
 
 # ---------------------------------------------------------------- lost clients
@@ -204,8 +211,8 @@ def open_listener(host: str, port: int) -> socket.socket:
 
 
 def _skip_blank_lines(buffer: bytearray) -> bool:
-    """Drop blank lines before a head (some clients end a body with a stray CRLF, which h11 would
-    refuse); whether there were any."""
+    """Drop blank lines before a head (some clients end a body with a stray CRLF, which the parser
+    would refuse); whether there were any."""
     start = 0
     while buffer.startswith(b"\r\n", start) or buffer.startswith(b"\n", start):
         start += 2 if buffer.startswith(b"\r\n", start) else 1
@@ -233,37 +240,78 @@ class _Connection:
         self.evicted = False
 
 
-def _request_of(event: h11.Request, limits: HTTPLimits) -> Request:
-    """Our Request from h11's, refusing what h11 lets through but we do not serve."""
-    version = event.http_version.decode("ascii")
+class _HeadReader:
+    """What httptools reports of one request head (its callbacks), and the head as our Request."""
+
+    __slots__ = ("complete", "fields", "target")
+
+    def __init__(self) -> None:
+        self.target = b""
+        self.fields: list[tuple[bytes, bytes]] = []
+        self.complete = False
+
+    def on_url(self, target: bytes) -> None:
+        self.target += target
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.fields.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.complete = True
+
+
+def parse_head(head: bytes, limits: HTTPLimits) -> Request:
+    """The request in `head` (its request line and fields, through the blank line), or HTTPError
+    saying why it is refused: what llhttp cannot read, and what it lets through that we do not
+    serve (other versions, chunked bodies, a body without a length, a missing Host)."""
+    reader = _HeadReader()
+    parser = httptools.HttpRequestParser(reader)
+    line_end = head.find(b"\n") + 1
+    try:
+        parser.feed_data(head[:line_end])
+    except httptools.HttpParserError as error:
+        raise HTTPError(HTTPStatus.BAD_REQUEST, f"malformed request line: {error}") from None
+    try:
+        parser.feed_data(head[line_end:])
+    except httptools.HttpParserError as error:
+        message = str(error)
+        if "Transfer-Encoding" in message:
+            if "Content-Length" in message:
+                # Two ways to delimit one body: a reader that picks the other one would see a
+                # second request where we see a body. Refuse, and close the connection.
+                raise HTTPError(HTTPStatus.BAD_REQUEST,
+                                "Content-Length and Transfer-Encoding together; send Content-Length only") from None
+            raise HTTPError(HTTPStatus.LENGTH_REQUIRED, "chunked bodies are not accepted; send Content-Length") from None
+        raise HTTPError(HTTPStatus.BAD_REQUEST, f"malformed header: {message}") from None
+    if not reader.complete:
+        raise HTTPError(HTTPStatus.BAD_REQUEST, "malformed request head")
+    version = parser.get_http_version()
     if version not in ("1.1", "1.0"):
         raise HTTPError(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED, f"HTTP/{version} is not supported; use HTTP/1.1")
-    if len(event.headers) > limits.max_header_count:
+    if len(reader.fields) > limits.max_header_count:
         raise HTTPError(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"more than {limits.max_header_count} header fields")
     headers: dict[str, str] = {}
-    for name, value in event.headers:
-        key, text = name.decode("ascii"), value.decode("latin-1")
+    for name, value in reader.fields:
+        key, text = name.decode("ascii").lower(), value.decode("latin-1").strip(" \t")
         headers[key] = f"{headers[key]}, {text}" if key in headers else text
-    method = event.method.decode("ascii")
+    method = parser.get_method().decode("ascii")
     if "transfer-encoding" in headers:
-        if "content-length" in headers:
-            # Two ways to delimit one body: a reader that picks the other one would see a second
-            # request where we see a body. Refuse, and close the connection.
-            raise HTTPError(HTTPStatus.BAD_REQUEST, "Content-Length and Transfer-Encoding together; send Content-Length only")
         raise HTTPError(HTTPStatus.LENGTH_REQUIRED, "chunked bodies are not accepted; send Content-Length")
     if "content-length" not in headers and method in _METHODS_WITH_BODY:
         # Without the length we could not tell a whole empty body from one cut off after the head.
         raise HTTPError(HTTPStatus.LENGTH_REQUIRED, f"{method} needs a Content-Length header")
-    return Request(method, event.target.decode("ascii"), f"HTTP/{version}", headers)
+    if version == "1.1" and "host" not in headers:
+        raise HTTPError(HTTPStatus.BAD_REQUEST, "an HTTP/1.1 request needs a Host header")
+    return Request(method, reader.target.decode("ascii"), f"HTTP/{version}", headers)
 
 
-def _refusal_of(error: h11.RemoteProtocolError) -> HTTPError:
-    """A request h11 could not read, as our refusal (the statuses the service has always answered)."""
-    message = _BYTEARRAY_REPR.sub(r"\1", str(error))  # h11 quotes the bad line as bytearray(b'...')
-    if "Transfer-Encoding" in message:
-        return HTTPError(HTTPStatus.LENGTH_REQUIRED, "chunked bodies are not accepted; send Content-Length")
-    status = error.error_status_hint if error.error_status_hint in (400, 431) else 400
-    return HTTPError(status, f"malformed request: {message[:200]}")
+def keeps_alive(request: Request) -> bool:
+    """Whether the connection stays open after this request's answer: HTTP/1.1 unless it asked to
+    close (HTTP/1.0 connections always close, keep-alive or not)."""
+    if request.version != "HTTP/1.1":
+        return False
+    tokens = request.headers.get("connection", "")
+    return not tokens or "close" not in (token.strip().lower() for token in tokens.split(","))
 
 
 class HTTPServer:
@@ -392,16 +440,13 @@ class HTTPServer:
     async def _serve_requests(self, connection: _Connection) -> bytes | None:
         """Requests of one connection until it closes; returns a last answer to send, if any."""
         sock, limits = connection.sock, self.limits
-        buffer = bytearray()  # bytes received and not yet handed to h11
+        buffer = bytearray()  # bytes received and not yet read as a request
         started = trio.current_time()  # the first request's clock runs from the accept
         while True:
             _skip_blank_lines(buffer)
             connection.begun = bool(buffer)
             header_deadline = started + limits.header_timeout_s
             request_deadline = started + limits.request_timeout_s
-            # A fresh h11 state machine per request: we hand it each head whole, after the checks
-            # on the raw bytes that h11 would no longer show us.
-            protocol = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
             head_end = -1
             try:
                 # The head.
@@ -427,24 +472,18 @@ class HTTPServer:
                     raise HTTPError(
                         HTTPStatus.BAD_REQUEST, "a header line folded onto the previous one; send each field on one line"
                     )
-                # h11 reads the head alone; what follows it stays in our buffer.
+                # The parser reads the head alone; what follows it stays in our buffer.
                 head_size = found.end()
-                protocol.receive_data(bytes(buffer[:head_size]))
+                request = parse_head(bytes(buffer[:head_size]), limits)
                 del buffer[:head_size]
-                event = protocol.next_event()
-                if not isinstance(event, h11.Request):
-                    raise HTTPError(HTTPStatus.BAD_REQUEST, "malformed request head")
-                request = _request_of(event, limits)
                 request.client = connection.client
-                # h11 has checked the Content-Length (one value, digits only) and _request_of refused
-                # chunked bodies, so the body is exactly that many bytes: we count them off our buffer
-                # rather than pass them through h11's state machine a second time.
+                # The parser has checked the Content-Length (one field, digits only) and parse_head
+                # refused chunked bodies, so the body is exactly that many bytes.
                 length = int(request.headers.get("content-length", "0"))
                 if length > limits.max_body_bytes:
-                    return await self._refuse_body(sock, protocol, request, length, len(buffer), request_deadline)
-                if len(buffer) < length and protocol.they_are_waiting_for_100_continue:
-                    go_ahead = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
-                    await _send_all(sock, protocol.send(go_ahead), request_deadline)
+                    return await self._refuse_body(sock, request, length, len(buffer), request_deadline)
+                if len(buffer) < length and _waits_for_go_ahead(request):
+                    await _send_all(sock, _CONTINUE, request_deadline)
                 while len(buffer) < length:
                     if not await _receive(sock, buffer, request_deadline):
                         return None  # the client closed mid-body: the request never runs
@@ -456,10 +495,6 @@ class HTTPServer:
                 seconds = limits.header_timeout_s if head_end < 0 else limits.request_timeout_s
                 message = f"the request's {what} did not arrive within {min(seconds, limits.request_timeout_s)} s"
                 return refusal_bytes(HTTPStatus.REQUEST_TIMEOUT, message, server_name=self.server_name)
-            except h11.RemoteProtocolError as error:
-                refusal = _refusal_of(error)
-                self.count_error(refusal.status)
-                return refusal_bytes(refusal.status, refusal.message, server_name=self.server_name)
             except HTTPError as error:
                 self.count_error(error.status)
                 return refusal_bytes(error.status, error.message, server_name=self.server_name)
@@ -469,13 +504,14 @@ class HTTPServer:
             # The answer. From here the request is whole: the connection is not evicted.
             connection.busy, connection.begun = True, False
             response = await self.handler(request)
+            keep_alive = keeps_alive(request)
             data = response_bytes(
-                protocol, response.status, response.body, response.headers,
+                response.status, response.body, response.headers, close=not keep_alive,
                 head_only=request.method == "HEAD", server_name=self.server_name,
             )
             # A client that does not read its answers is cut off like one that does not send.
             await _send_all(sock, data, trio.current_time() + limits.request_timeout_s)
-            if protocol.our_state is not h11.DONE:
+            if not keep_alive:
                 return None  # the client asked to close (or spoke HTTP/1.0)
             connection.busy = False
             if not connection.proven:
@@ -496,18 +532,16 @@ class HTTPServer:
             started = trio.current_time()
 
     async def _refuse_body(
-        self, sock: socket.socket, protocol: h11.Connection, request: Request, length: int, received: int,
-        deadline: float,
+        self, sock: socket.socket, request: Request, length: int, received: int, deadline: float,
     ) -> bytes:
         """A 413, after reading the body away (up to a bound) so the client sees the answer, not a reset."""
         self.count_error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
         answer = response_bytes(
-            protocol, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
             error_body(f"the body is {length} bytes; the limit is {self.limits.max_body_bytes}"), close=True,
             head_only=request.method == "HEAD", server_name=self.server_name,
         )
-        waits_for_go_ahead = protocol.they_are_waiting_for_100_continue
-        if length <= MAX_DISCARDED_BODY_BYTES and not waits_for_go_ahead:
+        if length <= MAX_DISCARDED_BODY_BYTES and not _waits_for_go_ahead(request):
             remaining = length - received
             scratch = bytearray()
             try:
@@ -520,6 +554,11 @@ class HTTPServer:
             except _TooSlow:
                 pass
         return answer
+
+
+def _waits_for_go_ahead(request: Request) -> bool:
+    """Whether the client holds its body back until a 100 Continue (HTTP/1.1's Expect)."""
+    return request.version == "HTTP/1.1" and request.headers.get("expect", "").lower() == "100-continue"
 
 
 async def _receive(sock: socket.socket, buffer: bytearray, deadline: float | None) -> int:

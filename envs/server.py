@@ -28,7 +28,7 @@ data_idx values, instance ids and the instance limits are the service's (envs/se
 they are chosen). How it compares with the reference AgentGym services is checked by tests in
 tests/test_env_service.py and tests/test_textcraft.py.
 
-Limits against clients that hog the service (common/http.py, which parses with h11): one trio
+Limits against clients that hog the service (common/http.py, which parses with httptools): one trio
 task per connection, so an idle, trickling or cut-off connection costs no thread; a request runs
 only once its head and whole body are in, within header_timeout_s and request_timeout_s of its
 first byte; a connection idle keep_alive_timeout_s between requests is closed; beyond

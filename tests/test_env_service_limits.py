@@ -328,6 +328,11 @@ MALFORMED_HEADS = [
     (b"NONSENSE\r\n\r\n", 400, "request line"),
     (b"GET /a b HTTP/1.1\r\nHost: a\r\n\r\n", 400, "request line"),
     (b"GET /health HTTP/1.1\r\nHost: a" + b"\r\nX: 1" * 101 + b"\r\n\r\n", 431, "header fields"),
+    # A repeated Content-Length, even with equal values (RFC 9110 lets a server refuse it, and so
+    # does llhttp): one reader might take the first, another the last.
+    (b"POST /create HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}", 400, "Content-Length"),
+    # Lines ended by a bare LF: a reader in front that does not end lines there would see other fields.
+    (b"GET /health HTTP/1.1\nHost: a\nConnection: close\n\n", 400, "CRLF"),
 ]
 
 
@@ -344,16 +349,22 @@ def test_malformed_heads_are_refused_with_a_reason_and_the_connection_closed():
 
 def test_well_formed_heads_are_served_as_before():
     with EnvServer(ServiceSettings("codebook")) as server:
-        # Equal repeated Content-Length fields are one length; spaces around a value are no part of it.
-        answers = _answers(_exchange(
+        # Spaces around a value are no part of it; field names are read in any case.
+        received = _exchange(
             server.port,
-            b"POST /create HTTP/1.1\r\nHost: a\r\nContent-Length:  2 \r\nContent-Length: 2\r\n"
-            b"Connection: close\r\n\r\n{}",
-        ))
+            b"POST /create HTTP/1.1\r\nhOsT: a\r\nContent-Length:  2 \r\nConnection: close\r\n\r\n{}",
+        )
+        answers = _answers(received)
         assert [status for status, _ in answers] == [200] and "observation" in answers[0][1]
-        # HTTP/1.0 is answered, then the connection closed; bare LF line ends are read like CRLF.
-        assert _answers(_exchange(server.port, b"GET /health HTTP/1.0\r\n\r\n"))[0][0] == 200
-        assert _answers(_exchange(server.port, b"GET /health HTTP/1.1\nHost: a\nConnection: close\n\n"))[0][0] == 200
+        assert b"\r\nConnection: close\r\n" in received  # the answer says the connection closes
+        # HTTP/1.0 is answered, then the connection closed, keep-alive asked or not.
+        for head in (b"GET /health HTTP/1.0\r\n\r\n", b"GET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"):
+            received = _exchange(server.port, head)
+            assert _answers(received)[0][0] == 200 and b"\r\nConnection: close\r\n" in received
+        # A HEAD answer (the service serves no HEAD: a 405) is the head alone, with its body's length.
+        head = _exchange(server.port, b"HEAD /health HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 405 ") and head.endswith(b"\r\n\r\n") and head.count(b"\r\n\r\n") == 1
+        assert int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0]) > 0
 
 
 def test_bodies_that_are_not_utf8_or_carry_lone_surrogates_are_answered_and_lose_nothing():
