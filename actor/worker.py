@@ -265,6 +265,7 @@ class Actor:
             agent=configured_agent(self.config.actor.agent, self.config.actor.agent_options),
             history_turns=self.config.actor.history_turns,
             history_summary=self.config.actor.history_summary,
+            observation_image=self.config.actor.observation_image,
             on_trajectory=self._send,
             invalid_reply_reward=self.config.actor.invalid_reply_reward,
             env_call_timeout_s=self.config.actor.env_call_timeout_s,

@@ -19,6 +19,7 @@ RunMode = Literal["async", "sync"]
 RolloutSlots = Literal["group", "episode"]
 StalenessUnit = Literal["episode", "token"]
 PartialGroups = Literal["drop", "keep"]
+ObservationImage = Literal["", "screenshot", "som"]
 Precision = Literal["fp32", "bf16-mixed"]
 WandbMode = Literal["online", "offline", "disabled", ""]
 """The choices of the keys that take one of a few words: checked on loading, listed in errors,
@@ -185,6 +186,12 @@ class ActorConfig(Section):
     of the episode so far (its `summary()`; TextCraft's is the inventory), so what the turns left
     out of the view did stays in it. The summary is part of the observation, in the trajectory and
     in what the learner trains on. Envs without a summary() refuse it."""
+    observation_image: ObservationImage = ""
+    """Show a vision-language policy the env's image with each observation, before its text:
+    `screenshot` or `som` (the web env's info["screenshot"] or its set-of-marks copy, computed with
+    env.options observation including the same name); "" for text only. model.path must be a
+    VLM's folder with its processor (hf engine). Every image of the turns in view stays in the
+    context: history_turns bounds them with the turns (docs/web.md)."""
     engine_options: dict = Field(default_factory=dict)
     """Settings of the chosen engine, which checks them (vllm: load_format, gpu_memory_utilization,
     ...; openai: base_url, api_key_env, model, mode, ...; see docs/actor-types.md)."""

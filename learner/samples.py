@@ -76,7 +76,7 @@ def images_of(trajectory, window: tuple[int, int, int] | None = None) -> tuple[b
     of them (no window), or those of the first prompt and of the pieces inside a turn's window
     (an image belongs to the piece that begins at its offset, Trajectory.image_offsets)."""
     images = list(getattr(trajectory, "images", None) or [])
-    if window is None:
+    if window is None or not images:
         return tuple(images)
     prompt_length, (start, _, end) = int(trajectory.prompt_length), window
     offsets = list(trajectory.image_offsets)

@@ -16,7 +16,7 @@ import numpy as np
 
 from longhorizon.learner.advantages import group_has_signal
 from longhorizon.learner.logprobs import Example
-from longhorizon.learner.samples import cut, reply_mask, windows_of
+from longhorizon.learner.samples import cut, images_of, reply_mask, windows_of
 from longhorizon.learner.step_credit import StepCredit, group_token_advantages
 
 RewardsOf = Callable[[Sequence], np.ndarray]
@@ -94,6 +94,7 @@ def example_from(trajectory, advantage: float, token_rewards: np.ndarray | None 
         group=group,
         group_failed=failed,
         token_advantages=token_advantages,
+        images=images_of(trajectory),
     )
 
 
@@ -117,6 +118,7 @@ def examples_from(trajectory, advantage: float, group: int | None = None, failed
             group=group,
             group_failed=failed,
             token_advantages=None if token_advantages is None else cut(token_advantages, prompt_length, start, end),
+            images=images_of(trajectory, window),
         ))
     return examples
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from longhorizon.common.models import TINY_ROLE_WORDS
 
-VLM_WORDS = ["click", "type", "submit", "page", "button", "red", "blue", "the", "a", "done"]
+VLM_WORDS = ["click", "type", "submit", "page", "button", "red", "blue", "green", "the", "a", "done"]
 
 # Idefics3's image tokens: the processor writes each image as <fake_token_around_image><global-img>,
 # then image_seq_len <image> tokens, then <fake_token_around_image> again.
@@ -101,3 +101,61 @@ def png_image(colour: tuple[int, int, int], size: tuple[int, int] = (40, 24)) ->
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+# -- a toy env with a screen: the colour shown is the answer -------------------------------------
+
+COLOURS = {"red": (200, 20, 20), "blue": (20, 20, 200), "green": (20, 160, 40)}
+
+
+class ColourScreenEnv:
+    """Each step shows a screen of one colour (info["screenshot"], and the same image as "som", as
+    the web env gives them); the reply that names the colour earns 1. The text never names it, so
+    only a policy that sees the image can do better than chance."""
+
+    name = "colour_screens"
+    prompt_format = "bare"
+
+    def __init__(self, *, turns: int = 2) -> None:
+        self.turns = turns
+        self.colours: list[str] = []
+        self.step_count = 0
+
+    def instructions(self) -> str:
+        return "the page"
+
+    def _info(self, success: bool = False) -> dict:
+        screen = png_image(COLOURS[self.colours[min(self.step_count, len(self.colours) - 1)]])
+        return {"screenshot": screen, "som": screen, "success": success}
+
+    async def reset(self, task, *, seed=None):
+        self.colours, self.step_count = list(task.data["colours"]), 0
+        return "click the button", self._info()
+
+    async def step(self, action):
+        reward = 1.0 if action.split()[0] == self.colours[self.step_count] else 0.0
+        self.step_count += 1
+        done = self.step_count >= self.turns
+        return "click the button", reward, done, False, self._info(success=done)
+
+    async def close(self):
+        pass
+
+
+def colour_tasks(split: str, *, turns: int = 2):
+    from longhorizon.envs.base import Task
+
+    names = sorted(COLOURS)
+    return [Task(env_name="colour_screens", task_id=f"{split}-{index}", split=split,
+                 data={"colours": [names[(index + turn) % len(names)] for turn in range(turns)]})
+            for index in range(6)]
+
+
+def _colour_spec():
+    from longhorizon.envs.base import EnvSpec
+
+    return EnvSpec(name="colour_screens", factory=ColourScreenEnv, tasks=colour_tasks)
+
+
+COLOUR_SPEC = _colour_spec()
+"""`env.name = "vlm_models:COLOUR_SPEC"` (with tests/ on the Python path)."""
