@@ -277,11 +277,16 @@ IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 """Files of a model folder that describe its image processor (transformers writes one of them)."""
 
 
+def has_image_processor(folder: str | Path) -> bool:
+    """Whether the model folder holds an image processor's description (no loading)."""
+    return any((Path(folder) / name).is_file() for name in IMAGE_PROCESSOR_FILES)
+
+
 def load_processor(folder: str | Path):
     """The model folder's processor (image processor and tokenizer together), or None for a folder
     without an image processor: a text model, or a vision model saved without its processor."""
     folder = Path(folder)
-    if not any((folder / name).is_file() for name in IMAGE_PROCESSOR_FILES):
+    if not has_image_processor(folder):
         return None
     with _LOAD_LOCK:
         from transformers import AutoProcessor

@@ -18,7 +18,9 @@ from longhorizon.envs.base import get_env_spec, list_tasks
 from longhorizon.common.plugins import PluginError
 from longhorizon.learner.weights import publisher_class, transport_options
 from longhorizon.learner.curriculum import make_schedule
-from longhorizon.common.models import ModelError, resolve_device, resolve_model_path
+from longhorizon.common.models import (
+    IMAGE_PROCESSOR_FILES, ModelError, has_image_processor, resolve_device, resolve_model_path,
+)
 from longhorizon.actor.worker import actor_driver
 from longhorizon.common.auth import auth_mechanism
 from longhorizon.envs.agents import AgentLoopError, configured_agent, get_agent_loop
@@ -67,6 +69,7 @@ def validate_config(config: Config) -> None:
     except EngineError as error:
         raise ConfigError(f"actor.engine: {error}") from None
     _check_lora(config, capabilities_of(engine_cls), publisher)
+    _check_observation_image(config, capabilities_of(engine_cls))
     require(config.actor.max_context_tokens > config.actor.sampling.max_new_tokens,
             "actor.max_context_tokens must be larger than actor.sampling.max_new_tokens")
     try:
@@ -156,6 +159,23 @@ def _check_learner_ranks(config: Config, device) -> None:
             raise ConfigError(
                 f"learner.num_ranks = {num_ranks} but only {visible} CUDA GPU(s) are visible: one rank per GPU"
             )
+
+
+def _check_observation_image(config: Config, capabilities) -> None:
+    """actor.observation_image: an engine that shows the model images, and a model folder with an
+    image processor (looked for, not loaded)."""
+    if not config.actor.observation_image:
+        return
+    if not capabilities.takes_images:
+        raise ConfigError(f"actor.observation_image: the {config.actor.engine!r} engine cannot show the model "
+                          "images (capabilities.takes_images): use the hf engine")
+    try:
+        folder = resolve_model_path(config.model.path, config.model.cache_dir)
+    except ModelError as error:
+        raise ConfigError(f"model.path: {error}") from None
+    if not has_image_processor(folder):
+        raise ConfigError(f"actor.observation_image: the model folder {folder} has no image processor "
+                          f"(none of {', '.join(IMAGE_PROCESSOR_FILES)}): use a vision-language model's folder")
 
 
 def _check_lora(config: Config, capabilities, publisher) -> None:

@@ -255,3 +255,20 @@ def test_the_trainer_updates_a_vision_language_policy_on_image_examples(tiny_vlm
     changed = [name for name, p in model.named_parameters() if "vision" in name
                and not torch.equal(p.detach(), vision_before[name])]
     assert changed, "the image encoder got no gradient: the images were not in the forward pass"
+
+
+def test_observation_image_is_refused_before_the_run_for_a_text_model_or_an_engine_without_images(
+        tiny_vlm, tiny_codebook_model):
+    from longhorizon.common.config import ConfigError, load_config
+    from longhorizon.launch.checks import validate_config
+
+    def config(model, *more):
+        return load_config(None, [f"model.path={str(model)!r}", "env.name='vlm_models:COLOUR_SPEC'",
+                                  "actor.observation_image='screenshot'", *more])
+
+    validate_config(config(tiny_vlm))
+    with pytest.raises(ConfigError, match="has no image processor") as error:
+        validate_config(config(tiny_codebook_model))
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="engine cannot show the model images"):
+        validate_config(config(tiny_vlm, "actor.engine='scripted'"))

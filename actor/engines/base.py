@@ -37,6 +37,9 @@ class EngineCapabilities:
     `collective` announcement (a transport's `sends`, learner/weights/)."""
     lora_weight_transports: tuple[str, ...] | None = None
     """The messages LoRA adapters may come as, when fewer than `weight_transports` (None: the same)."""
+    takes_images: bool = False
+    """Shows a vision-language model the images of a request (`GenerationRequest.images`), so
+    actor.observation_image can be used with it."""
 
     def lora_transports(self) -> tuple[str, ...]:
         return self.weight_transports if self.lora_weight_transports is None else self.lora_weight_transports

@@ -66,7 +66,8 @@ class HFOptions(Section):
 class HFEngine:
     """Token-in / token-out generation with per-token log-probs using transformers."""
 
-    capabilities = EngineCapabilities(takes_lora=True, weight_transports=("inline", "path", "collective"))
+    capabilities = EngineCapabilities(takes_lora=True, weight_transports=("inline", "path", "collective"),
+                                      takes_images=True)
     Options = HFOptions
 
     def __init__(self, settings: EngineSettings) -> None:
