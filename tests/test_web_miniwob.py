@@ -10,21 +10,24 @@ import pytest
 from longhorizon.envs.base import action_from_reply, get_env_spec, list_tasks, make_env, make_policy
 from longhorizon.envs.checker import check_env
 from longhorizon.envs.web.browser import BrowserPool
-from longhorizon.envs.web.miniwob import LEFT_OUT, ORACLE_TASKS, TASK_NAMES, TEST_SEED_BASE, UNREGISTERED
+from longhorizon.envs.web.miniwob import (
+    ALL_TASK_NAMES, ORACLE_TASKS, TASK_NAMES, TEST_SEED_BASE, UNREGISTERED, VISUAL_TASKS,
+)
 from longhorizon.envs.web.policies import parse_nodes
 from tests.fakes import InterruptedEngine
 
 
-def test_tasks_cover_every_registered_type_but_the_picture_ones_in_both_splits():
+def test_tasks_cover_every_registered_type_the_picture_ones_with_screenshots_in_both_splits():
     import gymnasium
 
     import miniwob  # noqa: F401  (registers the task types with gymnasium)
 
     registered = {name.removeprefix("miniwob/").removesuffix("-v1") for name in gymnasium.registry
                   if name.startswith("miniwob/") and not name.startswith("miniwob/flight.")}
-    assert len(registered) == 125 and len(TASK_NAMES) == len(set(TASK_NAMES)) >= 100
-    assert set(TASK_NAMES) | set(LEFT_OUT) == registered and not set(TASK_NAMES) & set(LEFT_OUT)
-    assert all(reason for reason in LEFT_OUT.values()) and not set(UNREGISTERED) & registered
+    assert len(registered) == 125 and len(TASK_NAMES) == len(set(TASK_NAMES)) == 103
+    assert set(TASK_NAMES) | set(VISUAL_TASKS) == set(ALL_TASK_NAMES) == registered
+    assert not set(TASK_NAMES) & set(VISUAL_TASKS) and len(VISUAL_TASKS) == 22
+    assert all(reason for reason in VISUAL_TASKS.values()) and not set(UNREGISTERED) & registered
     train = list_tasks("miniwob", "train", instances_per_task=2)
     test = list_tasks("miniwob", "test", instances_per_task=2)
     assert len(train) == len(test) == 2 * len(TASK_NAMES)
@@ -33,7 +36,18 @@ def test_tasks_cover_every_registered_type_but_the_picture_ones_in_both_splits()
     assert {task.data["seed"] for task in test} == {TEST_SEED_BASE, TEST_SEED_BASE + 1}
     assert train[0].task_id == f"train-{TASK_NAMES[0]}-0" and train == list_tasks("miniwob", "train", instances_per_task=2)
     assert set(ORACLE_TASKS) <= set(TASK_NAMES) and len(ORACLE_TASKS) >= 5
-    for bad in ({"task_names": ["click-color"]}, {"task_names": ["chase-circle"]}, {"instances_per_task": 0}, {"reward_mode": "shaped"},
+    # The picture types, named, with an image in the observation; refused in words without one.
+    visual = list_tasks("miniwob", "test", task_names=["click-color", "count-sides"], instances_per_task=1,
+                        observation_modes=["text", "screenshot"])
+    assert [(task.category, task.data["seed"]) for task in visual] == [("click-color", TEST_SEED_BASE),
+                                                                       ("count-sides", TEST_SEED_BASE)]
+    assert len(list_tasks("miniwob", "train", task_names=list(ALL_TASK_NAMES), observation_modes=["som"],
+                          instances_per_task=1)) == 125
+    with pytest.raises(ValueError, match=r"click-color show their problem only in a picture .*add \"screenshot\" or \"som\""):
+        list_tasks("miniwob", "train", task_names=["click-button", "click-color"])
+    with pytest.raises(ValueError, match="only in a picture"):
+        make_env("miniwob", task_names=["click-color"], observation_modes=["text"])
+    for bad in ({"task_names": ["chase-circle"]}, {"task_names": []}, {"instances_per_task": 0}, {"reward_mode": "shaped"},
                 {"time_limit_s": -1}):
         with pytest.raises(ValueError):
             list_tasks("miniwob", "train", **bad)

@@ -10,8 +10,10 @@ the episode ends when the page says so, with reward = the raw reward (1 correct,
 of time, partial credit on a few tasks) and success = raw reward > 0. stop()/send_msg_to_user()
 ends it early with the raw reward so far (0 when the page has not scored yet).
 
-Tasks: the MiniWoB task types in TASK_NAMES that a text agent can solve through the action set
-(LEFT_OUT names the others and why). A Task is one (type, seed) instance: train instances
+Tasks: all 125 MiniWoB task types. TASK_NAMES, the default, are those a text agent can solve
+through the action set; VISUAL_TASKS are the 22 whose problem shows only in a picture, offered when
+the observation carries one (`observation_modes` with "screenshot" or "som"), each with what the
+picture holds. A Task is one (type, seed) instance: train instances
 use seeds 0.. and test instances seeds from TEST_SEED_BASE, so both splits cover every type with
 different problems. The reset seed is not used: the task names the instance, and instance seed s
 shows the same problem as BrowserGym's `reset(seed=s)` on that task (tests/test_web_miniwob_seeds.py
@@ -45,9 +47,9 @@ TEST_SEED_BASE = 1_000_000
 PAGE_SEED_END = 1_000_000
 REWARD_MODES = ("raw", "success")
 
-# The 125 task types the miniwob package registers (BrowserGym's MiniWoB list), less LEFT_OUT: the
-# types a model can solve from the text observation with the action set (clicks, typing, keys and
-# key combinations, drags between elements, mouse actions at points).
+# The 125 task types the miniwob package registers (BrowserGym's MiniWoB list), less VISUAL_TASKS:
+# the types a model can solve from the text observation with the action set (clicks, typing, keys
+# and key combinations, drags between elements, mouse actions at points).
 TASK_NAMES = (
     "ascending-numbers", "book-flight", "book-flight-nodelay", "buy-ticket", "choose-date",
     "choose-date-easy", "choose-date-medium", "choose-date-nodelay", "choose-list", "click-button",
@@ -70,9 +72,10 @@ TASK_NAMES = (
     "tic-tac-toe", "unicode-test", "use-autocomplete", "use-autocomplete-nodelay", "use-slider",
     "use-slider-2", "use-spinner",
 )
-# Registered types the env does not offer, with the reason: each needs reading a picture pixel by
-# pixel, which the text observation cannot give.
-LEFT_OUT: dict[str, str] = {
+# Registered types whose problem is in a picture, with what the picture holds: the text observation
+# cannot give it, so they are offered only to a policy that sees screenshots (and acts at pixel
+# positions with the mouse actions).
+VISUAL_TASKS: dict[str, str] = {
     "bisect-angle": "the angle is drawn in an SVG picture; its lines have no text form",
     "circle-center": "the circle is a picture; its centre has no text form",
     "click-color": "the boxes differ only by background colour, which the tree does not show",
@@ -196,11 +199,22 @@ def shared_server() -> StaticServer:
         return _server
 
 
-def _check_options(task_names: Any, instances_per_task: Any, time_limit_s: Any, reward_mode: Any) -> tuple[str, ...]:
+ALL_TASK_NAMES = tuple(sorted((*TASK_NAMES, *VISUAL_TASKS)))
+IMAGE_MODES = ("screenshot", "som")
+
+
+def _check_options(task_names: Any, instances_per_task: Any, time_limit_s: Any, reward_mode: Any,
+                   observation_modes: Sequence[str] = ("text",)) -> tuple[str, ...]:
     names = tuple(TASK_NAMES if task_names is None else task_names)
-    unknown = [name for name in names if name not in TASK_NAMES]
+    unknown = [name for name in names if name not in ALL_TASK_NAMES]
     if unknown or not names:
-        raise ValueError(f"unknown MiniWoB task(s) {unknown or '(none given)'}; valid: {', '.join(TASK_NAMES)}")
+        raise ValueError(f"unknown MiniWoB task(s) {unknown or '(none given)'}; valid: {', '.join(ALL_TASK_NAMES)}")
+    visual = [name for name in names if name in VISUAL_TASKS]
+    if visual and not any(mode in IMAGE_MODES for mode in observation_modes):
+        raise ValueError(
+            f"MiniWoB task(s) {', '.join(visual)} show their problem only in a picture "
+            f"({VISUAL_TASKS[visual[0]]}); add \"screenshot\" or \"som\" to the env's observation_modes"
+        )
     if not isinstance(instances_per_task, int) or isinstance(instances_per_task, bool) or instances_per_task < 1:
         raise ValueError(f"instances_per_task must be a positive integer, got {instances_per_task!r}")
     if not isinstance(time_limit_s, (int, float)) or time_limit_s <= 0:
@@ -211,9 +225,10 @@ def _check_options(task_names: Any, instances_per_task: Any, time_limit_s: Any, 
 
 
 def tasks(split: str, *, task_names: list[str] | None = None, instances_per_task: int = 10,
-          time_limit_s: float = 600.0, reward_mode: str = "raw", **_browser_options: Any) -> list[Task]:
+          time_limit_s: float = 600.0, reward_mode: str = "raw", observation_modes: Sequence[str] = ("text",),
+          **_browser_options: Any) -> list[Task]:
     """instances_per_task seeded instances of every task type, ordered by type then seed."""
-    names = _check_options(task_names, instances_per_task, time_limit_s, reward_mode)
+    names = _check_options(task_names, instances_per_task, time_limit_s, reward_mode, observation_modes)
     if split not in ("train", "test"):
         raise ValueError(f"unknown split {split!r} for env {ENV_NAME!r}; valid splits: train, test")
     base = 0 if split == "train" else TEST_SEED_BASE
@@ -243,7 +258,7 @@ class MiniWobEnv(BrowserEnv):
         screenshot_size: Sequence[int] = DEFAULT_SCREENSHOT_SIZE,
         pool: Any = None,
     ) -> None:
-        _check_options(task_names, instances_per_task, time_limit_s, reward_mode)
+        _check_options(task_names, instances_per_task, time_limit_s, reward_mode, observation_modes)
         super().__init__(name=ENV_NAME, sites={}, pool=pool, num_browsers=num_browsers,
                          action_timeout_s=action_timeout_s, navigation_timeout_s=navigation_timeout_s,
                          multiaction=multiaction, observation_modes=observation_modes, screenshot_size=screenshot_size)
@@ -257,8 +272,11 @@ class MiniWobEnv(BrowserEnv):
     async def reset(self, task: Task, *, seed: int | None = None) -> tuple[str, dict]:
         data = task.data if isinstance(task.data, Mapping) else {}
         name = data.get("task")
-        if name not in TASK_NAMES or not isinstance(data.get("seed"), int):
-            raise ValueError(f"miniwob task {task.task_id!r} needs data {{'task': one of TASK_NAMES, 'seed': int}}, got {dict(data)}")
+        if name not in ALL_TASK_NAMES or not isinstance(data.get("seed"), int):
+            raise ValueError(f"miniwob task {task.task_id!r} needs data {{'task': a MiniWoB task type, 'seed': int}}, got {dict(data)}")
+        if name in VISUAL_TASKS and not self.observation_forms.visual:
+            raise ValueError(f"miniwob task {name!r} shows its problem only in a picture ({VISUAL_TASKS[name]}); "
+                             "add \"screenshot\" or \"som\" to the env's observation_modes")
         config = {"start_url": f"__MINIWOB__/miniwob/{name}.html", "sites": [], "page_seed": page_seed(data["seed"])}
         return await super().reset(Task(task.env_name, task.task_id, task.split, task.category, config), seed=seed)
 

@@ -1,0 +1,99 @@
+"""MiniWoB's picture types: offered with screenshots, each seed showing BrowserGym's problem for that seed."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from longhorizon.envs.base import Task, make_env
+from longhorizon.envs.web.browser import BrowserPool
+from longhorizon.envs.web.miniwob import VISUAL_TASKS
+
+# The task's drawing area as markup (less the ids our env writes into the page) and the pixels of
+# its canvases: two pages showing the same problem give the same string.
+_PROBLEM_JS = """
+() => {
+  const area = document.querySelector('#area');
+  if (!area) return '';
+  const copy = area.cloneNode(true);
+  copy.querySelectorAll('[data-bid]').forEach(element => element.removeAttribute('data-bid'));
+  copy.removeAttribute('data-bid');
+  const pixels = [...area.querySelectorAll('canvas')].map(canvas => canvas.toDataURL());
+  return copy.innerHTML + '\\n' + pixels.join('\\n');
+}
+"""
+
+
+def _browsergym_problems(cases: list[tuple[str, int]]) -> list[tuple[str, str]]:
+    """Replays BrowserGym's MiniWoB start-up (its 500x320 viewport, the page seeded with
+    RandomState(seed)'s first draw) in a browser of its own: (instruction, problem) per (task, seed)."""
+    from playwright.sync_api import sync_playwright
+
+    from longhorizon.envs.web.browser import CHROMIUM_ARGS, DEFAULT_CHROMIUM
+    from longhorizon.envs.web.miniwob import StaticServer, miniwob_html_dir
+
+    server = StaticServer(miniwob_html_dir())
+    shown = []
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=DEFAULT_CHROMIUM, args=list(CHROMIUM_ARGS))
+            try:
+                page = browser.new_page(viewport={"width": 500, "height": 320})
+                for task, seed in cases:
+                    page.goto(f"{server.url}/miniwob/{task}.html")
+                    number = int(np.random.RandomState(seed).randint(0, 1_000_000))
+                    page.evaluate(f"Math.seedrandom({number}); core.EPISODE_MAX_TIME = 1000000; core.startEpisodeReal();")
+                    page.wait_for_function("() => WOB_TASK_READY")
+                    utterance = page.evaluate("() => core.getUtterance()")
+                    if isinstance(utterance, dict):
+                        utterance = utterance["utterance"]
+                    shown.append((" ".join(str(utterance).split()), page.evaluate(_PROBLEM_JS)))
+            finally:
+                browser.close()
+    finally:
+        server.stop()
+    return shown
+
+
+async def _problem_on(session) -> str:
+    return await session.page().evaluate(_PROBLEM_JS)
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+async def test_every_picture_type_shows_browsergyms_problem_for_the_seed_and_a_screenshot_of_it():
+    """One seed a type, a train seed and a test seed in turn. The problem is compared as the
+    drawing area's markup and its canvases' pixels, since many of these types say the same
+    instruction whatever the seed ("Draw a circle centered around the marked point")."""
+    import trio
+
+    names = sorted(VISUAL_TASKS)
+    cases = [(name, (0, 1_000_000)[index % 2]) for index, name in enumerate(names)]
+    want = await trio.to_thread.run_sync(_browsergym_problems, cases)
+    pool = BrowserPool(1)
+    env = make_env("miniwob", task_names=names, observation_modes=["text", "screenshot"], screenshot_size=[320, 240],
+                   pool=pool)
+    try:
+        got, screenshot_sizes = [], set()
+        for name, seed in cases:
+            task = Task(env_name="miniwob", task_id=f"seed-{name}-{seed}", split="train", category=name,
+                        data={"task": name, "seed": seed})
+            observation, info = await env.reset(task)
+            problem = await env._episode.session.call(_problem_on, timeout_s=10.0)
+            got.append((observation.splitlines()[0].removeprefix("Goal: "), problem))
+            screenshot_sizes.add(_png_size(info["screenshot"]))
+        mismatched = [(case, mine, theirs) for case, mine, theirs in zip(cases, got, want) if mine != theirs]
+        assert not mismatched, mismatched
+        assert all(problem for _, problem in got)  # every type draws into its area
+        assert len(set(got)) == len(names)  # no two types show the same instruction and drawing
+        assert screenshot_sizes == {(320, 240)}
+    finally:
+        await env.close()
+        pool.close()
