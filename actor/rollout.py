@@ -87,7 +87,7 @@ def observation_image_of(info: dict, key: str, env) -> list[bytes]:
     if not isinstance(image, (bytes, bytearray)) or not image:
         raise ValueError(
             f"observation_image = {key!r}: env {getattr(env, 'name', '?')!r} gave no image in info[{key!r}] "
-            f"(the web env computes it with env.options observation including {key!r})")
+            f"(the web env computes it with env.options observation_modes including {key!r})")
     return [bytes(image)]
 
 

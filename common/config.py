@@ -189,7 +189,7 @@ class ActorConfig(Section):
     observation_image: ObservationImage = ""
     """Show a vision-language policy the env's image with each observation, before its text:
     `screenshot` or `som` (the web env's info["screenshot"] or its set-of-marks copy, computed with
-    env.options observation including the same name); "" for text only. model.path must be a
+    env.options observation_modes including the same name); "" for text only. model.path must be a
     VLM's folder with its processor (hf engine). Every image of the turns in view stays in the
     context: history_turns bounds them with the turns (docs/web.md)."""
     engine_options: dict = Field(default_factory=dict)
