@@ -208,11 +208,13 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperatur
     each position's entropy: the whole distribution's, or with `entropy_top_k` > 0 the clamped one
     (`clamped_entropy`)."""
     logits = logits.float()
-    if suppressed_tokens:  # the lowest finite value, not -inf: the entropy's p * logit stays 0
-        logits = logits.index_fill(-1, torch.as_tensor(list(suppressed_tokens), device=logits.device),
-                                   torch.finfo(logits.dtype).min)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
+    if suppressed_tokens:
+        # The lowest finite value, not -inf (the entropy's p * logit stays 0), set after the
+        # temperature so that dividing cannot overflow it.
+        logits = logits.index_fill(-1, torch.as_tensor(list(suppressed_tokens), device=logits.device),
+                                   torch.finfo(logits.dtype).min)
     normaliser = torch.logsumexp(logits, dim=-1)
     chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normaliser
     if not with_entropy:

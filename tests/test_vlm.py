@@ -57,10 +57,12 @@ def _example(prompt: list[int], result, images) -> Example:
                    images=tuple(images))
 
 
-def _largest_difference(model, processor, examples, pad_token_id) -> float:
+def _largest_difference(model, processor, examples, pad_token_id, temperature: float = 1.0) -> float:
     batch = pad_examples(examples, pad_token_id, image_inputs=lambda images: image_model_inputs(processor, images))
     with torch.no_grad():
-        learner = token_logprobs(model, batch, suppressed_tokens=image_token_ids(model.config))
+        learner, entropy = token_logprobs(model, batch, temperature, with_entropy=True,
+                                          suppressed_tokens=image_token_ids(model.config))
+    assert bool(torch.isfinite(entropy).all())
     generated = batch.loss_mask > 0
     return (learner[generated] - batch.behaviour_logprobs[generated]).abs().max().item()
 
@@ -75,8 +77,9 @@ def test_a_vision_language_folder_loads_with_its_processor_and_a_text_folder_has
     assert "\n" not in str(error.value)
 
 
-async def test_the_learner_scores_the_engines_image_turns_as_the_engine_sampled_them(tiny_vlm):
-    engine = _engine(tiny_vlm)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_the_learner_scores_the_engines_image_turns_as_the_engine_sampled_them(tiny_vlm, temperature):
+    engine = _engine(tiny_vlm, temperature=temperature)
     tokenizer = engine.tokenizer
     # Rows with one image, two images and none share a batch: the model places each row's image
     # features on that row's image tokens, in order.
@@ -104,12 +107,12 @@ async def test_the_learner_scores_the_engines_image_turns_as_the_engine_sampled_
 
     model, processor = load_causal_lm(tiny_vlm), load_processor(tiny_vlm)
     examples = [_example(prompt, result, row_images) for prompt, result, row_images in zip(prompts, results, images)]
-    difference = _largest_difference(model, processor, examples, tokenizer.tokenizer.pad_token_id)
-    print(f"largest |learner - engine| log-prob on the tiny VLM: {difference:.2e}")
+    difference = _largest_difference(model, processor, examples, tokenizer.tokenizer.pad_token_id, temperature)
+    print(f"largest |learner - engine| log-prob on the tiny VLM at temperature {temperature}: {difference:.2e}")
     assert difference < 1e-4, difference
     # The images matter: scored with the other colour, the same tokens get other log-probs.
     swapped = [_example(prompts[0], results[0], [BLUE])]
-    assert _largest_difference(model, processor, swapped, tokenizer.tokenizer.pad_token_id) > 1e-3
+    assert _largest_difference(model, processor, swapped, tokenizer.tokenizer.pad_token_id, temperature) > 1e-3
 
 
 async def test_a_text_model_asked_for_images_says_so_in_one_line(tiny_codebook_model):

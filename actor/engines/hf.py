@@ -6,7 +6,8 @@ forward pass per token. The model runs in a worker thread so the actor's trio lo
 stepping environments and talking to the learner meanwhile. New weights (from tensors, a folder,
 or received over a collective while generation goes on) are checked whole, then swapped in under
 the model lock, between batches, so no turn mixes two versions; an update that does not fit is
-refused before any tensor is copied.
+refused before any tensor is copied. A vision-language model's folder (model.path) brings its
+processor: requests may then carry images, which each batch turns into the model's pixel inputs.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from longhorizon.actor.engines.base import (
 from longhorizon.common.chat import NO_IMAGE_PROCESSOR, HFChatTokenizer, HFVisionChatTokenizer, takes_images
 from longhorizon.common.config import Section
 from longhorizon.common.models import (
-    check_state_for, image_token_ids, is_vision_language_folder, load_causal_lm, load_processor, load_state_into, load_tokenizer,
-    resolve_device,
+    check_state_for, image_token_ids, is_vision_language_folder, load_causal_lm, load_processor, load_state_into,
+    load_tokenizer, resolve_device,
 )
 from longhorizon.common.lora import apply_lora, lora_settings, check_adapters_for, load_adapters
 from longhorizon.actor.weights import WeightsReceiver
