@@ -275,3 +275,32 @@ def test_observation_image_is_refused_before_the_run_for_a_text_model_or_an_engi
     assert "\n" not in str(error.value)
     with pytest.raises(ConfigError, match="engine cannot show the model images"):
         validate_config(config(tiny_vlm, "actor.engine='scripted'"))
+
+
+def test_a_trajectorys_images_round_trip_and_bad_ones_are_refused_in_one_line():
+    import msgpack
+
+    from longhorizon.common.codec import WireError
+    from tests.test_wire import make_trajectory
+
+    trajectory = make_trajectory(images=[RED, BLUE], image_offsets=[0, 6])
+    decoded = decode(encode(trajectory))
+    assert decoded.images == [RED, BLUE] and decoded.image_offsets == [0, 6]
+    assert decode(encode(make_trajectory())).images == []  # text: nothing added
+
+    for images, offsets, reason in [
+        ([RED], [], "1 images but 0 image_offsets"),
+        ([RED, BLUE], [6, 0], "image_offsets must rise"),
+        ([RED], [12], "image_offsets must rise from 0 and stay below its 12 tokens"),
+    ]:
+        with pytest.raises(WireError, match=reason) as error:
+            encode(make_trajectory(images=images, image_offsets=offsets))
+        assert "\n" not in str(error.value)
+    with pytest.raises(WireError, match=r"images\[0\] must be bytes"):
+        encode(make_trajectory(images=["not bytes"], image_offsets=[0]))
+    # The receiver checks the same, whatever a sender wrote.
+    frames = encode(trajectory)
+    header = msgpack.unpackb(frames[0], raw=False)
+    header["fields"]["images"] = ["text, not bytes", "x"]
+    with pytest.raises(WireError, match=r"images\[0\] must be bytes"):
+        decode([msgpack.packb(header, use_bin_type=True), *frames[1:]])
