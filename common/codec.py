@@ -215,7 +215,7 @@ def _check_trajectory(values: dict[str, Any], limits: WireLimits | None) -> None
     if len(offsets) != len(values["images"]):
         _fail(f"Trajectory has {len(values['images'])} images but {len(offsets)} image_offsets")
     if any(not 0 <= offset < length for offset in offsets) or any(a > b for a, b in zip(offsets, offsets[1:])):
-        _fail(f"Trajectory.image_offsets must rise from 0 and stay below its {length} tokens")
+        _fail(f"Trajectory.image_offsets must be in order and within its {length} tokens")
 
 
 def _check_token_contents(values: dict[str, Any]) -> None:

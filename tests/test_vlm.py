@@ -290,8 +290,8 @@ def test_a_trajectorys_images_round_trip_and_bad_ones_are_refused_in_one_line():
 
     for images, offsets, reason in [
         ([RED], [], "1 images but 0 image_offsets"),
-        ([RED, BLUE], [6, 0], "image_offsets must rise"),
-        ([RED], [12], "image_offsets must rise from 0 and stay below its 12 tokens"),
+        ([RED, BLUE], [6, 0], "image_offsets must be in order"),
+        ([RED], [12], "image_offsets must be in order and within its 12 tokens"),
     ]:
         with pytest.raises(WireError, match=reason) as error:
             encode(make_trajectory(images=images, image_offsets=offsets))
