@@ -276,6 +276,28 @@ def log_level_while_starting(level: str | None):
             os.environ["VLLM_LOGGING_LEVEL"] = before
 
 
+@contextlib.contextmanager
+def rpc_sockets_in_a_folder_of_ours():
+    """vLLM's processes talk over ZeroMQ sockets it names as files in VLLM_RPC_BASE_PATH (the
+    temporary folder by default) and does not delete: ten per engine, left behind on every start.
+    Unless the user chose a folder, the engine's processes started inside the block get a folder of
+    their own that is deleted when this process dies, however it dies (yielded, to be removed
+    sooner at shutdown); they read the variable when they start, so the environment is restored
+    after the block."""
+    if "VLLM_RPC_BASE_PATH" in os.environ:
+        yield None
+        return
+    folder = tied_folder("longhorizon-vllm-rpc-")
+    os.environ["VLLM_RPC_BASE_PATH"] = folder
+    try:
+        yield folder
+    except BaseException:
+        remove_tied_folder(folder)
+        raise
+    finally:
+        os.environ.pop("VLLM_RPC_BASE_PATH", None)
+
+
 class VLLMEngine:
     """Token-in / token-out generation with per-token log-probs using vLLM's AsyncLLM."""
 
@@ -305,7 +327,8 @@ class VLLMEngine:
         """
         if not isinstance(options, VLLMOptions):
             options = engine_options(VLLMEngine, {**settings.engine_options, **(options or {})})
-        with log_level_while_starting(options.log_level):
+        with log_level_while_starting(options.log_level), rpc_sockets_in_a_folder_of_ours() as rpc_folder:
+            self._rpc_folder = rpc_folder
             self._start(settings, options)
 
     def _start(self, settings: EngineSettings, options: VLLMOptions) -> None:
@@ -552,6 +575,9 @@ class VLLMEngine:
             except Exception as error:  # a failed shutdown must not hide the caller's own error
                 log.warning("vLLM engine shutdown failed: %s", error)
         self._stop_loop()
+        if getattr(self, "_rpc_folder", None) is not None:
+            remove_tied_folder(self._rpc_folder)
+            self._rpc_folder = None
 
     def _stop_loop(self) -> None:
         self._asyncio.stop(timeout=30)
