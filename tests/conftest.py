@@ -61,7 +61,8 @@ CI_SECONDS = {
     "tests/test_bench.py::test_a_short_soak_kills_actors_and_the_learner_accounts_for_every_trajectory_and_leaves_nothing": 64,
     "tests/test_bench.py::test_async_vs_sync_runs_both_modes_over_real_processes": 63,
     "tests/test_shared_prefix.py::test_the_default_model_trains_with_the_shared_prefix_to_float32_rounding": 62,
-    "tests/test_system.py::test_the_adaptive_horizon_moves_through_its_stages_and_resumes_in_the_same_stage": 62,
+    # 62 in that run with two actors; one since: CPU 43.7 s -> 35.0 s alone on a busy machine (2026-12-06).
+    "tests/test_system.py::test_the_adaptive_horizon_moves_through_its_stages_and_resumes_in_the_same_stage": 50,
     "tests/test_frozen_policy.py::test_the_script_freezes_s0_on_a1_then_trains_from_there": 59,
     "tests/test_experiment_freezes.py::test_the_command_trains_two_seeds_and_writes_their_verdicts": 55,
     "tests/test_web_miniwob_seeds.py::test_reset_gives_browsergym_instruction_for_each_task_and_seed": 53,

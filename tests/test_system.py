@@ -3,6 +3,11 @@
 Real processes over loopback ZeroMQ. The actors use the scripted engine on the codebook env with
 a simulated per-token latency (so a run lasts long enough to interfere with it); the learner
 trains a tiny model whose vocabulary covers the byte tokens the scripted engine writes.
+
+Two actor processes where the actors are part of the story (a killed learner they follow back, a
+killed actor while the other keeps playing); one in the runs about the learner's versions, sync
+mode and the horizon, which one actor playing both groups of a step (actor.concurrent_groups = 2)
+exercises alike, for a process fewer (an import of torch: seconds of CPU) on the suite's cores.
 """
 
 import json
@@ -24,6 +29,7 @@ from longhorizon.learner.checkpoint import latest_checkpoint
 pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+ONE_ACTOR = "actor.num_actors=1"
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +121,8 @@ def test_a_step_without_signal_makes_a_version_only_in_sync_mode(tmp_path, byte_
     version per step, shows staleness 1-4 here) and no weights are rebuilt or sent; the new stage
     still reaches the actors. Sync-mode actors play one batch per version, so there each step
     makes one."""
-    process = _start(_overrides(tmp_path, byte_model, mode, 7, ["actor.scripted_policy='oracle'", f"run.mode={mode!r}"]))
+    process = _start(_overrides(tmp_path, byte_model, mode, 7, ["actor.scripted_policy='oracle'", f"run.mode={mode!r}",
+                                                         ONE_ACTOR]))
     output, _ = process.communicate(timeout=180)
     assert process.returncode == 0, output
     records = read_metrics(tmp_path / mode)
@@ -123,7 +130,7 @@ def test_a_step_without_signal_makes_a_version_only_in_sync_mode(tmp_path, byte_
     assert [r["version"] for r in records] == ([0] * 7 if mode == "async" else list(range(1, 8)))
     assert all(r["staleness_max"] == 0 and r["groups_dropped_stale"] == 0 for r in records)
     # Stages of 3 steps: the cap rises after steps 3 and 6. The groups of the last step began
-    # after the first rise (at most 4 were in flight then), so they played all 3 turns.
+    # after the first rise (at most 2 were in flight then: the one actor's), so they played all 3 turns.
     assert [r["horizon_cap"] for r in records] == [2, 2, 3, 3, 3, 4, 4]
     assert records[-1]["episode_turns_mean"] == 3
     # By outcome: cut at 2 turns, the first step's groups all failed; the last step's all won.
@@ -138,7 +145,7 @@ def test_sync_mode_trains_only_on_the_current_version(tmp_path, byte_model):
     """Also: weights sent by the path transport (a folder per version under the run) are removed
     once the run has ended: nothing reads them then, and a 135M model's are 514 MB each."""
     process = _start(_overrides(tmp_path, byte_model, "sync", 6,
-                                ["run.mode='sync'", "learner.weights_transport='path'"]))
+                                ["run.mode='sync'", "learner.weights_transport='path'", ONE_ACTOR]))
     output, _ = process.communicate(timeout=180)
     assert process.returncode == 0, output
     records = read_metrics(tmp_path / "sync")
@@ -282,7 +289,7 @@ def test_the_adaptive_horizon_moves_through_its_stages_and_resumes_in_the_same_s
     from the checkpoint, the stronger check)."""
     adaptive = ["horizon.schedule='adaptive'", "horizon.stages=[1, 2, 3]", "horizon.window=2",
                 "horizon.min_stage_steps=4", "horizon.min_gain=1.0", "learner.checkpoint_every=3",
-                "run.save_episodes=true", "learner.max_staleness=1"]
+                "run.save_episodes=true", "learner.max_staleness=1", ONE_ACTOR]
     # max_staleness = 1: the last steps cannot all train on a backlog played under the last
     # stage's cap (groups are taken oldest first), so episodes at cap 3 are trained on for sure.
     expected_caps = [1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3]
