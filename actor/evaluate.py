@@ -46,6 +46,7 @@ async def evaluate(
     agent: str = "",
     history_turns: int = 0,
     history_summary: bool = False,
+    observation_image: str = "",
     samples_per_task: int = 1,
 ) -> EvalResult:
     """Play the first `episodes` tasks of `split` (cycling if there are fewer) with `engine`,
@@ -66,7 +67,7 @@ async def evaluate(
                 env, engine, task, horizon_cap=horizon_cap,
                 max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens,
                 seed=seed + number, episode_id=f"eval-{number}", agent=agent, history_turns=history_turns,
-                history_summary=history_summary,
+                history_summary=history_summary, observation_image=observation_image,
             )
             pool.release(env, broken=bool(result.error))
             results.append(result)
@@ -112,7 +113,7 @@ def evaluate_model_folder(config: "Config", model_folder: str | Path, episodes: 
                 max_context_tokens=config.actor.max_context_tokens, seed=config.run.seed,
                 agent=configured_agent(config.actor.agent, config.actor.agent_options),
                 history_turns=config.actor.history_turns, history_summary=config.actor.history_summary,
-                samples_per_task=samples_per_task,
+                observation_image=config.actor.observation_image, samples_per_task=samples_per_task,
             )
         finally:
             await engine.close()
@@ -154,6 +155,7 @@ async def play_tasks(
     agent: str = "",
     history_turns: int = 0,
     history_summary: bool = False,
+    observation_image: str = "",
     on_episode: Callable[[EpisodeRecord], None] = lambda record: None,
 ) -> list[EpisodeRecord]:
     """`samples` episodes of every task (for Pass@k), run concurrently; one record per episode,
@@ -170,6 +172,7 @@ async def play_tasks(
                 env, engine, task, horizon_cap=horizon_cap, max_context_tokens=max_context_tokens,
                 max_new_tokens=max_new_tokens, seed=0, episode_id=f"eval-{task.task_id}-{sample}",
                 agent=agent, history_turns=history_turns, history_summary=history_summary,
+                observation_image=observation_image,
             )
             pool.release(env, broken=bool(result.error))
             record = EpisodeRecord(

@@ -44,3 +44,33 @@ async def test_a_vision_language_policy_trains_on_screenshots(tmp_path):
     changed = [name for (name, trained), initial in zip(learner.model.named_parameters(), untrained.parameters())
                if not torch.equal(trained, initial)]
     assert any("vision" in name for name in changed), "the image encoder never trained: no images reached it"
+
+
+@pytest.mark.slow
+def test_evaluation_shows_the_policy_the_same_images(tmp_path, monkeypatch):
+    """`eval`, `collect`, the offline recipes and the experiments score a checkpoint with the images
+    training showed (actor.observation_image), and without them when the option is off."""
+    from longhorizon.actor.engines.hf import HFEngine
+    from longhorizon.actor.evaluate import evaluate_model_folder
+
+    images_per_request: list[int] = []
+    generate = HFEngine.generate
+
+    async def counting(self, request):
+        images_per_request.append(len(request.images))
+        return await generate(self, request)
+
+    monkeypatch.setattr(HFEngine, "generate", counting)
+    folder = build_tiny_vlm(tmp_path / "tiny-vlm")
+    overrides = [
+        f"run.output_dir={str(tmp_path / 'runs')!r}", f"model.path={str(folder)!r}", "env.name='vlm_models:COLOUR_SPEC'",
+        "actor.max_context_tokens=256", "actor.sampling.max_new_tokens=2", "horizon.schedule='fixed'", "horizon.stages=[2]",
+    ]
+    played = evaluate_model_folder(load_config(None, [*overrides, "actor.observation_image='screenshot'"]), folder, 4)
+    assert played["episodes"] == 4 and played["failed_episodes"] == 0
+    # A request shows every image of the turns so far: the first turn's one, then two (one when the
+    # random policy's first reply was no action, which leaves the screen as it was).
+    assert len(images_per_request) == 8 and set(images_per_request) <= {1, 2} and 2 in images_per_request
+    images_per_request.clear()
+    text_only = evaluate_model_folder(load_config(None, overrides), folder, 4)
+    assert text_only["failed_episodes"] == 0 and images_per_request == [0] * 8
