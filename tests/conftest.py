@@ -54,7 +54,9 @@ CI_SECONDS = {
     "tests/test_bench.py::test_learner_bench_times_our_step_and_a_bare_loop": 83,
     "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[cispo]": 81,
     "tests/test_distributed_system.py::test_the_learner_runs_under_plain_torchrun": 66,
-    "tests/test_babyai.py::test_oracle_solves_the_default_test_split_of_all_40_levels": 74,
+    # 74 in that run playing the whole test split (200 tasks); two seeds a level since (80): CPU
+    # 37.8 s -> 14.0 s alone on a busy machine (2026-12-06).
+    "tests/test_babyai.py::test_oracle_solves_the_first_two_test_seeds_of_all_40_levels": 27,
     "tests/test_weight_sync.py::test_hf_actors_in_other_processes_get_bit_identical_weights_late_and_restarted_ones_too": 70,
     "tests/test_sft_rl.py::test_the_sft_checkpoint_may_go_unevaluated": 69,
     "tests/test_bench_weights.py::test_a_real_run_moves_both_payloads_over_every_transport": 68,

@@ -203,9 +203,16 @@ def test_chores_open_doors_in_the_order_the_mission_names():
     simulators.close()
 
 
-async def test_oracle_solves_the_default_test_split_of_all_40_levels():
-    tasks = list_tasks("babyai", "test")
-    assert len(tasks) == 200
+async def test_oracle_solves_the_first_two_test_seeds_of_all_40_levels():
+    """Two layouts of each level, 80 tasks, where the default test split has five (200): every
+    level's kind of mission, its doors, boxes and mazes, is still played twice, for two fifths of
+    the CPU (36.7 s for all 200 on a busy machine, 2026-12-06; UnlockToUnlock alone took 5.4 s).
+    The oracle plays deterministically, so the same 80 tasks give the same outcome every run:
+    all of the default split's misses were OpenDoorsOrderN4Debug seeds that minigrid makes
+    impossible (seeds 0, 1, 2 and 4), two of them here, 78 of 80 solved against the 95% floor."""
+    assert len(list_tasks("babyai", "test")) == 200
+    tasks = list_tasks("babyai", "test", num_test_seeds=2)
+    assert len(tasks) == 80 and len({task.category for task in tasks}) == 40
     env = make_env("babyai")
     failed = []
     for task in tasks:
