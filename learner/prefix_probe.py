@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from longhorizon.learner.logprobs import pad_examples, token_logprobs
+from longhorizon.learner.logprobs import Example, pad_examples, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def _probe_rows(vocabulary: int) -> list[np.ndarray]:
 def _probe_logprobs(model, prefix_length: int) -> torch.Tensor:
     """The probe's next-token log-probs at its real positions, on the model's device and at its
     precision: plain, or with its first `prefix_length` tokens shared."""
-    examples = [_ProbeExample(row) for row in _probe_rows(model.get_input_embeddings().num_embeddings)]
+    examples = [_probe_example(row) for row in _probe_rows(model.get_input_embeddings().num_embeddings)]
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -174,12 +174,6 @@ def probe_shared_prefix(model) -> PrefixProbe:
                        f"{exact:.1e} in float64: rounding")
 
 
-class _ProbeExample:
-    def __init__(self, tokens: np.ndarray) -> None:
-        self.token_ids = tokens
-        self.loss_mask = np.ones(len(tokens), np.float32)
-        self.behaviour_logprobs = np.zeros(len(tokens), np.float32)
-        self.advantage = 0.0
-        self.token_rewards = None
-        self.token_advantages = None
-        self.group_failed = False
+def _probe_example(tokens: np.ndarray) -> Example:
+    return Example(token_ids=tokens, loss_mask=np.ones(len(tokens), np.float32),
+                   behaviour_logprobs=np.zeros(len(tokens), np.float32), advantage=0.0)
