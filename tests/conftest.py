@@ -28,8 +28,8 @@ CI_SECONDS = {
     # Two not yet in a CI run: their time alone on a busy machine (2026-12-05), as the others.
     "tests/test_run_killed_whole.py::test_a_run_killed_by_process_group_or_all_at_once_leaves_nothing_and_resumes_where_it_was": 200,
     "tests/test_torchrun_launcher.py::test_torchrun_starts_two_ranks_that_train_and_write_the_final_checkpoint": 90,
-    # 195 in that run with two actors; one since: CPU 138.8 s -> 86-91 s alone on a busy machine
-    # (2026-12-06).
+    # 195 in that run with two actors; one since: CPU 139-144 s -> 79-91 s (3 runs) alone on a busy
+    # machine (2026-12-06).
     "tests/test_learning.py::test_tiny_model_learns_codebook_on_unseen_sequences_shown_only_its_last_turn": 125,
     "tests/test_learning.py::test_tiny_model_learns_codebook_on_a_learner_of_two_ranks": 190,
     "tests/test_lora.py::test_lora_learns_codebook_and_only_adapters_cross_the_wire": 187,

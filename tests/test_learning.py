@@ -127,8 +127,8 @@ def test_tiny_model_learns_codebook_on_unseen_sequences_shown_only_its_last_turn
     (2026-12-05).
 
     One actor process instead of the shipped config's two: two outplay this learner, which set
-    aside as stale two thirds of what they sent (25,729 episodes received, 7,936 trained on, to
-    step 62), and cost the run 131.5 s of CPU (learner and actors) against 75.4 s with one (9,984
+    aside as stale two thirds of what they sent (26,242 episodes received, 9,088 trained on, to
+    step 71), and cost the run 136.4 s of CPU (learner and actors) against 75.4 s with one (9,984
     received, 8,064 trained on, 63 steps, 100% held out; alone on a busy machine, 2026-12-06). Two
     actors learning from one learner are the runs of test_weight_sync.py and test_ray.py (each
     held out above 80%), and test_system.py's killed learner and killed actor."""
