@@ -146,7 +146,7 @@ async def collect_episodes(
                     episode_id=f"collect-{index}", invalid_reply_reward=config.actor.invalid_reply_reward,
                     env_call_timeout_s=config.actor.env_call_timeout_s, agent=configured_agent(config.actor.agent, config.actor.agent_options),
                     history_turns=config.actor.history_turns, history_summary=config.actor.history_summary,
-                    observation_image=config.actor.observation_image,
+                    observation_image=config.actor.observation_image, history_notes=config.actor.history_notes,
                 )
                 pool.release(env, broken=bool(result.error))
             counts["done"] += 1

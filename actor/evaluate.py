@@ -47,6 +47,7 @@ async def evaluate(
     history_turns: int = 0,
     history_summary: bool = False,
     observation_image: str = "",
+    history_notes: bool = False,
     samples_per_task: int = 1,
 ) -> EvalResult:
     """Play the first `episodes` tasks of `split` (cycling if there are fewer) with `engine`,
@@ -67,7 +68,7 @@ async def evaluate(
                 env, engine, task, horizon_cap=horizon_cap,
                 max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens,
                 seed=seed + number, episode_id=f"eval-{number}", agent=agent, history_turns=history_turns,
-                history_summary=history_summary, observation_image=observation_image,
+                history_summary=history_summary, observation_image=observation_image, history_notes=history_notes,
             )
             pool.release(env, broken=bool(result.error))
             results.append(result)
@@ -113,7 +114,8 @@ def evaluate_model_folder(config: "Config", model_folder: str | Path, episodes: 
                 max_context_tokens=config.actor.max_context_tokens, seed=config.run.seed,
                 agent=configured_agent(config.actor.agent, config.actor.agent_options),
                 history_turns=config.actor.history_turns, history_summary=config.actor.history_summary,
-                observation_image=config.actor.observation_image, samples_per_task=samples_per_task,
+                observation_image=config.actor.observation_image, history_notes=config.actor.history_notes,
+                samples_per_task=samples_per_task,
             )
         finally:
             await engine.close()
@@ -156,6 +158,7 @@ async def play_tasks(
     history_turns: int = 0,
     history_summary: bool = False,
     observation_image: str = "",
+    history_notes: bool = False,
     on_episode: Callable[[EpisodeRecord], None] = lambda record: None,
 ) -> list[EpisodeRecord]:
     """`samples` episodes of every task (for Pass@k), run concurrently; one record per episode,
@@ -172,7 +175,7 @@ async def play_tasks(
                 env, engine, task, horizon_cap=horizon_cap, max_context_tokens=max_context_tokens,
                 max_new_tokens=max_new_tokens, seed=0, episode_id=f"eval-{task.task_id}-{sample}",
                 agent=agent, history_turns=history_turns, history_summary=history_summary,
-                observation_image=observation_image,
+                observation_image=observation_image, history_notes=history_notes,
             )
             pool.release(env, broken=bool(result.error))
             record = EpisodeRecord(

@@ -10,6 +10,7 @@ of the history; the env's own prompt format names it unless `agent` picks anothe
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -74,6 +75,34 @@ def with_summary(observation: str, env) -> str:
     return f"{observation}\n\n{summary}" if summary else observation
 
 
+NOTES_BLOCK = re.compile(r"<notes>(.*?)</notes>", re.DOTALL)
+_NOTES_INSTRUCTIONS = (
+    "\n\nOnly the task and your last {turns} turn(s) stay in view. Begin each reply with "
+    "<notes>...</notes> holding what you need to remember from the turns before (what you found, "
+    "what you tried, what is left to do); your latest notes are shown after each observation. Then "
+    "reply as usual."
+)
+
+
+def notes_instructions(history_turns: int) -> str:
+    """What actor.history_notes adds to the env's instructions."""
+    return _NOTES_INSTRUCTIONS.format(turns=history_turns)
+
+
+def split_notes(reply: str) -> tuple[str | None, str]:
+    """(the reply's last <notes> block, None if it wrote none; the reply without its notes), the
+    latter for the agent loop to read the action from."""
+    blocks = NOTES_BLOCK.findall(reply)
+    if not blocks:
+        return None, reply
+    return blocks[-1].strip(), NOTES_BLOCK.sub("", reply).strip()
+
+
+def with_notes(observation: str, notes: str | None) -> str:
+    """The observation followed by the policy's latest notes, if it wrote any."""
+    return f"{observation}\n\nYour notes: {notes}" if notes else observation
+
+
 OBSERVATION_IMAGE_KEYS = ("screenshot", "som")
 """What `observation_image` may name: the env's info key of the image to show with each observation
 (the web env's screenshot, or its set-of-marks copy with element ids drawn at their boxes)."""
@@ -113,6 +142,7 @@ async def run_episode(
     history_turns: int = 0,
     history_summary: bool = False,
     observation_image: str = "",
+    history_notes: bool = False,
 ) -> EpisodeResult:
     """Play one episode. Env and engine failures are reported in `error`, never raised; an env
     reset or step that takes longer than `env_call_timeout_s` fails the episode (a hung browser
@@ -124,8 +154,11 @@ async def run_episode(
     `observation_image` ("screenshot" or "som") shows the model the env's image of that name
     (`info[observation_image]`) with every observation the env gives, before its text: the engine's
     model must take images (a vision-language model's folder). Every image of the turns in view
-    stays in the context (`history_turns` bounds them with the turns)."""
+    stays in the context (`history_turns` bounds them with the turns). `history_notes` asks the
+    policy to begin each reply with its notes and shows its latest notes after each observation
+    (actor.history_notes)."""
     episode_id = episode_id or uuid.uuid4().hex
+    notes: str | None = None
     result = EpisodeResult(conversation=None)
 
     async def env_call(what: str, call, *args, **kwargs):
@@ -146,7 +179,8 @@ async def run_episode(
         prompt_tools = getattr(loop, "prompt_tools", lambda: None)()
         stop_strings = (loop.stop_strings(env) if hasattr(loop, "stop_strings")
                         else tuple(getattr(env, "stop_strings", ())))
-        first_messages = loop.first_messages(env.instructions(), observation)
+        instructions = env.instructions() + (notes_instructions(history_turns) if history_notes else "")
+        first_messages = loop.first_messages(instructions, observation)
         images = observation_image_of(info, observation_image, env)
         if images:  # the first observation's image goes with the last message, which holds it
             first_messages = [*first_messages[:-1], {**first_messages[-1], "images": images}]
@@ -181,8 +215,12 @@ async def run_episode(
             result.windows.append((view.window_start, reply_start, len(conversation)))
             result.num_turns += 1
             images = []  # a reply the env could not read leaves the page, and so the image, as it was
+            reply = generation.text
+            if history_notes:
+                written, reply = split_notes(reply)
+                notes = written if written is not None else notes
             try:
-                action = loop.parse_action(generation.text)
+                action = loop.parse_action(reply)
             except ActionParseError as exc:
                 observation, terminated, truncated = loop.error_observation(exc), False, False
                 reward = invalid_reply_reward
@@ -206,6 +244,8 @@ async def run_episode(
                 break
             if history_summary:
                 observation = with_summary(observation, env)
+            if history_notes:
+                observation = with_notes(observation, notes)
             conversation.add_observation(observation, stopped_on_eos=generation.stopped_on_eos, images=images)
             view = _view(loop, conversation, history_turns)
             if _context_length(conversation, view) + max_new_tokens > max_context_tokens:
@@ -378,6 +418,7 @@ async def run_group_member(
     history_turns: int = 0,
     history_summary: bool = False,
     observation_image: str = "",
+    history_notes: bool = False,
     with_messages: bool = False,
 ) -> Trajectory:
     """Run member `member` of a group (its episode id is `<group_id>-<member>`) and hand its
@@ -399,6 +440,7 @@ async def run_group_member(
         history_turns=history_turns,
         history_summary=history_summary,
         observation_image=observation_image,
+        history_notes=history_notes,
     )
     env_pool.release(env, broken=bool(result.error))
     trajectory = to_trajectory(

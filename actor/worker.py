@@ -266,6 +266,7 @@ class Actor:
             history_turns=self.config.actor.history_turns,
             history_summary=self.config.actor.history_summary,
             observation_image=self.config.actor.observation_image,
+            history_notes=self.config.actor.history_notes,
             on_trajectory=self._send,
             invalid_reply_reward=self.config.actor.invalid_reply_reward,
             env_call_timeout_s=self.config.actor.env_call_timeout_s,

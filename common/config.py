@@ -186,6 +186,11 @@ class ActorConfig(Section):
     of the episode so far (its `summary()`; TextCraft's is the inventory), so what the turns left
     out of the view did stays in it. The summary is part of the observation, in the trajectory and
     in what the learner trains on. Envs without a summary() refuse it."""
+    history_notes: bool = False
+    """With history_turns > 0: the policy keeps its own notes. The instructions ask it to begin each
+    reply with <notes>...</notes>, what it needs from the turns before; its latest notes follow
+    each observation, so they stay in view when the turns that wrote them leave it. The notes are
+    part of the reply (trained with it) and are taken out before the action is read."""
     observation_image: ObservationImage = ""
     """Show a vision-language policy the env's image with each observation, before its text:
     `screenshot` or `som` (the web env's info["screenshot"] or its set-of-marks copy, computed with

@@ -86,6 +86,9 @@ def validate_config(config: Config) -> None:
     require(not config.actor.history_summary or config.actor.history_turns > 0,
             "actor.history_summary adds the env's summary for the turns actor.history_turns leaves out of "
             "the model's view: set actor.history_turns > 0 as well")
+    require(not config.actor.history_notes or config.actor.history_turns > 0,
+            "actor.history_notes keeps the policy's notes in view when actor.history_turns leaves the turns that "
+            "wrote them out: set actor.history_turns > 0 as well")
     env_class = get_env_spec(config.env.name).factory
     require(not (config.actor.history_summary and isinstance(env_class, type) and not hasattr(env_class, "summary")),
             f"actor.history_summary: env {config.env.name!r} gives no summary of an episode (it has no summary() "

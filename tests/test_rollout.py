@@ -1,5 +1,7 @@
 """Episode rollout: groups with scripted engines, the horizon cap, garbled replies, broken envs."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -241,3 +243,65 @@ def test_a_history_summary_is_checked_before_a_run_starts():
         validate_config(load_config("textcraft", ["actor.history_summary=true"]))
     with pytest.raises(ConfigError, match="env 'codebook' gives no summary of an episode"):
         validate_config(load_config("codebook", ["actor.history_turns=2", "actor.history_summary=true"]))
+
+
+class _NoteTakingEngine:
+    """The scripted oracle with notes before its replies: `<notes>turn N</notes>` on the turns
+    `noting` names (1-based), the oracle's reply after them, tokens and text as an engine's."""
+
+    def __init__(self, inner, noting):
+        self.inner, self.noting, self.turns = inner, set(noting), {}
+        self.tokenizer, self.policy_version = inner.tokenizer, inner.policy_version
+
+    async def generate(self, request):
+        result = await self.inner.generate(request)
+        turn = self.turns[request.episode_id] = self.turns.get(request.episode_id, 0) + 1
+        if turn not in self.noting:
+            return result
+        text = f"<notes>turn {turn}: {result.text.splitlines()[-1]}</notes>\n{result.text}"
+        return dataclasses.replace(result, text=text, token_ids=self.tokenizer.encode(text) + [self.tokenizer.eos_token_id],
+                                   logprobs=[0.0] * (len(self.tokenizer.encode(text)) + 1))
+
+    def end_episode(self, episode_id):
+        self.inner.end_episode(episode_id)
+
+
+async def test_with_history_notes_the_policys_latest_notes_follow_each_observation():
+    """The instructions ask for notes; a reply's notes are taken out before its action is read (the
+    oracle still wins) and follow every later observation until newer notes replace them; a reply
+    without notes leaves the last ones in view. The notes stay in the trajectory as written."""
+    task = list_tasks("textcraft", "test", min_depth=3, max_depth=3)[0]
+    settings = dict(horizon_cap=20, max_context_tokens=100_000, max_new_tokens=256, seed=0, history_turns=1)
+    engine = _NoteTakingEngine(_scripted("textcraft", min_depth=3, max_depth=3), noting={1, 3})
+    result = await run_episode(make_env("textcraft", min_depth=3, max_depth=3), engine, task, history_notes=True, **settings)
+    assert result.success and result.num_turns >= 4 and result.windowed and not result.invalid_actions
+    messages = result.conversation.messages
+    assert "Begin each reply with <notes>" in messages[0]["content"] + messages[1]["content"]
+    replies = [m["content"] for m in messages if m["role"] == "assistant"]
+    assert replies[0].startswith("<notes>turn 1: ") and replies[2].startswith("<notes>turn 3: ")
+    observations = [m["content"] for m in messages if m["role"] == "user"][1:]
+    noted = [observation.rsplit("\n\nYour notes: ", 1)[1] for observation in observations]
+    assert noted[0] == noted[1] == replies[0].split("</notes>")[0].removeprefix("<notes>")
+    assert all(note.startswith("turn 3: ") for note in noted[2:])
+
+    plain = await run_episode(make_env("textcraft", min_depth=3, max_depth=3), _scripted("textcraft", min_depth=3, max_depth=3),
+                              task, **settings)
+    assert [m["content"] for m in plain.conversation.messages if m["role"] == "user"][1:] == \
+        [observation.rsplit("\n\nYour notes: ", 1)[0] for observation in observations]
+
+
+def test_split_notes_reads_the_last_block_and_leaves_the_reply_without_notes():
+    from longhorizon.actor.rollout import split_notes
+
+    assert split_notes("get 1 oak log") == (None, "get 1 oak log")
+    assert split_notes("<notes>a</notes>\n<notes> b\nc </notes>\nAction: craft 1 stick") == ("b\nc", "Action: craft 1 stick")
+    assert split_notes("<notes>unclosed\nAction: inventory") == (None, "<notes>unclosed\nAction: inventory")
+
+
+def test_history_notes_are_checked_before_a_run_starts():
+    from longhorizon.common.config import ConfigError, load_config
+    from longhorizon.launch.checks import validate_config
+
+    validate_config(load_config("codebook", ["actor.history_turns=1", "actor.history_notes=true"]))
+    with pytest.raises(ConfigError, match="actor.history_notes keeps .* set actor.history_turns > 0 as well"):
+        validate_config(load_config("codebook", ["actor.history_notes=true"]))

@@ -83,7 +83,8 @@ async def _play(engine, config, tasks, *, samples: int, horizon_cap: int, on_epi
         max_new_tokens=config.actor.sampling.max_new_tokens, max_context_tokens=config.actor.max_context_tokens,
         agent=configured_agent(config.actor.agent, config.actor.agent_options),
         history_turns=config.actor.history_turns, history_summary=config.actor.history_summary,
-        observation_image=config.actor.observation_image, on_episode=on_episode,
+        observation_image=config.actor.observation_image, history_notes=config.actor.history_notes,
+        on_episode=on_episode,
     )
 
 

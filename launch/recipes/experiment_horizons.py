@@ -272,6 +272,7 @@ def evaluate_model(config, model_folder: Path, cap: int) -> dict:
         max_new_tokens=config.actor.sampling.max_new_tokens, max_context_tokens=config.actor.max_context_tokens,
         agent=configured_agent(config.actor.agent, config.actor.agent_options), history_turns=config.actor.history_turns,
         history_summary=config.actor.history_summary, observation_image=config.actor.observation_image,
+        history_notes=config.actor.history_notes,
     ))
     failed = [record for record in records if record.error]
     if failed:
