@@ -77,7 +77,7 @@ def with_summary(observation: str, env) -> str:
 
 NOTES_BLOCK = re.compile(r"<notes>(.*?)</notes>", re.DOTALL)
 _NOTES_INSTRUCTIONS = (
-    "\n\nOnly the task and your last {turns} turn(s) stay in view. Begin each reply with "
+    "Only the task and your last {turns} turn(s) stay in view. Begin each reply with "
     "<notes>...</notes> holding what you need to remember from the turns before (what you found, "
     "what you tried, what is left to do); your latest notes are shown after each observation. Then "
     "reply as usual."
@@ -179,7 +179,9 @@ async def run_episode(
         prompt_tools = getattr(loop, "prompt_tools", lambda: None)()
         stop_strings = (loop.stop_strings(env) if hasattr(loop, "stop_strings")
                         else tuple(getattr(env, "stop_strings", ())))
-        instructions = env.instructions() + (notes_instructions(history_turns) if history_notes else "")
+        instructions = env.instructions()
+        if history_notes:
+            instructions = "\n\n".join(part for part in (instructions, notes_instructions(history_turns)) if part)
         first_messages = loop.first_messages(instructions, observation)
         images = observation_image_of(info, observation_image, env)
         if images:  # the first observation's image goes with the last message, which holds it
