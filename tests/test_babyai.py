@@ -203,6 +203,7 @@ def test_chores_open_doors_in_the_order_the_mission_names():
     simulators.close()
 
 
+@pytest.mark.slow
 async def test_oracle_solves_the_first_two_test_seeds_of_all_40_levels():
     """Two layouts of each level, 80 tasks, where the default test split has five (200): every
     level's kind of mission, its doors, boxes and mazes, is still played twice, for two fifths of
