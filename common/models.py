@@ -164,6 +164,24 @@ def _build_tiny_model_once(folder: Path, words: list[str]) -> None:
         _move_into_place(scratch, folder)
 
 
+def word_level_tokenizer(words: list[str], *, eos_token: str, special_tokens: list[str]):
+    """A tokenizer whose vocabulary is `words` in order (duplicates dropped), split at whitespace
+    and joined with spaces, with "<unk>" and "<pad>" (which `words` must hold), `eos_token` and
+    `special_tokens` as its special tokens; returns (tokenizer, vocabulary)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word: index for index, word in enumerate(dict.fromkeys(words))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", bos_token=None, eos_token=eos_token,
+        additional_special_tokens=special_tokens,
+    )
+    return tokenizer, vocab
+
+
 def build_tiny_model(
     folder: str | Path,
     *,
@@ -181,29 +199,17 @@ def build_tiny_model(
     `tie_word_embeddings = False` gives the output layer weights of its own (LoRA can adapt it).
     """
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    vocab_words = list(dict.fromkeys(TINY_SPECIAL_TOKENS + TINY_ROLE_WORDS + list(words)))
-    vocab = {word: index for index, word in enumerate(vocab_words)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token="<unk>",
-        pad_token="<pad>",
-        bos_token=None,
-        eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>"],
-    )
+    tokenizer, vocab = word_level_tokenizer(TINY_SPECIAL_TOKENS + TINY_ROLE_WORDS + list(words),
+                                            eos_token="<|im_end|>", special_tokens=["<|im_start|>"])
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
 
     config = Qwen2Config(
-        vocab_size=len(vocab_words),
+        vocab_size=len(vocab),
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
         num_hidden_layers=num_layers,

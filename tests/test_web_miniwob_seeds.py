@@ -63,6 +63,12 @@ async def test_reset_gives_browsergym_instruction_for_each_task_and_seed():
 def _browsergym_instructions(cases: list[tuple[str, int]]) -> list[str]:
     """Replays BrowserGym's MiniWoB start-up (as tests/data/make_miniwob_seeds.py does) in its own
     browser, with its 500x320 viewport: the instruction it shows for each (task, seed)."""
+    return [instruction for instruction, _ in browsergym_pages(cases)]
+
+
+def browsergym_pages(cases: list[tuple[str, int]], read_js: str | None = None) -> list[tuple[str, object]]:
+    """(instruction, what `read_js` evaluates to on the started page, None without it) for each
+    (task, seed), from the replay of BrowserGym's start-up `_browsergym_instructions` describes."""
     from playwright.sync_api import sync_playwright
 
     from longhorizon.envs.web.browser import CHROMIUM_ARGS, DEFAULT_CHROMIUM
@@ -83,7 +89,8 @@ def _browsergym_instructions(cases: list[tuple[str, int]]) -> list[str]:
                     utterance = page.evaluate("() => core.getUtterance()")
                     if isinstance(utterance, dict):
                         utterance = utterance["utterance"]
-                    instructions.append(" ".join(str(utterance).split()))
+                    read = page.evaluate(read_js) if read_js else None
+                    instructions.append((" ".join(str(utterance).split()), read))
             finally:
                 browser.close()
     finally:

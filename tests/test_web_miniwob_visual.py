@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import struct
 
-import numpy as np
 import pytest
 
 from longhorizon.envs.base import Task, make_env
 from longhorizon.envs.web.browser import BrowserPool
 from longhorizon.envs.web.miniwob import VISUAL_TASKS
+from tests.test_web_miniwob_seeds import browsergym_pages
 
 # The task's drawing area as markup (less the ids our env writes into the page) and the pixels of
 # its canvases: two pages showing the same problem give the same string.
@@ -24,37 +24,6 @@ _PROBLEM_JS = """
   return copy.innerHTML + '\\n' + pixels.join('\\n');
 }
 """
-
-
-def _browsergym_problems(cases: list[tuple[str, int]]) -> list[tuple[str, str]]:
-    """Replays BrowserGym's MiniWoB start-up (its 500x320 viewport, the page seeded with
-    RandomState(seed)'s first draw) in a browser of its own: (instruction, problem) per (task, seed)."""
-    from playwright.sync_api import sync_playwright
-
-    from longhorizon.envs.web.browser import CHROMIUM_ARGS, DEFAULT_CHROMIUM
-    from longhorizon.envs.web.miniwob import StaticServer, miniwob_html_dir
-
-    server = StaticServer(miniwob_html_dir())
-    shown = []
-    try:
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=DEFAULT_CHROMIUM, args=list(CHROMIUM_ARGS))
-            try:
-                page = browser.new_page(viewport={"width": 500, "height": 320})
-                for task, seed in cases:
-                    page.goto(f"{server.url}/miniwob/{task}.html")
-                    number = int(np.random.RandomState(seed).randint(0, 1_000_000))
-                    page.evaluate(f"Math.seedrandom({number}); core.EPISODE_MAX_TIME = 1000000; core.startEpisodeReal();")
-                    page.wait_for_function("() => WOB_TASK_READY")
-                    utterance = page.evaluate("() => core.getUtterance()")
-                    if isinstance(utterance, dict):
-                        utterance = utterance["utterance"]
-                    shown.append((" ".join(str(utterance).split()), page.evaluate(_PROBLEM_JS)))
-            finally:
-                browser.close()
-    finally:
-        server.stop()
-    return shown
 
 
 async def _problem_on(session) -> str:
@@ -76,7 +45,7 @@ async def test_every_picture_type_shows_browsergyms_problem_for_the_seed_and_a_s
 
     names = sorted(VISUAL_TASKS)
     cases = [(name, (0, 1_000_000)[index % 2]) for index, name in enumerate(names)]
-    want = await trio.to_thread.run_sync(_browsergym_problems, cases)
+    want = await trio.to_thread.run_sync(browsergym_pages, cases, _PROBLEM_JS)
     pool = BrowserPool(1)
     env = make_env("miniwob", task_names=names, observation_modes=["text", "screenshot"], screenshot_size=[320, 240],
                    pool=pool)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from longhorizon.common.models import TINY_ROLE_WORDS
+from longhorizon.common.models import TINY_ROLE_WORDS, word_level_tokenizer
 
 VLM_WORDS = ["click", "type", "submit", "page", "button", "red", "blue", "green", "the", "a", "done"]
 
@@ -38,30 +38,13 @@ side per row, merged 2x2, so each image is 4 <image> tokens (plus its 3 framing 
 def build_tiny_vlm(folder: str | Path, *, seed: int = 0, words: list[str] = VLM_WORDS) -> Path:
     """Write a randomly initialised tiny Idefics3 model and its processor to `folder`."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (
-        Idefics3Config,
-        Idefics3ForConditionalGeneration,
-        Idefics3ImageProcessor,
-        Idefics3Processor,
-        PreTrainedTokenizerFast,
-    )
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor, Idefics3Processor
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    vocab_words = list(dict.fromkeys(VLM_SPECIAL_TOKENS + TINY_ROLE_WORDS + list(words)))
-    vocab = {word: index for index, word in enumerate(vocab_words)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece(prefix="##")
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token="<unk>",
-        pad_token="<pad>",
-        bos_token=None,
-        eos_token="<end_of_utterance>",
-        additional_special_tokens=["<|im_start|>", "<fake_token_around_image>", "<global-img>", "<image>"],
-    )
+    tokenizer, vocab = word_level_tokenizer(
+        VLM_SPECIAL_TOKENS + TINY_ROLE_WORDS + list(words), eos_token="<end_of_utterance>",
+        special_tokens=["<|im_start|>", "<fake_token_around_image>", "<global-img>", "<image>"])
     tokenizer.chat_template = VLM_CHAT_TEMPLATE
     image_processor = Idefics3ImageProcessor(
         do_resize=True, size={"longest_edge": IMAGE_SIDE}, max_image_size={"longest_edge": IMAGE_SIDE},
@@ -74,7 +57,7 @@ def build_tiny_vlm(folder: str | Path, *, seed: int = 0, words: list[str] = VLM_
     config = Idefics3Config(
         vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                        "num_attention_heads": 2, "image_size": IMAGE_SIDE, "patch_size": 8},
-        text_config={"model_type": "llama", "vocab_size": len(vocab_words), "hidden_size": 64,
+        text_config={"model_type": "llama", "vocab_size": len(vocab), "hidden_size": 64,
                      "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                      "num_key_value_heads": 4, "max_position_embeddings": 1024,
                      "pad_token_id": vocab["<pad>"], "eos_token_id": vocab["<end_of_utterance>"],
