@@ -2,9 +2,10 @@
 
 It runs many episodes at once under trio, loads new weights as the learner broadcasts them
 (tagging every generated turn with the version that wrote it), applies the horizon cap in force
-when each episode starts, and answers control messages. In `async` mode it never waits for the
-learner; in `sync` mode it generates its share of one batch with the current weights, then waits
-for the next version (the synchronous baseline).
+when each episode starts, and answers control messages. In `async` mode it waits for the
+learner only to start no group the learner could not train within `max_staleness` (pacing, from
+the backlog the learner publishes); in `sync` mode it generates its share of one batch with the
+current weights, then waits for the next version (the synchronous baseline).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from longhorizon.common.collective import CollectiveError
 from longhorizon.common.models import WeightsRefused
 from longhorizon.common.plugins import Registry
 from longhorizon.common.wire import (
-    ActorStats, CollectiveWeights, Heartbeat, Hello, HorizonUpdate, Stop, Trajectory, WeightsUpdate,
+    ActorStats, Backlog, CollectiveWeights, Heartbeat, Hello, HorizonUpdate, Stop, Trajectory, WeightsUpdate,
 )
 from longhorizon.envs.agents import configured_agent
 from longhorizon.envs.base import list_tasks, make_env
@@ -47,6 +48,26 @@ class ActorRefused(RuntimeError):
 class SyncVersionRefused(RuntimeError):
     """Sync mode: the engine refused the weights of the version whose batch this actor must play,
     and no other version will come until that batch is trained: the actor cannot go on."""
+
+
+def group_would_be_trainable(backlog: Backlog | None, *, held_version: int, unsent_members: int,
+                             sent_since_backlog: int, group_size: int, groups_per_step: int,
+                             max_staleness: int) -> bool:
+    """Whether a group this actor starts now could still be trained within `max_staleness`.
+
+    The learner trains `groups_per_step` groups a step, oldest first. Ahead of a new group wait
+    the trajectories the learner reported (`backlog.waiting_trajectories`) and what every live
+    actor has made or is making since that report, taken as this actor's share times the number
+    of actors (its members sent since the report and those not yet sent). In groups, the new one
+    is trained after ahead // groups_per_step more steps, so its staleness then is those steps plus how far the
+    weights it is played with already lag the learner's. No report yet: nothing to go by, so yes.
+    """
+    if backlog is None:
+        return True
+    lag = max(0, backlog.learner_version - held_version)
+    own = max(0, unsent_members) + sent_since_backlog
+    ahead_groups = (backlog.waiting_trajectories + backlog.live_actors * own) // group_size
+    return lag + ahead_groups // groups_per_step <= max_staleness
 
 
 def sync_share(groups_per_step: int, num_actors: int, actor_index: int) -> int:
@@ -67,6 +88,8 @@ class _Counters:
     newest_refused_version: int = -1
     """The newest version among them (-1: none), told to the learner in every heartbeat."""
     last_refusal: str = ""
+    paced_seconds: float = 0.0
+    """Time spent not starting groups the learner could not have trained in time (pacing)."""
 
 
 class Actor:
@@ -88,6 +111,9 @@ class Actor:
         self.started = time.monotonic()
         self.groups_started = 0
         self.last_sync_version = -1  # sync mode: the version whose share was generated last
+        self.backlog: Backlog | None = None  # the learner's latest report of what waits to be trained
+        self.sent_since_backlog = 0  # trajectories sent since that report
+        self.slots_paced, self.paced_since = 0, 0.0  # rollout slots held back now, since when
 
     def _notify(self) -> None:
         self.changed.set()
@@ -146,6 +172,9 @@ class Actor:
             message = await self.endpoints.broadcast.receive()
             if isinstance(message, HorizonUpdate):
                 self.horizon = message
+                self._notify()
+            elif isinstance(message, Backlog):
+                self.backlog, self.sent_since_backlog = message, 0
                 self._notify()
             elif isinstance(message, WeightsUpdate):
                 # The learner re-sends its latest version to latecomers: equal means held.
@@ -226,11 +255,13 @@ class Actor:
             mean_env_seconds=self.counters.env_seconds / episodes,
             errors=self.counters.errors,
             weights_refused=self.counters.weights_refused,
+            paced_s=self.counters.paced_seconds,
         )
 
     async def _send(self, trajectory: Trajectory) -> None:
         counters = self.counters
         counters.episodes += 1
+        self.sent_since_backlog += 1
         counters.generated_tokens += int(trajectory.loss_mask.sum())
         counters.generation_seconds += trajectory.generation_seconds
         counters.env_seconds += trajectory.env_seconds
@@ -289,24 +320,65 @@ class Actor:
                 raise ActorRefused(f"{self.actor_id}: {reason}")
             await trio.sleep(_ADMISSION_CHECK_S)
 
-    async def _wait_for(self, condition, what: str) -> None:
+    async def _wait_for(self, condition, what, *, level: int | None = logging.WARNING) -> None:
         """Wait until `condition()` holds, saying what it waits for now and then (a learner that
-        never comes up, or never sends the next version, must not leave a silent actor)."""
+        never comes up, or never sends the next version, must not leave a silent actor). `what`
+        is a text or a function giving one (for a reason that changes while waiting)."""
         started = trio.current_time()
         while not condition():
             with trio.move_on_after(self.config.actor.wait_report_s) as scope:
                 await self.changed.wait()
-            if scope.cancelled_caught:
-                log.warning(
-                    "%s: waiting %.0fs for %s (weights v%d held)",
-                    self.actor_id, trio.current_time() - started, what, self.engine.policy_version,
+            if scope.cancelled_caught and level is not None:
+                log.log(
+                    level, "%s: waiting %.0fs for %s (weights v%d held)",
+                    self.actor_id, trio.current_time() - started, what() if callable(what) else what,
+                    self.engine.policy_version,
                 )
+
+    def _group_would_be_trainable(self) -> bool:
+        return group_would_be_trainable(
+            self.backlog, held_version=self.engine.policy_version,
+            unsent_members=self.groups_started * self.config.actor.group_size - self.counters.episodes,
+            sent_since_backlog=self.sent_since_backlog, group_size=self.config.actor.group_size,
+            groups_per_step=self.config.learner.groups_per_step, max_staleness=self.config.learner.max_staleness,
+        )
+
+    def _pacing_reason(self) -> str:
+        backlog = self.backlog
+        lag = backlog.learner_version - self.engine.policy_version
+        if lag > self.config.learner.max_staleness:
+            # Not pacing: these weights are too old for anything played with them to be trained
+            # (an update this actor refused, or one still on its way).
+            return (f"weights within learner.max_staleness = {self.config.learner.max_staleness} of the "
+                    f"learner's v{backlog.learner_version}: anything played with the ones held would be dropped as stale")
+        return (f"room in the learner's backlog ({backlog.waiting_trajectories} trajectories waiting at v{backlog.learner_version}, "
+                f"{self.config.learner.groups_per_step} a step, max_staleness {self.config.learner.max_staleness}): "
+                f"a group started now would be dropped as stale")
+
+    async def _pace(self) -> None:
+        """Async mode, `actor.pace_to_learner`: start a group only once it could be trained in time."""
+        if not self.config.actor.pace_to_learner or self._group_would_be_trainable():
+            return
+        # Counted once however many slots wait: the actor's time held back, not its slots'.
+        first = self.slots_paced == 0
+        if first:
+            self.paced_since = trio.current_time()
+        self.slots_paced += 1
+        try:
+            # The first slot held back says why; the others wait with it in silence.
+            await self._wait_for(self._group_would_be_trainable, self._pacing_reason,
+                                 level=logging.INFO if first else None)
+        finally:
+            self.slots_paced -= 1
+            if self.slots_paced == 0:
+                self.counters.paced_seconds += trio.current_time() - self.paced_since
 
     async def _async_group_loop(self) -> None:
         """rollout_slots = "group": a slot plays one group, then the next; it waits for the
         group's longest member."""
         await self._wait_for(lambda: self.horizon is not None, "the learner's first horizon broadcast")
         while True:
+            await self._pace()
             await self._play_group()
 
     async def _async_episode_slots(self) -> None:
@@ -328,6 +400,7 @@ class Actor:
         async with trio.open_nursery() as nursery:
             while True:
                 await slots.acquire()
+                await self._pace()
                 task, settings = self._next_group()
                 for member in range(group_size):
                     if member:

@@ -26,6 +26,7 @@ from longhorizon.common.wire import (
     MESSAGE_TYPES,
     TENSOR_DTYPE_BYTES,
     ActorStats,
+    Backlog,
     CollectiveWeights,
     Heartbeat,
     Hello,
@@ -308,6 +309,11 @@ def _check_horizon_update(values: dict[str, Any], limits: WireLimits | None) -> 
     _require_at_least(values, "HorizonUpdate", 0, "stage", "learner_step")
 
 
+def _check_backlog(values: dict[str, Any], limits: WireLimits | None) -> None:
+    _require_at_least(values, "Backlog", 0, "learner_version", "waiting_trajectories")
+    _require_at_least(values, "Backlog", 1, "live_actors")
+
+
 def _check_hello(values: dict[str, Any], limits: WireLimits | None) -> None:
     _require_nonempty(values, "Hello", "actor_id")
     _require_at_least(values, "Hello", 0, "pid")
@@ -326,6 +332,8 @@ def _check_nothing(values: dict[str, Any], limits: WireLimits | None) -> None:
 def _check_actor_stats(values: dict[str, Any], limits: WireLimits | None) -> None:
     _require_nonempty(values, "ActorStats", "actor_id")
     _require_at_least(values, "ActorStats", 0, "episodes_done", "errors", "weights_refused", "history_breaks")
+    if values["paced_s"] < 0:
+        _fail(f"ActorStats.paced_s must be >= 0, got {values['paced_s']}")
 
 
 _CHECKS: dict[type, Callable[[dict[str, Any], WireLimits | None], None]] = {
@@ -333,6 +341,7 @@ _CHECKS: dict[type, Callable[[dict[str, Any], WireLimits | None], None]] = {
     WeightsUpdate: _check_weights_update,
     CollectiveWeights: _check_collective_weights,
     HorizonUpdate: _check_horizon_update,
+    Backlog: _check_backlog,
     Hello: _check_hello,
     Heartbeat: _check_heartbeat,
     Stop: _check_nothing,

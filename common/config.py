@@ -209,6 +209,11 @@ class ActorConfig(Section):
     for its group's longest member before the next group starts; `episode`: an episode at a
     time, each slot starting the next group's next member as soon as its episode ends (more
     episodes per second where lengths have a long tail; sync mode ignores it)."""
+    pace_to_learner: bool = True
+    """Async mode: start no group the learner could not train within learner.max_staleness, judged
+    from the backlog it publishes after each step (groups waiting, its version, live actors).
+    Where actors outplay the learner, the play it would drop as stale is not played at all; false
+    plays on regardless (the time paced shows as actors_paced_s in metrics)."""
     max_batch_size: int = bounded(16, ge=1)
     """Most generation requests the engine runs in one forward batch."""
     max_context_tokens: int = bounded(4096, ge=1)

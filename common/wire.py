@@ -183,6 +183,25 @@ class HorizonUpdate:
 
 
 @dataclass
+class Backlog:
+    """What the learner has waiting to train, published after every step, whenever it starts to
+    wait for groups and with every horizon repeat. Async actors pace themselves by it: a group
+    that would wait behind more than `max_staleness` steps of groups would be dropped as stale, so
+    it is not started (see `actor.worker.group_would_be_trainable`)."""
+
+    TYPE_TAG: ClassVar[str] = "backlog"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    # The learner's version now: the version the next step trains against.
+    learner_version: int
+    # Trajectories received and not yet trained or dropped (the batch being gathered, the whole
+    # groups after it and the members of groups still arriving).
+    waiting_trajectories: int
+    # Actors the learner hears from (at least 1): each actor takes its play as one share of all.
+    live_actors: int
+
+
+@dataclass
 class Hello:
     """An actor announcing itself to the learner when it starts or reconnects."""
 
@@ -240,8 +259,8 @@ class ActorStats:
     """Throughput figures an actor reports now and then, for the learner's metrics."""
 
     TYPE_TAG: ClassVar[str] = "actor_stats"
-    # 3: history_breaks added.
-    SCHEMA_VERSION: ClassVar[int] = 3
+    # 3: history_breaks added. 4: paced_s added.
+    SCHEMA_VERSION: ClassVar[int] = 4
 
     actor_id: str
     episodes_done: int
@@ -257,12 +276,16 @@ class ActorStats:
     # (the agent's framework re-rendered or edited it), so the learner can tell how often an
     # outside agent's sessions could not stay one sequence.
     history_breaks: int = 0
+    # Seconds the actor held back from starting groups the learner could not have trained within
+    # max_staleness (actor.pace_to_learner): time the learner, not the actor, set the pace.
+    paced_s: float = 0.0
 
 
-Message = Trajectory | WeightsUpdate | CollectiveWeights | HorizonUpdate | Hello | Heartbeat | Stop | ActorStats
+Message = (Trajectory | WeightsUpdate | CollectiveWeights | HorizonUpdate | Backlog | Hello | Heartbeat | Stop
+           | ActorStats)
 
 MESSAGE_TYPES: tuple[type, ...] = (
-    Trajectory, WeightsUpdate, CollectiveWeights, HorizonUpdate, Hello, Heartbeat, Stop, ActorStats,
+    Trajectory, WeightsUpdate, CollectiveWeights, HorizonUpdate, Backlog, Hello, Heartbeat, Stop, ActorStats,
 )
 
 TENSOR_DTYPE_BYTES: dict[str, int] = {

@@ -99,6 +99,10 @@ class PeerTable:
         """Gateway calls that broke their session's history, summed over the actors' latest stats."""
         return sum(info["stats"].history_breaks for info in self.known.values() if "stats" in info)
 
+    def paced_seconds_total(self) -> float:
+        """Seconds the actors held back from starting groups too late to train (their latest stats)."""
+        return sum(info["stats"].paced_s for info in self.known.values() if "stats" in info)
+
     def weights_refused_total(self) -> int:
         """Weight updates refused, summed over the actors' latest stats (an actor restarted
         since counts from zero again)."""

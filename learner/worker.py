@@ -21,7 +21,7 @@ from longhorizon.common.config import Config
 from longhorizon.common.metrics import MetricsWriter, truncate_metrics
 from longhorizon.common.resources import MIB, LowMemoryWarning, memory_figures
 from longhorizon.common.transport import RateLimitedLog, UnknownPeer
-from longhorizon.common.wire import Heartbeat, Hello, Stop
+from longhorizon.common.wire import Backlog, Heartbeat, Hello, Stop
 from longhorizon.learner.broadcast import horizon_update
 from longhorizon.learner.buffer import GroupBuffer, staleness
 from longhorizon.learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -179,6 +179,7 @@ class Learner:
         self.schedule = make_schedule(horizon)
         self.step = 0
         self.version = 0
+        self.gathered = 0  # trajectories of the batch being gathered (reported in the backlog)
         self.counters: Counter = Counter()
         self.nonfinite = NonfiniteSteps(config.learner.max_nonfinite_steps)
         # Seconds trained before this process started (a resumed run's clock continues).
@@ -375,7 +376,16 @@ class Learner:
         self.counters["weights_republished"] += 1  # counted once sent, so a reader sees it out
 
     async def _publish_horizon(self) -> None:
+        # The backlog first: an actor starting on its first horizon already knows what waits.
+        await self._publish_backlog()
         await self.endpoints.broadcast.send(horizon_update(self.horizon))
+
+    async def _publish_backlog(self) -> None:
+        """What waits to be trained, for the actors' pacing (wire.Backlog)."""
+        if not self.sync:
+            await self.endpoints.broadcast.send(Backlog(
+                learner_version=self.version, waiting_trajectories=self.gathered + len(self.buffer),
+                live_actors=max(1, len(self.peers.live()))))
 
     async def _rebuild_weights(self) -> None:
         """The weights message of the current version. Called by the training loop only, between
@@ -436,6 +446,7 @@ class Learner:
         wanted = self.config.learner.groups_per_step
         groups: list = []
         waiting_since = last_report = time.monotonic()
+        told_actors = False
         while len(groups) < wanted:
             if time.monotonic() - last_report > _WAITING_REPORT_S:
                 # Say what the learner waits for rather than hanging silently.
@@ -455,6 +466,7 @@ class Learner:
                 self.counters["groups_resampled"] += len(ready) - len(kept)
                 ready = kept
             groups += ready
+            self.gathered = sum(len(group.trajectories) for group in groups)
             if len(groups) >= wanted or give_up:
                 if give_up and len(groups) < wanted:
                     self.counters["short_sync_batches"] += 1
@@ -464,6 +476,11 @@ class Learner:
                         self.buffer.dropped_groups_by_version[self.version],
                     )
                 break
+            if not told_actors:
+                # Short of a batch: actors pacing themselves by the last step's backlog learn at
+                # once that there is room (async mode; the horizon repeat says it again later).
+                told_actors = True
+                await self._publish_backlog()
             self.arrived = trio.Event()
             with trio.move_on_after(0.5):  # wake up now and then for group timeouts
                 await self.arrived.wait()
@@ -580,6 +597,9 @@ class Learner:
             # Gateway actors: calls whose messages were not their session's history (split or
             # refused as gateway.on_history_break says), from the actors' latest stats.
             "history_breaks": self.peers.history_breaks_total(),
+            # Async actors' time spent not starting groups the learner could not have trained
+            # within max_staleness (actor.pace_to_learner), summed from their latest stats.
+            "actors_paced_s": round(self.peers.paced_seconds_total(), 3),
             # Bytes of tensors in the latest weights update (with LoRA: the adapters alone).
             "weights_bytes": self.weights_bytes,
             # This process's resident memory (now, and its peak so far) and what the machine (or
@@ -705,6 +725,7 @@ class Learner:
             # version and wait for the next, so there every step makes a version.
             trained_version = self.version
             self.step += 1
+            self.gathered = 0
             if (scored.examples and train_metrics.get("optimizer_steps_applied", 1.0) > 0) or self.sync:
                 self.version += 1
             cap_before = self.horizon.cap, self.horizon.stage

@@ -23,6 +23,7 @@ from longhorizon.common.codec import (
 from longhorizon.common.wire import (
     MESSAGE_TYPES,
     ActorStats,
+    Backlog,
     Heartbeat,
     Hello,
     HorizonUpdate,
@@ -68,12 +69,13 @@ def make_trajectory(tokens: int = 12, **overrides) -> Trajectory:
 def small_messages() -> list:
     return [
         HorizonUpdate(horizon_cap=20, stage=1, learner_step=100),
+        Backlog(learner_version=7, waiting_trajectories=96, live_actors=3),
         Hello(actor_id="actor-3", pid=4242, hostname="node-7", policy_version=-1, engine="scripted"),
         Heartbeat(actor_id="actor-3", policy_version=5, episodes_done=12, time=1700000000.25),
         Stop(reason="training finished"),
         ActorStats(
             actor_id="actor-3", episodes_done=12, episodes_per_s=0.5, generated_tokens_per_s=310.0,
-            mean_generation_seconds=1.5, mean_env_seconds=0.25, errors=1,
+            mean_generation_seconds=1.5, mean_env_seconds=0.25, errors=1, paced_s=4.5,
         ),
         WeightsUpdate(version=9, path="/shared/run/weights/v9"),
     ]
@@ -125,7 +127,7 @@ def test_small_messages_round_trip_as_one_frame(message) -> None:
 
 def test_every_message_type_has_a_distinct_tag_and_a_schema_version() -> None:
     tags = [cls.TYPE_TAG for cls in MESSAGE_TYPES]
-    assert len(set(tags)) == len(MESSAGE_TYPES) == 8
+    assert len(set(tags)) == len(MESSAGE_TYPES) == 9
     assert all(type(cls.SCHEMA_VERSION) is int and cls.SCHEMA_VERSION >= 1 for cls in MESSAGE_TYPES)
 
 
