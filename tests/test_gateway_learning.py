@@ -35,11 +35,15 @@ def _overrides(tmp_path, model_folder):
         # As the built-in loop's learning runs (tests/test_learning.py): stop once training holds
         # 95%, with the bonus that thaws a policy frozen on a wrong answer.
         "run.target_success=0.95", "learner.entropy_coef=0.5", "learner.entropy_scope='frozen_groups'",
-        # Half the built-in loop's groups a step: every episode here is nine HTTP calls through
-        # the agent, the gateway and the env service, which cost a step of 16 groups about 6 s on
-        # 2 cores against about 1 s in the built-in loop. With 8 the target took 64-79 steps in 6
-        # runs (58 with 16), a third fewer episodes; held out 100% in each of the 4 evaluated.
+        # Half the built-in loop's groups a step: every call here crosses the agent, the gateway
+        # and the env service, which cost a step of 16 groups about 6 s on 2 cores against about
+        # 1 s in the built-in loop. With 8 the 3-turn target took 64-79 steps in 6 runs (58 with
+        # 16), a third fewer episodes; held out 100% in each of the 4 evaluated.
         "learner.groups_per_step=8",
+        # Two turns: an episode is 7 HTTP calls instead of 9 and the target comes in fewer steps,
+        # while the agent still sends each turn's history back (the part the gateway must keep
+        # whole). The 3-turn run cost 345 s of CPU, 162 s of it in the agent's OpenAI client.
+        "env.options={num_turns = 2, num_symbols = 4, num_actions = 4}",
     ]
 
 
