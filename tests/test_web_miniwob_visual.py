@@ -9,7 +9,7 @@ import pytest
 from longhorizon.envs.base import Task, make_env
 from longhorizon.envs.web.browser import BrowserPool
 from longhorizon.envs.web.miniwob import VISUAL_TASKS
-from tests.test_web_miniwob_seeds import browsergym_pages
+from tests.data.make_miniwob_seeds import browsergym_pages
 
 # The task's drawing area as markup (less the ids our env writes into the page) and the pixels of
 # its canvases: two pages showing the same problem give the same string.

@@ -6,7 +6,8 @@ randint(0, 1_000_000) into the page source as a number literal (`Math.seedrandom
 core.EPISODE_MAX_TIME, calls core.startEpisodeReal(), waits for WOB_TASK_READY and takes
 core.getUtterance() (its "utterance" field when the page returns an object) as the goal. The pages
 are the `miniwob` package's, which are the same files as the MiniWoB++ commit BrowserGym pins.
-One browser; one page per task, reloaded for each seed.
+One browser, one page, loaded for each (task, seed): five seeds of seven types, then one seed of
+every other text type.
 
     .venv/bin/python tests/data/make_miniwob_seeds.py
 """
@@ -27,6 +28,16 @@ TASKS = ("click-button", "click-checkboxes", "enter-text", "choose-list", "click
 # focus-text is left out: its instruction is the same for every seed.
 # Train instances use seeds 0.., test instances seeds from 1_000_000 (miniwob.TEST_SEED_BASE).
 SEEDS = (0, 1, 2, 1_000_000, 1_000_001)
+# Every other text type once, a train seed and a test seed in turn.
+OTHER_SEEDS = (0, 1_000_000)
+
+
+def cases() -> list[tuple[str, int]]:
+    from longhorizon.envs.web.miniwob import TASK_NAMES
+
+    others = [name for name in TASK_NAMES if name not in TASKS and name != "focus-text"]
+    return ([(task, seed) for task in TASKS for seed in SEEDS]
+            + [(name, OTHER_SEEDS[index % 2]) for index, name in enumerate(others)])
 # BrowserGym's defaults: a 500x320 viewport and a 1,000,000 ms episode.
 VIEWPORT = {"width": 500, "height": 320}
 EPISODE_MAX_TIME_MS = 1_000_000
@@ -37,32 +48,40 @@ def browsergym_page_seed(seed: int) -> int:
     return int(np.random.RandomState(seed).randint(0, 1_000_000))
 
 
-def main() -> int:
+def browsergym_pages(cases: list[tuple[str, int]], read_js: str | None = None) -> list[tuple[str, object]]:
+    """For each (task, seed), the instruction BrowserGym's start-up shows (whitespace runs as one
+    space, as the env's goal line has it) and what `read_js` evaluates to on the started page
+    (None without it). One browser with BrowserGym's viewport, one page loaded for each case."""
     server = StaticServer(miniwob_html_dir())
-    records = []
+    pages = []
     try:
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=DEFAULT_CHROMIUM, args=list(CHROMIUM_ARGS))
             try:
                 page = browser.new_page(viewport=VIEWPORT)
-                for task in TASKS:
-                    for seed in SEEDS:
-                        number = browsergym_page_seed(seed)
-                        page.goto(f"{server.url}/miniwob/{task}.html")
-                        page.evaluate(
-                            f"Math.seedrandom({number});\n"
-                            f"core.EPISODE_MAX_TIME = {EPISODE_MAX_TIME_MS};\n"
-                            "core.startEpisodeReal();\n"
-                        )
-                        page.wait_for_function("() => WOB_TASK_READY")
-                        utterance = page.evaluate("() => core.getUtterance()")
-                        if isinstance(utterance, dict):
-                            utterance = utterance["utterance"]
-                        records.append({"task": task, "seed": seed, "page_seed": number, "instruction": utterance})
+                for task, seed in cases:
+                    page.goto(f"{server.url}/miniwob/{task}.html")
+                    page.evaluate(
+                        f"Math.seedrandom({browsergym_page_seed(seed)});\n"
+                        f"core.EPISODE_MAX_TIME = {EPISODE_MAX_TIME_MS};\n"
+                        "core.startEpisodeReal();\n"
+                    )
+                    page.wait_for_function("() => WOB_TASK_READY")
+                    utterance = page.evaluate("() => core.getUtterance()")
+                    if isinstance(utterance, dict):
+                        utterance = utterance["utterance"]
+                    pages.append((" ".join(str(utterance).split()), page.evaluate(read_js) if read_js else None))
             finally:
                 browser.close()
     finally:
         server.stop()
+    return pages
+
+
+def main() -> int:
+    chosen = cases()
+    records = [{"task": task, "seed": seed, "page_seed": browsergym_page_seed(seed), "instruction": instruction}
+               for (task, seed), (instruction, _) in zip(chosen, browsergym_pages(chosen))]
     fixture = {
         "about": "MiniWoB instructions BrowserGym gives for reset(seed); written by tests/data/make_miniwob_seeds.py",
         "records": records,
