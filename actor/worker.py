@@ -58,9 +58,10 @@ def group_would_be_trainable(backlog: Backlog | None, *, held_version: int, unse
     The learner trains `groups_per_step` groups a step, oldest first. Ahead of a new group wait
     the trajectories the learner reported (`backlog.waiting_trajectories`) and what every live
     actor has made or is making since that report, taken as this actor's share times the number
-    of actors (its members sent since the report and those not yet sent). In groups, the new one
-    is trained after ahead // groups_per_step more steps, so its staleness then is those steps plus how far the
-    weights it is played with already lag the learner's. No report yet: nothing to go by, so yes.
+    of actors (its members sent since the report and those not yet sent). Counted in groups, the
+    new one is trained after ahead // groups_per_step more steps, so its staleness then is those
+    steps plus how far the weights it is played with already lag the learner's. No report yet:
+    nothing to go by, so yes.
     """
     if backlog is None:
         return True
