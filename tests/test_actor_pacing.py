@@ -80,6 +80,9 @@ def _actor(network, *overrides):
     return Actor(config, 0, network.actor_endpoints("actor-0"), engine)
 
 
+_MOST_A_REPORT = 100
+
+
 async def _play(actor, network, backlogs):
     """Run the actor under a learner that publishes `backlogs` (seconds, Backlog) in turn and takes
     every trajectory; returns the trajectories received before each next report."""
@@ -95,7 +98,8 @@ async def _play(actor, network, backlogs):
                 await publisher.send(HorizonUpdate(horizon_cap=3, stage=0, learner_step=0))
             batch = []
             with trio.move_on_after(seconds):
-                while True:
+                # Bounded: an actor that never holds back plays without the clock moving.
+                while len(batch) < _MOST_A_REPORT:
                     batch.append(await trajectories.receive())
             received.append(batch)
         nursery.cancel_scope.cancel()
