@@ -331,9 +331,8 @@ def _check_nothing(values: dict[str, Any], limits: WireLimits | None) -> None:
 
 def _check_actor_stats(values: dict[str, Any], limits: WireLimits | None) -> None:
     _require_nonempty(values, "ActorStats", "actor_id")
-    _require_at_least(values, "ActorStats", 0, "episodes_done", "errors", "weights_refused", "history_breaks")
-    if values["paced_s"] < 0:
-        _fail(f"ActorStats.paced_s must be >= 0, got {values['paced_s']}")
+    _require_at_least(values, "ActorStats", 0, "episodes_done", "errors", "weights_refused", "history_breaks",
+                      "paced_s")
 
 
 _CHECKS: dict[type, Callable[[dict[str, Any], WireLimits | None], None]] = {

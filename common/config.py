@@ -211,7 +211,7 @@ class ActorConfig(Section):
     episodes per second where lengths have a long tail; sync mode ignores it)."""
     pace_to_learner: bool = True
     """Async mode: start no group the learner could not train within learner.max_staleness, judged
-    from the backlog it publishes after each step (groups waiting, its version, live actors).
+    from the backlog it publishes after each step (trajectories waiting, its version, live actors).
     Where actors outplay the learner, the play it would drop as stale is not played at all; false
     plays on regardless (the time paced shows as actors_paced_s in metrics)."""
     max_batch_size: int = bounded(16, ge=1)

@@ -95,18 +95,10 @@ class PeerTable:
         """The newest weights version `peer`'s engine refused (-1: none, or not said yet)."""
         return self.known[peer].get("refused_version", -1)
 
-    def history_breaks_total(self) -> int:
-        """Gateway calls that broke their session's history, summed over the actors' latest stats."""
-        return sum(info["stats"].history_breaks for info in self.known.values() if "stats" in info)
-
-    def paced_seconds_total(self) -> float:
-        """Seconds the actors held back from starting groups too late to train (their latest stats)."""
-        return sum(info["stats"].paced_s for info in self.known.values() if "stats" in info)
-
-    def weights_refused_total(self) -> int:
-        """Weight updates refused, summed over the actors' latest stats (an actor restarted
-        since counts from zero again)."""
-        return sum(info["stats"].weights_refused for info in self.known.values() if "stats" in info)
+    def stats_total(self, field: str) -> float:
+        """An ActorStats field summed over the actors' latest stats (an actor restarted since
+        counts from zero again)."""
+        return sum(getattr(info["stats"], field) for info in self.known.values() if "stats" in info)
 
     def last_seen(self, peer: str) -> float:
         return self.known[peer].get("last_seen", 0.0)

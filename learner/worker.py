@@ -592,14 +592,14 @@ class Learner:
             "actors_lost": int(self.counters["actors_lost"]),
             # Weight updates the actors' engines refused (from their latest stats), and the live
             # actors that refused the latest version (it is not sent to them again).
-            "weights_refused": self.peers.weights_refused_total(),
+            "weights_refused": self.peers.stats_total("weights_refused"),
             "actors_refusing_latest": sum(self._refused_latest(peer) for peer in live),
             # Gateway actors: calls whose messages were not their session's history (split or
             # refused as gateway.on_history_break says), from the actors' latest stats.
-            "history_breaks": self.peers.history_breaks_total(),
+            "history_breaks": self.peers.stats_total("history_breaks"),
             # Async actors' time spent not starting groups the learner could not have trained
             # within max_staleness (actor.pace_to_learner), summed from their latest stats.
-            "actors_paced_s": round(self.peers.paced_seconds_total(), 3),
+            "actors_paced_s": round(self.peers.stats_total("paced_s"), 3),
             # Bytes of tensors in the latest weights update (with LoRA: the adapters alone).
             "weights_bytes": self.weights_bytes,
             # This process's resident memory (now, and its peak so far) and what the machine (or

@@ -377,7 +377,7 @@ def test_a_gateway_actor_reports_its_history_breaks_to_the_learner():
     # The learner sums each actor's latest figure into metrics.jsonl's history_breaks.
     peers = PeerTable(timeout_s=10, counters=Counter())
     peers.heard_from("actor-0", stats)
-    assert peers.history_breaks_total() == 2
+    assert peers.stats_total("history_breaks") == 2
 
 
 def test_a_second_call_or_the_reward_while_a_call_is_answered_is_refused_and_busy_sessions_do_not_expire():

@@ -171,7 +171,7 @@ async def test_a_version_an_actor_refused_is_not_sent_to_it_again(tmp_path, byte
                     await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
     assert await weights_sent() == 2
-    assert learner.peers.weights_refused_total() == 1
+    assert learner.peers.stats_total("weights_refused") == 1
     refusals = [r.getMessage() for r in caplog.records if "not sending v2 to it again" in r.getMessage()]
     assert len(refusals) == 1, refusals  # said once, not at every heartbeat
 

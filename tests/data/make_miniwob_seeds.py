@@ -30,18 +30,19 @@ TASKS = ("click-button", "click-checkboxes", "enter-text", "choose-list", "click
 SEEDS = (0, 1, 2, 1_000_000, 1_000_001)
 # Every other text type once, a train seed and a test seed in turn.
 OTHER_SEEDS = (0, 1_000_000)
+# BrowserGym's defaults: a 500x320 viewport and a 1,000,000 ms episode.
+VIEWPORT = {"width": 500, "height": 320}
+EPISODE_MAX_TIME_MS = 1_000_000
+OUTPUT = Path(__file__).with_name("miniwob_seeds.json")
 
 
-def cases() -> list[tuple[str, int]]:
+def recorded_cases() -> list[tuple[str, int]]:
+    """The (task, seed) pairs the recording holds, in its order."""
     from longhorizon.envs.web.miniwob import TASK_NAMES
 
     others = [name for name in TASK_NAMES if name not in TASKS and name != "focus-text"]
     return ([(task, seed) for task in TASKS for seed in SEEDS]
             + [(name, OTHER_SEEDS[index % 2]) for index, name in enumerate(others)])
-# BrowserGym's defaults: a 500x320 viewport and a 1,000,000 ms episode.
-VIEWPORT = {"width": 500, "height": 320}
-EPISODE_MAX_TIME_MS = 1_000_000
-OUTPUT = Path(__file__).with_name("miniwob_seeds.json")
 
 
 def browsergym_page_seed(seed: int) -> int:
@@ -79,7 +80,7 @@ def browsergym_pages(cases: list[tuple[str, int]], read_js: str | None = None) -
 
 
 def main() -> int:
-    chosen = cases()
+    chosen = recorded_cases()
     records = [{"task": task, "seed": seed, "page_seed": browsergym_page_seed(seed), "instruction": instruction}
                for (task, seed), (instruction, _) in zip(chosen, browsergym_pages(chosen))]
     fixture = {
