@@ -20,8 +20,8 @@ API key (so an agent that only lets you set `api_key` can still be traced); its 
 request asks: the learner corrects for the policy that sampled, which must be the one recorded.
 Errors have OpenAI's body `{"error": {"message", "type", "code", "param"}}` and a 4xx status; a
 bad request never ends the gateway or another session. Bodies over 32 MiB are refused with a 413.
-The serving itself (Hypercorn on trio, error bodies, the body cap) is shared with the model server
-(`actor/http_serving.py`).
+The serving itself (Hypercorn on trio), error bodies and the body cap are in `actor/http_serving.py`,
+shared with the model server.
 """
 
 from __future__ import annotations

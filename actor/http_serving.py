@@ -1,13 +1,21 @@
-"""What our HTTP servers share: Starlette apps served by Hypercorn on trio, errors in OpenAI's JSON
-shape, and a cap on request bodies.
+"""What our HTTP servers share: Starlette apps, errors in OpenAI's JSON shape, and a cap on request
+bodies.
 
-`serve_app` serves an app inside a trio program (the training gateway runs in an actor's event
-loop); `HTTPServer` binds at once and serves from a thread of its own or the main thread
-(`longhorizon serve-model`), and stops gracefully on `shutdown()` or on a signal.
+Two servers, each where it fits: `serve_app` serves an app with Hypercorn inside a trio program
+(the training gateway runs in its actor's trio event loop); `HTTPServer` serves one with uvicorn
+(httptools parsing, asyncio) in a loop of its own, from a thread or the main thread, for
+`longhorizon serve-model`, binds at once and stops gracefully on `shutdown()` or on a signal.
+uvicorn rather than Hypercorn there because a streamed reply sends one body message per token:
+uvicorn's send path writes it to the transport, Hypercorn's passes it through its stream, h11's
+chunked writer and trio's socket, about ten times the serving CPU per streamed reply
+(docs/benchmarks.md, "Model server").
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import logging
 import os
 import signal
@@ -32,6 +40,10 @@ LISTEN_BACKLOG = 128
 
 MAX_BODY_BYTES = 32 << 20
 """The largest request body either server reads; a larger one is refused with a 413."""
+
+MAX_HEAD_BYTES = 64 << 10
+"""The largest request head (request line and header fields) `HTTPServer` reads; a longer one is
+refused with a 431 and the connection closed. Hypercorn (the gateway) has a cap of its own."""
 
 
 class HTTPRefusal(Exception):
@@ -58,11 +70,18 @@ def error_body(status: int, message: str, code: str | int | None = None, kind: s
                       **(details or {})}}
 
 
+def error_headers(status: int) -> dict[str, str]:
+    """The headers of an error answer: a 413 closes the connection, as the body it refused is
+    left unread and would otherwise have to arrive (and be thrown away) before the next request."""
+    return {"connection": "close"} if status == 413 else {}
+
+
 def error_response(status: int, message: str, code: str | int | None = None, kind: str | None = None,
                    details: dict | None = None):
     from starlette.responses import JSONResponse
 
-    return JSONResponse(error_body(status, message, code, kind, details), status_code=status)
+    return JSONResponse(error_body(status, message, code, kind, details), status_code=status,
+                        headers=error_headers(status))
 
 
 async def read_body(request: Any, max_bytes: int = MAX_BODY_BYTES) -> bytes:
@@ -84,7 +103,10 @@ def listening_socket(host: str, port: int) -> socket.socket:
     """A TCP socket listening on host:port (port 0: a free one). Connections that arrive before
     the server runs wait in the backlog rather than being refused."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not left 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
+    # sockets that say they are TCP, and with it on a reply written as head, then body waits for
+    # the client's delayed ACK of the head, 40 ms a request.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host.strip("[]"), port))
@@ -120,9 +142,52 @@ async def serve_app(app: Any, sock: socket.socket, *, shutdown_trigger: Callable
     await serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
 
 
+def _capped_head_protocol() -> type:
+    """uvicorn's httptools protocol with a cap on the request head, which uvicorn does not have:
+    without one a client can make the server hold a header of any size. The bytes that arrive
+    while a head is incomplete are counted, so what is held is at most the cap and one read."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    body = json.dumps(error_body(431, f"request head over {MAX_HEAD_BYTES} bytes")).encode()
+    refusal = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+               b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+
+    class CappedHeadProtocol(HttpToolsProtocol):
+        _head_open = True
+        _head_bytes = 0
+
+        def data_received(self, data: bytes) -> None:
+            if self._head_open:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            if self._head_open and self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                self.transport.write(refusal)
+                self.transport.close()
+
+        def on_headers_complete(self) -> None:
+            self._head_open, self._head_bytes = False, 0
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._head_open = True
+
+    return CappedHeadProtocol
+
+
+def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (a third less serving CPU per request than
+    asyncio's own), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 class HTTPServer:
     """An app bound to host:port at construction (so `server_address` is known at once), served by
-    `serve_forever()` until `shutdown()` from another thread or, where asked, a signal.
+    uvicorn in `serve_forever()` until `shutdown()` from another thread or, where asked, a signal.
 
     The methods are those of the standard library's servers: a thread runs `serve_forever`,
     another calls `shutdown()` (which returns once serving has stopped) and `server_close()`."""
@@ -133,8 +198,7 @@ class HTTPServer:
         self.server_address = self.socket.getsockname()
         self.url = socket_url(self.socket)
         self._lock = threading.Lock()
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._stop: trio.Event | None = None
+        self._server: Any = None
         self._stop_asked = False
         self._finished = threading.Event()
 
@@ -142,9 +206,11 @@ class HTTPServer:
                       before_stop: Callable[[], None] | None = None) -> None:
         """Serve until `shutdown()` or one of `stop_signals` (main thread only, e.g. SIGINT and
         SIGTERM); on a signal, `before_stop()` runs first (in a thread, while requests are still
-        answered), for what must end before the server does."""
+        answered), for what must end before the server does. A second signal cuts the requests
+        under way short instead of waiting `GRACEFUL_TIMEOUT_S` for them."""
         try:
-            trio.run(self._serve, stop_signals, before_stop)
+            with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+                runner.run(self._serve(stop_signals, before_stop))
         finally:
             self._finished.set()
 
@@ -153,36 +219,55 @@ class HTTPServer:
         `serve_forever` has returned (at once if it never ran)."""
         with self._lock:
             self._stop_asked = True
-            token, stop = self._token, self._stop
-        if token is None:
-            return
-        try:
-            token.run_sync_soon(stop.set)
-        except trio.RunFinishedError:
-            pass
-        self._finished.wait()
+            server = self._server
+            if server is not None:
+                server.should_exit = True  # uvicorn looks at it every 0.1 s
+        if server is not None:
+            self._finished.wait()
 
     def server_close(self) -> None:
         self.socket.close()
 
     async def _serve(self, stop_signals: tuple[int, ...], before_stop: Callable[[], None] | None) -> None:
-        stop = trio.Event()
-        with self._lock:
-            self._token, self._stop = trio.lowlevel.current_trio_token(), stop
-            if self._stop_asked:
-                stop.set()
-        async with trio.open_nursery() as nursery:
-            if stop_signals:
-                nursery.start_soon(self._stop_on_signal, stop_signals, before_stop, stop)
-            await serve_app(self.app, self.socket, shutdown_trigger=stop.wait)
-            nursery.cancel_scope.cancel()
+        import uvicorn
 
-    @staticmethod
-    async def _stop_on_signal(stop_signals: tuple[int, ...], before_stop, stop: trio.Event) -> None:
-        with trio.open_signal_receiver(*stop_signals) as received:
-            async for number in received:
-                log.info("%s: stopping", signal.Signals(number).name)
-                break
-        if before_stop is not None:
-            await trio.to_thread.run_sync(before_stop)
-        stop.set()
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):  # the signals are ours (below): uvicorn would raise them again at exit
+                yield
+
+        config = uvicorn.Config(
+            self.app, http=_capped_head_protocol(), ws="none", loop="none", lifespan="off", log_config=None,
+            access_log=False, proxy_headers=False,
+            timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S, timeout_graceful_shutdown=GRACEFUL_TIMEOUT_S,
+            backlog=LISTEN_BACKLOG,
+        )
+        server = Server(config)
+        with self._lock:
+            self._server = server
+            server.should_exit = self._stop_asked
+        loop = asyncio.get_running_loop()
+        stopping: list[asyncio.Future] = []
+
+        def on_signal(number: int) -> None:
+            if stopping:  # asked twice: do not wait for the requests under way
+                server.force_exit = True
+                return
+            log.info("%s: stopping", signal.Signals(number).name)
+            if before_stop is None:
+                server.should_exit = True
+                return
+            stopping.append(loop.run_in_executor(None, before_stop))
+            stopping[0].add_done_callback(lambda _: setattr(server, "should_exit", True))
+
+        for number in stop_signals:
+            loop.add_signal_handler(number, on_signal, number)
+        try:
+            # uvicorn closes the sockets it is given when it stops: a duplicate, so that the bound
+            # socket stays the caller's until `server_close()`.
+            await server.serve(sockets=[self.socket.dup()])
+            if stopping:
+                await stopping[0]
+        finally:
+            for number in stop_signals:
+                loop.remove_signal_handler(number)

@@ -37,8 +37,8 @@ usage and no choices. The stream uses chunked transfer encoding, so the connecti
 the next request. A request refused before generation, or whose generation fails before its
 first token, gets the usual JSON error; a failure after that arrives as an `{"error": ...}` event.
 
-HTTP: a Starlette app (`model_app`) served by Hypercorn on trio (`actor/http_serving.py`, shared
-with the training gateway): the request handlers run in the event loop and wait for the
+HTTP: a Starlette app (`model_app`, written on anyio, so it runs on asyncio or trio) served by
+uvicorn (`actor/http_serving.py`): the request handlers run in the event loop and wait for the
 generation thread (`actor/model_batching.py`) without a thread each; bodies over 32 MiB are
 refused with a 413. SIGINT or
 SIGTERM stops the server gracefully: generation stops (requests under way and queued are answered
@@ -75,14 +75,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import trio
+import anyio
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from longhorizon.actor.engines.base import tokens_through_stop_string
-from longhorizon.actor.http_serving import MAX_BODY_BYTES, HTTPRefusal, HTTPServer, error_body, read_body
+from longhorizon.actor.http_serving import (
+    MAX_BODY_BYTES,
+    HTTPRefusal,
+    HTTPServer,
+    error_body,
+    error_headers,
+    read_body,
+)
 from longhorizon.actor.model_batching import ClientGone, Job, Metrics, ModelServer, Sampling, ServerStopping
 from longhorizon.common.args import parse_args
 from longhorizon.common.models import ModelError, WeightsRefused, resolve_model_path
@@ -417,17 +424,26 @@ class StreamedText:
         return piece
 
 
+def _call_soon_from_threads() -> Callable[[Callable[[], None]], None]:
+    """A function any thread can call to have the running event loop call a function at its next
+    turn, without waiting for it (anyio's own `from_thread` waits for the result)."""
+    native = anyio.lowlevel.current_token().native_token
+    if hasattr(native, "call_soon_threadsafe"):  # asyncio's loop
+        return native.call_soon_threadsafe
+    return native.run_sync_soon  # trio's token
+
+
 class _Wakeups:
     """The wakes of one event loop's tasks from the generation thread, delivered by one call into
     the loop for all of those that pile up before it runs. A batch step wakes every request it
-    streams to, and each call into the loop is a write to trio's wake-up socket that hands the
+    streams to, and each call into the loop is a write to the loop's wake-up socket that hands the
     interpreter lock to the loop; with one call per step instead of one per request, the
     generation thread gives the lock up once per step."""
 
-    _per_loop = trio.lowlevel.RunVar("model_server_wakeups")
+    _per_loop = anyio.lowlevel.RunVar("model_server_wakeups")
 
     def __init__(self) -> None:
-        self._token = trio.lowlevel.current_trio_token()
+        self._call_soon = _call_soon_from_threads()
         self._lock = threading.Lock()
         self._pending: list[_Waker] = []
 
@@ -450,8 +466,8 @@ class _Wakeups:
             self._pending.append(waker)
         if call_loop:
             try:
-                self._token.run_sync_soon(self._deliver)
-            except trio.RunFinishedError:  # the server has stopped: nobody waits any more
+                self._call_soon(self._deliver)
+            except RuntimeError:  # the loop has ended (trio's RunFinishedError is one): nobody waits
                 pass
 
     def _deliver(self) -> None:
@@ -469,7 +485,7 @@ class _Waker:
 
     def __init__(self) -> None:
         self._wakeups = _Wakeups.of_this_loop()
-        self._event = trio.Event()
+        self._event = anyio.Event()
         self._pending = False
         """Whether a wake is on its way to the loop (guarded by the `_Wakeups` lock)."""
 
@@ -478,7 +494,7 @@ class _Waker:
 
     async def wait(self) -> None:
         await self._event.wait()
-        self._event = trio.Event()
+        self._event = anyio.Event()
 
 
 async def _job_done(job: Job, waker: _Waker) -> list:
@@ -599,19 +615,19 @@ async def _unless_client_leaves(server: ModelServer, job: Job, until_gone, waiti
         return await waiting()
     gone = False
     result = error = None
-    async with trio.open_nursery() as nursery:
+    async with anyio.create_task_group() as group:
         async def watch() -> None:
             nonlocal gone
             await until_gone()
             gone = True
-            nursery.cancel_scope.cancel()  # `waiting()` is cancelled
+            group.cancel_scope.cancel()  # `waiting()` is cancelled
 
-        nursery.start_soon(watch)
+        group.start_soon(watch)
         try:
             result = await waiting()
-        except Exception as exc:  # raised below: not wrapped in the nursery's exception group
+        except Exception as exc:  # raised below: not wrapped in the group's exception group
             error = exc
-        nursery.cancel_scope.cancel()
+        group.cancel_scope.cancel()
     if gone:
         server.abandon(job)
         raise ClientGone("the client closed its connection")
@@ -711,14 +727,14 @@ _POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/load_weights")
 _GET_ROUTES = ("/v1/models", "/health", "/v1/health", "/metrics")
 
 
-def _json(payload: dict, status: int = 200) -> Response:
+def _json(payload: dict, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     """A JSON reply. The standard encoder, as clients of this server have always read it (an
     infinite log-prob, say, goes out as -Infinity, which Python's and JavaScript's parsers read)."""
-    return Response(json.dumps(payload).encode(), status, media_type="application/json")
+    return Response(json.dumps(payload).encode(), status, headers, media_type="application/json")
 
 
 def _error(status: int, message: str, code: str | int | None = None, details: dict | None = None) -> Response:
-    return _json(error_body(status, message, code, details=details), status)
+    return _json(error_body(status, message, code, details=details), status, error_headers(status))
 
 
 def _event(data: str) -> bytes:
@@ -784,14 +800,14 @@ class _EventStreamResponse:
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            async with trio.open_nursery() as nursery:
+            async with anyio.create_task_group() as group:
                 async def stream() -> None:
                     await self._events(send)
-                    nursery.cancel_scope.cancel()
+                    group.cancel_scope.cancel()
 
-                nursery.start_soon(stream)
+                group.start_soon(stream)
                 await _until_disconnected(receive)  # the client left: the stream is cut short
-                nursery.cancel_scope.cancel()
+                group.cancel_scope.cancel()
         finally:  # at once, not when the garbage collector gets to it
             await self.chunks.aclose()
 
@@ -843,7 +859,7 @@ def model_app(server: ModelServer):
     async def load_weights(request: Request):
         body = await body_of(request)
         # Loading takes seconds and must not hold up the event loop.
-        return _json(await trio.to_thread.run_sync(handle_load_weights, server, body))
+        return _json(await anyio.to_thread.run_sync(handle_load_weights, server, body))
 
     async def models(request: Request):
         return _json(models_response(server))
