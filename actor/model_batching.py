@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +59,8 @@ class Job:
     wake: Callable[[], None] | None = None
     """Called from the generation thread after each of a streamed job's steps and once the job is
     done, so that whoever waits for it need not poll."""
+    images: tuple[bytes, ...] = ()
+    """The prompts' images (a chat's, so every prompt's the same), shown to a vision-language model."""
     done: threading.Event = field(default_factory=threading.Event)
     abandoned: threading.Event = field(default_factory=threading.Event)
     """Set when the client has left: the job's rows stop at the next decoding step, and a job
@@ -184,8 +186,10 @@ class ModelServer:
             )
         )
         self.tokenizer = self.engine.tokenizer
-        self.vocab_size = int(self.engine.model.config.vocab_size)
-        self.max_positions = int(getattr(self.engine.model.config, "max_position_embeddings", 0) or 0)
+        # A vision-language model's config keeps these in its language model's part.
+        text_config = self.engine.model.config.get_text_config()
+        self.vocab_size = int(text_config.vocab_size)
+        self.max_positions = int(getattr(text_config, "max_position_embeddings", 0) or 0)
         self.max_batch_size = max(1, max_batch_size)
         self.batch_window_s = max(0.0, batch_window_s)
         self.weights_refused = 0
@@ -217,13 +221,14 @@ class ModelServer:
         return self._worker.is_alive()
 
     def submit(self, prompts: list[list[int]], sampling: Sampling, top_logprobs: int = 0, stream: bool = False,
-               wake: Callable[[], None] | None = None) -> Job:
+               wake: Callable[[], None] | None = None, images: Sequence[bytes] = ()) -> Job:
         """Queue one reply per prompt; the job's `done` is set when its results (or error) are in:
         the hf engine's GenerationResults (with `top_logprobs` > 0, results that also hold that
         many top tokens per position). A streamed job also gets every decoding step's tokens in
         `steps` as they are sampled. `wake()` is called (from the generation thread) after each
-        step and at the end. A server that is stopping takes no more jobs (`ServerStopping`)."""
-        job = Job(prompts, sampling, top_logprobs, queue.Queue() if stream else None, wake)
+        step and at the end. `images` are every prompt's (a chat's images, as its prompt tokens
+        hold them). A server that is stopping takes no more jobs (`ServerStopping`)."""
+        job = Job(prompts, sampling, top_logprobs, queue.Queue() if stream else None, wake, tuple(images))
         with self._in_flight_lock:  # with stop(): a job is queued before the queue is emptied, or refused
             if self._stopping.is_set():
                 raise ServerStopping("the server is stopping")
@@ -320,7 +325,7 @@ class ModelServer:
                 by_sampling.setdefault(job.sampling, []).append(job)
             for sampling, group in by_sampling.items():
                 requests = [
-                    GenerationRequest(token_ids=prompt, episode_id=f"serve-{index}")
+                    GenerationRequest(token_ids=prompt, episode_id=f"serve-{index}", images=list(job.images))
                     for job in group for index, prompt in enumerate(job.prompts)
                 ]
                 try:

@@ -6,7 +6,9 @@ It serves any local Hugging Face model folder through the `hf` engine on 127.0.0
   (`choices[i].token_ids`) and per-token log-probs in the shape vLLM's server uses
   (`logprobs.tokens` as `token_id:N` when `return_tokens_as_token_ids` is set); `logprobs: N`
   (0-5) puts the N most likely tokens at each position, and the sampled one, in `top_logprobs`;
-- `POST /v1/chat/completions`: messages rendered with the model's chat template; `logprobs: true`
+- `POST /v1/chat/completions`: messages rendered with the model's chat template (a content is a
+  string or a list of text parts and, for a vision-language model, `image_url` parts holding
+  base64 `data:` URLs, shown to the model with the text); `logprobs: true`
   returns each token's log-prob, and `top_logprobs: N` (0-20) the N most likely tokens at each
   position, most likely first;
 - `POST /v1/load_weights` `{"path": FOLDER, "version": N}`: load safetensors weights in place, so
@@ -61,6 +63,8 @@ request waits for its reply or streams it. They are counted in `requests_abandon
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import json
 import logging
 import os
@@ -92,6 +96,7 @@ from longhorizon.actor.http_serving import (
 )
 from longhorizon.actor.model_batching import ClientGone, Job, Metrics, ModelServer, Sampling, ServerStopping
 from longhorizon.common.args import parse_args
+from longhorizon.common.chat import decode_image, takes_images
 from longhorizon.common.models import ModelError, WeightsRefused, resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -100,6 +105,7 @@ MAX_CHOICES = 16
 MAX_STOP_STRINGS = 4
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits: chat `top_logprobs`, legacy completions `logprobs`
 MAX_COMPLETION_LOGPROBS = 5
+MAX_IMAGES = 16
 
 
 class RequestError(HTTPRefusal, ValueError):
@@ -198,17 +204,60 @@ def _prompts(body: dict, server: ModelServer) -> list[list[int]]:
     return prompts
 
 
-def _messages(body: dict) -> list[dict]:
+def _image_bytes(part: dict) -> bytes:
+    """The image of an `image_url` content part: a `data:` URL with base64 bytes (the server
+    fetches nothing), checked to be an image."""
+    image_url = part.get("image_url")
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str):
+        raise RequestError("an image_url part needs {\"image_url\": {\"url\": \"data:image/png;base64,...\"}}")
+    head, comma, data = url.partition(",")
+    if not (head.startswith("data:image/") and head.endswith(";base64") and comma):
+        raise RequestError("an image must come as a data: URL with base64 bytes (data:image/png;base64,...); "
+                           "this server fetches no URLs")
+    try:
+        image = base64.b64decode(data, validate=True)
+        decode_image(image)
+    except (binascii.Error, ValueError) as exc:
+        raise RequestError(f"an image_url part holds no image: {exc}") from None
+    return image
+
+
+def _content(message: dict, takes_images: bool) -> dict:
+    """A message as the chat tokenizer takes it: its text, and its images where it has some.
+    Content is a string or a list of parts (`text`, and `image_url` in user messages), the text
+    parts joined by newlines; a model's chat template shows a message's images before its text."""
+    role, content = message["role"], message.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+        raise RequestError("a message's content must be a string or a list of {type, ...} parts")
+    texts, images = [], []
+    for part in content:
+        kind = part.get("type")
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "image_url":
+            if role != "user":
+                raise RequestError(f"only user messages may hold images, not {role} messages")
+            if not takes_images:
+                raise RequestError("the served model takes no images (its folder has no image processor)")
+            if len(images) == MAX_IMAGES:
+                raise RequestError(f"at most {MAX_IMAGES} images a message")
+            images.append(_image_bytes(part))
+        else:
+            raise RequestError(f"unknown content part {kind!r}: parts are text ({{type, text}}) and image_url")
+    return {"role": role, "content": "\n".join(texts), **({"images": images} if images else {})}
+
+
+def _messages(body: dict, takes_images: bool = False) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list of {role, content} objects")
     for message in messages:
-        if (
-            not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant")
-            or not isinstance(message.get("content"), str)
-        ):
-            raise RequestError("each message needs a role (system, user or assistant) and a string content")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
+            raise RequestError("each message needs a role (system, user or assistant) and a content")
+    return [_content(message, takes_images) for message in messages]
 
 
 def _flag(body: dict, key: str) -> bool:
@@ -636,17 +685,19 @@ async def _unless_client_leaves(server: ModelServer, job: Job, until_gone, waiti
     return result
 
 
-async def _generated(server: ModelServer, rows: list[list[int]], sampling: Sampling, top: int, until_gone) -> list:
-    """The replies to `rows` (the GenerationResults), waited for in the event loop."""
+async def _generated(server: ModelServer, rows: list[list[int]], sampling: Sampling, top: int, until_gone,
+                     images: list[bytes] = ()) -> list:
+    """The replies to `rows` (the GenerationResults), waited for in the event loop. `images` are
+    the prompt's, each row's the same."""
     waker = _Waker()
-    job = server.submit(rows, sampling, top, wake=waker)
+    job = server.submit(rows, sampling, top, wake=waker, images=images)
     return await _unless_client_leaves(server, job, until_gone, lambda: _job_done(job, waker))
 
 
 def _streamed(server: ModelServer, body: dict, rows: list[list[int]], sampling: Sampling, chat: bool,
-              top: int | None, include_usage: bool, whole_reply) -> EventStream:
+              top: int | None, include_usage: bool, whole_reply, images: list[bytes] = ()) -> EventStream:
     waker = _Waker()
-    job = server.submit(rows, sampling, top or 0, stream=True, wake=waker)
+    job = server.submit(rows, sampling, top or 0, stream=True, wake=waker, images=images)
     return EventStream(_live_chunks(server, body, job, waker, chat, top, include_usage, whole_reply), job)
 
 
@@ -675,7 +726,8 @@ async def handle_completions(server: ModelServer, body: dict, until_gone=None) -
 async def handle_chat(server: ModelServer, body: dict, until_gone=None) -> dict | EventStream:
     _check_model(body, server)
     stream, include_usage = _stream_settings(body)
-    messages = _messages(body)
+    messages = _messages(body, takes_images(server.tokenizer))
+    images = [image for message in messages for image in message.get("images", ())]
     n = _integer(body, "n", 1, 1, MAX_CHOICES)
     top = _chat_top_logprobs(body)
     _stop_strings(body)
@@ -686,8 +738,8 @@ async def handle_chat(server: ModelServer, body: dict, until_gone=None) -> dict 
     sampling = _sampling(body, server, len(prompt))
     if stream:
         return _streamed(server, body, [prompt] * n, sampling, True, top, include_usage,
-                         lambda results: chat_response(server, body, prompt, results, top))
-    results = await _generated(server, [prompt] * n, sampling, top or 0, until_gone)
+                         lambda results: chat_response(server, body, prompt, results, top), images)
+    results = await _generated(server, [prompt] * n, sampling, top or 0, until_gone, images)
     response = chat_response(server, body, prompt, results, top)
     server.metrics.count_tokens(response["usage"]["prompt_tokens"], response["usage"]["completion_tokens"])
     return response

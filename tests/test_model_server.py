@@ -202,6 +202,9 @@ def test_completion_logprobs_list_the_top_tokens_and_the_sampled_one(served):
     ("completions", {"logprobs": 6}, "'logprobs' must be an integer in [0, 5]"),
     ("completions", {"logprobs": True}, "'logprobs' must be an integer"),
     ("completions", {"stream": True, "max_tokens": 0}, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, "takes no images"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 3}]}, "a string or a list of {type, ...} parts"),
 ])
 def test_bad_values_are_json_400s(served, route, extra, message):
     _, base_url = served
@@ -209,6 +212,20 @@ def test_bad_values_are_json_400s(served, route, extra, message):
     response = httpx.post(f"{base_url}/{route}", json={**body, **extra}, timeout=60)
     assert response.status_code == 400 and response.headers["Content-Type"] == "application/json"
     assert message in response.json()["error"]["message"]
+
+
+def test_content_as_text_parts_is_the_same_chat_as_a_string(served):
+    """OpenAI's clients may send a message's content as a list of parts: the text parts, joined
+    by newlines, are the content."""
+    _, base_url = served
+    request = {"max_tokens": 4, "temperature": 0, "logprobs": True}
+    as_string = httpx.post(f"{base_url}/chat/completions", json={
+        **request, "messages": [{"role": "user", "content": "s0 s1\na2"}]}, timeout=60).json()
+    as_parts = httpx.post(f"{base_url}/chat/completions", json={**request, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "s0 s1"}, {"type": "text", "text": "a2"}]}]}, timeout=60).json()
+    assert as_parts["usage"] == as_string["usage"]
+    assert as_parts["choices"][0]["token_ids"] == as_string["choices"][0]["token_ids"]
+    assert as_parts["choices"][0]["logprobs"] == as_string["choices"][0]["logprobs"]
 
 
 def test_openai_client_raises_bad_request_for_too_many_top_logprobs(served, client):

@@ -4,7 +4,9 @@ by the learner with the same pixels, so its log-probs of the sampled tokens are 
 
 from __future__ import annotations
 
+import base64
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,3 +306,56 @@ def test_a_trajectorys_images_round_trip_and_bad_ones_are_refused_in_one_line():
     header["fields"]["images"] = ["text, not bytes", "x"]
     with pytest.raises(WireError, match=r"images\[0\] must be bytes"):
         decode([msgpack.packb(header, use_bin_type=True), *frames[1:]])
+
+
+def _image_part(png: bytes) -> dict:
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}
+
+
+def test_serve_model_shows_the_model_images_sent_as_image_url_parts(tiny_vlm):
+    """`serve-model` on a vision-language folder: a chat whose user message holds an image as
+    OpenAI's `image_url` part (a base64 data URL) is answered as the hf engine answers the same
+    conversation with that image, token for token and log-prob for log-prob; another image gives
+    other log-probs; what the server cannot take is a 400 naming it."""
+    import httpx
+
+    from longhorizon.actor.model_server import ModelServer, start_http_server
+
+    server = ModelServer(str(tiny_vlm), max_batch_size=4)
+    httpd = start_http_server(server, "127.0.0.1", 0)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    url = f"{httpd.url}/v1/chat/completions"
+    text = "click the red button"
+
+    def chat(*parts, **more) -> httpx.Response:
+        messages = [{"role": "user", "content": [{"type": "text", "text": text}, *parts]}, *more.pop("after", [])]
+        return httpx.post(url, json={"messages": messages, "max_tokens": 5, "temperature": 0, "logprobs": True,
+                                     **more}, timeout=60)
+
+    try:
+        red, blue = chat(_image_part(RED)).json(), chat(_image_part(BLUE)).json()
+        engine = _engine(tiny_vlm, temperature=0)
+        prompt = engine.tokenizer.prompt_tokens([{"role": "user", "content": text, "images": [RED]}])
+        assert red["usage"]["prompt_tokens"] == len(prompt) > len(engine.tokenizer.prompt_tokens(
+            [{"role": "user", "content": text}]))
+        [expected] = engine._generate_batch([GenerationRequest(token_ids=prompt, episode_id="e", images=[RED])])
+        choice = red["choices"][0]
+        assert choice["token_ids"] == expected.token_ids
+        served = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+        assert np.allclose(served, expected.logprobs, atol=1e-5)
+        assert not np.allclose(served, [e["logprob"] for e in blue["choices"][0]["logprobs"]["content"]][:len(served)])
+
+        refusals = {
+            "fetches no URLs": chat({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}),
+            "holds no image": chat(_image_part(b"not a picture")),
+            "only user messages may hold images": chat(after=[
+                {"role": "assistant", "content": [_image_part(RED)]}]),
+            "unknown content part 'audio'": chat({"type": "audio", "data": ""}),
+        }
+        for message, reply in refusals.items():
+            assert reply.status_code == 400 and message in reply.json()["error"]["message"], (message, reply.text)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        server.stop()
