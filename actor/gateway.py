@@ -23,6 +23,10 @@ OpenAI `tool_calls`; tool results come back in the format's tool-result layout (
 `<tool_response>` turn Qwen's template writes). A template that renders no tools (SmolLM2's) is
 given them in the system message, as the tools agent loop does.
 
+Images: on a vision-language model a user message may hold `image_url` parts (base64 data URLs);
+each call shows the engine every image its prompt holds, and the trajectory carries them with the
+offset of the piece of tokens that shows each (`Trajectory.image_offsets`).
+
 Groups: a session opened for a task joins that task's open group until it holds `group_size`
 sessions, so GRPO compares sessions of one task. Sessions that never finish time out and are
 counted; the learner's partial-group rules handle the group they leave short.
@@ -39,7 +43,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from longhorizon.common.chat import TokenRecord
+from longhorizon.common.chat import ContentError, TokenRecord, content_parts, decode_image
+from longhorizon.common.chat import takes_images as tokenizer_takes_images
 from longhorizon.common.codec import pack_arrays
 from longhorizon.common.wire import Trajectory
 from longhorizon.envs.tool_calls import ToolCall, ToolCallFormat, ToolCallParseError, to_openai, tool_call_from_object
@@ -71,21 +76,22 @@ class GatewaySettings:
     env_name: str = "gateway"
 
 
-def message_text(content: Any) -> str:
-    """A message's text: a string, or OpenAI's list of parts (text parts only)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise GatewayError(400, "only text content parts are supported (no images or audio)", "unsupported_content")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise GatewayError(400, f"a message's content must be a string or a list of parts, got {type(content).__name__}",
-                       "invalid_content")
+def message_parts(message: dict) -> tuple[str, list[bytes]]:
+    """A message's text and images: its content a string, or OpenAI's list of parts (text parts
+    joined by newlines; `image_url` parts, base64 data URLs, in user messages)."""
+    try:
+        return content_parts(message.get("content"), message.get("role", "user"))
+    except ContentError as error:
+        raise GatewayError(400, str(error), error.code) from None
+
+
+def message_text(message: dict) -> str:
+    return message_parts(message)[0]
+
+
+def message_images(messages: Sequence[dict]) -> list[bytes]:
+    """The images of `messages`, in order."""
+    return [image for message in messages for image in message_parts(message)[1]]
 
 
 def message_calls(message: dict) -> tuple[ToolCall, ...]:
@@ -105,18 +111,29 @@ def _same_message(first: dict, second: dict) -> bool:
     """Whether two chat messages say the same: role, text and tool calls (ids aside)."""
     def key(message: dict):
         calls = tuple((call.name, json.dumps(call.arguments, sort_keys=True)) for call in message_calls(message))
-        return message.get("role"), message_text(message.get("content")).strip(), calls
+        text, images = message_parts(message)
+        return message.get("role"), text.strip(), calls, tuple(images)
     return key(first) == key(second)
 
 
-def check_messages(messages: Any) -> list[dict]:
-    """The request's messages, checked: a non-empty list of role/content objects."""
+def check_messages(messages: Any, takes_images: bool = False) -> list[dict]:
+    """The request's messages, checked: a non-empty list of role/content objects; images only for
+    a model that takes them, and only readable ones."""
     if not isinstance(messages, list) or not messages:
         raise GatewayError(400, "messages must be a non-empty list", "invalid_messages")
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ("system", "developer", "user", "assistant", "tool"):
             raise GatewayError(400, f"messages[{index}] needs a role of system, user, assistant or tool", "invalid_messages")
-        message_text(message.get("content"))
+        _, images = message_parts(message)
+        if images and not takes_images:
+            raise GatewayError(400, "the model takes no images (its folder has no image processor, or its engine "
+                               "shows none)", "unsupported_content")
+        for image in images:
+            try:
+                decode_image(image)
+            except ValueError as error:
+                raise GatewayError(400, f"messages[{index}] has an image_url part that holds no image: {error}",
+                                   "invalid_image") from None
         if message["role"] == "assistant":
             message_calls(message)
     return messages
@@ -141,24 +158,26 @@ def check_tools(tools: Any) -> list[dict] | None:
 class ChatRenderer:
     """Messages (and tools) as the model's prompt tokens, and the tokens that follow a reply."""
 
-    def __init__(self, tokenizer: Any, tool_format: ToolCallFormat) -> None:
+    def __init__(self, tokenizer: Any, tool_format: ToolCallFormat, takes_images: bool | None = None) -> None:
         self.tokenizer = tokenizer
         self.tool_format = tool_format
         self.template_tools = bool(getattr(tokenizer, "renders_tools", False))
+        self.takes_images = tokenizer_takes_images(tokenizer) if takes_images is None else takes_images
+        """Whether user messages may hold images (a vision-language model on an engine that shows them)."""
 
     def template_messages(self, messages: Sequence[dict], tools: list[dict] | None) -> list[dict]:
         """What the chat template is given: messages as text; where it renders no tools, the tool
         schemas in the system message, calls in the reply text and results in user turns."""
         rendered: list[dict] = []
         for message in messages:
-            role, text = message["role"], message_text(message.get("content"))
+            role, (text, images) = message["role"], message_parts(message)
             role = "system" if role == "developer" else role
             if role == "assistant" and message.get("tool_calls"):
                 rendered.append({"role": "assistant", "content": self._reply_text(text, message_calls(message))})
             elif role == "tool":
                 rendered.append({"role": "user", "content": self.tool_format.tool_result(text)})
             else:
-                rendered.append({"role": role, "content": text})
+                rendered.append({"role": role, "content": text, **({"images": images} if images else {})})
         if tools and not self.template_tools:
             described = self.tool_format.tools_prompt(tools)
             if rendered[0]["role"] == "system":
@@ -183,12 +202,15 @@ class ChatRenderer:
         """The tokens after a reply for what the agent added (one user message, or the results
         of its tool calls as one turn), or None when that is not what it added."""
         roles = [message["role"] for message in new_messages]
+        images: list[bytes] = []
         if roles == ["user"]:
-            text = message_text(new_messages[0].get("content"))
+            text, images = message_parts(new_messages[0])
         elif roles and all(role == "tool" for role in roles):
-            text = "\n".join(self.tool_format.tool_result(message_text(m.get("content"))) for m in new_messages)
+            text = "\n".join(self.tool_format.tool_result(message_text(m)) for m in new_messages)
         else:
             return None
+        if images:  # the tokenizer's signature has images only where it takes them
+            return list(self.tokenizer.continuation_tokens(text, stopped_on_eos=stopped_on_eos, images=images))
         return list(self.tokenizer.continuation_tokens(text, stopped_on_eos=stopped_on_eos))
 
     def reply(self, text: str) -> tuple[str, tuple[ToolCall, ...]]:
@@ -225,6 +247,10 @@ class Session(TokenRecord):
     last_stopped_on_eos: bool = True
     generation_seconds: float = 0.0
     turn_rewards: list[float] = field(default_factory=list)
+    images: list[bytes] = field(default_factory=list)
+    """The images in token_ids (a vision-language model's), in the order of their tokens."""
+    image_offsets: list[int] = field(default_factory=list)
+    """Where the piece of token_ids that shows each image begins (Trajectory.image_offsets)."""
     finished: bool = False
     busy: bool = False
     """A call of the session is being answered: another one, or its reward, must wait for it."""
@@ -314,6 +340,15 @@ class SessionBook:
                                "history_break")
         return self.renderer.prompt_tokens(messages, tools), False
 
+    def prompt_images(self, session: Session, messages: list[dict], continues: bool) -> list[bytes]:
+        """The images a call's prompt shows (`prompt_for`'s tokens hold them): the segment's so
+        far and the new messages' when it continues the record, else every message's."""
+        if not continues:
+            return message_images(messages)
+        before = [image for image, offset in zip(session.images, session.image_offsets)
+                  if offset >= session.segment_start]
+        return before + message_images(messages[len(session.last_messages or ()):])
+
     def resent(self, session: Session, messages: list[dict]) -> dict | None:
         """The answer already given, when `messages` are exactly the last call's (a retry)."""
         before = session.last_messages
@@ -339,6 +374,9 @@ class SessionBook:
     def record(self, session: Session, messages: list[dict], prompt: list[int], continues: bool, generation: Any,
                reply_message: dict, seconds: float) -> None:
         """A call's prompt and sampled reply, added to the session's record."""
+        images = message_images(messages[len(session.last_messages or ()):] if continues else messages)
+        session.images += images
+        session.image_offsets += [len(session.token_ids)] * len(images)  # where this call's prompt piece begins
         if continues:
             session.append_tokens(prompt[len(session.token_ids) - session.segment_start:], generated=False)
         else:
@@ -421,6 +459,8 @@ def session_trajectory(session: Session, reward: float, *, success: bool, trunca
         env_seconds=max(0.0, time.monotonic() - session.created - session.generation_seconds),
         sample_windows=[index for window in session.windows for index in window] if split else [],
         cut_by="horizon" if truncated else "",
+        images=list(session.images),
+        image_offsets=list(session.image_offsets),
     )
 
 

@@ -36,7 +36,7 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
-from longhorizon.actor.engines.base import GenerationRequest
+from longhorizon.actor.engines.base import GenerationRequest, capabilities_of
 from longhorizon.actor.gateway import (
     ChatRenderer,
     GatewayError,
@@ -55,6 +55,7 @@ from longhorizon.actor.http_serving import (
     serve_app,
 )
 from longhorizon.actor.worker import Actor
+from longhorizon.common.chat import takes_images
 from longhorizon.common.wire import Trajectory
 from longhorizon.envs.tool_calls import ToolCallFormatError, get_tool_call_format
 
@@ -109,11 +110,12 @@ class Gateway:
         stop_strings = (stop,) if isinstance(stop, str) else tuple(s for s in (stop or ()) if isinstance(s, str))
         started = time.perf_counter()
         generation = await self.engine.generate(GenerationRequest(
-            token_ids=prompt, episode_id=session.session_id, messages=messages, stop_strings=stop_strings))
+            token_ids=prompt, episode_id=session.session_id, messages=messages, stop_strings=stop_strings,
+            images=self.book.prompt_images(session, messages, continues)))
         return prompt, continues, generation, time.perf_counter() - started
 
     async def chat(self, headers: Any, body: dict) -> tuple[dict, Any]:
-        messages = check_messages(body.get("messages"))
+        messages = check_messages(body.get("messages"), self.book.renderer.takes_images)
         tools = check_tools(body.get("tools"))
         session = self.session_of(headers, body)
         with self.book.calling(session):
@@ -336,7 +338,10 @@ class GatewayActor(Actor):
             max_new_tokens=config.actor.sampling.max_new_tokens, on_history_break=config.gateway.on_history_break,
             session_idle_timeout_s=config.gateway.session_idle_timeout_s, actor_id=self.actor_id,
             env_name=config.env.name)
-        renderer = ChatRenderer(self.engine.tokenizer, get_tool_call_format(config.gateway.tool_format))
+        # Images reach the model where its tokenizer can place them and its engine shows them.
+        shows_images = capabilities_of(type(self.engine)).takes_images
+        renderer = ChatRenderer(self.engine.tokenizer, get_tool_call_format(config.gateway.tool_format),
+                                takes_images=takes_images(self.engine.tokenizer) and shows_images)
         model_name = config.gateway.model_name or Path(str(config.model.path)).name
         return Gateway(self.engine, SessionBook(settings, renderer), model_name=model_name,
                        horizon_cap=lambda: None if self.horizon is None else int(self.horizon.horizon_cap),

@@ -63,8 +63,6 @@ request waits for its reply or streams it. They are counted in `requests_abandon
 from __future__ import annotations
 
 import argparse
-import base64
-import binascii
 import json
 import logging
 import os
@@ -96,7 +94,7 @@ from longhorizon.actor.http_serving import (
 )
 from longhorizon.actor.model_batching import ClientGone, Job, Metrics, ModelServer, Sampling, ServerStopping
 from longhorizon.common.args import parse_args
-from longhorizon.common.chat import decode_image, takes_images
+from longhorizon.common.chat import ContentError, content_parts, decode_image, takes_images
 from longhorizon.common.models import ModelError, WeightsRefused, resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -204,50 +202,23 @@ def _prompts(body: dict, server: ModelServer) -> list[list[int]]:
     return prompts
 
 
-def _image_bytes(part: dict) -> bytes:
-    """The image of an `image_url` content part: a `data:` URL with base64 bytes (the server
-    fetches nothing), checked to be an image."""
-    image_url = part.get("image_url")
-    url = image_url.get("url") if isinstance(image_url, dict) else image_url
-    if not isinstance(url, str):
-        raise RequestError("an image_url part needs {\"image_url\": {\"url\": \"data:image/png;base64,...\"}}")
-    head, comma, data = url.partition(",")
-    if not (head.startswith("data:image/") and head.endswith(";base64") and comma):
-        raise RequestError("an image must come as a data: URL with base64 bytes (data:image/png;base64,...); "
-                           "this server fetches no URLs")
-    try:
-        image = base64.b64decode(data, validate=True)
-        decode_image(image)
-    except (binascii.Error, ValueError) as exc:
-        raise RequestError(f"an image_url part holds no image: {exc}") from None
-    return image
-
-
 def _content(message: dict, takes_images: bool) -> dict:
-    """A message as the chat tokenizer takes it: its text, and its images where it has some.
-    Content is a string or a list of parts (`text`, and `image_url` in user messages), the text
-    parts joined by newlines; a model's chat template shows a message's images before its text."""
-    role, content = message["role"], message.get("content")
-    if isinstance(content, str):
-        return {"role": role, "content": content}
-    if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
-        raise RequestError("a message's content must be a string or a list of {type, ...} parts")
-    texts, images = [], []
-    for part in content:
-        kind = part.get("type")
-        if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind == "image_url":
-            if role != "user":
-                raise RequestError(f"only user messages may hold images, not {role} messages")
-            if not takes_images:
-                raise RequestError("the served model takes no images (its folder has no image processor)")
-            if len(images) == MAX_IMAGES:
-                raise RequestError(f"at most {MAX_IMAGES} images a message")
-            images.append(_image_bytes(part))
-        else:
-            raise RequestError(f"unknown content part {kind!r}: parts are text ({{type, text}}) and image_url")
-    return {"role": role, "content": "\n".join(texts), **({"images": images} if images else {})}
+    """A message as the chat tokenizer takes it: its text, and its images where it has some
+    (`content_parts`: a string, or text and image_url parts; a model's chat template shows a
+    message's images before its text)."""
+    role = message["role"]
+    try:
+        text, images = content_parts(message.get("content"), role)
+        if images and not takes_images:
+            raise ContentError("the served model takes no images (its folder has no image processor)")
+        if len(images) > MAX_IMAGES:
+            raise ContentError(f"at most {MAX_IMAGES} images a message")
+        for image in images:
+            decode_image(image)
+    except ValueError as error:  # ContentError, or bytes that are no image
+        raise RequestError(f"{error}" if isinstance(error, ContentError) else f"an image_url part holds no image: "
+                           f"{error}") from None
+    return {"role": role, "content": text, **({"images": images} if images else {})}
 
 
 def _messages(body: dict, takes_images: bool = False) -> list[dict]:

@@ -31,6 +31,57 @@ def decode_image(data: bytes):
         raise ValueError(f"{len(data)} bytes that are not a readable image: {error}") from None
 
 
+class ContentError(ValueError):
+    """A chat message's content that cannot be read, with a short code for an API's error body."""
+
+    def __init__(self, message: str, code: str = "invalid_content") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def content_parts(content, role: str = "user") -> tuple[str, list[bytes]]:
+    """A chat message's content as OpenAI's API sends it, read: (its text, its images). Content is
+    a string, None (an assistant message of tool calls only), or a list of parts: text parts,
+    joined by newlines, and in user messages `image_url` parts holding a base64 `data:` URL (the
+    bytes returned as they are: `decode_image` checks them). Anything else is a `ContentError`."""
+    if content is None:
+        return "", []
+    if isinstance(content, str):
+        return content, []
+    if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+        raise ContentError("a message's content must be a string or a list of {type, ...} parts")
+    texts, images = [], []
+    for part in content:
+        kind = part.get("type")
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "image_url":
+            if role != "user":
+                raise ContentError(f"only user messages may hold images, not {role} messages", "unsupported_content")
+            images.append(_data_url_bytes(part.get("image_url")))
+        else:
+            raise ContentError(f"unknown content part {kind!r}: parts are text ({{type, text}}) and image_url",
+                               "unsupported_content")
+    return "\n".join(texts), images
+
+
+def _data_url_bytes(image_url) -> bytes:
+    import base64
+    import binascii
+
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str):
+        raise ContentError('an image_url part needs {"image_url": {"url": "data:image/png;base64,..."}}')
+    head, comma, data = url.partition(",")
+    if not (head.startswith("data:image/") and head.endswith(";base64") and comma):
+        raise ContentError("an image must come as a data: URL with base64 bytes (data:image/png;base64,...); "
+                           "no URL is fetched", "unsupported_content")
+    try:
+        return base64.b64decode(data, validate=True)
+    except binascii.Error as error:
+        raise ContentError(f"an image_url part holds no image: {error}", "invalid_image") from None
+
+
 # What an image processor returns beside the pixels that the model's forward pass does not take.
 _IMAGE_PROCESSOR_EXTRAS = ("rows", "cols", "image_sizes_original")
 

@@ -347,7 +347,7 @@ def test_serve_model_shows_the_model_images_sent_as_image_url_parts(tiny_vlm):
         assert not np.allclose(served, [e["logprob"] for e in blue["choices"][0]["logprobs"]["content"]][:len(served)])
 
         refusals = {
-            "fetches no URLs": chat({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}),
+            "no URL is fetched": chat({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}),
             "holds no image": chat(_image_part(b"not a picture")),
             "only user messages may hold images": chat(after=[
                 {"role": "assistant", "content": [_image_part(RED)]}]),
@@ -359,3 +359,100 @@ def test_serve_model_shows_the_model_images_sent_as_image_url_parts(tiny_vlm):
         httpd.shutdown()
         httpd.server_close()
         server.stop()
+
+
+@pytest.mark.parametrize("edit_history", [False, True])
+async def test_the_gateway_records_a_sessions_images_and_the_learner_scores_them_as_sampled(tiny_vlm, edit_history):
+    """An agent's chat session through the training gateway on a vision-language model, an image
+    in each user message: each call shows the engine every image its prompt holds, the trajectory
+    carries them with their offsets, and the learner's log-probs of the sampled tokens (the whole
+    session as one sample, or each turn in its own context after a history break) are the
+    engine's."""
+    from longhorizon.actor.gateway import ChatRenderer, GatewaySettings, SessionBook, reply_message
+    from longhorizon.envs.tool_calls import HermesFormat
+
+    engine = _RecordingEngine(_engine(tiny_vlm, max_new_tokens=3))
+    book = SessionBook(GatewaySettings(group_size=1, max_context_tokens=2000, max_new_tokens=3),
+                       ChatRenderer(engine.tokenizer, HermesFormat()))
+    assert book.renderer.takes_images
+    session = book.open("s", "task", horizon_cap=4)
+
+    async def call(messages):
+        prompt, continues = book.prompt_for(session, messages, None)
+        generation = await engine.generate(GenerationRequest(
+            token_ids=prompt, episode_id="s", images=book.prompt_images(session, messages, continues)))
+        message, _ = reply_message(book.renderer, generation.text)
+        book.record(session, messages, prompt, continues, generation, message, 0.1)
+        return message
+
+    messages = [{"role": "user", "content": [{"type": "text", "text": "click the red button"}, _image_part(RED)]}]
+    messages.append(await call(messages))
+    if edit_history:  # the agent re-wrote its first message: a new segment, every image shown again
+        messages[0] = {"role": "user", "content": [{"type": "text", "text": "click the button"}, _image_part(RED)]}
+    messages.append({"role": "user", "content": [_image_part(BLUE), {"type": "text", "text": "now blue"}]})
+    await call(messages)
+    trajectory = decode(encode(book.finish("s", 1.0)))
+
+    assert [request.images for request in engine.requests] == [[RED], [RED, BLUE]]
+    image_token = engine.tokenizer.processor.image_token_id
+    for request in engine.requests:
+        assert request.token_ids.count(image_token) == 4 * len(request.images)
+    windows = windows_of(trajectory)
+    assert bool(windows) == edit_history
+    if edit_history:  # the second segment shows its own copy of the red image
+        assert trajectory.images == [RED, RED, BLUE] and trajectory.image_offsets[0] == 0
+        assert trajectory.image_offsets[1] == trajectory.image_offsets[2] == windows[1][0]
+    else:
+        assert trajectory.images == [RED, BLUE] and trajectory.image_offsets[0] == 0 < trajectory.image_offsets[1]
+    model, processor = load_causal_lm(tiny_vlm), load_processor(tiny_vlm)
+    prompt_length = int(trajectory.prompt_length)
+    if windows:
+        examples = []
+        for request, window in zip(engine.requests, windows):
+            assert list(images_of(trajectory, window)) == request.images
+            start, _, end = window
+            examples.append(Example(
+                cut(trajectory.token_ids, prompt_length, start, end).astype(np.int64),
+                reply_mask(trajectory.loss_mask, prompt_length, window),
+                cut(trajectory.behaviour_logprobs, prompt_length, start, end).astype(np.float32), 0.0,
+                images=images_of(trajectory, window)))
+    else:
+        examples = [Example(np.asarray(trajectory.token_ids, np.int64), np.asarray(trajectory.loss_mask, np.float32),
+                            np.asarray(trajectory.behaviour_logprobs, np.float32), 0.0,
+                            images=images_of(trajectory))]
+    difference = _largest_difference(model, processor, examples, engine.tokenizer.tokenizer.pad_token_id)
+    assert difference < 1e-4, difference
+
+
+def test_the_gateway_refuses_images_for_a_text_model_and_unreadable_ones_in_one_line(tiny_vlm):
+    from longhorizon.actor.gateway import GatewayError, check_messages
+
+    with_image = [{"role": "user", "content": [{"type": "text", "text": "look"}, _image_part(RED)]}]
+    with pytest.raises(GatewayError, match="the model takes no images"):
+        check_messages(with_image, takes_images=False)
+    assert check_messages(with_image, takes_images=True) == with_image
+    with pytest.raises(GatewayError, match="holds no image"):
+        check_messages([{"role": "user", "content": [_image_part(b"not a picture")]}], takes_images=True)
+    with pytest.raises(GatewayError, match="only user messages may hold images"):
+        check_messages([{"role": "system", "content": [_image_part(RED)]}], takes_images=True)
+
+
+def test_the_official_client_sends_an_image_through_the_gateway_into_the_trajectory(tiny_vlm):
+    import httpx
+    import openai
+    from test_gateway import serving
+
+    from longhorizon.actor.gateway import ChatRenderer, GatewaySettings, SessionBook
+    from longhorizon.envs.tool_calls import HermesFormat
+
+    engine = _RecordingEngine(_engine(tiny_vlm, max_new_tokens=3))
+    book = SessionBook(GatewaySettings(group_size=1, max_context_tokens=2000, max_new_tokens=3),
+                       ChatRenderer(engine.tokenizer, HermesFormat()))
+    with serving(engine, book) as (url, sent):
+        client = openai.OpenAI(base_url=url, api_key="session-1")
+        client.chat.completions.create(model="tiny", messages=[
+            {"role": "user", "content": [{"type": "text", "text": "click the red button"}, _image_part(RED)]}])
+        assert httpx.post(f"{url}/sessions/session-1/reward", json={"reward": 1.0}, timeout=30).status_code == 200
+    assert [request.images for request in engine.requests] == [[RED]]
+    [trajectory] = sent
+    assert trajectory.images == [RED] and trajectory.image_offsets == [0]
