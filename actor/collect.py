@@ -29,7 +29,7 @@ from typing import Callable
 import trio
 
 from longhorizon.actor.engines.base import capabilities_of, engine_class
-from longhorizon.actor.rollout import EnvPool, run_episode
+from longhorizon.actor.rollout import AgentLoopSettings, EnvPool, run_episode
 from longhorizon.common.config import Config
 from longhorizon.common.conversations import (
     record_from_episode,
@@ -38,7 +38,6 @@ from longhorizon.common.conversations import (
     without_trailing_observations,
     tokenizer_fingerprint,
 )
-from longhorizon.envs.agents import configured_agent
 from longhorizon.actor.engines.factory import plan_engine
 from longhorizon.common.chat import HFChatTokenizer
 from longhorizon.common.models import ModelError, load_tokenizer, resolve_model_path
@@ -144,9 +143,8 @@ async def collect_episodes(
                     max_context_tokens=config.actor.max_context_tokens,
                     max_new_tokens=config.actor.sampling.max_new_tokens, seed=seed,
                     episode_id=f"collect-{index}", invalid_reply_reward=config.actor.invalid_reply_reward,
-                    env_call_timeout_s=config.actor.env_call_timeout_s, agent=configured_agent(config.actor.agent, config.actor.agent_options),
-                    history_turns=config.actor.history_turns, history_summary=config.actor.history_summary,
-                    observation_image=config.actor.observation_image, history_notes=config.actor.history_notes,
+                    env_call_timeout_s=config.actor.env_call_timeout_s,
+                    loop_settings=AgentLoopSettings.from_actor(config.actor),
                 )
                 pool.release(env, broken=bool(result.error))
             counts["done"] += 1

@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from longhorizon.actor.engines.base import Engine
-from longhorizon.actor.rollout import EnvPool, run_episode
-from longhorizon.envs.agents import configured_agent
+from longhorizon.actor.rollout import PLAIN_LOOP, AgentLoopSettings, EnvPool, run_episode
 from longhorizon.envs.base import list_tasks, make_env
 from longhorizon.actor.engines.factory import build_engine
 from longhorizon.actor.metrics import mean_interval, mean_pass_at_k, wilson_interval, pass_at_k
@@ -43,16 +42,12 @@ async def evaluate(
     max_context_tokens: int = 4096,
     concurrency: int = 32,
     seed: int = 0,
-    agent: str = "",
-    history_turns: int = 0,
-    history_summary: bool = False,
-    observation_image: str = "",
-    history_notes: bool = False,
+    loop_settings: AgentLoopSettings = PLAIN_LOOP,
     samples_per_task: int = 1,
 ) -> EvalResult:
     """Play the first `episodes` tasks of `split` (cycling if there are fewer) with `engine`,
-    `samples_per_task` episodes of each (worth more than one only when the engine samples);
-    `agent` names the agent loop (empty: the env's own prompt format)."""
+    `samples_per_task` episodes of each (worth more than one only when the engine samples), each
+    as `loop_settings` say (the agent loop and what the model sees)."""
     tasks = list_tasks(env_name, split, **env_options)
     pool = EnvPool(lambda: make_env(env_name, **env_options))
     limiter = trio.CapacityLimiter(concurrency)
@@ -67,8 +62,7 @@ async def evaluate(
             result = await run_episode(
                 env, engine, task, horizon_cap=horizon_cap,
                 max_context_tokens=max_context_tokens, max_new_tokens=max_new_tokens,
-                seed=seed + number, episode_id=f"eval-{number}", agent=agent, history_turns=history_turns,
-                history_summary=history_summary, observation_image=observation_image, history_notes=history_notes,
+                seed=seed + number, episode_id=f"eval-{number}", loop_settings=loop_settings,
             )
             pool.release(env, broken=bool(result.error))
             results.append(result)
@@ -112,10 +106,7 @@ def evaluate_model_folder(config: "Config", model_folder: str | Path, episodes: 
                 engine, config.env.name, dict(config.env.options), split=config.env.eval_split, episodes=episodes,
                 horizon_cap=max(config.horizon.stages), max_new_tokens=config.actor.sampling.max_new_tokens,
                 max_context_tokens=config.actor.max_context_tokens, seed=config.run.seed,
-                agent=configured_agent(config.actor.agent, config.actor.agent_options),
-                history_turns=config.actor.history_turns, history_summary=config.actor.history_summary,
-                observation_image=config.actor.observation_image, history_notes=config.actor.history_notes,
-                samples_per_task=samples_per_task,
+                loop_settings=AgentLoopSettings.from_actor(config.actor), samples_per_task=samples_per_task,
             )
         finally:
             await engine.close()
@@ -154,16 +145,11 @@ async def play_tasks(
     max_new_tokens: int,
     max_context_tokens: int = 4096,
     concurrency: int = 32,
-    agent: str = "",
-    history_turns: int = 0,
-    history_summary: bool = False,
-    observation_image: str = "",
-    history_notes: bool = False,
+    loop_settings: AgentLoopSettings = PLAIN_LOOP,
     on_episode: Callable[[EpisodeRecord], None] = lambda record: None,
 ) -> list[EpisodeRecord]:
-    """`samples` episodes of every task (for Pass@k), run concurrently; one record per episode,
-    each also handed to `on_episode` as it ends (a progress bar).
-    `agent` names the agent loop (empty: the env's own prompt format)."""
+    """`samples` episodes of every task (for Pass@k), run concurrently, each as `loop_settings`
+    say; one record per episode, each also handed to `on_episode` as it ends (a progress bar)."""
     pool = EnvPool(lambda: make_env(env_name, **env_options))
     limiter = trio.CapacityLimiter(concurrency)
     records: list[EpisodeRecord] = []
@@ -174,8 +160,7 @@ async def play_tasks(
             result = await run_episode(
                 env, engine, task, horizon_cap=horizon_cap, max_context_tokens=max_context_tokens,
                 max_new_tokens=max_new_tokens, seed=0, episode_id=f"eval-{task.task_id}-{sample}",
-                agent=agent, history_turns=history_turns, history_summary=history_summary,
-                observation_image=observation_image, history_notes=history_notes,
+                loop_settings=loop_settings,
             )
             pool.release(env, broken=bool(result.error))
             record = EpisodeRecord(

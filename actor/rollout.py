@@ -19,7 +19,7 @@ from typing import Awaitable, Callable
 import numpy as np
 import trio
 
-from longhorizon.envs.agents import ActionParseError, AgentLoop, agent_loop_for, episode_loop
+from longhorizon.envs.agents import ActionParseError, AgentLoop, agent_loop_for, configured_agent, episode_loop
 from longhorizon.actor.engines.base import Engine, GenerationRequest
 from longhorizon.common.chat import NO_IMAGE_PROCESSOR, TokenConversation, takes_images
 from longhorizon.common.codec import pack_arrays
@@ -126,6 +126,36 @@ def _context_length(conversation: TokenConversation, view) -> int:
     return len(view.token_ids) if view.window_start > conversation.prompt_length else len(conversation)
 
 
+@dataclass(frozen=True)
+class AgentLoopSettings:
+    """How episodes are played and shown to the model, beside the env and the engine: the agent
+    loop and what of a long history the model sees (actor.agent and agent_options,
+    history_turns, history_summary, history_notes, observation_image). Everything that plays
+    episodes takes one of these, built from the config by `from_actor`, so a new option of the
+    agent loop is a field here and its use in `run_episode`."""
+
+    agent: AgentLoop | str = ""
+    """The agent loop or its name ("": the one the env's prompt_format names)."""
+    history_turns: int = 0
+    """> 0: the model sees the first prompt and only the last that many turns."""
+    history_summary: bool = False
+    """Each observation after the first is followed by the env's summary of the episode so far."""
+    observation_image: str = ""
+    """"screenshot" or "som": the env's image of that name shown with every observation."""
+    history_notes: bool = False
+    """The policy begins each reply with its notes, shown again after each later observation."""
+
+    @classmethod
+    def from_actor(cls, actor) -> AgentLoopSettings:
+        """The settings of a config's [actor] table."""
+        return cls(agent=configured_agent(actor.agent, actor.agent_options), history_turns=actor.history_turns,
+                   history_summary=actor.history_summary, observation_image=actor.observation_image,
+                   history_notes=actor.history_notes)
+
+
+PLAIN_LOOP = AgentLoopSettings()
+
+
 async def run_episode(
     env,
     engine: Engine,
@@ -138,25 +168,22 @@ async def run_episode(
     episode_id: str | None = None,
     invalid_reply_reward: float = 0.0,
     env_call_timeout_s: float = DEFAULT_ENV_CALL_TIMEOUT_S,
-    agent: AgentLoop | str = "",
-    history_turns: int = 0,
-    history_summary: bool = False,
-    observation_image: str = "",
-    history_notes: bool = False,
+    loop_settings: AgentLoopSettings = PLAIN_LOOP,
 ) -> EpisodeResult:
     """Play one episode. Env and engine failures are reported in `error`, never raised; an env
     reset or step that takes longer than `env_call_timeout_s` fails the episode (a hung browser
-    or simulator must not hold an episode slot for ever). `agent` is the agent loop or its name
-    ("": the one the env's prompt_format names); `history_turns` > 0 shows the model the first
-    prompt and only the last that many turns (actor.history_turns), whatever the loop shows;
-    `history_summary` adds the env's summary of the episode so far to each observation after the
-    first (actor.history_summary), so what the left-out turns did stays in view.
-    `observation_image` ("screenshot" or "som") shows the model the env's image of that name
-    (`info[observation_image]`) with every observation the env gives, before its text: the engine's
-    model must take images (a vision-language model's folder). Every image of the turns in view
-    stays in the context (`history_turns` bounds them with the turns). `history_notes` asks the
-    policy to begin each reply with its notes and shows its latest notes after each observation
-    (actor.history_notes)."""
+    or simulator must not hold an episode slot for ever). `loop_settings` (AgentLoopSettings) names
+    the agent loop and what the model sees: with `history_turns` > 0 the first prompt and only the
+    last that many turns, whatever the loop shows; `history_summary` adds the env's summary of the
+    episode so far to each observation after the first, so what the left-out turns did stays in
+    view; `observation_image` ("screenshot" or "som") shows the model the env's image of that name
+    (`info[observation_image]`) with every observation the env gives, before its text (the
+    engine's model must take images: a vision-language model's folder), every image of the turns
+    in view staying in the context; `history_notes` asks the policy to begin each reply with its
+    notes and shows its latest notes after each observation."""
+    agent, history_turns = loop_settings.agent, loop_settings.history_turns
+    history_summary, history_notes = loop_settings.history_summary, loop_settings.history_notes
+    observation_image = loop_settings.observation_image
     episode_id = episode_id or uuid.uuid4().hex
     notes: str | None = None
     result = EpisodeResult(conversation=None)
@@ -416,11 +443,7 @@ async def run_group_member(
     on_trajectory: Callable[[Trajectory], Awaitable[None]],
     invalid_reply_reward: float = 0.0,
     env_call_timeout_s: float = DEFAULT_ENV_CALL_TIMEOUT_S,
-    agent: AgentLoop | str = "",
-    history_turns: int = 0,
-    history_summary: bool = False,
-    observation_image: str = "",
-    history_notes: bool = False,
+    loop_settings: AgentLoopSettings = PLAIN_LOOP,
     with_messages: bool = False,
 ) -> Trajectory:
     """Run member `member` of a group (its episode id is `<group_id>-<member>`) and hand its
@@ -438,11 +461,7 @@ async def run_group_member(
         episode_id=f"{group_id}-{member}",
         invalid_reply_reward=invalid_reply_reward,
         env_call_timeout_s=env_call_timeout_s,
-        agent=agent,
-        history_turns=history_turns,
-        history_summary=history_summary,
-        observation_image=observation_image,
-        history_notes=history_notes,
+        loop_settings=loop_settings,
     )
     env_pool.release(env, broken=bool(result.error))
     trajectory = to_trajectory(

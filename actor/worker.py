@@ -24,7 +24,7 @@ import trio
 from longhorizon.actor.engines.base import Engine
 # engine_settings is re-exported: recipes and tests import it from here.
 from longhorizon.actor.engines.factory import build_engine, engine_settings  # noqa: F401
-from longhorizon.actor.rollout import EnvPool, run_group, run_group_member
+from longhorizon.actor.rollout import AgentLoopSettings, EnvPool, run_group, run_group_member
 from longhorizon.common.config import Config
 from longhorizon.common.collective import CollectiveError
 from longhorizon.common.models import WeightsRefused
@@ -32,7 +32,6 @@ from longhorizon.common.plugins import Registry
 from longhorizon.common.wire import (
     ActorStats, Backlog, CollectiveWeights, Heartbeat, Hello, HorizonUpdate, Stop, Trajectory, WeightsUpdate,
 )
-from longhorizon.envs.agents import configured_agent
 from longhorizon.envs.base import list_tasks, make_env
 
 log = logging.getLogger(__name__)
@@ -294,11 +293,7 @@ class Actor:
             max_context_tokens=self.config.actor.max_context_tokens,
             max_new_tokens=self.config.actor.sampling.max_new_tokens,
             seed=self.rng.randrange(2**31),
-            agent=configured_agent(self.config.actor.agent, self.config.actor.agent_options),
-            history_turns=self.config.actor.history_turns,
-            history_summary=self.config.actor.history_summary,
-            observation_image=self.config.actor.observation_image,
-            history_notes=self.config.actor.history_notes,
+            loop_settings=AgentLoopSettings.from_actor(self.config.actor),
             on_trajectory=self._send,
             invalid_reply_reward=self.config.actor.invalid_reply_reward,
             env_call_timeout_s=self.config.actor.env_call_timeout_s,

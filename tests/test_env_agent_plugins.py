@@ -6,7 +6,7 @@ import io
 import pytest
 
 from longhorizon.actor.engines.base import EngineSettings, make_engine
-from longhorizon.actor.rollout import EnvPool, run_episode, run_group
+from longhorizon.actor.rollout import AgentLoopSettings, EnvPool, run_episode, run_group
 from longhorizon.common.chat import ByteChatTokenizer
 from longhorizon.common.config import ConfigError, load_config
 from longhorizon.envs.agents import AgentLoopError, agent_loop_names, get_agent_loop, unregister_agent_loop
@@ -258,7 +258,7 @@ async def test_a_plugin_agent_loop_prompts_parses_and_shows_only_the_last_turn(p
     assert "action-lines" in agent_loop_names() and {"react", "bare"} <= set(agent_loop_names())
     engine = RecordingEngine(_scripted("wordtype", policy="action_oracle"))
     task = list_tasks("wordtype", "test")[0]
-    result = await run_episode(make_env("wordtype"), engine, task, agent=agent, **ROLLOUT)
+    result = await run_episode(make_env("wordtype"), engine, task, loop_settings=AgentLoopSettings(agent=agent), **ROLLOUT)
     assert result.error == "" and result.success and result.invalid_actions == 0 and result.reward == 1.5
 
     conversation = result.conversation
@@ -288,7 +288,8 @@ async def test_without_the_loop_the_same_replies_are_not_actions(plugins):
 
 async def test_a_garbled_reply_gets_the_plugin_loops_error_observation(plugins):
     result = await run_episode(make_env("wordtype"), _scripted("wordtype", policy="oracle"),
-                               list_tasks("wordtype", "test")[0], agent="action-lines", **ROLLOUT)
+                               list_tasks("wordtype", "test")[0],
+                               loop_settings=AgentLoopSettings(agent="action-lines"), **ROLLOUT)
     assert result.invalid_actions == 6 and not result.success
     assert result.conversation.messages[3]["content"] == "Not understood (write exactly one line ACTION: <word>)."
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from longhorizon.actor.engines.base import EngineSettings, GenerationResult, make_engine
-from longhorizon.actor.rollout import EnvPool, run_episode, run_group, to_trajectory
+from longhorizon.actor.rollout import AgentLoopSettings, EnvPool, run_episode, run_group, to_trajectory
 from longhorizon.common.codec import decode, encode
 from longhorizon.envs.base import list_tasks, make_env
 
@@ -192,7 +192,8 @@ async def test_a_windowed_history_outlives_the_context_budget_and_each_turn_trai
     whole = await run_episode(make_env("textcraft"), _RecordingEngine("no idea"), task, **settings)
     assert whole.cut_by == "context" and whole.num_turns < 3 and not whole.windowed
     engine = _RecordingEngine("no idea")
-    result = await run_episode(make_env("textcraft"), engine, task, history_turns=1, **settings)
+    result = await run_episode(make_env("textcraft"), engine, task, loop_settings=AgentLoopSettings(history_turns=1),
+                               **settings)
     assert result.num_turns == 6 and result.cut_by == "horizon" and result.windowed
     trajectory = decode([bytes(frame) for frame in encode(
         to_trajectory(result, actor_id="a", task=task, group_id="g", group_size=1, horizon_cap=6))])
@@ -214,8 +215,9 @@ async def test_with_a_history_summary_each_observation_ends_with_the_envs_accoun
     what the earlier turns gathered, and the trajectory holds exactly what it saw."""
     task = list_tasks("textcraft", "test", min_depth=2, max_depth=2)[0]
     env, engine = make_env("textcraft", min_depth=2, max_depth=2), _scripted("textcraft", min_depth=2, max_depth=2)
-    settings = dict(horizon_cap=20, max_context_tokens=100_000, max_new_tokens=256, seed=0, history_turns=1)
-    result = await run_episode(env, engine, task, history_summary=True, **settings)
+    settings = dict(horizon_cap=20, max_context_tokens=100_000, max_new_tokens=256, seed=0)
+    summarised = AgentLoopSettings(history_turns=1, history_summary=True)
+    result = await run_episode(env, engine, task, loop_settings=summarised, **settings)
     assert result.success and result.num_turns >= 3 and result.windowed
     observations = [m["content"] for m in result.conversation.messages if m["role"] == "user"][1:]
     assert len(observations) == result.num_turns - 1  # the last step's observation ends the episode
@@ -224,13 +226,14 @@ async def test_with_a_history_summary_each_observation_ends_with_the_envs_accoun
         assert summary.startswith("Inventory: ") and summary not in observation
     # The inventory grows with what was gathered: the last summary names more than the first.
     assert len(observations[-1].rsplit("\n\n", 1)[1]) > len(observations[0].rsplit("\n\n", 1)[1])
-    plain = await run_episode(make_env("textcraft", min_depth=2, max_depth=2), engine, task, **settings)
+    plain = await run_episode(make_env("textcraft", min_depth=2, max_depth=2), engine, task,
+                              loop_settings=AgentLoopSettings(history_turns=1), **settings)
     assert [m["content"] for m in plain.conversation.messages if m["role"] == "user"][1:] == \
         [observation.rsplit("\n\n", 1)[0] for observation in observations]
 
     # An env without a summary fails the episode with a message that names the key.
     codebook = await run_episode(make_env("codebook"), _scripted("codebook"), list_tasks("codebook", "test")[0],
-                                 history_summary=True, **settings)
+                                 loop_settings=summarised, **settings)
     assert "actor.history_summary: env 'codebook' gives no summary" in codebook.error
 
 
@@ -271,9 +274,10 @@ async def test_with_history_notes_the_policys_latest_notes_follow_each_observati
     oracle still wins) and follow every later observation until newer notes replace them; a reply
     without notes leaves the last ones in view. The notes stay in the trajectory as written."""
     task = list_tasks("textcraft", "test", min_depth=3, max_depth=3)[0]
-    settings = dict(horizon_cap=20, max_context_tokens=100_000, max_new_tokens=256, seed=0, history_turns=1)
+    settings = dict(horizon_cap=20, max_context_tokens=100_000, max_new_tokens=256, seed=0)
     engine = _NoteTakingEngine(_scripted("textcraft", min_depth=3, max_depth=3), noting={1, 3})
-    result = await run_episode(make_env("textcraft", min_depth=3, max_depth=3), engine, task, history_notes=True, **settings)
+    result = await run_episode(make_env("textcraft", min_depth=3, max_depth=3), engine, task,
+                               loop_settings=AgentLoopSettings(history_turns=1, history_notes=True), **settings)
     assert result.success and result.num_turns >= 4 and result.windowed and not result.invalid_actions
     messages = result.conversation.messages
     assert "Begin each reply with <notes>" in messages[0]["content"] + messages[1]["content"]
@@ -285,7 +289,7 @@ async def test_with_history_notes_the_policys_latest_notes_follow_each_observati
     assert all(note.startswith("turn 3: ") for note in noted[2:])
 
     plain = await run_episode(make_env("textcraft", min_depth=3, max_depth=3), _scripted("textcraft", min_depth=3, max_depth=3),
-                              task, **settings)
+                              task, loop_settings=AgentLoopSettings(history_turns=1), **settings)
     assert [m["content"] for m in plain.conversation.messages if m["role"] == "user"][1:] == \
         [observation.rsplit("\n\nYour notes: ", 1)[0] for observation in observations]
 

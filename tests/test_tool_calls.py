@@ -239,7 +239,7 @@ class RepliesEngine:
 
 
 def test_an_episode_played_by_tool_calls_reaches_the_goal_and_counts_its_garbled_calls():
-    from longhorizon.actor.rollout import run_episode
+    from longhorizon.actor.rollout import AgentLoopSettings, run_episode
 
     spec = get_env_spec("textcraft")
     task = next(t for t in spec.tasks("train") if t.data["goal"] == "minecraft:oak_planks")
@@ -252,7 +252,8 @@ def test_an_episode_played_by_tool_calls_reaches_the_goal_and_counts_its_garbled
                                           "ingredients": [{"item": "oak logs", "count": 1}]})]),
     ])
     result = trio.run(lambda: run_episode(
-        TextCraftEnv(), engine, task, horizon_cap=8, max_context_tokens=8192, max_new_tokens=256, agent="tools"))
+        TextCraftEnv(), engine, task, horizon_cap=8, max_context_tokens=8192, max_new_tokens=256,
+        loop_settings=AgentLoopSettings(agent="tools")))
     assert result.error == "" and result.success and result.num_turns == 4 and result.invalid_actions == 2
     messages = result.conversation.messages
     assert messages[0]["role"] == "system" and "<tools>" in messages[0]["content"]
@@ -293,7 +294,7 @@ def test_the_oracle_plays_by_tool_calls_as_well_as_by_text(env_name):
     before a hermes call): every episode the oracle wins with its own loop it wins by tools."""
     from longhorizon.actor.engines.base import EngineSettings
     from longhorizon.actor.engines.scripted import ScriptedEngine
-    from longhorizon.actor.rollout import run_episode
+    from longhorizon.actor.rollout import AgentLoopSettings, run_episode
 
     spec = get_env_spec(env_name)
     tasks = spec.tasks("train")[:4]
@@ -303,7 +304,8 @@ def test_the_oracle_plays_by_tool_calls_as_well_as_by_text(env_name):
         results = []
         for number, task in enumerate(tasks):
             results.append(await run_episode(spec.factory(), engine, task, horizon_cap=60, max_context_tokens=1 << 16,
-                                             max_new_tokens=512, seed=number, agent=configured_agent(agent, agent_options)))
+                                             max_new_tokens=512, seed=number,
+                                             loop_settings=AgentLoopSettings(configured_agent(agent, agent_options))))
         return results
 
     text = trio.run(play, "", {})
@@ -320,14 +322,15 @@ def test_a_tiny_untrained_model_playing_by_tools_gets_its_garbled_calls_counted(
     """A random model's replies hold no call: each is an invalid action with the parser's reason,
     the episode runs to its cap and its sampled tokens train as they were sampled."""
     from longhorizon.actor.engines.base import EngineSettings, make_engine
-    from longhorizon.actor.rollout import run_episode
+    from longhorizon.actor.rollout import AgentLoopSettings, run_episode
     from longhorizon.common.config import SamplingConfig
 
     engine = make_engine("hf", EngineSettings(model_path=str(tiny_codebook_model),
                                               sampling=SamplingConfig(max_new_tokens=6), max_batch_size=4))
     task = get_env_spec("textcraft").tasks("train")[0]
     result = trio.run(lambda: run_episode(TextCraftEnv(), engine, task, horizon_cap=3, max_context_tokens=1 << 15,
-                                          max_new_tokens=6, agent="tools"))
+                                          max_new_tokens=6,
+                                          loop_settings=AgentLoopSettings(agent="tools")))
     assert result.error == "" and result.num_turns == 3 and result.truncated and result.cut_by == "horizon"
     assert result.invalid_actions == 3
     assert all(m["content"].startswith("Invalid tool call: no tool call found")

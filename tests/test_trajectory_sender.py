@@ -2,7 +2,6 @@
 trajectory socket names its control connection in the handshake, and a process that holds the
 run's secret but not that connection cannot train under an actor's name."""
 
-import numpy as np
 import pytest
 import trio
 

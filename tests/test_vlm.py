@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vlm_models import build_tiny_vlm, png_image  # noqa: E402
 
 from longhorizon.actor.engines.base import EngineSettings, GenerationRequest, make_engine  # noqa: E402
-from longhorizon.actor.rollout import run_episode, to_trajectory  # noqa: E402
+from longhorizon.actor.rollout import AgentLoopSettings, run_episode, to_trajectory  # noqa: E402
 from longhorizon.common.chat import TokenConversation, image_model_inputs  # noqa: E402
 from longhorizon.common.codec import decode, encode  # noqa: E402
 from longhorizon.common.config import LearnerConfig, SamplingConfig  # noqa: E402
@@ -188,7 +188,7 @@ async def test_screenshots_ride_with_observations_over_the_wire_to_the_learners_
     engine = _RecordingEngine(_engine(tiny_vlm, max_new_tokens=3))
     result = await run_episode(
         ColourScreens(turns=5), engine, _Task(), horizon_cap=6, max_context_tokens=2000, max_new_tokens=3,
-        seed=0, history_turns=history_turns, observation_image="screenshot",
+        seed=0, loop_settings=AgentLoopSettings(history_turns=history_turns, observation_image="screenshot"),
     )
     assert result.error == "" and result.terminated
     trajectory = decode(encode(to_trajectory(result, actor_id="a", task=_Task(), group_id="g", group_size=1,
@@ -234,7 +234,7 @@ async def test_screenshots_ride_with_observations_over_the_wire_to_the_learners_
 async def test_an_episode_with_screenshots_on_a_text_model_fails_with_the_reason(tiny_codebook_model):
     engine = _engine(tiny_codebook_model)
     result = await run_episode(ColourScreens(), engine, _Task(), horizon_cap=2, max_context_tokens=500,
-                               max_new_tokens=3, observation_image="screenshot")
+                               max_new_tokens=3, loop_settings=AgentLoopSettings(observation_image="screenshot"))
     assert "no image processor" in result.error and "\n" not in result.error
 
 

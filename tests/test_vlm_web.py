@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vlm_models import build_tiny_vlm  # noqa: E402
 
 from longhorizon.actor.engines.base import EngineSettings, make_engine  # noqa: E402
-from longhorizon.actor.rollout import run_episode, to_trajectory  # noqa: E402
+from longhorizon.actor.rollout import AgentLoopSettings, run_episode, to_trajectory  # noqa: E402
 from longhorizon.common.chat import image_model_inputs  # noqa: E402
 from longhorizon.common.codec import decode, encode  # noqa: E402
 from longhorizon.common.config import SamplingConfig  # noqa: E402
@@ -45,7 +45,7 @@ async def test_a_vision_language_policy_plays_miniwob_on_screenshots(tmp_path):
     task = list_tasks("miniwob", "train", **options)[0]
     try:
         result = await run_episode(env, engine, task, horizon_cap=3, max_context_tokens=8192, max_new_tokens=4,
-                                   seed=0, observation_image="screenshot")
+                                   seed=0, loop_settings=AgentLoopSettings(observation_image="screenshot"))
     finally:
         await env.close()
         pool.close()

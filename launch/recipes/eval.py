@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 from longhorizon.actor.engines.factory import plan_engine
 from longhorizon.actor.evaluate import play_tasks, pass_at_k_curve, summarise, default_ks
-from longhorizon.envs.agents import configured_agent
+from longhorizon.actor.rollout import AgentLoopSettings
 from longhorizon.common.args import key_value_options, parse_args
 from longhorizon.common.config import load_config, ConfigError
 from longhorizon.common.progress import ProgressBar
@@ -81,10 +81,7 @@ async def _play(engine, config, tasks, *, samples: int, horizon_cap: int, on_epi
     return await play_tasks(
         engine, config.env.name, dict(config.env.options), tasks, samples=samples, horizon_cap=horizon_cap,
         max_new_tokens=config.actor.sampling.max_new_tokens, max_context_tokens=config.actor.max_context_tokens,
-        agent=configured_agent(config.actor.agent, config.actor.agent_options),
-        history_turns=config.actor.history_turns, history_summary=config.actor.history_summary,
-        observation_image=config.actor.observation_image, history_notes=config.actor.history_notes,
-        on_episode=on_episode,
+        loop_settings=AgentLoopSettings.from_actor(config.actor), on_episode=on_episode,
     )
 
 

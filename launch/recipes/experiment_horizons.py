@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Sequence
 
 from longhorizon.common.processes import stop_process
-from longhorizon.envs.agents import configured_agent
 from longhorizon.envs.base import list_tasks
 from longhorizon.common.metrics import read_metrics
 from longhorizon.actor.engines.factory import build_engine
 from longhorizon.actor.evaluate import play_tasks
+from longhorizon.actor.rollout import AgentLoopSettings
 from longhorizon.common.config import load_config
 from longhorizon.common.models import build_tiny_model
 from longhorizon.envs.toy.codechain import vocabulary
@@ -270,9 +270,7 @@ def evaluate_model(config, model_folder: Path, cap: int) -> dict:
     records = trio.run(lambda: play_tasks(
         engine, config.env.name, dict(config.env.options), tasks, samples=1, horizon_cap=cap,
         max_new_tokens=config.actor.sampling.max_new_tokens, max_context_tokens=config.actor.max_context_tokens,
-        agent=configured_agent(config.actor.agent, config.actor.agent_options), history_turns=config.actor.history_turns,
-        history_summary=config.actor.history_summary, observation_image=config.actor.observation_image,
-        history_notes=config.actor.history_notes,
+        loop_settings=AgentLoopSettings.from_actor(config.actor),
     ))
     failed = [record for record in records if record.error]
     if failed:
