@@ -17,6 +17,7 @@ import trio
 
 from longhorizon.actor.engines.base import make_engine
 from longhorizon.actor.evaluate import evaluate, greedy
+from longhorizon.actor.rollout import AgentLoopSettings
 from longhorizon.actor.worker import engine_settings
 from longhorizon.common.config import load_config
 from longhorizon.common.metrics import read_metrics
@@ -33,7 +34,7 @@ def _evaluate(config, model_folder, episodes=200):
         lambda: evaluate(
             engine, config.env.name, dict(config.env.options), split="test", episodes=episodes,
             horizon_cap=config.horizon.stages[0], max_new_tokens=config.actor.sampling.max_new_tokens,
-            history_turns=config.actor.history_turns,
+            loop_settings=AgentLoopSettings(history_turns=config.actor.history_turns),
         )
     )
 
