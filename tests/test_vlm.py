@@ -69,6 +69,21 @@ def _largest_difference(model, processor, examples, pad_token_id, temperature: f
     return (learner[generated] - batch.behaviour_logprobs[generated]).abs().max().item()
 
 
+def _learner_examples(trajectory) -> list[Example]:
+    """A trajectory's training samples as the learner cuts them: one per turn's window, each with
+    the images it shows, or the whole trajectory when it has no windows."""
+    windows = windows_of(trajectory)
+    if not windows:
+        return [Example(np.asarray(trajectory.token_ids, np.int64), np.asarray(trajectory.loss_mask, np.float32),
+                        np.asarray(trajectory.behaviour_logprobs, np.float32), 0.0, images=images_of(trajectory))]
+    prompt_length = int(trajectory.prompt_length)
+    return [Example(cut(trajectory.token_ids, prompt_length, start, end).astype(np.int64),
+                    reply_mask(trajectory.loss_mask, prompt_length, (start, reply, end)),
+                    cut(trajectory.behaviour_logprobs, prompt_length, start, end).astype(np.float32), 0.0,
+                    images=images_of(trajectory, (start, reply, end)))
+            for start, reply, end in windows]
+
+
 def test_a_vision_language_folder_loads_with_its_processor_and_a_text_folder_has_none(tiny_vlm, tiny_codebook_model):
     model = load_causal_lm(tiny_vlm)
     assert type(model).__name__ == "Idefics3ForConditionalGeneration"
@@ -207,27 +222,16 @@ async def test_screenshots_ride_with_observations_over_the_wire_to_the_learners_
     windows = windows_of(trajectory) or [None] * len(engine.requests)
     assert bool(windows_of(trajectory)) == bool(history_turns)
     model, processor = load_causal_lm(tiny_vlm), load_processor(tiny_vlm)
-    prompt_length = int(trajectory.prompt_length)
-    examples = []
     for request, window in zip(engine.requests, windows):
         assert request.token_ids.count(image_token) == 4 * len(request.images)
-        if window is None:
-            continue
-        assert list(images_of(trajectory, window)) == request.images
-        start, _, end = window
-        examples.append(Example(
-            cut(trajectory.token_ids, prompt_length, start, end).astype(np.int64),
-            reply_mask(trajectory.loss_mask, prompt_length, window),
-            cut(trajectory.behaviour_logprobs, prompt_length, start, end).astype(np.float32), 0.0,
-            images=images_of(trajectory, window)))
+        if window is not None:
+            assert list(images_of(trajectory, window)) == request.images
     if history_turns:
         assert any(len(r.images) < len(trajectory.images) for r in engine.requests)  # old screens left out
     else:
         assert engine.requests[-1].images == trajectory.images
-        examples = [Example(np.asarray(trajectory.token_ids, np.int64), np.asarray(trajectory.loss_mask, np.float32),
-                            np.asarray(trajectory.behaviour_logprobs, np.float32), 0.0,
-                            images=images_of(trajectory))]
-    difference = _largest_difference(model, processor, examples, engine.tokenizer.tokenizer.pad_token_id)
+    difference = _largest_difference(model, processor, _learner_examples(trajectory),
+                                     engine.tokenizer.tokenizer.pad_token_id)
     assert difference < 1e-4, difference
 
 
@@ -405,22 +409,10 @@ async def test_the_gateway_records_a_sessions_images_and_the_learner_scores_them
     else:
         assert trajectory.images == [RED, BLUE] and trajectory.image_offsets[0] == 0 < trajectory.image_offsets[1]
     model, processor = load_causal_lm(tiny_vlm), load_processor(tiny_vlm)
-    prompt_length = int(trajectory.prompt_length)
-    if windows:
-        examples = []
-        for request, window in zip(engine.requests, windows):
-            assert list(images_of(trajectory, window)) == request.images
-            start, _, end = window
-            examples.append(Example(
-                cut(trajectory.token_ids, prompt_length, start, end).astype(np.int64),
-                reply_mask(trajectory.loss_mask, prompt_length, window),
-                cut(trajectory.behaviour_logprobs, prompt_length, start, end).astype(np.float32), 0.0,
-                images=images_of(trajectory, window)))
-    else:
-        examples = [Example(np.asarray(trajectory.token_ids, np.int64), np.asarray(trajectory.loss_mask, np.float32),
-                            np.asarray(trajectory.behaviour_logprobs, np.float32), 0.0,
-                            images=images_of(trajectory))]
-    difference = _largest_difference(model, processor, examples, engine.tokenizer.tokenizer.pad_token_id)
+    for request, window in zip(engine.requests, windows):
+        assert list(images_of(trajectory, window)) == request.images
+    difference = _largest_difference(model, processor, _learner_examples(trajectory),
+                                     engine.tokenizer.tokenizer.pad_token_id)
     assert difference < 1e-4, difference
 
 
