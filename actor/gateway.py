@@ -43,7 +43,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from longhorizon.common.chat import ContentError, TokenRecord, content_parts, decode_image
+from longhorizon.common.chat import ContentError, TokenRecord, check_images, content_parts
 from longhorizon.common.chat import takes_images as tokenizer_takes_images
 from longhorizon.common.codec import pack_arrays
 from longhorizon.common.wire import Trajectory
@@ -128,12 +128,10 @@ def check_messages(messages: Any, takes_images: bool = False) -> list[dict]:
         if images and not takes_images:
             raise GatewayError(400, "the model takes no images (its folder has no image processor, or its engine "
                                "shows none)", "unsupported_content")
-        for image in images:
-            try:
-                decode_image(image)
-            except ValueError as error:
-                raise GatewayError(400, f"messages[{index}] has an image_url part that holds no image: {error}",
-                                   "invalid_image") from None
+        try:
+            check_images(images)
+        except ContentError as error:
+            raise GatewayError(400, f"messages[{index}]: {error}", error.code) from None
         if message["role"] == "assistant":
             message_calls(message)
     return messages

@@ -94,7 +94,7 @@ from longhorizon.actor.http_serving import (
 )
 from longhorizon.actor.model_batching import ClientGone, Job, Metrics, ModelServer, Sampling, ServerStopping
 from longhorizon.common.args import parse_args
-from longhorizon.common.chat import ContentError, content_parts, decode_image, takes_images
+from longhorizon.common.chat import ContentError, check_images, content_parts, takes_images
 from longhorizon.common.models import ModelError, WeightsRefused, resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -213,11 +213,9 @@ def _content(message: dict, takes_images: bool) -> dict:
             raise ContentError("the served model takes no images (its folder has no image processor)")
         if len(images) > MAX_IMAGES:
             raise ContentError(f"at most {MAX_IMAGES} images a message")
-        for image in images:
-            decode_image(image)
-    except ValueError as error:  # ContentError, or bytes that are no image
-        raise RequestError(f"{error}" if isinstance(error, ContentError) else f"an image_url part holds no image: "
-                           f"{error}") from None
+        check_images(images)
+    except ContentError as error:
+        raise RequestError(str(error)) from None
     return {"role": role, "content": text, **({"images": images} if images else {})}
 
 

@@ -65,6 +65,15 @@ def content_parts(content, role: str = "user") -> tuple[str, list[bytes]]:
     return "\n".join(texts), images
 
 
+def check_images(images: Sequence[bytes]) -> None:
+    """`ContentError` (code invalid_image) for the first of `images` that is not a readable image."""
+    for image in images:
+        try:
+            decode_image(image)
+        except ValueError as error:
+            raise ContentError(f"an image_url part holds no image: {error}", "invalid_image") from None
+
+
 def _data_url_bytes(image_url) -> bytes:
     import base64
     import binascii
