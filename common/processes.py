@@ -66,6 +66,7 @@ import time
 from typing import Any, Sequence
 
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36
 DEFAULT_GRACE_S = 2.0
 """Seconds a helper gets between SIGTERM and SIGKILL after its owner died."""
@@ -98,6 +99,16 @@ def die_with_parent(signum: int = signal.SIGTERM, *, parent_pid: int | None = No
     _prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
     if parent_pid is not None and os.getppid() != parent_pid:
         os.kill(os.getpid(), signum)
+
+
+def set_process_name(name: str) -> None:
+    """Name the calling thread (the main thread: the process) as `ps -o comm` and `top` show it;
+    15 bytes at most are kept. A no-op off Linux."""
+    if _prctl is None:
+        return
+    import ctypes
+
+    _prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
 class TiedProcess(subprocess.Popen):

@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 import trio
 
@@ -196,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_DO_NOT_RESTART
 
 
-if __name__ == "__main__":
-    code = main()
+def run_as_process(argv: list[str] | None = None) -> NoReturn:
+    """Run `main` as the whole process, then exit with its code: for `python -m` and for a worker
+    the fork server started (launch/launchers/fork_server.py)."""
+    code = main(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # A rank of a learner with several ranks: its collectives' threads must not outlive the
         # interpreter's teardown (see exit_without_teardown).
@@ -205,3 +208,7 @@ if __name__ == "__main__":
 
         exit_without_teardown(0 if code is None else code)
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    run_as_process()

@@ -18,7 +18,7 @@ from tests.test_system import (
     _all_pids,
     _overrides,
     _start,
-    _temporary_folder,
+    _scratch_folders,
     _wait_until,
     versions_after_each_step,
 )
@@ -102,7 +102,7 @@ def test_a_run_killed_by_process_group_or_all_at_once_leaves_nothing_and_resumes
     try:
         _wait_past_a_checkpoint(run_dir, process)
         workers = _all_pids(run_dir)
-        scratch_folders = [_temporary_folder(pid) for pid in workers.values()]
+        scratch_folders = list(_scratch_folders(run_dir).values())
         everything = _descendants(process.pid) | {process.pid}
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
@@ -118,7 +118,7 @@ def test_a_run_killed_by_process_group_or_all_at_once_leaves_nothing_and_resumes
     try:
         _wait_past_a_checkpoint(run_dir, resumed, after_step=records[-1]["step"])
         workers = _all_pids(run_dir)
-        scratch_folders = [_temporary_folder(pid) for pid in workers.values()]
+        scratch_folders = list(_scratch_folders(run_dir).values())
         everything = _descendants(resumed.pid) | {resumed.pid}
         doomed = [pid for pid in everything if not _is_janitor(pid)]
         assert set(workers.values()) <= set(doomed)

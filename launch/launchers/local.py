@@ -19,6 +19,7 @@ from pathlib import Path
 
 from longhorizon.common.config import Config
 from longhorizon.launch.checks import validate_config
+from longhorizon.launch.launchers.fork_server import ForkedProcess, ForkServer, ForkServerError, fork_server_supported, preload_for
 from longhorizon.launch.launchers.supervise import SubprocessControl, prepare_run_dir, process_name, supervise, with_ports
 from longhorizon.learner.distributed import STORE_FILE_VARIABLE
 from longhorizon.common.models import resolve_model_path
@@ -33,13 +34,16 @@ class WorkerProcess(SubprocessControl):
 
     def __init__(
         self, role: str, index: int, config_path: Path, log_path: Path, *, env: dict[str, str] | None = None,
+        fork_server: ForkServer | None = None,
     ) -> None:
         self.role, self.index = role, index
         self.config_path, self.log_path = config_path, log_path
         # Variables added to the launcher's environment for this process (secrets never go in
         # the config file, which is written to the run directory).
         self.env = dict(env or {})
-        self.process: subprocess.Popen | None = None
+        # Where the process is forked from (run.fork_server), or None: a fresh interpreter.
+        self.fork_server = fork_server
+        self.process: subprocess.Popen | ForkedProcess | None = None
         self.restarts = 0
         self.started_at = 0.0
 
@@ -47,24 +51,33 @@ class WorkerProcess(SubprocessControl):
     def name(self) -> str:
         return process_name(self.role, self.index)
 
+    def worker_arguments(self, *, resume: bool) -> list[str]:
+        arguments = [self.role, "--config", str(self.config_path), "--index", str(self.index)]
+        return [*arguments, "--resume"] if resume else arguments
+
     def command(self, *, resume: bool) -> list[str]:
-        command = [
-            sys.executable, "-m", "longhorizon.launch.worker", self.role,
-            "--config", str(self.config_path), "--index", str(self.index),
-        ]
-        return [*command, "--resume"] if resume else command
+        return [sys.executable, "-m", "longhorizon.launch.worker", *self.worker_arguments(resume=resume)]
 
     def start(self, *, resume: bool = False) -> None:
-        command = self.command(resume=resume)
         self.started_at = time.monotonic()
         environment = {**os.environ, **self.env, **self.scratch_environment(self.name)}
-        log_file = self.log_path.open("ab")
-        # A session of its own: the launcher decides the order of shutdown on Ctrl-C.
-        self.process = subprocess.Popen(
-            command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, env=environment,
-        )
-        log_file.close()
+        with self.log_path.open("ab") as log_file:
+            if self.fork_server is not None:
+                try:
+                    self.process = self.fork_server.spawn(
+                        self.worker_arguments(resume=resume), env=environment, log_file=log_file,
+                        name=f"lh-{self.name}",
+                    )
+                    return
+                except ForkServerError as error:
+                    # Started the plain way instead: slower, otherwise the same.
+                    log_file.write(f"[launcher] {error}; starting {self.name} as a new process\n".encode())
+                    log_file.flush()
+            # A session of its own: the launcher decides the order of shutdown on Ctrl-C.
+            self.process = subprocess.Popen(
+                self.command(resume=resume), stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, env=environment,
+            )
 
     def poll(self) -> int | None:
         return None if self.process is None else self.process.poll()
@@ -74,15 +87,18 @@ class WorkerProcess(SubprocessControl):
         self.process = None
 
     def describe(self) -> dict:
-        return {"pid": self.process.pid if self.process else None, "restarts": self.restarts}
+        return {"pid": self.process.pid if self.process else None, "restarts": self.restarts,
+                "scratch": None if self.scratch_dir is None else str(self.scratch_dir)}
 
 
-def _learner_ranks(config: Config, config_path: Path, run_dir: Path) -> list[WorkerProcess]:
+def _learner_ranks(
+    config: Config, config_path: Path, run_dir: Path, fork_server: ForkServer | None = None,
+) -> list[WorkerProcess]:
     """The learner's processes: one, or `learner.num_ranks` ranks that find rank 0 through
     torch.distributed's environment variables (as torchrun would set them)."""
     num_ranks = config.learner.num_ranks
     if num_ranks == 1:
-        return [WorkerProcess("learner", 0, config_path, run_dir / "logs" / "learner.log")]
+        return [WorkerProcess("learner", 0, config_path, run_dir / "logs" / "learner.log", fork_server=fork_server)]
     # On one machine the ranks meet through a file and gloo talks over the loopback interface:
     # nothing of the learner's process group listens beyond this machine.
     rendezvous = {
@@ -93,16 +109,19 @@ def _learner_ranks(config: Config, config_path: Path, run_dir: Path) -> list[Wor
         WorkerProcess(
             "learner", rank, config_path,
             run_dir / "logs" / ("learner.log" if rank == 0 else f"learner-rank{rank}.log"),
-            env={**rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            env={**rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)}, fork_server=fork_server,
         )
         for rank in range(num_ranks)
     ]
 
 
-def actor_processes(config: Config, config_path: Path, run_dir: Path, env: dict[str, str]) -> list[WorkerProcess]:
+def actor_processes(
+    config: Config, config_path: Path, run_dir: Path, env: dict[str, str], fork_server: ForkServer | None = None,
+) -> list[WorkerProcess]:
     """The run's actors, each with `env` (the actors' credentials) added to its environment."""
     return [
-        WorkerProcess("actor", index, config_path, run_dir / "logs" / f"actor-{index}.log", env=env)
+        WorkerProcess("actor", index, config_path, run_dir / "logs" / f"actor-{index}.log", env=env,
+                      fork_server=fork_server)
         for index in range(config.actor.num_actors)
     ]
 
@@ -118,17 +137,28 @@ def launch_local(config: Config, *, progress=print) -> int:
     config = with_ports(config)
     # Convert or build the model once here, not in every process at the same time; a model that
     # is not there fails before the run's folder is made.
-    resolve_model_path(config.model.path, config.model.cache_dir)
+    model_folder = resolve_model_path(config.model.path, config.model.cache_dir)
+    # Started first: it imports while the launcher prepares the run.
+    fork_server = (ForkServer(preload_for(model_folder)) if config.run.fork_server and fork_server_supported()
+                   else None)
+    try:
+        return _launch_workers(config, fork_server, progress)
+    finally:
+        if fork_server is not None:
+            fork_server.close()
+
+
+def _launch_workers(config: Config, fork_server: ForkServer | None, progress) -> int:
     run_dir = prepare_run_dir(config, progress=progress)
     config_path = run_dir / "config.toml"
     _remove_ranks_store(run_dir)
     # This run's CurveZMQ keys or secret (common/auth.py), in each process's environment only
     # (never in a file).
     credentials_by_role = auth_environments(config.transport)
-    learner_ranks = _learner_ranks(config, config_path, run_dir)
+    learner_ranks = _learner_ranks(config, config_path, run_dir, fork_server)
     for rank in learner_ranks:
         rank.env.update(credentials_by_role["learner"])
-    actors = actor_processes(config, config_path, run_dir, credentials_by_role["actor"])
+    actors = actor_processes(config, config_path, run_dir, credentials_by_role["actor"], fork_server)
     progress(f"run directory: {run_dir}  (logs in {run_dir / 'logs'})")
     ranks_text = "" if len(learner_ranks) == 1 else f" of {len(learner_ranks)} ranks"
     progress(
