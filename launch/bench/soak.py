@@ -80,12 +80,13 @@ def _rss_mb(pid: int) -> float | None:
     return use.rss_bytes / MIB if use.processes else None
 
 
-def _run_processes(run_dir: Path) -> dict[str, int]:
+def _run_processes(run_dir: Path) -> dict[str, dict]:
+    """The launcher's table of the processes now running: name to its entry (pid, scratch folder)."""
     try:
         table = json.loads((run_dir / "processes.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
-    return {name: entry["pid"] for name, entry in table.items() if entry.get("pid")}
+    return {name: entry for name, entry in table.items() if entry.get("pid")}
 
 
 def memory_growth(samples: dict[tuple[str, int], list[tuple[float, float]]], warmup_s: float) -> list[dict[str, Any]]:
@@ -177,22 +178,23 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(f"the run ended early (exit {launcher.returncode}): {tail}")
             now = time.monotonic()
             processes = _run_processes(run_dir)
-            for name, pid in processes.items():
-                if pid not in every_pid:
-                    scratch_folders.update(_scratch_folder(pid))
+            for name, entry in processes.items():
+                pid = entry["pid"]
+                if entry.get("scratch"):
+                    scratch_folders.add(entry["scratch"])
                 every_pid.add(pid)
                 first_seen.setdefault(pid, now)
                 rss = _rss_mb(pid)
                 if rss is not None:
                     role = "learner" if name == "learner" else name
                     samples.setdefault((role, pid), []).append((now - first_seen[pid], rss))
-            actors = [pid for name, pid in processes.items() if name != "learner"]
+            actors = [entry["pid"] for name, entry in processes.items() if name != "learner"]
             if now >= next_kill and actors:
                 os.kill(rng.choice(actors), signal.SIGKILL)
                 kills += 1
                 next_kill = now + args.kill_every_s
             if now >= next_learner_kill and "learner" in processes and learner_kills < MAX_LEARNER_RESTARTS:
-                os.kill(processes["learner"], signal.SIGKILL)
+                os.kill(processes["learner"]["pid"], signal.SIGKILL)
                 learner_kills += 1
                 next_learner_kill = now + args.kill_learner_every_s
             if now >= next_report:
@@ -206,7 +208,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         minutes = (time.monotonic() - started) / 60  # the soak's own time, not the stop's
         stop_process(launcher, timeout_s=180)
-    every_pid.update(_run_processes(run_dir).values())
+    every_pid.update(entry["pid"] for entry in _run_processes(run_dir).values())
     # The launcher has returned, so its children are stopping: give them a moment to go.
     deadline = time.monotonic() + _EXIT_GRACE_S
     while any(_rss_mb(pid) is not None for pid in every_pid) and time.monotonic() < deadline:
@@ -223,15 +225,6 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         "left_behind": left_behind, "scratch_folders": len(scratch_folders),
         "folders_left_behind": folders_left_behind, "run_dir": str(run_dir) if args.output_dir else None,
     }
-
-
-def _scratch_folder(pid: int) -> list[str]:
-    """The TMPDIR the launcher gave worker `pid` (its scratch folder), if it can be read."""
-    try:
-        environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return []
-    return [entry[len(b"TMPDIR="):].decode() for entry in environment if entry.startswith(b"TMPDIR=")]
 
 
 def print_report(result: dict[str, Any]) -> None:
