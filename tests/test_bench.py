@@ -282,3 +282,25 @@ def test_peak_memory_counts_the_commands_children_and_passes_its_exit_code(capsy
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["exit_code"] == 3 and result["peak_pss_mb"] >= 200
     assert any("bytearray(200" in label and mb >= 200 for label, mb in result["own_peak_mb"].items())
+
+
+@pytest.mark.slow
+def test_worker_start_runs_each_mode_and_measures_the_whole_process_tree(capsys):
+    """One round, one step, one actor: the runs train, and each run's CPU counts its processes' too
+    (a worker's start alone is seconds of CPU, the launcher's own share is less than that)."""
+    from longhorizon.launch.bench.worker_start import main as bench_worker_start
+
+    assert bench_worker_start(["--rounds", "1", "--steps", "1", "--actors", "1"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result["runs"]) == {"fresh", "forked"}
+    for mode in ("fresh", "forked"):
+        (run,) = result["runs"][mode]
+        assert run["cpu_s"] > 3 and run["wall_s"] > 0
+    assert result["medians"]["fresh"]["cpu_s"] == result["runs"]["fresh"][0]["cpu_s"]
+
+
+def test_worker_start_refuses_a_config_that_is_not_there(capsys):
+    from longhorizon.launch.bench.worker_start import main as bench_worker_start
+
+    assert bench_worker_start(["no-such-config"]) == 2
+    assert "config file not found: no-such-config" in capsys.readouterr().err

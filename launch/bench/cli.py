@@ -8,7 +8,7 @@ NAME is one of:
 - `sciworld-memory`: JVM and Python memory over many SciWorld episodes (sciworld.py).
 - `all`: transport, async-vs-sync and envs, one after the other; the last line is the JSON of all.
 - `search`, `web`, `generation`, `learner`, `weights`, `soak`, `env-service`, `peak-memory`, `gateway`,
-  `model-server`: benchmarks with their own options, in their own modules (`longhorizon bench NAME --help`).
+  `model-server`, `worker-start`: benchmarks with their own options, in their own modules (`longhorizon bench NAME --help`).
 
 Run: `longhorizon bench async-vs-sync [--steps N] [--token-latency-ms MS] [--actors N] ...`
 (`--help` lists the options). A default async-vs-sync run takes under two minutes on 2 CPU cores.
@@ -39,6 +39,7 @@ STANDALONE_BENCHMARKS = {
     "peak-memory": "longhorizon.launch.bench.peak_memory",
     "gateway": "longhorizon.launch.bench.gateway",
     "model-server": "longhorizon.launch.bench.model_server",
+    "worker-start": "longhorizon.launch.bench.worker_start",
 }
 """Benchmarks with their own module and options: `longhorizon bench NAME ...` calls the module's
 `main(argv)`, which prints a table for people and, last, one line of JSON; the Python API calls its
