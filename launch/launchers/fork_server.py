@@ -26,7 +26,8 @@ module computed from the environment at import is computed from the launcher's e
 every worker inherits anyway (the per-worker variables, credentials, TMPDIR and the ranks'
 rendezvous, are read after start-up, and `tempfile`'s cached folder is cleared). Python's and
 numpy's global random states seed themselves again in a forked child; torch's default seed is the
-same in every process anyway. The server's command line is what `ps` shows for
+same in every process anyway. The workers of one run share the server's string-hash seed, which
+orders sets of strings alike in each of them (nothing of ours depends on that order). The server's command line is what `ps` shows for
 each worker; its name (`comm`) says the role (`lh-learner`, `lh-actor-3`).
 """
 
