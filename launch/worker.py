@@ -34,7 +34,7 @@ from longhorizon.common.processes import die_with_parent
 from longhorizon.common.auth import RunSecret, credentials_for_process
 from longhorizon.common.transport import zmq_actor_endpoints, zmq_learner_endpoints
 from longhorizon.common.codec import DEFAULT_LIMITS, WEIGHTS_LIMITS
-from longhorizon.learner.distributed import ranks_from_environment, RanksError
+from longhorizon.learner.distributed import exit_without_teardown, ranks_from_environment, RanksError
 from longhorizon.actor.worker import run_actor, ActorRefused, SyncVersionRefused
 from longhorizon.common.memory import keep_freed_message_memory
 from longhorizon.launch.launchers.supervise import EXIT_DO_NOT_RESTART
@@ -204,8 +204,6 @@ def run_as_process(argv: list[str] | None = None) -> NoReturn:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # A rank of a learner with several ranks: its collectives' threads must not outlive the
         # interpreter's teardown (see exit_without_teardown).
-        from longhorizon.learner.distributed import exit_without_teardown
-
         exit_without_teardown(0 if code is None else code)
     sys.exit(code)
 

@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from longhorizon.common.processes import die_with_parent, set_process_name
+
 _MAX_MESSAGE_BYTES = 4 << 20  # an environment with many variables is still far below this
 WORKER_ENTRY = "longhorizon.launch.worker:run_as_process"
 """What a forked child runs, `module:function`, called with the request's arguments."""
@@ -339,8 +341,6 @@ def _send(channel: socket.socket, message: dict, fds: Sequence[int] = ()) -> boo
 def _become_worker(request: dict, server_pid: int) -> None:
     """In a forked child: take the worker's session, files, environment and folder, then run its
     entry point as the whole process."""
-    from longhorizon.common.processes import die_with_parent, set_process_name
-
     die_with_parent(parent_pid=server_pid)
     os.setsid()
     log_fd = request["log_fd"]
