@@ -112,10 +112,10 @@ class RunConfig(Section):
     on one node or several, as [torchrun] says; docs/cluster.md), or a launcher a plug-in registers (the
     `longhorizon.launchers` entry-point group, or a dotted path `package.module:function`)."""
     fork_server: bool = True
-    """With the `local` launcher: start the learner and actors by forking one process that
-    imported torch, transformers and the worker's code once for the run, instead of a fresh
-    interpreter each (about 5 s of CPU less per process start and restart; Linux 5.3 or later,
-    elsewhere always fresh). false: each is a new `python -m longhorizon.launch.worker`."""
+    """With the `local` launcher: start the learner and actors by forking a process that imported
+    torch, transformers and the worker's code once (kept for the launcher's later runs), instead of
+    a fresh interpreter each (about 5 s of CPU less per process start and restart; Linux 5.3 or
+    later, elsewhere always fresh). false: each is a new `python -m longhorizon.launch.worker`."""
     keep_checkpoints: int = bounded(3, ge=1)
     """Checkpoints kept in `<run_dir>/checkpoints/`: the newest N (at least 1); older ones are
     removed as each new one is written."""

@@ -163,10 +163,40 @@ def test_a_worker_process_falls_back_to_a_fresh_interpreter_when_the_server_is_g
 
     server = ForkServer(preload=[])
     server.close()
-    worker = WorkerProcess("actor", 0, tmp_path / "no-such-config.toml", tmp_path / "actor-0.log", fork_server=server)
+    worker = WorkerProcess("actor", 0, tmp_path / "no-such-config.toml", tmp_path / "actor-0.log",
+                           fork_server=lambda: server)
     worker.start()
     assert isinstance(worker.process, subprocess.Popen)
     assert worker.wait(timeout=60) and worker.poll() == 2  # the worker's own refusal of a missing config
     log = (tmp_path / "actor-0.log").read_text()
     assert "the fork server has ended; starting actor-0 as a new process" in log
     assert "no-such-config.toml" in log
+
+
+def test_a_shared_server_serves_later_runs_until_an_import_time_variable_changes_or_it_dies(monkeypatch):
+    from longhorizon.launch.launchers import fork_server
+
+    monkeypatch.setattr(fork_server, "_shared", {})
+    monkeypatch.setattr(fork_server, "BASE_PRELOAD", ())  # up in a moment: nothing to import
+    monkeypatch.delenv("HF_HOME", raising=False)
+    started = []
+    try:
+        first = fork_server.shared_fork_server()
+        started.append(first)
+        assert fork_server.shared_fork_server() is first
+        monkeypatch.setenv("SOMETHING_ELSE", "read after start-up, given to each worker")
+        assert fork_server.shared_fork_server() is first
+        monkeypatch.setenv("HF_HOME", "/elsewhere")  # read by huggingface_hub as it is imported
+        other = fork_server.shared_fork_server()
+        started.append(other)
+        assert other is not first and other.process.pid != first.process.pid
+        monkeypatch.delenv("HF_HOME")
+        assert fork_server.shared_fork_server() is first
+        first.process.kill()
+        first.process.wait()
+        replacement = fork_server.shared_fork_server()
+        started.append(replacement)
+        assert replacement is not first and replacement.alive
+    finally:
+        for server in started:
+            server.close()

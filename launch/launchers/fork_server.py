@@ -2,9 +2,10 @@
 
 A worker started as `python -m longhorizon.launch.worker` spends about 5 s of CPU importing torch,
 transformers and the model's code before it does anything; a run starts one per learner rank and
-actor, and again at every restart. The local launcher instead starts one fork server per run
-(this module run as a script): it imports those modules once, then forks a worker for each request
-and reports each worker's exit. A forked worker runs the same `longhorizon.launch.worker` code with
+actor, and again at every restart. The local launcher instead forks them from a fork server (this
+module run as a script), started on the launcher's first run and kept for the runs that follow in
+the same process (an experiment's phases, a script's runs): it imports those modules once, then
+forks a worker for each request and reports each worker's exit. A forked worker runs the same `longhorizon.launch.worker` code with
 the arguments, environment, working folder and log file the launcher gives it, in a session of
 its own, exactly as the process `python -m longhorizon.launch.worker` would; only the imports are
 already done.
@@ -24,7 +25,8 @@ What forking changes, and how it is kept the same: the server must hold no threa
 when it forks (it imports, it never computes; torch starts no work at import); every value a
 module computed from the environment at import is computed from the launcher's environment, which
 every worker inherits anyway (the per-worker variables, credentials, TMPDIR and the ranks'
-rendezvous, are read after start-up, and `tempfile`'s cached folder is cleared). Python's and
+rendezvous, are read after start-up, and `tempfile`'s cached folder is cleared), and a server is
+reused only while the variables modules read at import (`IMPORT_TIME_VARIABLES`) are unchanged. Python's and
 numpy's global random states seed themselves again in a forked child; torch's default seed is the
 same in every process anyway. The workers of one run share the server's string-hash seed, which
 orders sets of strings alike in each of them (nothing of ours depends on that order). The server's command line is what `ps` shows for
@@ -91,17 +93,22 @@ class ForkServer:
 
     @property
     def alive(self) -> bool:
+        """False once it is known to be gone (closed, or its end of the socket seen closed)."""
+        if not self._gone and self.process.poll() is not None:
+            self._gone = True
         return not self._gone
 
     def spawn(
         self, argv: Sequence[str], *, env: dict[str, str], log_file, name: str, entry: str = WORKER_ENTRY,
+        preload: Sequence[str] = (),
     ) -> "ForkedProcess":
         """Fork a worker that runs `entry` (`module:function`, by default the worker's main) with
         `argv`, `env` as its whole environment, this process's working folder as its own and
-        `log_file` (an open file) as its stdout and stderr; `name` becomes its process name.
-        Waits for the server's preloading on first use."""
+        `log_file` (an open file) as its stdout and stderr; `name` becomes its process name. The
+        server first imports what of `preload` it has not (kept for later workers). Waits for the
+        server's preloading on first use."""
         request = json.dumps({"argv": list(argv), "env": env, "cwd": os.getcwd(), "name": name,
-                              "entry": entry}).encode()
+                              "entry": entry, "preload": list(preload)}).encode()
         with self._lock:
             if self._gone:
                 raise ForkServerError("the fork server has ended")
@@ -223,15 +230,50 @@ class ForkedProcess:
                 pass
 
 
+IMPORT_TIME_VARIABLES = (
+    "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "OPENBLAS_",
+    "CUDA_", "NCCL_", "TRITON_", "VLLM_", "LONGHORIZON_", "PYTHON", "LD_",
+)
+"""Prefixes of the environment variables a module may read as it is imported (caches, devices,
+thread counts, our own): a shared server is used only while these are as they were when it
+started. Every other variable reaches a worker all the same, in the environment it is given."""
+_shared: dict[tuple, ForkServer] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_fork_server() -> ForkServer:
+    """This process's fork server for its current environment: started on first use, then kept
+    for the runs that follow (an experiment's RL runs and arms, a script's several runs, a test
+    session's runs) until this process ends. A change to a variable of `IMPORT_TIME_VARIABLES`
+    starts another; one that has died is replaced."""
+    key = (sys.executable, *sorted((name, value) for name, value in os.environ.items()
+                                   if name.startswith(IMPORT_TIME_VARIABLES)))
+    with _shared_lock:
+        server = _shared.get(key)
+        if server is None or not server.alive:
+            if not _shared:
+                atexit.register(_close_shared)
+            server = _shared[key] = ForkServer(BASE_PRELOAD)
+        return server
+
+
+def _close_shared() -> None:
+    with _shared_lock:
+        servers = list(_shared.values())
+        _shared.clear()
+    for server in servers:
+        server.close()
+
+
 def fork_server_supported() -> bool:
     """Linux with pidfds (5.3 or later) and Python's descriptor passing."""
     return hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal") and hasattr(socket, "send_fds")
 
 
-def preload_for(model_folder: str | Path | None, extra: Sequence[str] = ()) -> list[str]:
-    """What a run's server imports: the base modules, the model architecture's own module (named
-    `model_type:<type>`, resolved by transformers in the server) and `extra`."""
-    modules = [*BASE_PRELOAD, *extra]
+def preload_for(model_folder: str | Path | None) -> list[str]:
+    """What a run's workers import beyond the base modules: the model architecture's own module
+    (named `model_type:<type>`, resolved by transformers in the server)."""
+    modules = []
     if model_folder is not None:
         try:
             model_type = json.loads((Path(model_folder) / "config.json").read_text()).get("model_type")
@@ -263,7 +305,7 @@ def _preload(names: Sequence[str]) -> None:
             print(f"fork server: {name} not preloaded ({type(error).__name__}: {error})", file=sys.stderr)
 
 
-def _serve(channel: socket.socket) -> dict | None:
+def _serve(channel: socket.socket, preloaded: set[str]) -> dict | None:
     """Fork a worker per request until the launcher's end closes; returns the request in a forked
     child (which then becomes that worker), None in the server when it is done."""
     wake_read, wake_write = os.pipe()
@@ -292,6 +334,12 @@ def _serve(channel: socket.socket) -> dict | None:
             continue
         request = json.loads(data)
         request["log_fd"] = fds[0]
+        _preload([name for name in request.get("preload", []) if name not in preloaded])
+        preloaded.update(request.get("preload", []))
+        # What the imports made goes to a generation the collector never walks: a child's
+        # collections would otherwise touch (and so copy) every page of it.
+        gc.collect()
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
             signal.set_wakeup_fd(-1)
@@ -371,11 +419,7 @@ def main(argv: list[str]) -> None:
     channel = socket.socket(fileno=int(argv[0]))
     server_pid = os.getpid()
     _preload(argv[1:])
-    # What the imports made goes to a generation the collector never walks: a child's collections
-    # would otherwise touch (and so copy) every page of it.
-    gc.collect()
-    gc.freeze()
-    request = _serve(channel)
+    request = _serve(channel, set(argv[1:]))
     if request is None:
         # Nothing to save or flush; a normal exit would only report the frozen objects (torch's
         # extension modules check for leaks as the interpreter ends).

@@ -16,10 +16,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 from longhorizon.common.config import Config
 from longhorizon.launch.checks import validate_config
-from longhorizon.launch.launchers.fork_server import ForkedProcess, ForkServer, ForkServerError, fork_server_supported, preload_for
+from longhorizon.launch.launchers.fork_server import (
+    ForkedProcess, ForkServer, ForkServerError, fork_server_supported, preload_for, shared_fork_server,
+)
 from longhorizon.launch.launchers.supervise import SubprocessControl, prepare_run_dir, process_name, supervise, with_ports
 from longhorizon.learner.distributed import STORE_FILE_VARIABLE
 from longhorizon.common.models import resolve_model_path
@@ -34,15 +37,16 @@ class WorkerProcess(SubprocessControl):
 
     def __init__(
         self, role: str, index: int, config_path: Path, log_path: Path, *, env: dict[str, str] | None = None,
-        fork_server: ForkServer | None = None,
+        fork_server: Callable[[], ForkServer] | None = None, fork_preload: Sequence[str] = (),
     ) -> None:
         self.role, self.index = role, index
         self.config_path, self.log_path = config_path, log_path
         # Variables added to the launcher's environment for this process (secrets never go in
         # the config file, which is written to the run directory).
         self.env = dict(env or {})
-        # Where the process is forked from (run.fork_server), or None: a fresh interpreter.
-        self.fork_server = fork_server
+        # What gives the fork server to fork the process from at each start (run.fork_server), and
+        # what it should import for it; None: a fresh interpreter.
+        self.fork_server, self.fork_preload = fork_server, list(fork_preload)
         self.process: subprocess.Popen | ForkedProcess | None = None
         self.restarts = 0
         self.started_at = 0.0
@@ -64,9 +68,9 @@ class WorkerProcess(SubprocessControl):
         with self.log_path.open("ab") as log_file:
             if self.fork_server is not None:
                 try:
-                    self.process = self.fork_server.spawn(
+                    self.process = self.fork_server().spawn(
                         self.worker_arguments(resume=resume), env=environment, log_file=log_file,
-                        name=f"lh-{self.name}",
+                        name=f"lh-{self.name}", preload=self.fork_preload,
                     )
                     return
                 except ForkServerError as error:
@@ -91,14 +95,12 @@ class WorkerProcess(SubprocessControl):
                 "scratch": None if self.scratch_dir is None else str(self.scratch_dir)}
 
 
-def _learner_ranks(
-    config: Config, config_path: Path, run_dir: Path, fork_server: ForkServer | None = None,
-) -> list[WorkerProcess]:
+def _learner_ranks(config: Config, config_path: Path, run_dir: Path, **fork: Any) -> list[WorkerProcess]:
     """The learner's processes: one, or `learner.num_ranks` ranks that find rank 0 through
     torch.distributed's environment variables (as torchrun would set them)."""
     num_ranks = config.learner.num_ranks
     if num_ranks == 1:
-        return [WorkerProcess("learner", 0, config_path, run_dir / "logs" / "learner.log", fork_server=fork_server)]
+        return [WorkerProcess("learner", 0, config_path, run_dir / "logs" / "learner.log", **fork)]
     # On one machine the ranks meet through a file and gloo talks over the loopback interface:
     # nothing of the learner's process group listens beyond this machine.
     rendezvous = {
@@ -109,19 +111,17 @@ def _learner_ranks(
         WorkerProcess(
             "learner", rank, config_path,
             run_dir / "logs" / ("learner.log" if rank == 0 else f"learner-rank{rank}.log"),
-            env={**rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)}, fork_server=fork_server,
+            env={**rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)}, **fork,
         )
         for rank in range(num_ranks)
     ]
 
 
-def actor_processes(
-    config: Config, config_path: Path, run_dir: Path, env: dict[str, str], fork_server: ForkServer | None = None,
-) -> list[WorkerProcess]:
-    """The run's actors, each with `env` (the actors' credentials) added to its environment."""
+def actor_processes(config: Config, config_path: Path, run_dir: Path, env: dict[str, str], **fork: Any) -> list[WorkerProcess]:
+    """The run's actors, each with `env` (the actors' credentials) added to its environment;
+    `fork` as WorkerProcess takes it."""
     return [
-        WorkerProcess("actor", index, config_path, run_dir / "logs" / f"actor-{index}.log", env=env,
-                      fork_server=fork_server)
+        WorkerProcess("actor", index, config_path, run_dir / "logs" / f"actor-{index}.log", env=env, **fork)
         for index in range(config.actor.num_actors)
     ]
 
@@ -138,27 +138,20 @@ def launch_local(config: Config, *, progress=print) -> int:
     # Convert or build the model once here, not in every process at the same time; a model that
     # is not there fails before the run's folder is made.
     model_folder = resolve_model_path(config.model.path, config.model.cache_dir)
-    # Started first: it imports while the launcher prepares the run.
-    fork_server = (ForkServer(preload_for(model_folder)) if config.run.fork_server and fork_server_supported()
-                   else None)
-    try:
-        return _launch_workers(config, fork_server, progress)
-    finally:
-        if fork_server is not None:
-            fork_server.close()
-
-
-def _launch_workers(config: Config, fork_server: ForkServer | None, progress) -> int:
+    fork: dict[str, Any] = {}
+    if config.run.fork_server and fork_server_supported():
+        shared_fork_server()  # started now: it imports while the launcher prepares the run
+        fork = {"fork_server": shared_fork_server, "fork_preload": preload_for(model_folder)}
     run_dir = prepare_run_dir(config, progress=progress)
     config_path = run_dir / "config.toml"
     _remove_ranks_store(run_dir)
     # This run's CurveZMQ keys or secret (common/auth.py), in each process's environment only
     # (never in a file).
     credentials_by_role = auth_environments(config.transport)
-    learner_ranks = _learner_ranks(config, config_path, run_dir, fork_server)
+    learner_ranks = _learner_ranks(config, config_path, run_dir, **fork)
     for rank in learner_ranks:
         rank.env.update(credentials_by_role["learner"])
-    actors = actor_processes(config, config_path, run_dir, credentials_by_role["actor"], fork_server)
+    actors = actor_processes(config, config_path, run_dir, credentials_by_role["actor"], **fork)
     progress(f"run directory: {run_dir}  (logs in {run_dir / 'logs'})")
     ranks_text = "" if len(learner_ranks) == 1 else f" of {len(learner_ranks)} ranks"
     progress(
