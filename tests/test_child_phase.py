@@ -29,7 +29,18 @@ def _progress_phase(*, progress_stream):
     return progress_stream.fileno() == 2
 
 
-def test_the_result_and_notes_come_back_from_another_process():
+@pytest.fixture(params=["forked", "spawned"])
+def start(request, monkeypatch):
+    """Each path a phase's process can take: forked by the fork server, or spawned where there is
+    none."""
+    from longhorizon.launch.recipes import child
+
+    if request.param == "spawned":
+        monkeypatch.setattr(child, "fork_server_supported", lambda: False)
+    return request.param
+
+
+def test_the_result_and_notes_come_back_from_another_process(start):
     notes = []
     result = run_in_child(_phase, 21, note=notes.append, scale=2)
     assert result["value"] == 42 and result["pid"] != os.getpid()
@@ -43,7 +54,7 @@ def test_an_error_in_the_phase_is_raised_in_the_parent_after_its_notes():
     assert notes == ["about to fail"]
 
 
-def test_a_killed_phase_says_how_it_ended():
+def test_a_killed_phase_says_how_it_ended(start):
     with pytest.raises(ChildPhaseError, match="exit code -9"):
         run_in_child(_killed_phase)
 
@@ -55,21 +66,27 @@ def test_the_progress_bar_writes_to_the_childs_stderr():
 
 
 def _phase_processes_of(parent_pid: int) -> list[int]:
-    """The pids of the phase processes `parent_pid` started (not multiprocessing's resource tracker)."""
+    """The pids of the phase processes `parent_pid` started: forked by its fork server (named
+    `lh-<phase>`) or spawned (not multiprocessing's resource tracker)."""
     from pathlib import Path
 
-    found = []
+    parents, names, commands = {}, {}, {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text()
-            command = (entry / "cmdline").read_bytes()
+            commands[int(entry.name)] = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent_pid and b"spawn_main" in command:
-            found.append(int(entry.name))
-    return found
+        name, fields = stat.split(" (", 1)[1].rsplit(")", 1)
+        parents[int(entry.name)], names[int(entry.name)] = int(fields.split()[1]), name
+    descendants, frontier = set(), {parent_pid}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - descendants
+        descendants |= frontier
+    return [pid for pid in descendants
+            if names[pid].startswith("lh-") or (parents[pid] == parent_pid and b"spawn_main" in commands[pid])]
 
 
 def _ended(pid: int) -> bool:

@@ -53,6 +53,7 @@ from typing import Sequence
 from longhorizon.common.processes import die_with_parent, set_process_name
 
 _MAX_MESSAGE_BYTES = 4 << 20  # an environment with many variables is still far below this
+_MAX_FDS = 8  # a request's descriptors: stdout, stderr and what it passes on
 WORKER_ENTRY = "longhorizon.launch.worker:run_as_process"
 """What a forked child runs, `module:function`, called with the request's arguments."""
 # Imported by every server: the worker's code, and what each role's start-up imports.
@@ -99,21 +100,27 @@ class ForkServer:
         return not self._gone
 
     def spawn(
-        self, argv: Sequence[str], *, env: dict[str, str], log_file, name: str, entry: str = WORKER_ENTRY,
-        preload: Sequence[str] = (),
+        self, argv: Sequence[str], *, env: dict[str, str], log_file=None, name: str, entry: str = WORKER_ENTRY,
+        preload: Sequence[str] = (), streams: tuple[int, int] | None = None, pass_fds: Sequence[int] = (),
+        sys_path: Sequence[str] | None = None,
     ) -> "ForkedProcess":
         """Fork a worker that runs `entry` (`module:function`, by default the worker's main) with
         `argv`, `env` as its whole environment, this process's working folder as its own and
-        `log_file` (an open file) as its stdout and stderr; `name` becomes its process name. The
-        server first imports what of `preload` it has not (kept for later workers). Waits for the
-        server's preloading on first use."""
+        `log_file` (an open file) as its stdout and stderr, or `streams` (two descriptors) as
+        them; `name` becomes its process name. `pass_fds` are descriptors the child gets too,
+        their numbers there appended to its arguments; `sys_path`, its import path (default: as
+        `python -m` in this folder would have it). The server first imports what of `preload` it
+        has not (kept for later workers). Waits for the server's preloading on first use."""
+        if (log_file is None) == (streams is None):
+            raise ValueError("give a log file or two stream descriptors")
+        outputs = [log_file.fileno()] * 2 if streams is None else list(streams)
         request = json.dumps({"argv": list(argv), "env": env, "cwd": os.getcwd(), "name": name,
-                              "entry": entry, "preload": list(preload)}).encode()
+                              "entry": entry, "preload": list(preload), "sys_path": sys_path}).encode()
         with self._lock:
             if self._gone:
                 raise ForkServerError("the fork server has ended")
             try:
-                socket.send_fds(self._channel, [request], [log_file.fileno()])
+                socket.send_fds(self._channel, [request], [*outputs, *pass_fds])
             except OSError as error:
                 self._gone = True
                 raise ForkServerError(f"the fork server is gone ({error})") from None
@@ -322,18 +329,18 @@ def _serve(channel: socket.socket, preloaded: set[str]) -> dict | None:
         if channel not in ready:
             continue
         try:
-            data, fds, _, _ = socket.recv_fds(channel, _MAX_MESSAGE_BYTES, 1)
+            data, fds, _, _ = socket.recv_fds(channel, _MAX_MESSAGE_BYTES, _MAX_FDS)
         except OSError:
             return None
         if not data:
             return None  # the launcher is done (or gone)
-        if len(fds) != 1:
+        if len(fds) < 2:
             for fd in fds:
                 os.close(fd)
-            _send(channel, {"error": "a request needs its log file's descriptor"})
+            _send(channel, {"error": "a request needs its output's descriptors"})
             continue
         request = json.loads(data)
-        request["log_fd"] = fds[0]
+        request["fds"] = fds
         _preload([name for name in request.get("preload", []) if name not in preloaded])
         preloaded.update(request.get("preload", []))
         # What the imports made goes to a generation the collector never walks: a child's
@@ -348,7 +355,8 @@ def _serve(channel: socket.socket, preloaded: set[str]) -> dict | None:
             os.close(wake_write)
             channel.close()
             return request
-        os.close(fds[0])
+        for fd in fds:
+            os.close(fd)
         pidfd = os.pidfd_open(pid)
         sent = _send(channel, {"pid": pid}, [pidfd])
         os.close(pidfd)
@@ -391,18 +399,22 @@ def _become_worker(request: dict, server_pid: int) -> None:
     entry point as the whole process."""
     die_with_parent(parent_pid=server_pid)
     os.setsid()
-    log_fd = request["log_fd"]
+    stdout_fd, stderr_fd, *passed = request["fds"]
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
-    os.close(null)
-    os.close(log_fd)
+    os.dup2(stdout_fd, 1)
+    os.dup2(stderr_fd, 2)
+    for fd in {null, stdout_fd, stderr_fd} - {0, 1, 2}:
+        os.close(fd)
+    for fd in passed:
+        os.set_inheritable(fd, False)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    # As `python -m` would have it: the working folder first on the import path.
-    sys.path[0] = request["cwd"]
+    if request.get("sys_path") is not None:
+        sys.path[:] = request["sys_path"]
+    else:  # as `python -m` would have it: the working folder first on the import path
+        sys.path[0] = request["cwd"]
     import tempfile
 
     tempfile.tempdir = None  # TMPDIR is the worker's own scratch folder
@@ -411,8 +423,9 @@ def _become_worker(request: dict, server_pid: int) -> None:
     atexit.register(gc.unfreeze)
     module_name, function_name = request["entry"].split(":")
     module = importlib.import_module(module_name)
-    sys.argv = [getattr(module, "__file__", module_name), *request["argv"]]
-    getattr(module, function_name)(request["argv"])
+    argv = [*request["argv"], *map(str, passed)]
+    sys.argv = [getattr(module, "__file__", module_name), *argv]
+    getattr(module, function_name)(argv)
 
 
 def main(argv: list[str]) -> None:
