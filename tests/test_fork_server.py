@@ -173,11 +173,11 @@ def test_a_worker_process_falls_back_to_a_fresh_interpreter_when_the_server_is_g
     assert "no-such-config.toml" in log
 
 
-def test_a_shared_server_serves_later_runs_until_an_import_time_variable_changes_or_it_dies(monkeypatch):
+def test_a_shared_server_serves_later_runs_until_an_import_time_variable_changes_or_it_dies(monkeypatch, tmp_path):
     from longhorizon.launch.launchers import fork_server
 
     monkeypatch.setattr(fork_server, "_shared", {})
-    monkeypatch.setattr(fork_server, "BASE_PRELOAD", ())  # up in a moment: nothing to import
+    monkeypatch.setattr(fork_server, "BASE_PRELOAD", (HERE,))  # up in a moment: little to import
     monkeypatch.delenv("HF_HOME", raising=False)
     started = []
     try:
@@ -186,17 +186,29 @@ def test_a_shared_server_serves_later_runs_until_an_import_time_variable_changes
         assert fork_server.shared_fork_server() is first
         monkeypatch.setenv("SOMETHING_ELSE", "read after start-up, given to each worker")
         assert fork_server.shared_fork_server() is first
+
         monkeypatch.setenv("HF_HOME", "/elsewhere")  # read by huggingface_hub as it is imported
         other = fork_server.shared_fork_server()
         started.append(other)
-        assert other is not first and other.process.pid != first.process.pid
+        assert other is not first and other.alive
+        assert not first.alive  # it had no worker running: not kept
+        with (tmp_path / "log").open("ab") as log_file:
+            worker = other.spawn([], env={}, log_file=log_file, name="w", entry=f"{HERE}:sleep_until_signalled")
+
         monkeypatch.delenv("HF_HOME")
-        assert fork_server.shared_fork_server() is first
-        first.process.kill()
-        first.process.wait()
+        third = fork_server.shared_fork_server()
+        started.append(third)
+        assert third.alive and other.alive  # its worker still runs: kept
+        monkeypatch.setenv("HF_HOME", "/elsewhere")
+        assert fork_server.shared_fork_server() is other
+
+        worker.kill()
+        worker.wait(timeout=10)
+        other.process.kill()
+        other.process.wait()
         replacement = fork_server.shared_fork_server()
         started.append(replacement)
-        assert replacement is not first and replacement.alive
+        assert replacement is not other and replacement.alive
     finally:
         for server in started:
             server.close()

@@ -80,6 +80,7 @@ class ForkServer:
         self._channel = ours
         self._lock = threading.RLock()
         self._codes: dict[int, int] = {}
+        self._running: set[int] = set()  # forked, their exit not reported yet
         self._gone = False
         try:
             # A session of its own: a Ctrl-C meant for the launcher does not reach it; it ends
@@ -129,9 +130,17 @@ class ForkServer:
                 if message is None:
                     raise ForkServerError("the fork server ended before it started the worker")
                 if "pid" in message:
+                    self._running.add(message["pid"])
                     return ForkedProcess(self, message["pid"], fds[0])
                 if "error" in message:
                     raise ForkServerError(message["error"])
+
+    def idle(self) -> bool:
+        """No worker of its own still running (as far as it has reported)."""
+        with self._lock:
+            while self._running and self._receive(timeout=0.0)[0] is not None:
+                pass
+            return not self._running
 
     def exit_code(self, pid: int, timeout: float | None = 0.0) -> int | None:
         """The worker's exit code once the server has reported it; waits up to `timeout`
@@ -162,6 +171,7 @@ class ForkServer:
         message = json.loads(data)
         if "exited" in message:
             self._codes[message["exited"]] = message["code"]
+            self._running.discard(message["exited"])
         return message, fds
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -260,6 +270,12 @@ def shared_fork_server() -> ForkServer:
         if server is None or not server.alive:
             if not _shared:
                 atexit.register(_close_shared)
+            # Servers for another environment with no worker left are not kept (each holds the
+            # imports' memory); one whose workers run stays until they end or this process does.
+            for other_key, other in list(_shared.items()):
+                if other_key != key and (not other.alive or other.idle()):
+                    other.close()
+                    del _shared[other_key]
             server = _shared[key] = ForkServer(BASE_PRELOAD)
         return server
 
