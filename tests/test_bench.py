@@ -284,19 +284,38 @@ def test_peak_memory_counts_the_commands_children_and_passes_its_exit_code(capsy
     assert any("bytearray(200" in label and mb >= 200 for label, mb in result["own_peak_mb"].items())
 
 
-@pytest.mark.slow
-def test_worker_start_runs_each_mode_and_measures_the_whole_process_tree(capsys):
-    """One round, one step, one actor: the runs train, and each run's CPU counts its processes' too
-    (a worker's start alone is seconds of CPU, the launcher's own share is less than that)."""
-    from longhorizon.launch.bench.worker_start import main as bench_worker_start
+BURN_IN_A_GRANDCHILD = (
+    "import subprocess, sys; subprocess.run([sys.executable, '-c', "
+    "'import time\\nend = time.process_time() + 0.5\\nwhile time.process_time() < end: pass'], check=True)"
+)
 
-    assert bench_worker_start(["--rounds", "1", "--steps", "1", "--actors", "1"]) == 0
+
+def test_worker_start_counts_the_cpu_of_the_whole_process_tree():
+    """A command whose child burns 0.5 s of CPU: the run's CPU includes it."""
+    from longhorizon.launch.bench.worker_start import timed_run
+
+    figures = timed_run([sys.executable, "-c", BURN_IN_A_GRANDCHILD])
+    assert figures["cpu_s"] >= 0.5 and figures["wall_s"] >= 0.5
+
+
+def test_worker_start_alternates_the_modes_and_reports_medians(monkeypatch, capsys):
+    from longhorizon.launch.bench import worker_start
+
+    cpu = iter([30.0, 16.0, 32.0, 17.0, 31.0, 20.0])  # fresh, forked, fresh, forked, ...
+    commands = []
+
+    def fake_run(command):
+        commands.append(command)
+        return {"cpu_s": next(cpu), "wall_s": 10.0}
+
+    monkeypatch.setattr(worker_start, "timed_run", fake_run)
+    assert worker_start.main(["--rounds", "3", "--actors", "2"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(result["runs"]) == {"fresh", "forked"}
-    for mode in ("fresh", "forked"):
-        (run,) = result["runs"][mode]
-        assert run["cpu_s"] > 3 and run["wall_s"] > 0
-    assert result["medians"]["fresh"]["cpu_s"] == result["runs"]["fresh"][0]["cpu_s"]
+    assert ["run.fork_server=false" in c for c in commands] == [True, False] * 3
+    assert ["run.fork_server=true" in c for c in commands] == [False, True] * 3
+    assert all("actor.num_actors=2" in c and "run.total_steps=3" in c for c in commands)
+    assert result["medians"]["fresh"]["cpu_s"] == 31.0 and result["medians"]["forked"]["cpu_s"] == 17.0
+    assert result["cpu_saved_per_start_s"] == pytest.approx((31.0 - 17.0) / 3)  # 1 learner + 2 actors
 
 
 def test_worker_start_refuses_a_config_that_is_not_there(capsys):

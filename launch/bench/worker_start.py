@@ -41,12 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def timed_run(config: Path, output_dir: Path, overrides: Sequence[str]) -> dict[str, float]:
-    """One `longhorizon train` run: its wall time and the CPU time of its process tree."""
-    command = [sys.executable, "-m", "longhorizon.launch.cli", "train", str(config),
-               f"run.output_dir={str(output_dir)!r}", *overrides, "--no-plots"]
+def train_command(config: Path, output_dir: Path, overrides: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "longhorizon.launch.cli", "train", str(config),
+            f"run.output_dir={str(output_dir)!r}", *overrides, "--no-plots"]
+
+
+def timed_run(command: Sequence[str]) -> dict[str, float]:
+    """Run `command`: its wall time and the CPU time of its process tree (the command's own and
+    that of every descendant reaped along the way)."""
     started = time.monotonic()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     output = process.stdout.read()
     _, status, usage = os.wait4(process.pid, 0)
     wall_s = time.monotonic() - started
@@ -69,10 +73,10 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="longhorizon-worker-start-") as scratch:
         for round_index in range(args.rounds):
             for mode, value in MODES.items():
-                figures = timed_run(config, Path(scratch) / f"{mode}-{round_index}", [
+                figures = timed_run(train_command(config, Path(scratch) / f"{mode}-{round_index}", [
                     f"run.total_steps={args.steps}", f"actor.num_actors={args.actors}", f"run.fork_server={value}",
                     f"run.name={mode!r}",
-                ])
+                ]))
                 runs[mode].append(figures)
                 print(f"  round {round_index + 1} {mode:>6}: {figures['cpu_s']:6.1f} s CPU, {figures['wall_s']:5.1f} s wall",
                       flush=True)
