@@ -130,6 +130,9 @@ class ForkServer:
                 if message is None:
                     raise ForkServerError("the fork server ended before it started the worker")
                 if "pid" in message:
+                    # A code left by an earlier child of the same pid, whose handle was dropped
+                    # unpolled, is not this one's.
+                    self._codes.pop(message["pid"], None)
                     self._running.add(message["pid"])
                     return ForkedProcess(self, message["pid"], fds[0])
                 if "error" in message:
