@@ -3,8 +3,10 @@
 The launcher resolves the config (free ports filled in), prepares the model once, starts the
 processes, restarts an actor that dies, restarts a learner that dies from its latest checkpoint,
 prints one progress line per learner step, and on Ctrl-C or SIGTERM stops every process it
-started (the learner first writes a checkpoint of its last step). Children also get SIGTERM from
-the kernel if the launcher itself dies (PR_SET_PDEATHSIG), so no process is left behind.
+started (the learner first writes a checkpoint of its last step). Workers are forked from the
+launcher's fork server (fork_server.py, `run.fork_server`) or started fresh; either way they get
+SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG, through the server when
+forked: it ends with the launcher), so no process is left behind.
 `train_in_process` wires the same components together in one process over the in-process
 transport, for tests and debugging.
 """
