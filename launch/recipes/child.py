@@ -15,6 +15,7 @@ training on by itself.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import queue
@@ -23,7 +24,7 @@ import subprocess
 import sys
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from longhorizon.common.processes import die_with_parent
 from longhorizon.launch.launchers.fork_server import ForkServerError, fork_server_supported, shared_fork_server
@@ -87,13 +88,24 @@ def run_in_child(function: Callable[..., Any], *args: Any, note: Callable[[str],
     if fork_server_supported() and module not in (None, "__main__"):
         payload = ForkingPickler.dumps(phase)  # before the start: a phase that cannot go, fails here
         try:
-            return _forked(name, payload, module, note)
+            messages = _forked(name, payload, module)
         except ForkServerError:
-            pass  # spawned instead: slower to start, otherwise the same
-    return _spawned(name, phase, note)
+            messages = _spawned(name, phase)  # slower to start, otherwise the same
+    else:
+        messages = _spawned(name, phase)
+    with contextlib.closing(messages):  # closing it waits for the process and tidies up
+        for kind, value in messages:
+            if kind == "note":
+                note(value)
+            elif kind == "error":
+                raise value
+            else:
+                return value
 
 
-def _forked(name: str, payload: bytes, module: str, note) -> Any:
+def _forked(name: str, payload: bytes, module: str) -> Iterator[tuple[str, Any]]:
+    """Fork the phase from the fork server (ForkServerError at once if it cannot); then, as
+    iterated, its messages until its result or error."""
     ours, theirs = multiprocessing.Pipe(duplex=True)
     try:
         process = shared_fork_server().spawn(
@@ -102,6 +114,10 @@ def _forked(name: str, payload: bytes, module: str, note) -> Any:
         )
     finally:
         theirs.close()
+    return _forked_messages(name, payload, process, ours)
+
+
+def _forked_messages(name: str, payload: bytes, process, ours) -> Iterator[tuple[str, Any]]:
     try:
         ours.send_bytes(payload)
         while True:
@@ -111,15 +127,9 @@ def _forked(name: str, payload: bytes, module: str, note) -> Any:
                 if not ours.poll(1.0):  # the result may have been sent just before the exit
                     raise _ended_without_result(name, process.returncode)
             try:
-                kind, value = ours.recv()
+                yield ours.recv()
             except EOFError:
                 raise _ended_without_result(name, process.wait(timeout=30)) from None
-            if kind == "note":
-                note(value)
-            elif kind == "error":
-                raise value
-            else:
-                return value
     finally:
         try:
             process.wait(timeout=30)
@@ -135,7 +145,8 @@ def _ended_without_result(name: str, code: int | None) -> ChildPhaseError:
         f"signal that killed it: -9 is the kernel's out-of-memory killer or a SIGKILL)")
 
 
-def _spawned(name: str, phase: tuple, note) -> Any:
+def _spawned(name: str, phase: tuple) -> Iterator[tuple[str, Any]]:
+    """Spawn the phase; as iterated, its messages until its result or error."""
     context = multiprocessing.get_context("spawn")
     messages = context.Queue()
     process = context.Process(target=_child_main, name=name, args=(messages, *phase, os.getpid()))
@@ -153,12 +164,7 @@ def _spawned(name: str, phase: tuple, note) -> Any:
                         raise _ended_without_result(name, process.exitcode) from None
                 else:
                     continue
-            if kind == "note":
-                note(value)
-            elif kind == "error":
-                raise value
-            else:
-                return value
+            yield kind, value
     finally:
         process.join(timeout=30)
         if process.is_alive():
