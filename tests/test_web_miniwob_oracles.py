@@ -7,8 +7,10 @@ minutes for the 82 types on 2 cores); `LONGHORIZON_ORACLE_SEEDS=3` plays all thr
 
 from __future__ import annotations
 
+import json
 import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,10 @@ from longhorizon.envs.web.miniwob_oracles import WITHOUT_ORACLE
 
 SEEDS = (TEST_SEED_BASE, TEST_SEED_BASE + 1, TEST_SEED_BASE + 2)
 SEEDS_PER_TYPE = int(os.environ.get("LONGHORIZON_ORACLE_SEEDS", "1"))
+# BrowserGym's instruction for each type's first seed here (tests/data/make_miniwob_seeds.py):
+# checked as the oracle plays, so tests/test_web_miniwob_seeds.py need not load those pages again.
+RECORDED = {(record["task"], record["seed"]): record["instruction"] for record in json.loads(
+    (Path(__file__).parent / "data" / "miniwob_seeds.json").read_text(encoding="utf-8"))["records"]}
 
 
 def seeds_for(name: str) -> tuple[int, ...]:
@@ -26,6 +32,17 @@ def seeds_for(name: str) -> tuple[int, ...]:
     first = ORACLE_TASKS.index(name) % len(SEEDS)
     return tuple(SEEDS[(first + offset) % len(SEEDS)] for offset in range(min(SEEDS_PER_TYPE, len(SEEDS))))
 MAX_STEPS = 40
+
+
+def test_the_recording_holds_each_oracle_types_first_seed():
+    from tests.data.make_miniwob_seeds import TASKS, first_oracle_seed
+
+    # The seven types recorded on five seeds of their own are checked by the seeds test, and
+    # focus-text's instruction is the same for every seed.
+    once = [name for name in ORACLE_TASKS if name not in TASKS and name != "focus-text"]
+    missing = [name for name in once if (name, seeds_for(name)[0]) not in RECORDED]
+    assert not missing, f"re-record with tests/data/make_miniwob_seeds.py: no instruction for {missing}"
+    assert all(first_oracle_seed(name) == seeds_for(name)[0] for name in ORACLE_TASKS)
 
 
 def test_every_offered_type_has_an_oracle_or_a_reason():
@@ -56,6 +73,8 @@ async def test_oracle_solves_its_type(pool, name):
         for seed in seeds_for(name):
             task = Task("miniwob", f"test-{name}-{seed}", "test", name, {"task": name, "seed": seed})
             observation, _ = await env.reset(task)
+            if (name, seed) in RECORDED:  # the instruction BrowserGym shows for this seed
+                assert observation.splitlines()[0].removeprefix("Goal: ") == RECORDED[name, seed], seed
             policy = make_policy("miniwob", "oracle")
             policy.reset(task, observation, random.Random(0))
             actions = []

@@ -7,7 +7,9 @@ core.EPISODE_MAX_TIME, calls core.startEpisodeReal(), waits for WOB_TASK_READY a
 core.getUtterance() (its "utterance" field when the page returns an object) as the goal. The pages
 are the `miniwob` package's, which are the same files as the MiniWoB++ commit BrowserGym pins.
 One browser, one page, loaded for each (task, seed): five seeds of seven types, then one seed of
-every other text type.
+every other text type: for a type with an oracle the test seed tests/test_web_miniwob_oracles.py
+plays it on first (that test checks the instruction as it plays), for the rest a train seed and a
+test seed in turn.
 
     .venv/bin/python tests/data/make_miniwob_seeds.py
 """
@@ -28,21 +30,33 @@ TASKS = ("click-button", "click-checkboxes", "enter-text", "choose-list", "click
 # focus-text is left out: its instruction is the same for every seed.
 # Train instances use seeds 0.., test instances seeds from 1_000_000 (miniwob.TEST_SEED_BASE).
 SEEDS = (0, 1, 2, 1_000_000, 1_000_001)
-# Every other text type once, a train seed and a test seed in turn.
+# Every other text type once: an oracle type on the first test seed its oracle test plays, the
+# rest a train seed and a test seed in turn.
 OTHER_SEEDS = (0, 1_000_000)
+ORACLE_TEST_SEEDS = (1_000_000, 1_000_001, 1_000_002)
 # BrowserGym's defaults: a 500x320 viewport and a 1,000,000 ms episode.
 VIEWPORT = {"width": 500, "height": 320}
 EPISODE_MAX_TIME_MS = 1_000_000
 OUTPUT = Path(__file__).with_name("miniwob_seeds.json")
 
 
+def first_oracle_seed(name: str) -> int:
+    """The test seed the oracle test plays type `name` on first: the three taken in turn across
+    ORACLE_TASKS."""
+    from longhorizon.envs.web.miniwob import ORACLE_TASKS
+
+    return ORACLE_TEST_SEEDS[ORACLE_TASKS.index(name) % len(ORACLE_TEST_SEEDS)]
+
+
 def recorded_cases() -> list[tuple[str, int]]:
     """The (task, seed) pairs the recording holds, in its order."""
-    from longhorizon.envs.web.miniwob import TASK_NAMES
+    from longhorizon.envs.web.miniwob import ORACLE_TASKS, TASK_NAMES
 
     others = [name for name in TASK_NAMES if name not in TASKS and name != "focus-text"]
+    without_oracle = [name for name in others if name not in ORACLE_TASKS]
     return ([(task, seed) for task in TASKS for seed in SEEDS]
-            + [(name, OTHER_SEEDS[index % 2]) for index, name in enumerate(others)])
+            + [(name, first_oracle_seed(name) if name in ORACLE_TASKS else OTHER_SEEDS[without_oracle.index(name) % 2])
+               for name in others])
 
 
 def browsergym_page_seed(seed: int) -> int:
