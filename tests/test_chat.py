@@ -30,6 +30,30 @@ def test_tiny_template_matches_full_rendering(tiny_codebook_model):
     assert np.all(arrays["behaviour_logprobs"][~generated] == 0)
 
 
+def test_a_prompt_seen_before_is_not_rendered_again(tiny_codebook_model, monkeypatch):
+    tokenizer = HFChatTokenizer(load_tokenizer(tiny_codebook_model))
+    rendered = []
+    render = tokenizer.tokenizer.apply_chat_template
+    monkeypatch.setattr(tokenizer.tokenizer, "apply_chat_template",
+                        lambda messages, **options: rendered.append(messages) or render(messages, **options))
+    prompt = [{"role": "system", "content": "rules"}, {"role": "user", "content": "s1"}]
+    first = tokenizer.prompt_tokens(prompt)
+    first.append(-1)  # the caller's list is its own
+    assert tokenizer.prompt_tokens([dict(message) for message in prompt]) == first[:-1]
+    assert len(rendered) == 1
+    other = tokenizer.prompt_tokens([*prompt[:1], {"role": "user", "content": "s2"}])
+    assert other != first[:-1] and len(rendered) == 2
+    # Bounded: the oldest prompt goes first.
+    monkeypatch.setattr(HFChatTokenizer, "PROMPT_MEMORY", 2)
+    tokenizer.prompt_tokens([{"role": "user", "content": "s3"}])
+    assert len(rendered) == 3
+    tokenizer.prompt_tokens(prompt)
+    assert len(rendered) == 4
+    # A value JSON cannot spell is rendered each time, not refused.
+    odd = [{"role": "user", "content": "s1", "extra": {1, 2}}]
+    assert tokenizer.prompt_tokens(odd) == tokenizer.prompt_tokens(odd) and len(rendered) == 6
+
+
 def test_generation_cut_at_max_tokens_gets_an_end_of_turn_token(tiny_codebook_model):
     tokenizer = HFChatTokenizer(load_tokenizer(tiny_codebook_model))
     reply = tokenizer.encode("a0")  # no end-of-turn token: max_new_tokens was hit
