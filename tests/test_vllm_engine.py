@@ -83,24 +83,6 @@ def test_vllm_logs_errors_only_in_a_console_unless_the_user_chose_a_level(monkey
             pass
 
 
-def test_on_cpu_the_engine_core_runs_the_model_unless_the_user_chose(monkeypatch):
-    import os
-
-    from longhorizon.actor.engines.vllm import model_runs_in_the_engine_core
-
-    variable = "VLLM_ENABLE_V1_MULTIPROCESSING"
-    monkeypatch.delenv(variable, raising=False)
-    with model_runs_in_the_engine_core(cpu=True):
-        assert os.environ[variable] == "0"
-    assert variable not in os.environ  # engines started later decide for themselves
-    with model_runs_in_the_engine_core(cpu=False):  # a GPU: vLLM's own choice
-        assert variable not in os.environ
-    monkeypatch.setenv(variable, "1")
-    with model_runs_in_the_engine_core(cpu=True):
-        assert os.environ[variable] == "1"
-    assert os.environ[variable] == "1"
-
-
 def test_updates_are_checked_against_the_tensors_of_the_model_folder(tiny_codebook_model):
     from longhorizon.actor.engines.vllm import checkpoint_tensor_specs
 
@@ -396,26 +378,6 @@ async def test_updates_that_do_not_fit_are_refused_whole_and_the_old_version_ser
 
 @pytest.mark.slow
 @needs_vllm
-async def test_on_cpu_one_process_holds_vllms_engine_core_and_model(vllm_engine):
-    """vLLM's engine core is a process of its own, spawned from this one; on CPU the model runs in
-    it, with no worker process beneath it (vLLM's multi-process executor would add one)."""
-    import os
-
-    import psutil
-
-    if not vllm_engine._cpu:
-        pytest.skip("on a GPU vLLM chooses its executor itself")
-    # vLLM names its processes (setproctitle): "VLLM::EngineCore", "VLLM::Worker..." (an engine
-    # an earlier test shut down may still be ending: only workers are counted).
-    titles = []
-    for child in psutil.Process(os.getpid()).children(recursive=True):
-        try:
-            titles.append(" ".join(child.cmdline()).strip())
-        except psutil.Error:  # ended meanwhile
-            pass
-    assert "VLLM::EngineCore" in titles and not [title for title in titles if title.startswith("VLLM::Worker")], titles
-
-
 async def test_collective_updates_are_received_in_vllms_worker_process(vllm_engine, default_model_path):
     """Weights over the collective transport land in vLLM's worker process: a good update is
     used by the next generation; one holding a NaN arrives whole (the learner's send completes)
