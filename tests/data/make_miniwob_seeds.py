@@ -24,7 +24,7 @@ import numpy as np
 from playwright.sync_api import sync_playwright
 
 from longhorizon.envs.web.browser import CHROMIUM_ARGS, DEFAULT_CHROMIUM
-from longhorizon.envs.web.miniwob import StaticServer, miniwob_html_dir
+from longhorizon.envs.web.miniwob import TEST_SEED_BASE, StaticServer, miniwob_html_dir
 
 TASKS = ("click-button", "click-checkboxes", "enter-text", "choose-list", "click-link", "focus-text-2", "login-user")
 # focus-text is left out: its instruction is the same for every seed.
@@ -33,7 +33,7 @@ SEEDS = (0, 1, 2, 1_000_000, 1_000_001)
 # Every other text type once: an oracle type on the first test seed its oracle test plays, the
 # rest a train seed and a test seed in turn.
 OTHER_SEEDS = (0, 1_000_000)
-ORACLE_TEST_SEEDS = (1_000_000, 1_000_001, 1_000_002)
+ORACLE_TEST_SEEDS = (TEST_SEED_BASE, TEST_SEED_BASE + 1, TEST_SEED_BASE + 2)
 # BrowserGym's defaults: a 500x320 viewport and a 1,000,000 ms episode.
 VIEWPORT = {"width": 500, "height": 320}
 EPISODE_MAX_TIME_MS = 1_000_000
