@@ -88,7 +88,8 @@ def require_model_folder(path: str | Path) -> Path:
     if folder.is_dir():
         raise ModelError(f"{str(path)!r} holds no model (no config.json): give a model folder or a run's "
                          f"checkpoints/step_N folder")
-    saved = sorted(p.name for p in folder.parent.glob("step_*") if (p / "config.json").is_file())
+    saved = sorted(p.name for p in folder.parent.glob("step_*")
+                   if not p.name.endswith(".partial") and (p / "config.json").is_file())
     if saved:
         raise ModelError(f"no folder {str(path)!r}; {folder.parent} holds {', '.join(saved)}")
     raise ModelError(f"no folder {str(path)!r}: give a model folder or a run's checkpoints/step_N folder")

@@ -36,8 +36,11 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     folder = Path(run_dir) / "checkpoints"
+    # `step_N.partial` matches the pattern too, and holds a state.pt from the moment its writer
+    # saves it until the rename: a learner killed in between leaves one, perhaps cut short.
     candidates = sorted(
-        p for p in folder.glob("step_*") if p.is_dir() and (p / "state.pt").is_file()
+        p for p in folder.glob("step_*")
+        if p.is_dir() and not p.name.endswith(".partial") and (p / "state.pt").is_file()
     ) if folder.is_dir() else []
     return candidates[-1] if candidates else None
 

@@ -58,6 +58,36 @@ def test_only_the_newest_checkpoints_stay(tmp_path, tiny_codebook_model):
     assert latest_checkpoint(tmp_path).name == "step_000004"
 
 
+def test_a_checkpoint_cut_off_before_its_rename_is_not_resumed_from(tmp_path, tiny_codebook_model, monkeypatch):
+    """A learner killed after writing `state.pt` into `step_N.partial` but before renaming it
+    leaves a folder that looks like a checkpoint (its state.pt may be cut short): resume takes
+    the last whole one, and the next save of that step replaces the leftover."""
+    from pathlib import Path
+
+    trainer = _trainer(tiny_codebook_model, Ranks.single())
+    _save(tmp_path, trainer, 4, tiny_codebook_model)
+
+    rename = Path.rename
+
+    def killed_before_rename(self, target):
+        if self.name.endswith(".partial"):  # the checkpoint's own rename, not its files'
+            raise SystemExit("killed")
+        return rename(self, target)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "rename", killed_before_rename)
+        with pytest.raises(SystemExit):
+            _save(tmp_path, trainer, 6, tiny_codebook_model)
+    leftover = tmp_path / "checkpoints" / "step_000006.partial"
+    state = leftover / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # the kill came while it was being written
+    assert latest_checkpoint(tmp_path).name == "step_000004"
+    assert load_checkpoint(latest_checkpoint(tmp_path), trainer=_trainer(tiny_codebook_model, Ranks.single()))["step"] == 4
+    _save(tmp_path, trainer, 6, tiny_codebook_model)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000004", "step_000006"]
+    assert latest_checkpoint(tmp_path).name == "step_000006"
+
+
 def _resume_rank(rank, world_size, port, model_folder, checkpoint, out_dir):
     """One of two ranks: resume a one-rank checkpoint, take a step on its share, gather."""
     from longhorizon.learner.distributed import destroy_process_group, exit_without_teardown, init_process_group

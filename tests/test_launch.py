@@ -143,6 +143,17 @@ def test_a_failed_learner_is_named_by_the_exception_that_ended_it(tmp_path):
         "    | PermissionError: [Errno 13] Permission denied: 'runs/x/checkpoints'\n"
         "    +------------------------------------\n")
     assert last_error(log) == "PermissionError: [Errno 13] Permission denied: 'runs/x/checkpoints'"
+    # A rank of a learner with several ranks: torch.distributed prefixes what its excepthook writes.
+    log.write_text(
+        "2026 learner-rank1 INFO x: rank 1 of 2 joined\n"
+        "[rank1]:   + Exception Group Traceback (most recent call last):\n"
+        "[rank1]:   | ExceptionGroup: Exceptions from Trio nursery (1 sub-exception)\n"
+        "[rank1]:   +-+---------------- 1 ----------------\n"
+        "[rank1]:     | Traceback (most recent call last):\n"
+        "[rank1]:     |   File \"c.py\", line 3, in barrier\n"
+        "[rank1]:     | RuntimeError: Connection reset by peer\n"
+        "[rank1]:     +------------------------------------\n")
+    assert last_error(log) == "RuntimeError: Connection reset by peer"
 
 
 def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path, capsys):
@@ -295,3 +306,63 @@ def test_a_launcher_that_cannot_launch_is_a_config_error():
 
     with pytest.raises(ConfigError, match="run.launcher: launcher 'tests.test_launch:LAUNCHED' must be callable"):
         launch(load_config(None, ["env.name=codebook", "run.launcher='tests.test_launch:LAUNCHED'"]))
+
+
+class _ScriptedRank:
+    """A learner rank for the supervision loop: each start takes the next exit code from its
+    script (None: still running), and a failure's traceback goes into its log as a rank writes it."""
+
+    role = "learner"
+
+    def __init__(self, index: int, codes: list, log: Path) -> None:
+        self.index, self.codes, self.log = index, codes, log
+        self.restarts, self.started_at, self.starts, self.code = 0, 0.0, 0, None
+
+    @property
+    def name(self) -> str:
+        return "learner" if self.index == 0 else f"learner-rank{self.index}"
+
+    def start(self, *, resume: bool = False) -> None:
+        self.code = self.codes[self.starts]
+        self.starts += 1
+        if self.code not in (None, 0):
+            with self.log.open("a") as log:
+                log.write(f"[rank{self.index}]:     | Traceback (most recent call last):\n"
+                          f"[rank{self.index}]:     | RuntimeError: lost rank 0 (start {self.starts})\n")
+
+    def poll(self):
+        return self.code
+
+    def terminate(self) -> None:
+        self.code = -15 if self.code is None else self.code
+
+    kill = terminate
+
+    def wait(self, timeout) -> bool:
+        return True
+
+    def give_up(self) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"restarts": self.restarts}
+
+
+def test_a_failed_rank_is_named_with_the_error_in_its_own_log(tmp_path):
+    """With several ranks the console names the rank that failed and the error from that rank's
+    log (learner-rankN.log, its lines prefixed by torch.distributed), not learner.log's."""
+    from longhorizon.launch.launchers.supervise import supervise
+
+    config = load_config(None, ["run.total_steps=2"])
+    (tmp_path / "logs").mkdir()
+    ranks = [_ScriptedRank(0, [None, None], tmp_path / "logs" / "learner.log"),
+             _ScriptedRank(1, [1, 1], tmp_path / "logs" / "learner-rank1.log")]
+    lines: list[str] = []
+    assert supervise(config, tmp_path, ranks, [], progress=lines.append, learner_restarts=1) == 1
+    assert lines == [
+        "the learner's rank 1 exited with code 1 (RuntimeError: lost rank 0 (start 1)); restarting it from its "
+        "latest checkpoint (1/1)",
+        "the learner's rank 1 failed with exit code 1: RuntimeError: lost rank 0 (start 2); "
+        f"see {tmp_path / 'logs' / 'learner-rank1.log'}",
+    ]
+    assert [rank.starts for rank in ranks] == [2, 2]

@@ -317,13 +317,25 @@ def format_progress(record: dict, total_steps: int, rates: Rates | None = None) 
     )
 
 
-def _learner_exit_code(learner_ranks: list[RoleProcess]) -> int | None:
-    """None while the learner runs; 0 once rank 0 finished; else the first failing rank's code."""
+def _learner_exit(learner_ranks: list[RoleProcess]) -> tuple[int | None, RoleProcess]:
+    """(None while the learner runs, 0 once rank 0 finished, else the first failing rank's code;
+    the rank whose log tells why: the failing one, else rank 0)."""
     codes = [rank.poll() for rank in learner_ranks]
-    failures = [code for code in codes if code not in (None, 0)]
-    if failures:
-        return failures[0]
-    return 0 if codes[0] == 0 else None
+    for rank, code in zip(learner_ranks, codes):
+        if code not in (None, 0):
+            return code, rank
+    return (0 if codes[0] == 0 else None), learner_ranks[0]
+
+
+def _failed_rank_name(rank: RoleProcess, learner_ranks: list[RoleProcess]) -> str:
+    """How the console names a failed learner: by its rank when a rank other than the first
+    failed (that rank's log, not learner.log, tells why)."""
+    index = learner_ranks.index(rank)
+    return "the learner" if index == 0 else f"the learner's rank {index}"
+
+
+def _log_of(run_dir: Path, process: RoleProcess) -> Path:
+    return run_dir / "logs" / f"{process.name}.log"
 
 
 def _write_process_table(run_dir: Path, children: list[RoleProcess]) -> None:
@@ -360,6 +372,9 @@ def learner_warnings(lines: list[str]) -> list[str]:
     return notes
 
 
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
+
+
 def last_error(log: Path) -> str:
     """The exception line that ends the last traceback in `log` ("" when there is none)."""
     try:
@@ -368,6 +383,9 @@ def last_error(log: Path) -> str:
             lines = file.read().decode("utf-8", errors="replace").splitlines()
     except OSError:
         return ""
+    # A learner rank's traceback comes through torch.distributed's excepthook, which starts each
+    # line with "[rankN]: ".
+    lines = [_RANK_PREFIX.sub("", line, count=1) for line in lines]
     # The last traceback is the innermost one; inside trio's exception groups its lines carry a
     # prefix of spaces, "|" and "+", the same on every line of that traceback.
     start = None
@@ -430,19 +448,21 @@ def supervise(
                 progress(format_progress(record, config.run.total_steps, throughput.add(record)))
             for note in learner_warnings(learner_notes.new_lines()):
                 progress(note)
-            learner_code = _learner_exit_code(learner_ranks)
+            learner_code, failed_rank = _learner_exit(learner_ranks)
             if learner_code is not None:
                 if learner_code == 0 or learner.restarts >= learner_restarts:
                     break
                 if learner_code == EXIT_DO_NOT_RESTART:
                     progress("the learner stopped on an error a restart would repeat; not restarting it "
-                             f"(the error is at the end of {run_dir / 'logs' / 'learner.log'})")
+                             f"(the error is at the end of {_log_of(run_dir, failed_rank)})")
                     break
                 learner.restarts += 1
-                cause = last_error(learner_log)
+                collect()  # the failed rank's last log lines, where they are written on another node
+                cause = last_error(_log_of(run_dir, failed_rank))
                 progress(
-                    f"the learner exited with code {learner_code}{f' ({cause})' if cause else ''}; restarting "
-                    f"it from its latest checkpoint ({learner.restarts}/{learner_restarts})"
+                    f"{_failed_rank_name(failed_rank, learner_ranks)} exited with code {learner_code}"
+                    f"{f' ({cause})' if cause else ''}; restarting it from its latest checkpoint "
+                    f"({learner.restarts}/{learner_restarts})"
                 )
                 # Ranks live and die together: the others cannot go on without the lost one.
                 _stop_all(learner_ranks)
@@ -509,8 +529,8 @@ def supervise(
         # read by no one (the checkpoints hold the model; a resumed run publishes its own).
         shutil.rmtree(run_dir / "weights", ignore_errors=True)
     if learner_code != 0:
-        cause = last_error(learner_log)
-        progress(f"the learner failed with exit code {learner_code}{f': {cause}' if cause else ''}; "
-                 f"see {learner_log}")
+        failed_log = _log_of(run_dir, failed_rank)
+        cause = last_error(failed_log)
+        progress(f"{_failed_rank_name(failed_rank, learner_ranks)} failed with exit code {learner_code}{f': {cause}' if cause else ''}; see {failed_log}")
         return learner_code or 1
     return 0
