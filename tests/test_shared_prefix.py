@@ -476,12 +476,17 @@ def test_the_default_model_trains_with_the_shared_prefix_to_float32_rounding(def
     scale; a wrong pass is off by nats)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from longhorizon.learner.prefix_probe import probe_shared_prefix
+    from longhorizon.learner.prefix_probe import EXACT_TOLERANCE, NEGLIGIBLE_DIFFERENCE, probe_shared_prefix
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path)
     model = AutoModelForCausalLM.from_pretrained(default_model_path).float().train()
     probe = probe_shared_prefix(model)
-    assert probe.usable and probe.exact_difference is not None and probe.exact_difference <= 1e-9, probe.reason
+    # Either float32 rounding (float64 shows the two passes exact: measured 2.7e-5 in float32 with
+    # torch's default threads), or no difference at all (0.0 with one thread, as in the suite's
+    # workers), where no float64 check is made.
+    assert probe.usable, probe.reason
+    assert (probe.difference <= NEGLIGIBLE_DIFFERENCE and probe.exact_difference is None
+            or probe.exact_difference is not None and probe.exact_difference <= EXACT_TOLERANCE), probe.reason
     assert Trainer(model, LearnerConfig(shared_prefix=True)).shared_prefix
     prompt = tokenizer(tokenizer.apply_chat_template([
         {"role": "system", "content": "Crafting commands: get, craft, inventory. Recipes: craft 4 oak planks "
