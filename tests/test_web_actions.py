@@ -99,7 +99,7 @@ def test_skipped_optional_arguments_take_their_defaults_and_print_by_keyword():
     ("click('4', modifiers=['Hyper'])", "modifiers 'Hyper' is not one of 'Alt', 'Control', 'ControlOrMeta', 'Meta', 'Shift'"),
     ("click('4', modifiers='Shift')", "modifiers has the wrong type str"),
     ("click('4', modifiers=[1])", "modifiers must be a string or a list of strings"),
-    ("drag_and_drop('a1', '2')", "'a1' is not an element id"),
+    ("drag_and_drop('1a', '2')", "'1a' is not an element id"),
     ("fill('1', 'x', 'yes')", "enable_autocomplete_menu has the wrong type str"),
     ("keyboard_press()", "keyboard_press needs the argument 'key'"),
     ("keyboard_press(13)", "key has the wrong type int"),

@@ -39,6 +39,7 @@ def test_origins_are_normalised_and_only_allowed_ones_pass():
 def test_actions_parse_into_calls_with_checked_arguments():
     assert parse_action("click('12')").args == ("12",)
     assert parse_action("click(12)").args == ("12",)
+    assert parse_action("click('ab3')").args == ("ab3",)  # element 3 of a frame inside a frame
     assert parse_action("```\nfill('3', \"it's here\")\n```").args == ("3", "it's here")
     assert parse_action("select_option('4', ['a', 'b'])").args == ("4", ["a", "b"])
     assert parse_action("scroll(0, 300)").args == (0, 300)
@@ -53,7 +54,8 @@ def test_actions_parse_into_calls_with_checked_arguments():
         ("clik('1')", "unknown action"),
         ("click('1'", "could not parse"),
         ("click(__import__('os'))", "plain strings"),
-        ("click('a12')", "not an element id"),
+        ("click('12a')", "not an element id"),
+        ("click('A12')", "not an element id"),
         ("fill('1')", "needs the argument"),
         ("scroll('down')", "wrong type"),
         ("go_back(1)", "at most 0"),

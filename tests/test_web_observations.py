@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import html
 import io
 import re
 
@@ -56,11 +57,11 @@ async def _evaluate(env: BrowserEnv, script: str, argument=None):
 
 
 def _bids_in_text(text: str) -> set[str]:
-    return set(re.findall(r"\[(\d+)\]", text.split("\n[", 1)[-1]))
+    return set(re.findall(r"\[([a-z]*\d+)\]", text.split("\n[", 1)[-1]))
 
 
 def _bid_of(text: str, role: str, name: str) -> str:
-    found = re.search(rf"\[(\d+)\] {role} '{name}'", text)
+    found = re.search(rf"\[([a-z]*\d+)\] {role} '{name}'", text)
     assert found, f"no {role} {name!r} in:\n{text}"
     return found.group(1)
 
@@ -81,6 +82,35 @@ def test_tree_reports_the_ids_of_interactive_nodes_in_order():
     lines = render_tree(nodes, {100: "1", 102: "2", 103: "3", 104: "4", 105: "5"}, {104}, "1", interactive)
     assert interactive == ["3", "4", "5"]  # the heading has an id but nothing to act on
     assert lines == render_tree(nodes, {100: "1", 102: "2", 103: "3", 104: "4", 105: "5"}, {104}, "1")
+
+
+def test_a_frames_document_is_shown_under_its_iframe_with_its_own_root():
+    def node(node_id, role, name="", children=(), backend=None, parent="1"):
+        return {"nodeId": node_id, "role": {"value": role}, "name": {"value": name}, "childIds": list(children),
+                "backendDOMNodeId": backend, "parentId": parent}
+
+    page = [
+        {**node("1", "RootWebArea", "Page", ["2", "3"], 100), "parentId": None},
+        node("2", "Iframe", backend=102),
+        node("3", "button", "After", backend=103),
+    ]
+    # The frame's node ids may repeat the page's: each document is read with its own.
+    frame = [
+        {**node("1", "RootWebArea", "Inner", ["2"], 200), "parentId": None},
+        node("2", "button", "Buy", backend=202),
+    ]
+    bids = {100: "1", 102: "2", 103: "3", 201: "a1", 202: "a2"}
+    interactive: list[str] = []
+    lines = render_tree(page, bids, (), "1", interactive, frames={102: (frame, "a1")})
+    assert lines == [
+        "[1] RootWebArea 'Page'",
+        "  Iframe",
+        "    [a1] RootWebArea 'Inner'",
+        "      [a2] button 'Buy'",
+        "  [3] button 'After'",
+    ]
+    assert interactive == ["a2", "3"]
+    assert render_tree(page, bids, (), "1") == [lines[0], lines[1], lines[4]]  # no frame read: as before
 
 
 def test_bad_observation_options_are_refused_in_one_line():
@@ -203,5 +233,84 @@ async def test_a_set_of_marks_observation_leaves_the_page_untouched(pool):
         after = await _evaluate(env, "() => document.documentElement.outerHTML")
         mutations = await _evaluate(env, "() => window.__mutations")
         assert after == before and mutations == []
+    finally:
+        await env.close()
+
+
+def _srcdoc(markup: str) -> str:
+    return html.escape(markup, quote=True)
+
+
+# A frame with a border and padding at a known place, holding a button, a field, a button cut off
+# by the frame's edge and a frame of its own; each document sets its margins to 0.
+DEEP = "<body style='margin:0'><a href='#deep' style='position:absolute;left:5px;top:5px'>Deep</a></body>"
+INNER = (
+    "<body style='margin:0;font:16px sans-serif'>"
+    "<button style='position:absolute;left:10px;top:20px' "
+    "onclick=\"document.getElementById('out').textContent = 'bought'\">Buy</button>"
+    "<input aria-label='Quantity' style='position:absolute;left:10px;top:60px;width:80px'>"
+    "<p id='out' style='position:absolute;left:150px;top:10px;margin:0'>not yet</p>"
+    "<button style='position:absolute;left:240px;top:100px;width:100px'>Half</button>"
+    f"<iframe style='position:absolute;left:150px;top:60px;width:80px;height:40px;border:0' srcdoc=\"{_srcdoc(DEEP)}\"></iframe>"
+    "</body>"
+)
+FRAMED_PAGE = (
+    "<html><head><title>Framed</title></head><body style='margin:0;font:16px sans-serif'>"
+    "<button style='position:absolute;left:10px;top:10px'>Top</button>"
+    "<iframe title='Shop' style='position:absolute;left:200px;top:100px;width:300px;height:150px;"
+    f"border:4px solid black;padding:6px' srcdoc=\"{_srcdoc(INNER)}\"></iframe>"
+    "</body></html>"
+)
+FRAMED_TASK = Task(env_name="webtest", task_id="frames", split="train",
+                   data={"sites": [], "start_url": "data:text/html;base64," + base64.b64encode(FRAMED_PAGE.encode()).decode()})
+
+
+async def _box_in_tab(env: BrowserEnv, bid: str) -> dict:
+    """Playwright's box of the element `bid`, wherever its frame is, in the tab's viewport."""
+    async def run(session, bid):
+        for frame in session.page().frames:
+            locator = frame.locator(f'[data-bid="{bid}"]')
+            if await locator.count():
+                return await locator.bounding_box()
+        return None
+
+    return await env._episode.session.call(run, bid, timeout_s=10.0)
+
+
+@pytest.mark.browser
+async def test_elements_inside_frames_have_ids_marks_and_take_actions(pool):
+    env = BrowserEnv(name="webtest", pool=pool, observation_modes=["text", "som"], screenshot_size=[800, 600])
+    try:
+        text, info = await env.reset(FRAMED_TASK)
+        top, buy, quantity = _bid_of(text, "button", "Top"), _bid_of(text, "button", "Buy"), _bid_of(text, "textbox", "Quantity")
+        half, deep = _bid_of(text, "button", "Half"), _bid_of(text, "link", "Deep")
+        assert top.isdigit() and buy[0] == quantity[0] == half[0] == "a" and deep[:2] == "aa", text
+        assert len({top, buy, quantity, half, deep}) == 5
+        # Each frame's document under its iframe, one level deeper, with its own root.
+        depth = {line.strip(): (len(line) - len(line.lstrip())) // 2 for line in text.splitlines()}
+        shop = next(line for line in depth if line.endswith("Iframe 'Shop'"))
+        assert depth[shop] == 1 and depth["[a1] RootWebArea"] == 2, text
+        assert depth[f"[{buy}] button 'Buy'"] == depth[f"[{half}] button 'Half'"] == depth["Iframe"] == 3
+        assert depth["[aa1] RootWebArea"] == 4 and depth[f"[{deep}] link 'Deep'"] == 5
+        # Marks: every interactive element, the frames' too, at Playwright's box in the tab,
+        # and the one cut off by the frame's edge only as far as the frame shows it.
+        marks = {mark["bid"]: mark for mark in info["som_marks"]}
+        assert {top, buy, quantity, half, deep} <= set(marks), info["som_marks"]
+        for bid in (top, buy, quantity, deep):
+            box = await _box_in_tab(env, bid)
+            assert abs(marks[bid]["x"] - box["x"]) <= 1 and abs(marks[bid]["y"] - box["y"]) <= 1, (bid, marks[bid], box)
+            assert abs(marks[bid]["width"] - box["width"]) <= 1 and abs(marks[bid]["height"] - box["height"]) <= 1
+        # The frame's content starts at 200 + 4 + 6 = 210 and is 300 wide: "Half" (at 240, 100 wide)
+        # shows up to x = 510.
+        assert marks[half]["x"] == 210 + 240 and marks[half]["x"] + marks[half]["width"] == 510, marks[half]
+
+        # Actions reach into frames.
+        text, _, _, _, info = await env.step(f"fill('{quantity}', '3')")
+        assert not info["invalid_action"] and f"[{quantity}] textbox 'Quantity' value='3'" in text, text
+        text, _, _, _, info = await env.step(f"click('{buy}')")
+        assert not info["invalid_action"] and "StaticText 'bought'" in text, text
+        assert _bid_of(text, "button", "Buy") == buy  # ids hold between steps
+        text, _, _, _, info = await env.step("click('b7')")
+        assert info["invalid_action"] and "no element with id b7" in text
     finally:
         await env.close()

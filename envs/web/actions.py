@@ -23,7 +23,7 @@ from urllib.parse import urljoin
 
 from longhorizon.envs.tools import EnvTool, object_schema
 from longhorizon.envs.web.browser import is_allowed
-from longhorizon.envs.web.observation import BID_ATTRIBUTE
+from longhorizon.envs.web.observation import BID_ATTRIBUTE, descendant_frames
 
 
 class ActionError(ValueError):
@@ -126,7 +126,7 @@ TERMINAL_ACTIONS = frozenset({"send_msg_to_user", "stop"})
 MAX_ACTIONS_PER_STEP = 20
 """Multi-action mode: more actions in one reply is an error (BrowserGym advises two or three)."""
 NOOP_MAX_MS = 5000.0
-_BID = re.compile(r"[0-9]+")
+_BID = re.compile(r"[a-z]*[0-9]+")  # a frame's letters, then the element's number
 _OPENS_TAB_JS = """(element) => {
   const link = element.closest('a[href], area[href]');
   return !!link && !!link.target && !['_self', '_parent', '_top'].includes(link.target.toLowerCase());
@@ -309,7 +309,7 @@ def _checked(name: str, spec: ActionSpec, param: Param, value: Any) -> Any:
     if param.types == (str, int) and param.name.endswith("bid"):
         value = str(value).strip()
         if not _BID.fullmatch(value):
-            raise ActionError(f"{name}: {value!r} is not an element id; ids are the numbers in [brackets]")
+            raise ActionError(f"{name}: {value!r} is not an element id; ids are what the observation shows in [brackets]")
     if isinstance(value, list) and not all(isinstance(item, str) for item in value):
         raise ActionError(f"{name}: {param.name} must be a string or a list of strings")
     if param.choices:
@@ -329,10 +329,16 @@ def _first_line(error: BaseException) -> str:
 
 
 async def _element(page: Any, bid: str) -> Any:
-    locator = page.locator(f'[{BID_ATTRIBUTE}="{bid}"]')
-    if await locator.count() == 0:
-        raise ActionError(f"no element with id {bid} on this page (use an id from the latest observation)")
-    return locator.first
+    # An id that begins with letters is in a frame (observation.py): looked for in the tab's frames.
+    frames = [page.main_frame] if bid[0].isdigit() else descendant_frames(page)
+    for frame in frames:
+        locator = frame.locator(f'[{BID_ATTRIBUTE}="{bid}"]')
+        try:
+            if await locator.count():
+                return locator.first
+        except Exception:  # a frame that went away meanwhile holds nothing
+            continue
+    raise ActionError(f"no element with id {bid} on this page (use an id from the latest observation)")
 
 
 def _point(page: Any, action: Action, x: float, y: float) -> tuple[float, float]:

@@ -65,7 +65,7 @@ You are an agent browsing the web to complete a task. Each observation shows the
 the open tabs, the error of your last action (if any) and the page as an accessibility tree: one \
 element per line, with an id in brackets for elements you can act on, e.g. [12] button 'Submit'.
 
-Actions ({how_many}; ids are the numbers in brackets; x and y are pixels from the top left \
+Actions ({how_many}; ids are the ones in brackets; x and y are pixels from the top left \
 corner of the visible part of the page):
 {actions}
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 
 from longhorizon.envs.base import Task, react_reply
 
-_NODE_LINE = re.compile(r"^(\s*)\[(\d+)\] (\S+)(?: '((?:[^'\\]|\\.)*)')?(.*)$")
+_NODE_LINE = re.compile(r"^(\s*)\[([a-z]*\d+)\] (\S+)(?: '((?:[^'\\]|\\.)*)')?(.*)$")
 _GOAL_LINE = re.compile(r"^Goal: (.*)$", re.MULTILINE)
 _MAX_WAITS = 2
 
