@@ -284,6 +284,25 @@ class HFVisionChatTokenizer(HFChatTokenizer):
         ids = self._tokens(self._after_eos + extended[len(closed):], images)
         return ids if stopped_on_eos else [self.eos_token_id] + ids
 
+    def folded_images(self, token_ids: Sequence[int], images: Sequence[bytes]) -> list[int]:
+        """`token_ids` with each image's tokens, as the processor writes them, folded back into the
+        processor's one placeholder token: the form an engine that writes the image tokens itself
+        takes (vLLM). ValueError when an image's tokens are not there, in order."""
+        placeholder_text = getattr(self.processor, "image_token", None) or "<image>"
+        placeholder = self.tokenizer.convert_tokens_to_ids(placeholder_text)
+        tokens = list(token_ids)
+        folded: list[int] = []
+        start = 0
+        for number, image in enumerate(images, 1):
+            span = self._tokens(placeholder_text, [image])
+            at = next((index for index in range(start, len(tokens) - len(span) + 1)
+                       if tokens[index:index + len(span)] == span), -1)
+            if at < 0:
+                raise ValueError(f"image {number} of {len(images)}: its {len(span)} tokens are not in the prompt")
+            folded += tokens[start:at] + [placeholder]
+            start = at + len(span)
+        return folded + tokens[start:]
+
     def image_inputs(self, images: Sequence[bytes], dtype=None) -> dict:
         """The model's image inputs for `images` (common.models.image_model_inputs)."""
         return image_model_inputs(self.processor, list(images), dtype)

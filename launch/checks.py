@@ -171,7 +171,7 @@ def _check_observation_image(config: Config, capabilities) -> None:
         return
     if not capabilities.takes_images:
         raise ConfigError(f"actor.observation_image: the {config.actor.engine!r} engine cannot show the model "
-                          "images (capabilities.takes_images): use the hf engine")
+                          "images (capabilities.takes_images): use the hf or vllm engine")
     try:
         folder = resolve_model_path(config.model.path, config.model.cache_dir)
     except ModelError as error:

@@ -35,8 +35,10 @@ IMAGE_SIDE = 32
 side per row, merged 2x2, so each image is 4 <image> tokens (plus its 3 framing tokens)."""
 
 
-def build_tiny_vlm(folder: str | Path, *, seed: int = 0, words: list[str] = VLM_WORDS) -> Path:
-    """Write a randomly initialised tiny Idefics3 model and its processor to `folder`."""
+def build_tiny_vlm(folder: str | Path, *, seed: int = 0, words: list[str] = VLM_WORDS, text_heads: int = 4) -> Path:
+    """Write a randomly initialised tiny Idefics3 model and its processor to `folder` (`text_heads`
+    attention heads over the text model's 64 dimensions: 1 for vLLM, whose CPU attention has no
+    kernel for heads of 16)."""
     import torch
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor, Idefics3Processor
 
@@ -58,8 +60,8 @@ def build_tiny_vlm(folder: str | Path, *, seed: int = 0, words: list[str] = VLM_
         vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                        "num_attention_heads": 2, "image_size": IMAGE_SIDE, "patch_size": 8},
         text_config={"model_type": "llama", "vocab_size": len(vocab), "hidden_size": 64,
-                     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "num_key_value_heads": 4, "max_position_embeddings": 1024,
+                     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": text_heads,
+                     "num_key_value_heads": text_heads, "max_position_embeddings": 1024,
                      "pad_token_id": vocab["<pad>"], "eos_token_id": vocab["<end_of_utterance>"],
                      "bos_token_id": None, "tie_word_embeddings": False},
         scale_factor=2,

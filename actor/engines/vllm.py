@@ -46,6 +46,7 @@ import math
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import trio
@@ -60,11 +61,14 @@ from longhorizon.actor.engines.base import (
     tokens_through_stop_string,
 )
 from longhorizon.common.asyncio_thread import AsyncioThread
-from longhorizon.common.chat import HFChatTokenizer
+from longhorizon.common.chat import NO_IMAGE_PROCESSOR, HFChatTokenizer, HFVisionChatTokenizer, decode_image, takes_images
 from longhorizon.common.collective import CollectiveError
 from longhorizon.common.config import Section, bounded
 from longhorizon.common.lora import LORA_HINT, adapter_specs, lora_settings, merge_adapters, target_weights_of_model_folder
-from longhorizon.common.models import WeightsRefused, check_weights, weights_problems, load_tokenizer
+from longhorizon.common.models import (
+    WeightsRefused, check_weights, image_token_ids, is_vision_language_folder, load_processor, load_tokenizer,
+    weights_problems,
+)
 from longhorizon.common.processes import remove_tied_folder, tied_folder
 from longhorizon.common.wire import CollectiveWeights
 from longhorizon.actor.weights import CollectiveReceiver, WeightsReceiver, folder_problems
@@ -239,6 +243,9 @@ class VLLMOptions(Section):
     little speed on small models, and False on GPU."""
     start_timeout_s: float = bounded(900.0, gt=0)
     """Give up starting the engine after this long."""
+    max_images_per_prompt: int = bounded(8, ge=1)
+    """With a vision-language model: the most images one prompt may show (an episode shows one per
+    observation in view); vLLM sizes its memory for prompts holding this many."""
     log_level: str | None = None
     """vLLM's own logging (VLLM_LOGGING_LEVEL: DEBUG, INFO, WARNING, ERROR). Unset: the
     environment's VLLM_LOGGING_LEVEL, else INFO in a training run's actors (their log files) and
@@ -307,6 +314,9 @@ class VLLMEngine:
         # Adapters are merged into base weights here, in the actor process; a collective's bytes
         # land in vLLM's worker process instead.
         lora_weight_transports=("inline", "path"),
+        # With a vision-language folder (its processor beside it): a request's images go to vLLM
+        # with its tokens, the image tokens already written out as the processor writes them.
+        takes_images=True,
     )
     Options = VLLMOptions
 
@@ -344,7 +354,14 @@ class VLLMEngine:
         model_folder = Path(settings.model_path)
         if not (model_folder / "config.json").is_file():
             raise EngineError(f"the vllm engine needs a local model folder with config.json, got {settings.model_path!r}")
-        self.tokenizer = HFChatTokenizer(load_tokenizer(model_folder))
+        # A vision-language model's folder brings its processor: its conversations may hold images.
+        processor = load_processor(model_folder) if is_vision_language_folder(model_folder) else None
+        vision = processor is not None
+        self.tokenizer = HFVisionChatTokenizer(processor) if vision else HFChatTokenizer(load_tokenizer(model_folder))
+        # An image token sampled by the policy would have no image behind it: pushed out of reach
+        # (vLLM's largest bias), as the hf engine and the learner leave them out (learner/logprobs.py).
+        self._image_token_bias = ({token: -100.0 for token in image_token_ids(SimpleNamespace(**_model_config(model_folder)))}
+                                  if vision else None)
         self.policy_version = 0
         # What a full update must hold (the model folder's tensors): every update is checked
         # against it, whole, before vLLM loads any of it.
@@ -388,6 +405,9 @@ class VLLMEngine:
             disable_log_stats=True,
             worker_extension_cls=f"{WorkerExtension.__module__}.{WorkerExtension.__qualname__}",
         )
+        if vision:
+            # A multi-turn episode shows an image per observation; vLLM's default is fewer.
+            engine_options["limit_mm_per_prompt"] = {"image": options.max_images_per_prompt}
 
         self._cpu = cpu
         # The engine, its loop and every coroutine that touches it live on this thread.
@@ -441,7 +461,17 @@ class VLLMEngine:
             logprobs=0,  # only the sampled token's log-prob
             stop_token_ids=[self.tokenizer.eos_token_id],
             detokenize=False,  # we decode with our own tokenizer
+            logit_bias=self._image_token_bias,
         )
+        tokens_prompt = TokensPrompt(prompt_token_ids=prompt)
+        if request.images:
+            if not takes_images(self.tokenizer):
+                raise ValueError(NO_IMAGE_PROCESSOR)
+            # vLLM writes each image's tokens itself, from the processor's one placeholder token:
+            # it is given that form, and what it made of it is checked against ours below.
+            tokens_prompt = TokensPrompt(
+                prompt_token_ids=self.tokenizer.folded_images(prompt, request.images),
+                multi_modal_data={"image": [decode_image(image) for image in request.images]})
         async with self._gate:
             await self._gate.wait_for(lambda: not self._updating)
             self._in_flight += 1
@@ -449,7 +479,7 @@ class VLLMEngine:
             version = self.policy_version
             request_id = f"{request.episode_id}-{next(self._request_numbers)}"
             final = None
-            async for output in self._engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id):
+            async for output in self._engine.generate(tokens_prompt, params, request_id):
                 final = output
         finally:
             async with self._gate:
@@ -457,6 +487,9 @@ class VLLMEngine:
                 self._gate.notify_all()
         if final is None or not final.outputs:
             raise RuntimeError(f"vLLM returned no output for request {request_id}")
+        if request.images and list(final.prompt_token_ids or ()) != prompt:
+            raise RuntimeError(f"vLLM wrote the images of request {request_id} as other tokens than the model's "
+                               "processor does: the learner would score the reply against another prompt")
         completion = final.outputs[0]
         tokens = list(completion.token_ids)
         logprobs = sampled_token_logprobs(tokens, completion.logprobs)
@@ -553,6 +586,9 @@ class VLLMEngine:
             if self._cpu:
                 await self._engine.collective_rpc("longhorizon_repack_kept_weights")
             await self._engine.reset_prefix_cache()
+            if self._image_token_bias is not None:
+                # The image encoder's outputs kept for images seen before are the old weights'.
+                await self._engine.reset_encoder_cache()
             self.policy_version = version
         finally:
             async with self._gate:
@@ -630,5 +666,7 @@ def _tied_output(folder: Path) -> bool:
 
 
 def _model_max_length(folder: Path) -> int | None:
-    value = _model_config(folder).get("max_position_embeddings")
+    config = _model_config(folder)
+    # A vision-language model keeps its language model's settings in `text_config`.
+    value = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
     return int(value) if value else None
