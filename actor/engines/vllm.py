@@ -315,7 +315,7 @@ class VLLMEngine:
         # land in vLLM's worker process instead.
         lora_weight_transports=("inline", "path"),
         # With a vision-language folder (its processor beside it): a request's images go to vLLM
-        # with its tokens, the image tokens already written out as the processor writes them.
+        # with its tokens, each image's tokens folded into the placeholder vLLM expands.
         takes_images=True,
     )
     Options = VLLMOptions
@@ -356,7 +356,7 @@ class VLLMEngine:
             raise EngineError(f"the vllm engine needs a local model folder with config.json, got {settings.model_path!r}")
         # A vision-language model's folder brings its processor: its conversations may hold images.
         processor = load_processor(model_folder) if is_vision_language_folder(model_folder) else None
-        vision = processor is not None
+        self._vision = vision = processor is not None
         self.tokenizer = HFVisionChatTokenizer(processor) if vision else HFChatTokenizer(load_tokenizer(model_folder))
         # An image token sampled by the policy would have no image behind it: pushed out of reach
         # (vLLM's largest bias), as the hf engine and the learner leave them out (learner/logprobs.py).
@@ -586,7 +586,7 @@ class VLLMEngine:
             if self._cpu:
                 await self._engine.collective_rpc("longhorizon_repack_kept_weights")
             await self._engine.reset_prefix_cache()
-            if self._image_token_bias is not None:
+            if self._vision:
                 # The image encoder's outputs kept for images seen before are the old weights'.
                 await self._engine.reset_encoder_cache()
             self.policy_version = version
