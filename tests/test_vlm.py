@@ -38,6 +38,18 @@ from longhorizon.learner.trainer import Trainer  # noqa: E402
 RED, BLUE, GREEN = png_image((200, 20, 20)), png_image((20, 20, 200)), png_image((20, 160, 40))
 
 
+# Rows with one image, two images and none share a batch: the model places each row's image features
+# on that row's image tokens, in order.
+IMAGE_CONVERSATIONS = [
+    [{"role": "user", "content": "click the red button", "images": [RED]}],
+    [{"role": "user", "content": "page", "images": [BLUE]},
+     {"role": "assistant", "content": "click"},
+     {"role": "user", "content": "the blue page", "images": [GREEN]}],
+    [{"role": "user", "content": "type done"}],
+    [{"role": "user", "content": "click the red button", "images": [BLUE]}],
+]
+
+
 @pytest.fixture(scope="session")
 def tiny_vlm(tmp_path_factory) -> Path:
     return build_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-vlm")
@@ -98,16 +110,7 @@ def test_a_vision_language_folder_loads_with_its_processor_and_a_text_folder_has
 async def test_the_learner_scores_the_engines_image_turns_as_the_engine_sampled_them(tiny_vlm, temperature):
     engine = _engine(tiny_vlm, temperature=temperature)
     tokenizer = engine.tokenizer
-    # Rows with one image, two images and none share a batch: the model places each row's image
-    # features on that row's image tokens, in order.
-    cases = [
-        [{"role": "user", "content": "click the red button", "images": [RED]}],
-        [{"role": "user", "content": "page", "images": [BLUE]},
-         {"role": "assistant", "content": "click"},
-         {"role": "user", "content": "the blue page", "images": [GREEN]}],
-        [{"role": "user", "content": "type done"}],
-        [{"role": "user", "content": "click the red button", "images": [BLUE]}],
-    ]
+    cases = IMAGE_CONVERSATIONS
     prompts = [tokenizer.prompt_tokens(messages) for messages in cases]
     images = [[image for message in messages for image in message.get("images", ())] for messages in cases]
     image_token = tokenizer.processor.image_token_id

@@ -20,7 +20,7 @@ from longhorizon.actor.engines.base import EngineSettings, GenerationRequest, ma
 from longhorizon.common.config import SamplingConfig  # noqa: E402
 from longhorizon.common.models import image_token_ids, load_causal_lm, load_processor  # noqa: E402
 from longhorizon.learner.broadcast import make_weights_update  # noqa: E402
-from test_vlm import BLUE, GREEN, RED, _example, _largest_difference  # noqa: E402
+from test_vlm import BLUE, IMAGE_CONVERSATIONS as CASES, _example, _largest_difference  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -30,17 +30,6 @@ pytestmark = [
 
 # vLLM's CPU kernels and the learner's sum in other orders (tests/test_vllm_engine.py's tolerance).
 LOGPROB_TOLERANCE = 2e-3
-
-# Rows with one image, two images and none: each row's images go with its own tokens.
-CASES = [
-    [{"role": "user", "content": "click the red button", "images": [RED]}],
-    [{"role": "user", "content": "page", "images": [BLUE]},
-     {"role": "assistant", "content": "click"},
-     {"role": "user", "content": "the blue page", "images": [GREEN]}],
-    [{"role": "user", "content": "type done"}],
-    [{"role": "user", "content": "click the red button", "images": [BLUE]}],
-]
-
 
 @pytest.fixture(scope="module")
 def one_head_vlm(tmp_path_factory) -> Path:

@@ -416,11 +416,13 @@ async def mark_boxes(page: Any, bids: list[str], viewport: tuple[int, int]) -> l
     """The boxes of `bids` in the tab's viewport, in their order, each clipped to what shows of it
     (through every frame that holds it); those not visible are left out."""
     found: dict[str, dict[str, Any]] = {}
+    # Only ids that begin with letters live in frames: without one, the frames are not measured.
+    in_frames = any(not bid[0].isdigit() for bid in bids)
 
     async def visit(frame: Any, origin: list[float], clip: list[float]) -> None:
         for box in await frame.evaluate(MARK_BOXES_JS, [bids, origin, clip]):
             found.setdefault(box["bid"], box)
-        for child in frame.child_frames:
+        for child in frame.child_frames if in_frames else ():
             try:
                 element = await child.frame_element()
                 left, top, right, bottom = await element.evaluate(FRAME_CONTENT_BOX_JS)

@@ -531,6 +531,7 @@ def supervise(
     if learner_code != 0:
         failed_log = _log_of(run_dir, failed_rank)
         cause = last_error(failed_log)
-        progress(f"{_failed_rank_name(failed_rank, learner_ranks)} failed with exit code {learner_code}{f': {cause}' if cause else ''}; see {failed_log}")
+        progress(f"{_failed_rank_name(failed_rank, learner_ranks)} failed with exit code {learner_code}"
+                 f"{f': {cause}' if cause else ''}; see {failed_log}")
         return learner_code or 1
     return 0
