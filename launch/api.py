@@ -71,7 +71,7 @@ def train(config: ConfigLike, overrides: Sequence[str] = (), *,
     learner and actors as tasks of this process over the in-process transport (debugging; the
     local launcher only)."""
     from longhorizon.common.metrics import read_metrics
-    from longhorizon.launch.launchers.supervise import last_error, launch
+    from longhorizon.launch.launchers.supervise import failure_of, last_error, launch
     from longhorizon.launch.report import diagnose, summarise_run
 
     resolved = _config(config, overrides)
@@ -81,7 +81,9 @@ def train(config: ConfigLike, overrides: Sequence[str] = (), *,
         code = launch(resolved, progress=progress)
     run_dir = resolved.run_dir
     if code != 0:
-        cause = last_error(run_dir / "logs" / "learner.log")
+        # The launcher's record names the failing rank and its error; a launcher without one
+        # (a plug-in) leaves learner.log to tell.
+        cause = failure_of(run_dir) or last_error(run_dir / "logs" / "learner.log")
         raise RunFailed(f"training ended with exit code {code}{f': {cause}' if cause else ''} "
                         f"(logs in {run_dir / 'logs'})", code)
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []

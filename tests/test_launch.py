@@ -366,3 +366,39 @@ def test_a_failed_rank_is_named_with_the_error_in_its_own_log(tmp_path):
         f"see {tmp_path / 'logs' / 'learner-rank1.log'}",
     ]
     assert [rank.starts for rank in ranks] == [2, 2]
+
+
+def two_ranks_one_failing(config, *, progress=print) -> int:
+    """A launcher from outside the package whose learner's rank 1 fails on every start."""
+    from longhorizon.launch.launchers.supervise import prepare_run_dir, supervise
+
+    run_dir = prepare_run_dir(config, progress=progress)
+    ranks = [_ScriptedRank(0, [None, None], run_dir / "logs" / "learner.log"),
+             _ScriptedRank(1, [1, 1], run_dir / "logs" / "learner-rank1.log")]
+    return supervise(config, run_dir, ranks, [], progress=progress, learner_restarts=1)
+
+
+def test_the_api_names_the_failed_rank_as_the_console_does(tmp_path):
+    """`train()` raises with the failing rank and its error (from the run folder's failure.txt),
+    not with learner.log's tail, which holds nothing here; a later run that ends well clears it."""
+    import longhorizon as lh
+    from longhorizon.launch.launchers.supervise import failure_of
+
+    overrides = [f"run.output_dir={str(tmp_path)!r}", "run.name='two-ranks'",
+                 "run.launcher='tests.test_launch:two_ranks_one_failing'"]
+    lines: list[str] = []
+    with pytest.raises(lh.RunFailed) as failed:
+        lh.train("codebook", overrides, progress=lines.append)
+    run_dir = tmp_path / "two-ranks"
+    assert failed.value.exit_code == 1
+    assert str(failed.value) == (
+        f"training ended with exit code 1: {lines[-1]} (logs in {run_dir / 'logs'})")
+    assert lines[-1].startswith("the learner's rank 1 failed with exit code 1: RuntimeError: lost rank 0 (start 2)")
+    # Resumed, the run's learner finishes: the earlier failure is not reported as this run's.
+    from longhorizon.launch.launchers.supervise import supervise
+
+    config = lh.load_config("codebook", [*overrides, "run.resume=true"])
+    ranks = [_ScriptedRank(0, [0], run_dir / "logs" / "learner.log")]
+    assert failure_of(run_dir) is not None
+    assert supervise(config, run_dir, ranks, [], progress=lines.append) == 0
+    assert failure_of(run_dir) is None

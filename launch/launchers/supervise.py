@@ -63,6 +63,8 @@ non-finite updates in a row): the launcher stops the run instead of restarting i
 _ACTOR_STOP_GRACE_S = 10.0
 _LEARNER_STOP_GRACE_S = 120.0
 _POLL_INTERVAL_S = 0.5
+FAILURE_FILE = "failure.txt"
+"""The run folder's record of why the learner failed: the line the console printed last."""
 
 
 class StopRequested(Exception):
@@ -334,6 +336,13 @@ def _failed_rank_name(rank: RoleProcess, learner_ranks: list[RoleProcess]) -> st
     return "the learner" if index == 0 else f"the learner's rank {index}"
 
 
+def failure_of(run_dir: Path) -> str | None:
+    """Why the run's learner failed, as the console said it (the failing rank and its error), or
+    None when no failure was recorded (the run finished, was stopped, or is another launcher's)."""
+    path = run_dir / FAILURE_FILE
+    return path.read_text().strip() if path.is_file() else None
+
+
 def _log_of(run_dir: Path, process: RoleProcess) -> Path:
     return run_dir / "logs" / f"{process.name}.log"
 
@@ -423,6 +432,7 @@ def supervise(
     its ranks itself (torchrun)."""
     children = [*learner_ranks, *actors]
     learner = learner_ranks[0]
+    (run_dir / FAILURE_FILE).unlink(missing_ok=True)  # a resumed run's earlier failure is not its own
     metrics = MetricsFollower(run_dir)
     throughput = ThroughputWindow()
     learner_log = run_dir / "logs" / "learner.log"
@@ -531,7 +541,9 @@ def supervise(
     if learner_code != 0:
         failed_log = _log_of(run_dir, failed_rank)
         cause = last_error(failed_log)
-        progress(f"{_failed_rank_name(failed_rank, learner_ranks)} failed with exit code {learner_code}"
-                 f"{f': {cause}' if cause else ''}; see {failed_log}")
+        failure = (f"{_failed_rank_name(failed_rank, learner_ranks)} failed with exit code {learner_code}"
+                   f"{f': {cause}' if cause else ''}; see {failed_log}")
+        (run_dir / FAILURE_FILE).write_text(failure + "\n")
+        progress(failure)
         return learner_code or 1
     return 0
