@@ -74,10 +74,11 @@ def test_a_round_that_keeps_nothing_is_a_clear_error(tmp_path, tiny_codebook_mod
 
 @pytest.mark.slow
 def test_rejection_sampling_raises_held_out_success_from_a_random_model(tmp_path, tiny_codebook_model):
-    """configs/codebook-rft.toml from the untrained tiny model: 4 rounds of 512 sampled episodes,
-    keeping those with at least one right answer, then two, then only successful ones (no episode
-    of a random model gets all three right), take greedy held-out success from under 5% past 40%
-    (measured 67.5-91.5% over four seeds)."""
+    """configs/codebook-rft.toml from the untrained tiny model: 5 rounds of 512 sampled episodes,
+    keeping those with at least one right answer, then two (twice), then only successful ones (no
+    episode of a random model gets all three right), take greedy held-out success from under 5%
+    past 60% (measured 89-100% over 20 seeds; sampling is not bit-for-bit repeatable, so a seed
+    does not fix the result)."""
     config = load_config(RFT_CONFIG, [f"run.output_dir={str(tmp_path)!r}", f"model.path={str(tiny_codebook_model)!r}"])
     summary = run_rft(config, note=lambda line: None)
     rounds = summary["rounds"]
@@ -85,16 +86,16 @@ def test_rejection_sampling_raises_held_out_success_from_a_random_model(tmp_path
           [round(r["eval_after"]["success_rate"], 3) for r in rounds], "sampled mean reward",
           [round(r["sample_mean_reward"], 3) for r in rounds])
     assert summary["eval_before"]["success_rate"] < 0.05
-    assert summary["eval_after"]["success_rate"] > 0.4 and summary["eval_after"]["failed_episodes"] == 0
+    assert summary["eval_after"]["success_rate"] > 0.6 and summary["eval_after"]["failed_episodes"] == 0
     # The policy that samples improves too: the last round's episodes earn far more than the first's.
     assert rounds[-1]["sample_mean_reward"] > 4 * rounds[0]["sample_mean_reward"]
-    assert [r["min_reward"] for r in rounds] == [0.3, 0.6, 1.0, 1.0]
+    assert [r["min_reward"] for r in rounds] == [0.3, 0.6, 0.6, 1.0, 1.0]
     # Each round is a checkpoint an RL run can start from, and what it kept is on disk.
     for record in rounds:
         assert (Path(record["checkpoint"]) / "model.safetensors").is_file()
-    kept_file = tmp_path / "codebook-rft" / "round_04" / "kept.jsonl"
+    kept_file = tmp_path / "codebook-rft" / "round_05" / "kept.jsonl"
     kept = [json.loads(line) for line in kept_file.read_text().splitlines()]
     assert len(kept) == rounds[-1]["kept"] > 0 and all(line["success"] for line in kept)
     assert len({json.dumps(line["messages"]) for line in kept}) == len(kept)  # deduplicated
     written = json.loads((tmp_path / "codebook-rft" / "rft_summary.json").read_text())
-    assert written["checkpoint"] == summary["checkpoint"] and len(written["rounds"]) == 4
+    assert written["checkpoint"] == summary["checkpoint"] and len(written["rounds"]) == 5
