@@ -692,6 +692,10 @@ class SFTRLConfig(Section):
     as a phase `sft-t<T>` on the same tasks (eval_samples episodes per task when sampled), and
     every RL result tested against the best of the SFT evaluations: a claim that RL beats
     imitation holds against imitation at its best decoding, not only at the one RL is scored at."""
+    rl_temperatures: list = Field(default_factory=list)
+    """Each RL run's final checkpoint also evaluated at each of these sampling temperatures (0:
+    greedy), as phases `rl-seed<N>-t<T>` (one run: `rl-t<T>`; several: also pooled as `rl-t<T>`),
+    each tested against the best SFT evaluation: RL at its own best decoding too."""
     rl_seeds: list = Field(default_factory=list)
     """One RL run from the SFT checkpoint per seed (run.seed = the seed), each evaluated, and their
     held-out episodes pooled against the SFT checkpoint's; empty: one run at run.seed."""

@@ -145,6 +145,8 @@ def test_sampled_evaluations_and_several_seeds_are_checked(tmp_path, tiny_codebo
         check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.sft_checkpoint='nowhere'"))
     with pytest.raises(ConfigError, match=r"sft_rl.sft_temperatures must be numbers >= 0 \(0: greedy\), got \[-0.5\]"):
         check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.sft_temperatures=[-0.5]"))
+    with pytest.raises(ConfigError, match=r"sft_rl.rl_temperatures \[0.5, 0.5\] repeats a temperature"):
+        check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.rl_temperatures=[0.5, 0.5]"))
     with pytest.raises(ConfigError, match="repeats a temperature"):
         check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.sft_temperatures=[0]"))  # greedy anyway
     check_sft_rl_config(_config(tmp_path, tiny_codebook_model, "sft_rl.eval_samples=4", "sft_rl.eval_temperature=1.0",
@@ -191,12 +193,17 @@ def test_rl_runs_per_seed_from_a_checkpoint_made_before_with_sampled_evaluations
     config = _config(tmp_path, tiny_codebook_model, "sft_rl.eval_base=false",
                      f"sft_rl.sft_checkpoint={str(tiny_codebook_model)!r}", "sft_rl.rl_seeds=[5, 6]",
                      "run.total_steps=1", "sft_rl.eval_episodes=10", "sft_rl.eval_samples=3",
-                     "sft_rl.eval_temperature=1.0", "sft_rl.sft_temperatures=[0.0]")
+                     "sft_rl.eval_temperature=1.0", "sft_rl.sft_temperatures=[0.0]", "sft_rl.rl_temperatures=[0]")
     lines = []
     summary = run_sft_rl(config, note=lines.append)
     phases = summary["phases"]
-    assert list(phases) == ["sft", "sft-t0", "rl-seed5", "rl-seed6", "rl"]
-    assert phases["sft-t0"]["played"] == 10 and phases["sft-t0"]["temperature"] == 0.0  # greedy: one per task
+    assert list(phases) == ["sft", "sft-t0", "rl-seed5", "rl-seed5-t0", "rl-seed6", "rl-seed6-t0", "rl", "rl-t0"]
+    for phase in ("sft-t0", "rl-seed5-t0", "rl-seed6-t0"):  # greedy: one per task
+        assert phases[phase]["played"] == 10 and phases[phase]["temperature"] == 0.0
+    for seed in (5, 6):  # each run's one checkpoint, played both ways
+        assert phases[f"rl-seed{seed}-t0"]["model"] == phases[f"rl-seed{seed}"]["model"]
+    assert phases["rl-t0"]["played"] == 20 and phases["rl-t0"]["runs"] == 2
+    assert phases["rl-t0"]["successes"] == phases["rl-seed5-t0"]["successes"] + phases["rl-seed6-t0"]["successes"]
     assert not (config.run_dir / "oracle.jsonl").exists() and phases["sft"]["model"] == str(tiny_codebook_model)
     for phase in ("sft", "rl-seed5", "rl-seed6"):
         entry = phases[phase]
@@ -209,11 +216,12 @@ def test_rl_runs_per_seed_from_a_checkpoint_made_before_with_sampled_evaluations
         assert phases[f"rl-seed{seed}"]["model"].startswith(str(config.run_dir / f"rl-seed{seed}" / "checkpoints"))
     assert phases["rl"]["played"] == 60
     assert phases["rl"]["successes"] == phases["rl-seed5"]["successes"] + phases["rl-seed6"]["successes"]
-    assert list(summary["against_sft"]) == ["rl-seed5", "rl-seed6", "rl"]
+    assert list(summary["against_sft"]) == ["rl-seed5", "rl-seed5-t0", "rl-seed6", "rl-seed6-t0", "rl", "rl-t0"]
     best = max(("sft", "sft-t0"), key=lambda phase: phases[phase]["success_rate"])
     assert all(test["sft_phase"] == best for test in summary["against_sft"].values())
     table = format_table(summary)
     assert "| rl, seed 5 |" in table and "| rl, 2 runs pooled |" in table
+    assert "| rl, seed 6, greedy |" in table and "| rl, greedy, 2 runs pooled |" in table
     assert f"rl, 2 runs pooled against {best} (the best SFT decoding)" in table
     assert json.loads((config.run_dir / "summary.json").read_text())["against_sft"] == summary["against_sft"]
     assert any("3 sampled at temperature 1 per task" in line for line in lines)

@@ -9,8 +9,9 @@ then from RL?
    (`longhorizon collect`'s code) and `longhorizon sft`'s run on them ([sft] settings), the
    result evaluated the same way; or `sft_rl.sft_checkpoint`, made before, evaluated;
 3. rl: `longhorizon train` ([run], [actor], [learner], [horizon]) from the SFT checkpoint, once
-   per seed of `sft_rl.rl_seeds`, each final checkpoint evaluated the same way; with several seeds
-   their held-out episodes are also pooled.
+   per seed of `sft_rl.rl_seeds`, each final checkpoint evaluated the same way (and at each of
+   `sft_rl.rl_temperatures`, as SFT's at `sft_rl.sft_temperatures`); with several seeds their
+   held-out episodes are also pooled.
 
 The held-out split is checked first: no task of env.eval_split may equal a task of
 env.train_split, so nothing evaluated was fine-tuned or trained on. Every evaluation reports its
@@ -57,6 +58,14 @@ def held_out_overlap(config: Config) -> list[str]:
                   if key(task) in trained)
 
 
+def _check_temperatures(key: str, temperatures: list, eval_temperature: float) -> None:
+    if any(isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf") for t in temperatures):
+        raise ConfigError(f"sft_rl.{key} must be numbers >= 0 (0: greedy), got {temperatures!r}")
+    if len(set(map(float, temperatures))) != len(temperatures) or eval_temperature in map(float, temperatures):
+        raise ConfigError(f"sft_rl.{key} {temperatures!r} repeats a temperature (sft_rl.eval_temperature "
+                          f"{eval_temperature:g} is evaluated anyway)")
+
+
 def check_sft_rl_config(config: Config) -> None:
     """What cannot work, as errors naming the key and the fix, before anything runs."""
     settings = config.sft_rl
@@ -65,12 +74,8 @@ def check_sft_rl_config(config: Config) -> None:
     if settings.eval_samples > 1 and settings.eval_temperature == 0:
         raise ConfigError(f"sft_rl.eval_samples = {settings.eval_samples} plays each task alike when greedy: set "
                           f"sft_rl.eval_temperature > 0 (e.g. actor.sampling.temperature) or eval_samples = 1")
-    temperatures = settings.sft_temperatures
-    if any(isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf") for t in temperatures):
-        raise ConfigError(f"sft_rl.sft_temperatures must be numbers >= 0 (0: greedy), got {temperatures!r}")
-    if len(set(map(float, temperatures))) != len(temperatures) or settings.eval_temperature in map(float, temperatures):
-        raise ConfigError(f"sft_rl.sft_temperatures {temperatures!r} repeats a temperature (sft_rl.eval_temperature "
-                          f"{settings.eval_temperature:g} is evaluated anyway)")
+    for key in ("sft_temperatures", "rl_temperatures"):
+        _check_temperatures(key, getattr(settings, key), settings.eval_temperature)
     seeds = settings.rl_seeds
     if any(not isinstance(seed, int) or isinstance(seed, bool) for seed in seeds) or len(set(seeds)) != len(seeds):
         raise ConfigError(f"sft_rl.rl_seeds must be distinct integers, got {seeds!r}")
@@ -129,9 +134,14 @@ def pooled_entry(entries: list[dict]) -> dict:
             "by_task": dict(sorted(by_task.items()))}
 
 
+def decoding_phase_name(phase: str, temperature: float) -> str:
+    """A phase's checkpoint evaluated at another temperature: `sft-t0.7`, `rl-seed1-t0`."""
+    return f"{phase}-t{float(temperature):g}"
+
+
 def sft_phase_name(temperature: float) -> str:
     """The phase of the SFT checkpoint evaluated at another temperature: `sft-t0.7`, `sft-t0`."""
-    return f"sft-t{temperature:g}"
+    return decoding_phase_name("sft", temperature)
 
 
 def best_sft(summary: dict) -> str | None:
@@ -249,25 +259,31 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
             plot_run(rl_config.run_dir)
             note(format_report(load_summary(rl_config.run_dir)))
             checkpoint = latest_checkpoint(rl_config.run_dir)
-            evaluate(name, str(checkpoint), {"train_seconds": train_seconds, "rl_steps": config.run.total_steps,
-                                             "seed": seed})
+            run_entry = {"train_seconds": train_seconds, "rl_steps": config.run.total_steps, "seed": seed}
+            evaluate(name, str(checkpoint), run_entry)
+            for temperature in settings.rl_temperatures:
+                evaluate(decoding_phase_name(name, temperature), str(checkpoint), run_entry, temperature)
         if len(names) > 1:
             summary["phases"]["rl"] = pooled_entry([summary["phases"][name] for name in names])
+            for temperature in settings.rl_temperatures:
+                summary["phases"][decoding_phase_name("rl", temperature)] = pooled_entry(
+                    [summary["phases"][decoding_phase_name(name, temperature)] for name in names])
     save()
     plot_held_out(summary, run_dir / "held_out.png")
     return summary
 
 
 def phase_label(phase: str, summary: dict) -> str:
-    """A phase's name in tables and plots: `rl-seed3` reads `rl, seed 3`; the pooled row names its runs."""
-    if phase.startswith("rl-seed"):
-        return f"rl, seed {phase[len('rl-seed'):]}"
-    if phase.startswith("sft-t"):
-        temperature = float(phase[len("sft-t"):])
-        return "sft, greedy" if temperature == 0 else f"sft, temperature {temperature:g}"
-    if phase == "rl" and summary["phases"]["rl"].get("runs", 1) > 1:
-        return f"rl, {summary['phases']['rl']['runs']} runs pooled"
-    return phase
+    """A phase's name in tables and plots: `rl-seed3` reads `rl, seed 3`, `rl-seed3-t0` `rl, seed 3,
+    greedy`; a pooled row names its runs."""
+    base, _, temperature = phase.partition("-t")
+    parts = [base.replace("-seed", ", seed ")]
+    if temperature:
+        parts.append("greedy" if float(temperature) == 0 else f"temperature {float(temperature):g}")
+    runs = summary["phases"].get(phase, {}).get("runs", 1)
+    if base == "rl" and runs > 1:
+        parts.append(f"{runs} runs pooled")
+    return ", ".join(parts)
 
 
 def format_table(summary: dict) -> str:
@@ -307,11 +323,16 @@ def plot_held_out(summary: dict, path: Path) -> Path:
     labels = {"base": "base", "sft": "after SFT", "rl": "after SFT + RL" if trained_first else "after RL"}
     if summary["phases"].get("rl", {}).get("runs", 1) > 1:
         labels["rl"] += ", pooled"
-    labels.update({phase: f"RL seed {phase[len('rl-seed'):]}" for phase in phases if phase.startswith("rl-seed")})
+    for phase in phases:
+        if phase.startswith("rl-seed"):
+            labels[phase] = "RL" + phase_label(phase, summary)[len("rl"):].replace(",", "", 1)
+        elif phase.startswith("rl-t"):  # the RL checkpoint(s) at another decoding
+            labels[phase] = f"{labels['rl'].removesuffix(', pooled')}, {phase_label(phase, summary)[len('rl, '):]}"
     labels.update({phase: f"after SFT, {phase_label(phase, summary)[len('sft, '):]}" for phase in phases
                    if phase.startswith("sft-t")})
     colours = {"base": "tab:gray", "sft": "tab:blue", "rl": "tab:green",
-               **{phase: "tab:cyan" for phase in phases if phase.startswith("sft-t")}}
+               **{phase: "tab:cyan" for phase in phases if phase.startswith("sft-t")},
+               **{phase: "tab:olive" if "-seed" in phase else "tab:green" for phase in phases if phase.startswith("rl-")}}
     figure, axes = plt.subplots(figsize=(max(5.0, 1.4 * len(phases)), 3.5))
     axes.bar([labels[phase] for phase in phases], rates, yerr=errors, capsize=6,
              color=[colours.get(phase, "tab:olive") for phase in phases])
