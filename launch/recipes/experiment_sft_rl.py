@@ -327,14 +327,16 @@ def plot_held_out(summary: dict, path: Path) -> Path:
         if phase.startswith("rl-seed"):
             labels[phase] = "RL" + phase_label(phase, summary)[len("rl"):].replace(",", "", 1)
         elif phase.startswith("rl-t"):  # the RL checkpoint(s) at another decoding
-            labels[phase] = f"{labels['rl'].removesuffix(', pooled')}, {phase_label(phase, summary)[len('rl, '):]}"
+            decoding = phase_label(phase, summary)[len("rl, "):].split(", ")[0]
+            pooled = labels["rl"].endswith(", pooled")
+            labels[phase] = f"{labels['rl'].removesuffix(', pooled')}, {decoding}{', pooled' if pooled else ''}"
     labels.update({phase: f"after SFT, {phase_label(phase, summary)[len('sft, '):]}" for phase in phases
                    if phase.startswith("sft-t")})
     colours = {"base": "tab:gray", "sft": "tab:blue", "rl": "tab:green",
                **{phase: "tab:cyan" for phase in phases if phase.startswith("sft-t")},
-               **{phase: "tab:olive" if "-seed" in phase else "tab:green" for phase in phases if phase.startswith("rl-")}}
+               **{phase: "tab:green" for phase in phases if phase.startswith("rl-t")}}
     figure, axes = plt.subplots(figsize=(max(5.0, 1.4 * len(phases)), 3.5))
-    axes.bar([labels[phase] for phase in phases], rates, yerr=errors, capsize=6,
+    axes.bar([labels[phase].replace(", ", ",\n") for phase in phases], rates, yerr=errors, capsize=6,
              color=[colours.get(phase, "tab:olive") for phase in phases])
     for index, (rate, entry) in enumerate(zip(rates, entries)):
         axes.text(index, rate + 1, f"{rate:.0f}%\n{entry['successes']}/{entry['played']}", ha="center", va="bottom",
