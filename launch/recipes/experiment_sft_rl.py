@@ -139,11 +139,6 @@ def decoding_phase_name(phase: str, temperature: float) -> str:
     return f"{phase}-t{float(temperature):g}"
 
 
-def sft_phase_name(temperature: float) -> str:
-    """The phase of the SFT checkpoint evaluated at another temperature: `sft-t0.7`, `sft-t0`."""
-    return decoding_phase_name("sft", temperature)
-
-
 def best_sft(summary: dict) -> str | None:
     """The SFT evaluation with the highest held-out success (`sft` or an `sft-t<T>`; the first of
     equals), None without one."""
@@ -220,7 +215,7 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
         if settings.eval_sft or not settings.rl:
             evaluate("sft", policy, summary["sft"])
             for temperature in settings.sft_temperatures:
-                evaluate(sft_phase_name(temperature), policy, summary["sft"], temperature)
+                evaluate(decoding_phase_name("sft", temperature), policy, summary["sft"], temperature)
     elif settings.oracle_episodes:
         began = time.perf_counter()
         oracle_file = run_dir / "oracle.jsonl"
@@ -240,7 +235,7 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
         if settings.eval_sft or not settings.rl:
             evaluate("sft", policy, sft_entry)
             for temperature in settings.sft_temperatures:
-                evaluate(sft_phase_name(temperature), policy, sft_entry, temperature)
+                evaluate(decoding_phase_name("sft", temperature), policy, sft_entry, temperature)
         else:
             summary["sft"] = sft_entry  # trained, not evaluated: the RL phase starts from it
     if settings.rl:
@@ -273,13 +268,21 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
     return summary
 
 
+def _decoding(phase: str) -> str:
+    """The decoding a `<phase>-t<T>` phase names (`greedy`, `temperature 0.3`); "" for another phase."""
+    temperature = phase.partition("-t")[2]
+    if not temperature:
+        return ""
+    return "greedy" if float(temperature) == 0 else f"temperature {float(temperature):g}"
+
+
 def phase_label(phase: str, summary: dict) -> str:
     """A phase's name in tables and plots: `rl-seed3` reads `rl, seed 3`, `rl-seed3-t0` `rl, seed 3,
     greedy`; a pooled row names its runs."""
-    base, _, temperature = phase.partition("-t")
+    base = phase.partition("-t")[0]
     parts = [base.replace("-seed", ", seed ")]
-    if temperature:
-        parts.append("greedy" if float(temperature) == 0 else f"temperature {float(temperature):g}")
+    if _decoding(phase):
+        parts.append(_decoding(phase))
     runs = summary["phases"].get(phase, {}).get("runs", 1)
     if base == "rl" and runs > 1:
         parts.append(f"{runs} runs pooled")
@@ -323,15 +326,15 @@ def plot_held_out(summary: dict, path: Path) -> Path:
     labels = {"base": "base", "sft": "after SFT", "rl": "after SFT + RL" if trained_first else "after RL"}
     if summary["phases"].get("rl", {}).get("runs", 1) > 1:
         labels["rl"] += ", pooled"
+    pooled = labels["rl"].endswith(", pooled")
     for phase in phases:
         if phase.startswith("rl-seed"):
-            labels[phase] = "RL" + phase_label(phase, summary)[len("rl"):].replace(",", "", 1)
+            labels[phase] = f"RL seed {phase[len('rl-seed'):].partition('-t')[0]}" + (
+                f", {_decoding(phase)}" if _decoding(phase) else "")
         elif phase.startswith("rl-t"):  # the RL checkpoint(s) at another decoding
-            decoding = phase_label(phase, summary)[len("rl, "):].split(", ")[0]
-            pooled = labels["rl"].endswith(", pooled")
-            labels[phase] = f"{labels['rl'].removesuffix(', pooled')}, {decoding}{', pooled' if pooled else ''}"
-    labels.update({phase: f"after SFT, {phase_label(phase, summary)[len('sft, '):]}" for phase in phases
-                   if phase.startswith("sft-t")})
+            labels[phase] = f"{labels['rl'].removesuffix(', pooled')}, {_decoding(phase)}{', pooled' if pooled else ''}"
+        elif phase.startswith("sft-t"):
+            labels[phase] = f"after SFT, {_decoding(phase)}"
     colours = {"base": "tab:gray", "sft": "tab:blue", "rl": "tab:green",
                **{phase: "tab:cyan" for phase in phases if phase.startswith("sft-t")},
                **{phase: "tab:green" for phase in phases if phase.startswith("rl-t")}}
