@@ -672,8 +672,8 @@ class SFTRLConfig(Section):
     none of the train split's (docs/results.md)."""
 
     oracle_episodes: int = bounded(256, ge=0)
-    """Oracle episodes of env.train_split (each task in turn) to fine-tune on; 0 skips SFT and RL
-    starts from model.path."""
+    """Oracle episodes of env.train_split (each task in turn) to play; the successful ones are
+    fine-tuned on. 0 skips SFT and RL starts from model.path."""
     oracle_policy: str = "oracle"
     """The env's scripted policy that plays them."""
     sft_checkpoint: str = ""

@@ -231,3 +231,18 @@ def _sequences(config, split):
     from longhorizon.envs.base import list_tasks
 
     return [tuple(t.data["symbols"]) for t in list_tasks(config.env.name, split, **dict(config.env.options))]
+
+
+@pytest.mark.slow
+def test_only_the_episodes_the_oracle_won_are_fine_tuned_on(tmp_path, tiny_codebook_model):
+    """A policy that fails some episodes (random play of a one-turn codebook: 1 in 4 wins) stands
+    for a browser oracle whose click timed out: what it lost is not imitated."""
+    one_turn = "env.options={num_turns = 1, num_symbols = 4, num_actions = 4, held_out_sequences = true}"
+    config = _config(tmp_path, tiny_codebook_model, one_turn, "sft_rl.oracle_policy='random'", "sft_rl.rl=false",
+                     "sft_rl.eval_base=false", "sft_rl.oracle_episodes=64", "sft.epochs=1", "sft_rl.eval_episodes=4")
+    lines = []
+    summary = run_sft_rl(config, note=lines.append)
+    oracle = [json.loads(line) for line in (config.run_dir / "oracle.jsonl").read_text().splitlines()]
+    assert 0 < len(oracle) < 64 and all(line["success"] for line in oracle)
+    assert summary["phases"]["sft"]["oracle_conversations"] == len(oracle)
+    assert f"sft: {len(oracle)} successful oracle conversations of train (of 64 played)" in "\n".join(lines)

@@ -6,8 +6,8 @@ then from RL?
 1. base: model.path played on env.eval_split (`sft_rl.eval_episodes` tasks, `sft_rl.eval_samples`
    episodes each, greedy or at `sft_rl.eval_temperature`, at the last horizon stage);
 2. sft: `sft_rl.oracle_episodes` episodes of env.train_split played by the env's scripted oracle
-   (`longhorizon collect`'s code) and `longhorizon sft`'s run on them ([sft] settings), the
-   result evaluated the same way; or `sft_rl.sft_checkpoint`, made before, evaluated;
+   (`longhorizon collect`'s code), the successful ones kept, and `longhorizon sft`'s run on them
+   ([sft] settings), the result evaluated the same way; or `sft_rl.sft_checkpoint`, made before, evaluated;
 3. rl: `longhorizon train` ([run], [actor], [learner], [horizon]) from the SFT checkpoint, once
    per seed of `sft_rl.rl_seeds`, each final checkpoint evaluated the same way (and at each of
    `sft_rl.rl_temperatures`, as SFT's at `sft_rl.sft_temperatures`); with several seeds their
@@ -221,10 +221,15 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
         oracle_file = run_dir / "oracle.jsonl"
         collect_config = config.replace(actor=config.actor.replace(
             engine="scripted", scripted_policy=settings.oracle_policy, engine_options={}))
+        # Only the episodes the oracle won are imitated: a browser oracle whose click timed out on a
+        # loaded machine gives up with stop(), and fine-tuning on that teaches giving up.
         collected = run_collect(collect_config, output=oracle_file, episodes=settings.oracle_episodes,
-                                model=base_model, overwrite=True, on_note=note)
-        note(f"sft: {collected.written} oracle conversations of {config.env.train_split} "
-             f"({collected.successful} successful) in {oracle_file}")
+                                model=base_model, overwrite=True, only_successful=True, on_note=note)
+        if not collected.written:
+            raise ConfigError(f"sft_rl.oracle_policy {settings.oracle_policy!r} won none of its "
+                              f"{settings.oracle_episodes} episodes of {config.env.train_split}: nothing to fine-tune on")
+        note(f"sft: {collected.written} successful oracle conversations of {config.env.train_split} "
+             f"(of {settings.oracle_episodes} played) in {oracle_file}")
         sft_config = _phase_config(
             config, run_dir, "sft", learner=config.learner.replace(torch_threads=threads),
             sft=config.sft.replace(data=[str(oracle_file)], eval_episodes=0, eval_before=False))
