@@ -75,6 +75,28 @@ async def _play(env, task, policy_name, options, max_steps=10):
     raise AssertionError(f"{task.task_id}: no end in {max_steps} steps")
 
 
+def test_the_page_server_queues_the_connections_of_many_pages_loading_at_once():
+    """Dozens of episodes load their pages together, each fetching several files. Connections the
+    server has not accepted yet wait in the kernel's queue; past its length they are dropped and
+    Chromium retries them seconds later, so page loads ran out their time (the queue was 5 long).
+    Here the server accepts nothing, and 64 connections must still be made at once."""
+    import functools
+    import socket
+
+    from longhorizon.envs.web.miniwob import _QuietHandler, _Server
+
+    server = _Server(("127.0.0.1", 0), functools.partial(_QuietHandler, directory="."))
+    connections = []
+    try:
+        for _ in range(64):
+            connections.append(socket.create_connection(server.server_address, timeout=2))
+    finally:
+        for connection in connections:
+            connection.close()
+        server.server_close()
+    assert len(connections) == 64
+
+
 @pytest.mark.browser
 async def test_instruction_wrong_answers_and_time_limit(pool):
     options = {"task_names": ["click-button"], "instances_per_task": 1, "pool": pool}

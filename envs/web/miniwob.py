@@ -170,12 +170,20 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    # The listen backlog. socketserver's default of 5 overflows when a few dozen episodes load
+    # their pages at once (each page fetches several files): the kernel drops the connections
+    # beyond it, Chromium retries them after 1, 2, 4, 8 and 16 s, and page loads ran out their
+    # 20 s (64 of 120 oracle episodes, 32 at a time on 2 busy cores, 2026-12-08).
+    request_queue_size = 1024
+
+
 class StaticServer:
     """A static file server on 127.0.0.1 in a daemon thread."""
 
     def __init__(self, directory: Path) -> None:
         handler = functools.partial(_QuietHandler, directory=str(directory))
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server = _Server(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_port}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="miniwob-static", daemon=True)

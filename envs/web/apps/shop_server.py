@@ -440,6 +440,13 @@ def make_handler(app: ShopApp) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class _ShopServer(ThreadingHTTPServer):
+    # socketserver's listen backlog of 5 drops the connections of many episodes loading pages at
+    # once, and Chromium retries them seconds later (envs/web/miniwob.py's page server, measured).
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shop_server", description="Serve the demo shop.")
     parser.add_argument("--db", required=True, type=Path, help="the shop's SQLite database")
@@ -448,8 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.db.exists():
         print(f"no database at {args.db}", file=sys.stderr)
         return 2
-    server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(ShopApp(args.db)))
-    server.daemon_threads = True
+    server = _ShopServer(("127.0.0.1", args.port), make_handler(ShopApp(args.db)))
     try:
         server.serve_forever()
     except KeyboardInterrupt:
