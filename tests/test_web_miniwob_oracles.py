@@ -55,6 +55,36 @@ def test_every_offered_type_has_an_oracle_or_a_reason():
             Task("miniwob", "x", "test", "click-color", {"task": "click-color", "seed": 0}), "Goal: x", random.Random(0))
 
 
+def test_an_action_that_timed_out_is_tried_again_twice_then_the_oracle_goes_on():
+    page = """Goal: Enter "Jess" into the text field and press Submit.
+URL: http://127.0.0.1:8000/miniwob/enter-text.html
+Tabs: [0] 'Enter Text Task' (active)
+{error}[1] RootWebArea 'Enter Text Task'
+  [11] generic
+    StaticText 'Enter "Jess" into the text field and press Submit.'
+    [17] textbox{value}
+    [18] button 'Submit'
+"""
+    policy = make_policy("miniwob", "oracle")
+    policy.reset(Task("miniwob", "train-enter-text-6", "train", "enter-text", {"task": "enter-text", "seed": 6}),
+                 page.format(error="", value=""), random.Random(0))
+
+    def act(error: str) -> str:
+        return action_from_reply(policy.act(page.format(error=error, value=" value='Jess' focused")), "react")
+
+    assert action_from_reply(policy.act(page.format(error="", value="")), "react") == "fill('17', 'Jess')"
+    assert act("") == "click('18')"
+    timed_out = "Error: click('18') failed: click: Timeout 5000ms exceeded.\n"
+    assert act(timed_out) == act(timed_out) == "click('18')"
+    assert act(timed_out) == "stop()"  # the third time: on, as if the click had run
+    # Another error is the action's own fault: nothing is repeated.
+    policy.reset(Task("miniwob", "train-enter-text-6", "train", "enter-text", {"task": "enter-text", "seed": 6}),
+                 page.format(error="", value=""), random.Random(0))
+    policy.act(page.format(error="", value=""))
+    policy.act(page.format(error="", value=" value='Jess' focused"))
+    assert act("Error: click('18') failed: no element with id 18.\n") == "stop()"
+
+
 @pytest.fixture(scope="module")
 def pool():
     browser_pool = BrowserPool(1)
