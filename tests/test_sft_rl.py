@@ -246,3 +246,46 @@ def test_only_the_episodes_the_oracle_won_are_fine_tuned_on(tmp_path, tiny_codeb
     assert 0 < len(oracle) < 64 and all(line["success"] for line in oracle)
     assert summary["phases"]["sft"]["oracle_conversations"] == len(oracle)
     assert f"sft: {len(oracle)} successful oracle conversations of train (of 64 played)" in "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_a_stopped_experiment_resumes_where_it_stopped(tmp_path, tiny_codebook_model):
+    """The experiment stopped during its second RL run, after that run's step-2 checkpoint: the
+    same command with run.resume=true keeps the oracle data, the SFT checkpoint, the first run
+    and every evaluation made, and trains the second run on from step 3."""
+    from longhorizon.common.metrics import read_metrics
+
+    overrides = ["sft_rl.eval_base=false", "sft_rl.oracle_episodes=32", "sft.epochs=1", "sft_rl.rl_seeds=[1, 2]",
+                 "learner.checkpoint_every=2", "sft_rl.eval_episodes=10"]
+    config = _config(tmp_path, tiny_codebook_model, *overrides)
+    first = run_sft_rl(config, note=lambda line: None)
+    run_dir = config.run_dir
+    # As the experiment left things when it was stopped after seed 2's step-2 checkpoint.
+    stopped = run_dir / "rl-seed2"
+    import shutil
+
+    shutil.rmtree(stopped / "checkpoints" / "step_000004")
+    metrics = (stopped / "metrics.jsonl").read_text().splitlines()
+    (stopped / "metrics.jsonl").write_text("\n".join(metrics[:2]) + "\n")
+    recorded = json.loads((run_dir / "summary.json").read_text())
+    for phase in ("rl-seed2", "rl"):
+        del recorded["phases"][phase]
+    (run_dir / "summary.json").write_text(json.dumps(recorded))
+    kept = [run_dir / "oracle.jsonl", Path(first["phases"]["sft"]["model"]), run_dir / "rl-seed1" / "metrics.jsonl"]
+    stamps = [path.stat().st_mtime_ns for path in kept]
+
+    with pytest.raises(ConfigError, match="ran with another config"):
+        run_sft_rl(_config(tmp_path, tiny_codebook_model, *overrides, "run.resume=true", "learner.learning_rate=1e-3"),
+                   note=lambda line: None)
+    lines = []
+    resumed = run_sft_rl(_config(tmp_path, tiny_codebook_model, *overrides, "run.resume=true"), note=lines.append)
+    text = "\n".join(lines)
+    assert "resuming the experiment in" in text and "oracle conversations" not in text
+    assert "rl-seed1: trained before" in text and "rl-seed2: resuming from" in text and "step_000002" in text
+    assert [path.stat().st_mtime_ns for path in kept] == stamps
+    assert [r["step"] for r in read_metrics(stopped)] == [1, 2, 3, 4]
+    phases = resumed["phases"]
+    assert list(phases) == ["sft", "rl-seed1", "rl-seed2", "rl"]
+    assert phases["sft"] == first["phases"]["sft"] and phases["rl-seed1"] == first["phases"]["rl-seed1"]
+    assert phases["rl-seed2"]["model"].endswith("step_000004") and phases["rl"]["played"] == 20
+    assert json.loads((run_dir / "summary.json").read_text())["phases"] == phases

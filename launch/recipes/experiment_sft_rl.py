@@ -13,6 +13,11 @@ then from RL?
    `sft_rl.rl_temperatures`, as SFT's at `sft_rl.sft_temperatures`); with several seeds their
    held-out episodes are also pooled.
 
+The same command with run.resume=true continues an experiment that stopped (a killed process, a
+machine that went away): the phases summary.json records are kept, the SFT checkpoint is reused,
+an RL run that went to its end is not trained again and one cut short resumes from its latest
+checkpoint. The config must be the one the experiment began with.
+
 The held-out split is checked first: no task of env.eval_split may equal a task of
 env.train_split, so nothing evaluated was fine-tuned or trained on. Every evaluation reports its
 successes with a 95% Wilson interval, every phase its wall time, and each RL result a pooled
@@ -159,6 +164,55 @@ def against_sft(summary: dict) -> dict:
             for phase, entry in summary["phases"].items() if phase.startswith("rl")}
 
 
+def _without_resume(config: Config) -> Config:
+    return config.replace(run=config.run.replace(resume=False))
+
+
+def resumed_summary(config: Config) -> dict | None:
+    """With run.resume = true and an earlier experiment in the run directory, its summary (the
+    phases it recorded); None for a fresh experiment. An earlier experiment of another config
+    is refused: its phases would not be this one's."""
+    summary_file = config.run_dir / "summary.json"
+    if not config.run.resume or not summary_file.is_file():
+        return None
+    saved = (config.run_dir / "config.toml").read_text() if (config.run_dir / "config.toml").is_file() else ""
+    wanted = dump_toml(_without_resume(config))
+    if saved != wanted:
+        differs = next((f"{line!r} (now {other!r})" for line, other in zip(saved.splitlines(), wanted.splitlines())
+                        if line != other), "its length")
+        raise ConfigError(f"run.resume=true: the experiment in {config.run_dir} ran with another config "
+                          f"(first difference: {differs}); resume it with the same config, or drop run.resume")
+    return json.loads(summary_file.read_text())
+
+
+def _sft_model_of(summary: dict) -> str:
+    """The SFT checkpoint an earlier part of a resumed experiment made, if it is still there."""
+    entry = summary["phases"].get("sft") or summary.get("sft") or {}
+    model = entry.get("model", "")
+    return model if model and Path(model).is_dir() else ""
+
+
+def _finished_run(config: Config) -> Path | None:
+    """The final checkpoint of an RL run that went to the end, else None."""
+    from longhorizon.common.metrics import read_metrics
+    from longhorizon.learner.checkpoint import latest_checkpoint
+
+    checkpoint = latest_checkpoint(config.run_dir)
+    if checkpoint is None or not (config.run_dir / "metrics.jsonl").is_file():
+        return None
+    records = read_metrics(config.run_dir)
+    last = records[-1] if records else {}
+    ended = last.get("step") == config.run.total_steps or bool(last.get("target_reached"))
+    return checkpoint if ended and checkpoint.name == f"step_{last['step']:06d}" else None
+
+
+def _run_seconds(run_dir: Path) -> float:
+    from longhorizon.common.metrics import read_metrics
+
+    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    return float(records[-1].get("time", 0.0)) if records else 0.0
+
+
 def _phase_config(config: Config, run_dir: Path, name: str, **sections) -> Config:
     run = config.run.replace(output_dir=str(run_dir), name=name)
     return config.replace(run=run, **sections)
@@ -175,13 +229,22 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
     if settings.oracle_episodes:
         check_sft_config(config.replace(sft=config.sft.replace(data=["oracle.jsonl"])))
     base_model = str(resolve_model_path(config.model.path, config.model.cache_dir))
-    run_dir = fresh_run_dir(config.run_dir, note, markers=("config.toml", "summary.json"))
-    (run_dir / "config.toml").write_text(dump_toml(config))
+    earlier = resumed_summary(config)
+    if earlier is not None:
+        run_dir = config.run_dir
+        note(f"resuming the experiment in {run_dir}: {', '.join(earlier['phases']) or 'no phase'} recorded before")
+    else:
+        run_dir = fresh_run_dir(config.run_dir, note, markers=("config.toml", "summary.json"))
+        (run_dir / "config.toml").write_text(dump_toml(_without_resume(config)))
     summary: dict = {"run_dir": str(run_dir), "env": config.env.name, "env_options": dict(config.env.options), "model": base_model,
                      "eval_split": config.env.eval_split, "eval_episodes": settings.eval_episodes,
                      "eval_samples": settings.eval_samples, "eval_temperature": settings.eval_temperature,
                      "eval_horizon": max(config.horizon.stages), "phases": {}}
-    started = time.perf_counter()
+    if earlier is not None:
+        summary["phases"] = earlier["phases"]
+        if "sft" in earlier:
+            summary["sft"] = earlier["sft"]
+    started = time.perf_counter() - (earlier or {}).get("seconds", 0.0)
 
     def save() -> None:
         summary["seconds"] = time.perf_counter() - started
@@ -193,6 +256,9 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
     eval_config = config.replace(actor=config.actor.replace(torch_threads=threads))
 
     def evaluate(phase: str, model: str, extra: dict, temperature: float | None = None) -> None:
+        if phase in summary["phases"]:  # resumed: evaluated before
+            note(f"{phase}: held-out success {summary['phases'][phase]['success_rate']:.1%}, evaluated before")
+            return
         temperature = settings.eval_temperature if temperature is None else float(temperature)
         samples = settings.eval_samples if temperature > 0 else 1
         began = time.perf_counter()
@@ -216,6 +282,15 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
             evaluate("sft", policy, summary["sft"])
             for temperature in settings.sft_temperatures:
                 evaluate(decoding_phase_name("sft", temperature), policy, summary["sft"], temperature)
+    elif settings.oracle_episodes and _sft_model_of(summary):
+        # Resumed after SFT: its checkpoint is where RL starts.
+        policy = _sft_model_of(summary)
+        note(f"sft: {policy}, trained before")
+        if settings.eval_sft or not settings.rl:
+            entry = summary["phases"].get("sft") or summary["sft"]
+            evaluate("sft", policy, entry)
+            for temperature in settings.sft_temperatures:
+                evaluate(decoding_phase_name("sft", temperature), policy, entry, temperature)
     elif settings.oracle_episodes:
         began = time.perf_counter()
         oracle_file = run_dir / "oracle.jsonl"
@@ -237,12 +312,12 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
         policy = sft_summary["checkpoint"]
         sft_entry = {"model": policy, "train_seconds": time.perf_counter() - began,
                      "oracle_conversations": collected.written, "sft_steps": sft_summary["steps"]}
+        summary["sft"] = sft_entry
+        save()
         if settings.eval_sft or not settings.rl:
             evaluate("sft", policy, sft_entry)
             for temperature in settings.sft_temperatures:
                 evaluate(decoding_phase_name("sft", temperature), policy, sft_entry, temperature)
-        else:
-            summary["sft"] = sft_entry  # trained, not evaluated: the RL phase starts from it
     if settings.rl:
         seeds = settings.rl_seeds or [config.run.seed]
         names = [f"rl-seed{seed}" for seed in seeds] if settings.rl_seeds else ["rl"]
@@ -250,14 +325,22 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
             began = time.perf_counter()
             rl_config = _phase_config(config, run_dir, name, model=config.model.replace(path=policy))
             rl_config = rl_config.replace(run=rl_config.run.replace(seed=seed))
-            note(f"{name}: training from {policy} (run.seed = {seed})")
-            code = launch(rl_config, progress=note)
-            if code != 0:
-                save()
-                raise RuntimeError(f"the RL run {name} ended with exit code {code}; see {rl_config.run_dir / 'logs'}")
-            train_seconds = time.perf_counter() - began
-            plot_run(rl_config.run_dir)
-            note(format_report(load_summary(rl_config.run_dir)))
+            finished = earlier is not None and _finished_run(rl_config)
+            if finished:
+                note(f"{name}: trained before, to {finished}")
+            else:
+                resuming = earlier is not None and latest_checkpoint(rl_config.run_dir) is not None
+                note(f"{name}: {'resuming' if resuming else 'training'} from "
+                     f"{latest_checkpoint(rl_config.run_dir) if resuming else policy} (run.seed = {seed})")
+                code = launch(rl_config, progress=note)
+                if code != 0:
+                    save()
+                    raise RuntimeError(f"the RL run {name} ended with exit code {code}; see {rl_config.run_dir / 'logs'}; "
+                                       f"the same command with run.resume=true continues the experiment")
+                plot_run(rl_config.run_dir)
+                note(format_report(load_summary(rl_config.run_dir)))
+            # A resumed run's wall time is its learner's, which its record carries over the parts.
+            train_seconds = time.perf_counter() - began if earlier is None else _run_seconds(rl_config.run_dir)
             checkpoint = latest_checkpoint(rl_config.run_dir)
             run_entry = {"train_seconds": train_seconds, "rl_steps": config.run.total_steps, "seed": seed}
             evaluate(name, str(checkpoint), run_entry)
