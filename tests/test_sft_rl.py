@@ -61,6 +61,21 @@ def test_the_shipped_textcraft_configs_hold_out_their_goals(name):
     assert held_out and not held_out & trained
 
 
+def test_the_shipped_web_config_holds_out_its_pages_and_its_oracles_solve_every_type():
+    from longhorizon.envs.base import list_tasks, get_env_spec
+    from longhorizon.envs.web.miniwob import ORACLE_TASKS
+
+    config = load_config(REPO_ROOT / "configs" / "web-rl-over-sft.toml")
+    check_sft_rl_config(config)
+    options = dict(config.env.options)
+    held_out = list_tasks("miniwob", config.env.eval_split, **options)
+    trained = list_tasks("miniwob", config.env.train_split, **options)
+    assert len(held_out) == config.sft_rl.eval_episodes  # every held-out page is played
+    assert not {(t.data["task"], t.data["seed"]) for t in held_out} & {(t.data["task"], t.data["seed"]) for t in trained}
+    assert set(options["task_names"]) <= set(ORACLE_TASKS) and config.sft_rl.oracle_policy in get_env_spec("miniwob").policies
+    assert config.sft_rl.oracle_episodes == len(trained)  # each train page once
+
+
 def test_the_oracle_data_of_textcraft_never_names_a_held_out_goal(tmp_path, default_model_path):
     """Every train goal of depth 1-2 played by the oracle, as the sft-rl experiment collects it."""
     import re
