@@ -173,7 +173,7 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 class _Server(http.server.ThreadingHTTPServer):
     # The listen backlog. socketserver's default of 5 overflows when a few dozen episodes load
     # their pages at once (each page fetches several files): the kernel drops the connections
-    # beyond it, Chromium retries them after 1, 2, 4, 8 and 16 s, and page loads ran out their
+    # beyond it, TCP resends each after 1, 2, 4, 8 and 16 s, and page loads ran out their
     # 20 s (64 of 120 oracle episodes, 32 at a time on 2 busy cores, 2026-12-08).
     request_queue_size = 1024
 

@@ -442,7 +442,7 @@ def make_handler(app: ShopApp) -> type[BaseHTTPRequestHandler]:
 
 class _ShopServer(ThreadingHTTPServer):
     # socketserver's listen backlog of 5 drops the connections of many episodes loading pages at
-    # once, and Chromium retries them seconds later (envs/web/miniwob.py's page server, measured).
+    # once, and TCP resends them seconds later (envs/web/miniwob.py's page server, measured).
     request_queue_size = 1024
     daemon_threads = True
 
