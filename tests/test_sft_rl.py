@@ -293,7 +293,9 @@ def test_a_stopped_experiment_resumes_where_it_stopped(tmp_path, tiny_codebook_m
         run_sft_rl(_config(tmp_path, tiny_codebook_model, *overrides, "run.resume=true", "learner.learning_rate=1e-3"),
                    note=lambda line: None)
     lines = []
-    resumed = run_sft_rl(_config(tmp_path, tiny_codebook_model, *overrides, "run.resume=true"), note=lines.append)
+    # More threads for the rest (another machine): how fast, not what is computed.
+    resumed = run_sft_rl(_config(tmp_path, tiny_codebook_model, *overrides, "run.resume=true", "learner.torch_threads=2"),
+                         note=lines.append)
     text = "\n".join(lines)
     assert "resuming the experiment in" in text and "oracle conversations" not in text
     assert "rl-seed1: trained before" in text and "rl-seed2: resuming from" in text and "step_000002" in text

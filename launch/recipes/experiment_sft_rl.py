@@ -16,7 +16,7 @@ then from RL?
 The same command with run.resume=true continues an experiment that stopped (a killed process, a
 machine that went away): the phases summary.json records are kept, the SFT checkpoint is reused,
 an RL run that went to its end is not trained again and one cut short resumes from its latest
-checkpoint. The config must be the one the experiment began with.
+checkpoint. The config must be the one the experiment began with, but for its torch thread counts.
 
 The held-out split is checked first: no task of env.eval_split may equal a task of
 env.train_split, so nothing evaluated was fine-tuned or trained on. Every evaluation reports its
@@ -168,15 +168,24 @@ def _without_resume(config: Config) -> Config:
     return config.replace(run=config.run.replace(resume=False))
 
 
+def _results_config(config: Config) -> str:
+    """The config as far as results depend on it: without run.resume and the torch thread counts,
+    which a resumed experiment may change (a machine with more cores)."""
+    return dump_toml(_without_resume(config).replace(
+        actor=config.actor.replace(torch_threads=1), learner=config.learner.replace(torch_threads=1),
+        sft_rl=config.sft_rl.replace(torch_threads=0)))
+
+
 def resumed_summary(config: Config) -> dict | None:
     """With run.resume = true and an earlier experiment in the run directory, its summary (the
     phases it recorded); None for a fresh experiment. An earlier experiment of another config
-    is refused: its phases would not be this one's."""
+    (but for thread counts) is refused: its phases would not be this one's."""
     summary_file = config.run_dir / "summary.json"
     if not config.run.resume or not summary_file.is_file():
         return None
-    saved = (config.run_dir / "config.toml").read_text() if (config.run_dir / "config.toml").is_file() else ""
-    wanted = dump_toml(_without_resume(config))
+    saved_file = config.run_dir / "config.toml"
+    saved = _results_config(load_config(saved_file)) if saved_file.is_file() else ""
+    wanted = _results_config(config)
     if saved != wanted:
         differs = next((f"{line!r} (now {other!r})" for line, other in zip(saved.splitlines(), wanted.splitlines())
                         if line != other), "its length")
