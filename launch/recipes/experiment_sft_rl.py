@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from longhorizon.common.config import Config, ConfigError, dump_toml, load_config
+from longhorizon.common.metrics import read_metrics
 from longhorizon.envs.base import list_tasks, get_env_spec
 from longhorizon.common.models import ModelError, require_model_folder, resolve_model_path
 from longhorizon.actor.engines.base import EngineError, engine_class
@@ -203,7 +204,6 @@ def _sft_model_of(summary: dict) -> str:
 
 def _finished_run(config: Config) -> Path | None:
     """The final checkpoint of an RL run that went to the end, else None."""
-    from longhorizon.common.metrics import read_metrics
     from longhorizon.learner.checkpoint import latest_checkpoint
 
     checkpoint = latest_checkpoint(config.run_dir)
@@ -216,8 +216,6 @@ def _finished_run(config: Config) -> Path | None:
 
 
 def _run_seconds(run_dir: Path) -> float:
-    from longhorizon.common.metrics import read_metrics
-
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
     return float(records[-1].get("time", 0.0)) if records else 0.0
 
