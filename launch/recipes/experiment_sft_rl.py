@@ -285,19 +285,11 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
     if settings.sft_checkpoint:
         policy = str(Path(settings.sft_checkpoint).resolve())
         summary["sft"] = {"model": policy, "train_seconds": 0.0, "made_before": True}
-        if settings.eval_sft or not settings.rl:
-            evaluate("sft", policy, summary["sft"])
-            for temperature in settings.sft_temperatures:
-                evaluate(decoding_phase_name("sft", temperature), policy, summary["sft"], temperature)
     elif settings.oracle_episodes and _sft_model_of(summary):
         # Resumed after SFT: its checkpoint is where RL starts.
         policy = _sft_model_of(summary)
+        summary.setdefault("sft", summary["phases"].get("sft"))
         note(f"sft: {policy}, trained before")
-        if settings.eval_sft or not settings.rl:
-            entry = summary["phases"].get("sft") or summary["sft"]
-            evaluate("sft", policy, entry)
-            for temperature in settings.sft_temperatures:
-                evaluate(decoding_phase_name("sft", temperature), policy, entry, temperature)
     elif settings.oracle_episodes:
         began = time.perf_counter()
         oracle_file = run_dir / "oracle.jsonl"
@@ -321,10 +313,10 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
                      "oracle_conversations": collected.written, "sft_steps": sft_summary["steps"]}
         summary["sft"] = sft_entry
         save()
-        if settings.eval_sft or not settings.rl:
-            evaluate("sft", policy, sft_entry)
-            for temperature in settings.sft_temperatures:
-                evaluate(decoding_phase_name("sft", temperature), policy, sft_entry, temperature)
+    if "sft" in summary and (settings.eval_sft or not settings.rl):
+        evaluate("sft", policy, summary["sft"])
+        for temperature in settings.sft_temperatures:
+            evaluate(decoding_phase_name("sft", temperature), policy, summary["sft"], temperature)
     if settings.rl:
         seeds = settings.rl_seeds or [config.run.seed]
         names = [f"rl-seed{seed}" for seed in seeds] if settings.rl_seeds else ["rl"]
@@ -336,9 +328,8 @@ def run_sft_rl(config: Config, *, note: Callable[[str], None] = print, progress_
             if finished:
                 note(f"{name}: trained before, to {finished}")
             else:
-                resuming = earlier is not None and latest_checkpoint(rl_config.run_dir) is not None
-                note(f"{name}: {'resuming' if resuming else 'training'} from "
-                     f"{latest_checkpoint(rl_config.run_dir) if resuming else policy} (run.seed = {seed})")
+                latest = latest_checkpoint(rl_config.run_dir) if earlier is not None else None
+                note(f"{name}: {'resuming' if latest else 'training'} from {latest or policy} (run.seed = {seed})")
                 code = launch(rl_config, progress=note)
                 if code != 0:
                     save()
